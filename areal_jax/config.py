@@ -1,0 +1,240 @@
+"""The configuration tree shared by every task config, and its validation.
+
+Task configs (``configs/*.py``) start from ``base_config()`` and change what they need. Names follow
+the reference system (AReaL) where one exists: ``rollout.max_head_offpolicyness``,
+``rollout.max_concurrent_rollouts``, ``actor.use_decoupled_loss``, ``actor.recompute_logprobs``,
+``actor.eps_clip``, ``actor.ppo_n_minibatches``, ``actor.lr``. The returned config is locked: an
+unknown key is an error, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import pathlib
+
+import ml_collections
+
+ConfigDict = ml_collections.ConfigDict
+
+
+def base_config() -> ConfigDict:
+  c = ConfigDict()
+  c.seed = 0
+
+  c.model = ConfigDict()
+  c.model.source = "tiny"  # Hugging Face dir | "gguf:<path>" | "smollm2" | "tiny" (random, char tokenizer)
+  c.model.dtype = "float32"  # compute dtype ("bfloat16" on TPU); parameters stay float32
+
+  # Devices: learner and sampler get disjoint sub-meshes unless colocated.
+  c.mesh = ConfigDict()
+  c.mesh.colocated = False  # one mesh, generation and training alternate (single chip, Colab)
+  c.mesh.learner_devices = 4
+  c.mesh.sampler_devices = 4
+  c.mesh.learner = ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: all remaining devices
+  c.mesh.sampler = ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+  c.task = ConfigDict()
+  c.task.name = "gsm8k"  # "gsm8k" | "arithmetic"
+  c.task.train_path = ""  # "" = the shipped copy; or a .jsonl / .parquet / .arrow file or directory
+  c.task.test_path = ""
+  c.task.skip_malformed = False  # True: count and skip bad rows instead of failing
+  c.task.system_prompt = ""
+  c.task.instruction = "Please reason step by step, and put your final answer within \\boxed{}."
+  c.task.use_chat_template = True
+  c.task.difficulty = 1  # arithmetic task only: number of operations
+  c.task.max_operand = 20  # arithmetic task only
+  c.task.num_train = 10000  # arithmetic task only: size of the generated train split
+  c.task.num_test = 200  # arithmetic task only
+
+  c.rollout = ConfigDict()
+  c.rollout.backend = "jax"  # "jax" | "vllm"
+  c.rollout.n_samples = 4  # completions per prompt (a GRPO group)
+  c.rollout.max_prompt_len = 256
+  c.rollout.max_new_tokens = 256
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0  # 0: off
+  c.rollout.max_head_offpolicyness = 2  # eta; 0 is synchronous RL
+  c.rollout.max_concurrent_rollouts = 0  # C in groups; 0: equal to actor.batch_size
+  c.rollout.partial_rollouts = True  # apply new weights mid-sequence
+  c.rollout.continuation = "keep_cache"  # "keep_cache" | "reprefill" after a weight swap
+  c.rollout.num_slots = 64  # decode slots of the JAX sampler
+  c.rollout.prefill_buckets = (64, 128, 256, 512)
+  c.rollout.filter_uniform_groups = True  # drop groups whose rewards are all equal
+  c.rollout.reward_timeout_s = 5.0
+  c.rollout.reward_workers = 2
+
+  c.actor = ConfigDict()
+  c.actor.batch_size = 8  # B: prompt groups per training step
+  c.actor.lr = 1e-5
+  c.actor.weight_decay = 0.0
+  c.actor.b1 = 0.9
+  c.actor.b2 = 0.999
+  c.actor.warmup_steps = 0
+  c.actor.lr_schedule = "constant"  # "constant" | "cosine" | "linear"
+  c.actor.grad_clip = 1.0
+  c.actor.eps_clip = 0.2
+  c.actor.eps_clip_high = 0.0  # 0: same as eps_clip (clip-higher when larger)
+  c.actor.dual_clip = 0.0  # c > 1 enables dual clip
+  c.actor.use_decoupled_loss = True
+  c.actor.recompute_logprobs = True
+  c.actor.behav_imp_weight_cap = 5.0
+  c.actor.behav_imp_weight_mode = "mask"  # "mask" | "clamp"
+  c.actor.behav_imp_weight_level = "token"  # "token" | "sequence"
+  c.actor.seq_level_ratio = False  # GSPO
+  c.actor.ppo_n_minibatches = 1
+  c.actor.adv_norm = "group"  # "group" (GRPO) | "group_mean" (Dr.GRPO) | "rloo" | "none"
+  c.actor.group_std_unbiased = True
+  c.actor.adv_eps = 1e-5
+  c.actor.batch_adv_norm = False  # token-weighted normalization over the batch after the group step
+  c.actor.reward_scaling = 1.0
+  c.actor.reward_bias = 0.0
+  c.actor.kl_coef = 0.0  # KL penalty against the frozen initial model
+  c.actor.micro_batch_tokens = 4096  # token budget of one micro-batch (gradient accumulation)
+  c.actor.pack_sequences = True
+  c.actor.dtype = "float32"  # compute dtype; master weights stay float32
+
+  c.train = ConfigDict()
+  c.train.total_steps = 100
+  c.train.epochs = 1
+  c.train.checkpoint_every = 10
+  c.train.keep_checkpoints = 2
+  c.train.eval_every = 0  # 0: no periodic evaluation
+  c.train.eval_size = 64
+  c.train.eval_samples = 1  # k of mean@k (1 = greedy pass@1 only)
+  c.train.eval_temperature = 0.6
+  c.train.dump_trajectories = False
+
+  c.weights = ConfigDict()
+  c.weights.transfer = "device_put"  # "device_put" (one process) | "orbax"
+  c.weights.path = ""  # "" = <workdir>/weights; any Orbax/etils path (e.g. gs://bucket/run)
+  c.weights.keep = 2
+  return c
+
+
+def lock(config: ConfigDict) -> ConfigDict:
+  config.lock()
+  return config
+
+
+def mesh_sizes(axes: ConfigDict, n_devices: int, where: str) -> dict[str, int]:
+  """Resolves one ``-1`` axis to the devices left over; checks that the product is ``n_devices``."""
+  sizes = dict(axes)
+  free = [k for k, v in sizes.items() if v == -1]
+  if len(free) > 1:
+    raise ValueError(f"{where}: at most one axis may be -1, got {free}")
+  fixed = 1
+  for k, v in sizes.items():
+    if v != -1:
+      if v < 1:
+        raise ValueError(f"{where}.{k}={v}: mesh axis sizes must be >= 1 (or -1)")
+      fixed *= v
+  if free:
+    if n_devices % fixed:
+      raise ValueError(f"{where}: {n_devices} devices are not divisible by {fixed} ({sizes})")
+    sizes[free[0]] = n_devices // fixed
+  elif fixed != n_devices:
+    raise ValueError(f"{where}: axes {sizes} need {fixed} devices but {n_devices} are assigned")
+  return sizes
+
+
+def validate(config: ConfigDict, n_devices: int | None = None) -> None:
+  """Rejects inconsistent settings with a message that names the keys involved."""
+  a, r, m = config.actor, config.rollout, config.mesh
+  errors = []
+  if a.use_decoupled_loss and not a.recompute_logprobs:
+    errors.append("actor.use_decoupled_loss=True requires actor.recompute_logprobs=True "
+                  "(the proximal policy's logprobs must be recomputed by the learner)")
+  choices = {
+      "model.dtype": (config.model.dtype, ("float32", "bfloat16")),
+      "actor.dtype": (a.dtype, ("float32", "bfloat16")),
+      "rollout.backend": (r.backend, ("jax", "vllm")),
+      "rollout.continuation": (r.continuation, ("keep_cache", "reprefill")),
+      "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
+      "actor.behav_imp_weight_level": (a.behav_imp_weight_level, ("token", "sequence")),
+      "actor.adv_norm": (a.adv_norm, ("group", "group_mean", "rloo", "none")),
+      "actor.lr_schedule": (a.lr_schedule, ("constant", "cosine", "linear")),
+      "weights.transfer": (config.weights.transfer, ("device_put", "orbax")),
+      "task.name": (config.task.name, ("gsm8k", "arithmetic")),
+  }
+  for key, (value, valid) in choices.items():
+    if value not in valid:
+      errors.append(f"{key}={value!r} is not one of {valid}")
+  positive = {"actor.batch_size": a.batch_size, "rollout.n_samples": r.n_samples,
+              "rollout.max_new_tokens": r.max_new_tokens, "rollout.num_slots": r.num_slots,
+              "actor.ppo_n_minibatches": a.ppo_n_minibatches, "train.total_steps": config.train.total_steps}
+  errors += [f"{k}={v} must be >= 1" for k, v in positive.items() if v < 1]
+  if r.max_head_offpolicyness < 0:
+    errors.append(f"rollout.max_head_offpolicyness={r.max_head_offpolicyness} must be >= 0")
+  if r.max_concurrent_rollouts < 0:
+    errors.append(f"rollout.max_concurrent_rollouts={r.max_concurrent_rollouts} must be >= 0")
+  if r.temperature <= 0:
+    errors.append(f"rollout.temperature={r.temperature} must be > 0 (use top_k=1 for greedy)")
+  if not 0 < r.top_p <= 1:
+    errors.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+  if a.batch_size % a.ppo_n_minibatches:
+    errors.append(f"actor.batch_size={a.batch_size} is not divisible by "
+                  f"actor.ppo_n_minibatches={a.ppo_n_minibatches}")
+  if r.n_samples > r.num_slots:
+    errors.append(f"rollout.n_samples={r.n_samples} exceeds rollout.num_slots={r.num_slots}")
+  if a.dual_clip and a.dual_clip <= 1:
+    errors.append(f"actor.dual_clip={a.dual_clip} must be > 1 (or 0 to disable)")
+  if r.max_prompt_len > max(r.prefill_buckets):
+    errors.append(f"rollout.max_prompt_len={r.max_prompt_len} exceeds the largest "
+                  f"rollout.prefill_buckets entry {max(r.prefill_buckets)}")
+  if n_devices is not None:
+    errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots)
+  if errors:
+    raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int) -> list[str]:
+  errors = []
+  learner_n = n_devices if m.colocated else m.learner_devices
+  sampler_n = n_devices if m.colocated else m.sampler_devices
+  if not m.colocated and m.learner_devices + m.sampler_devices > n_devices:
+    return [f"mesh.learner_devices={m.learner_devices} + mesh.sampler_devices={m.sampler_devices} "
+            f"needs {m.learner_devices + m.sampler_devices} devices, but only {n_devices} exist"]
+  for name, n in (("learner", learner_n), ("sampler", sampler_n)):
+    try:
+      sizes = mesh_sizes(m[name], n, f"mesh.{name}")
+    except ValueError as e:
+      errors.append(str(e))
+      continue
+    dp = sizes["data"] * sizes["fsdp"]
+    if name == "learner" and batch_seqs % dp:
+      errors.append(f"actor.batch_size x rollout.n_samples = {batch_seqs} sequences is not divisible "
+                    f"by the learner's data-parallel size {dp} (mesh.learner {sizes})")
+    if name == "sampler" and num_slots % dp:
+      errors.append(f"rollout.num_slots={num_slots} is not divisible by the sampler's data-parallel "
+                    f"size {dp} (mesh.sampler {sizes})")
+  return errors
+
+
+def load(spec: str) -> ConfigDict:
+  """Loads ``path/to/config.py[:preset]`` the way ``--config`` does (for notebooks and tests)."""
+  path, _, arg = spec.partition(":")
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise FileNotFoundError(f"config file not found: {path}")
+  module_spec = importlib.util.spec_from_file_location(file.stem, file)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def override(config: ConfigDict, key: str, value) -> None:
+  """Sets a dotted ``key``; an unknown key fails with the valid keys closest to it."""
+  node, parts = config, key.split(".")
+  for i, part in enumerate(parts):
+    keys = list(node.keys()) if isinstance(node, ConfigDict) else []
+    if part not in keys:
+      where = ".".join(parts[:i]) or "<root>"
+      near = difflib.get_close_matches(part, keys, n=3, cutoff=0.5)
+      raise KeyError(f"unknown config key {key!r}: {where!r} has no {part!r}. "
+                     f"Did you mean {near}? Valid keys there: {sorted(keys)}")
+    if i == len(parts) - 1:
+      node[part] = value
+    else:
+      node = node[part]

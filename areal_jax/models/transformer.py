@@ -1,0 +1,258 @@
+"""Decoder-only transformer (Qwen2 and Llama families) in Flax NNX.
+
+One set of weights, two entry points:
+  * ``model(tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV``: the full causal forward
+    used for training (packed rows: attention stays inside a segment, positions restart per segment).
+  * ``model.extend(tokens_BxL, start_B, cache, kv_len) -> (logits_BxLxV, cache)``: writes the keys and
+    values of L new tokens at positions ``start_B + [0, L)`` of a KV cache and attends to everything
+    before them. Prefill is ``start_B = 0``; one decode step is ``L = 1``; re-prefilling generated
+    tokens under new weights is any other start. ``kv_len`` (static) bounds how much of the cache is
+    read, so short sequences do not pay for the whole cache.
+
+Every parameter carries logical axis names in its ``axes`` metadata; activations are constrained
+with logical names too (see ``areal_jax.sharding``). The model knows nothing of sampling or training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax import sharding
+
+Cache = list[dict[str, jax.Array]]  # per layer: {"k": [B, T, Hkv, D], "v": [B, T, Hkv, D]}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture hyper-parameters (names follow the Hugging Face config where they exist)."""
+
+  arch: str = "llama"  # "llama" | "qwen2"
+  vocab_size: int = 256
+  d_model: int = 64
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 16
+  d_ff: int = 128
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  qkv_bias: bool = False  # True for Qwen2
+  tie_embeddings: bool = True
+  max_position: int = 4096
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.arch not in ("llama", "qwen2"):
+      raise ValueError(f"unknown architecture {self.arch!r}: expected 'llama' or 'qwen2'")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  def num_params(self) -> int:
+    d, f, h, kv, hd = self.d_model, self.d_ff, self.n_heads, self.n_kv_heads, self.head_dim
+    attn = d * h * hd * 2 + d * kv * hd * 2 + (h * hd + 2 * kv * hd if self.qkv_bias else 0)
+    per_layer = attn + 3 * d * f + 2 * d
+    embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.n_layers * per_layer + embed + d
+
+
+def _param(rngs: nnx.Rngs, shape, axes, scale: float | None = None) -> nnx.Param:
+  scale = (1.0 / shape[0]) ** 0.5 if scale is None else scale
+  value = jax.random.normal(rngs.params(), shape, jnp.float32) * scale
+  return nnx.Param(value, axes=axes)
+
+
+def _zeros(shape, axes) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
+
+
+def _ones(shape, axes) -> nnx.Param:
+  return nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float):
+    self.scale = _ones((dim,), ("norm",))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope(x_BxLxHxD, positions_BxL, theta: float):
+  """Rotary embedding in the 'rotate half' layout used by Hugging Face Llama and Qwen2."""
+  d = x_BxLxHxD.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  angles_BxLxF = positions_BxL[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.cos(angles_BxLxF)[:, :, None, :]
+  sin = jnp.sin(angles_BxLxF)[:, :, None, :]
+  x = x_BxLxHxD.astype(jnp.float32)
+  x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxD.dtype)
+
+
+def attention(q_BxLxHxD, k_BxTxKxD, v_BxTxKxD, mask_BxLxT):
+  """Grouped-query attention; K/V heads are shared by H // K query heads without copying."""
+  b, l, h, d = q_BxLxHxD.shape
+  kv = k_BxTxKxD.shape[2]
+  q = q_BxLxHxD.reshape(b, l, kv, h // kv, d)
+  scores = jnp.einsum("blkgd,btkd->bkglt", q, k_BxTxKxD, preferred_element_type=jnp.float32)
+  scores = scores * (d**-0.5)
+  scores = jnp.where(mask_BxLxT[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxTxKxD.dtype)
+  out = jnp.einsum("bkglt,btkd->blkgd", probs, v_BxTxKxD)
+  return out.reshape(b, l, h, d)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.q = _param(rngs, (d, h * hd), ("embed", "heads"))
+    self.k = _param(rngs, (d, kv * hd), ("embed", "kv_heads"))
+    self.v = _param(rngs, (d, kv * hd), ("embed", "kv_heads"))
+    self.o = _param(rngs, (h * hd, d), ("heads", "embed"))
+    if cfg.qkv_bias:
+      self.q_bias = _zeros((h * hd,), ("heads",))
+      self.k_bias = _zeros((kv * hd,), ("kv_heads",))
+      self.v_bias = _zeros((kv * hd,), ("kv_heads",))
+
+  def project_qkv(self, x_BxLxE, positions_BxL):
+    cfg, dt = self.cfg, self.cfg.compute_dtype
+    b, l, _ = x_BxLxE.shape
+
+    def proj(name, heads):
+      y = x_BxLxE @ getattr(self, name)[...].astype(dt)
+      if cfg.qkv_bias:
+        y = y + getattr(self, name + "_bias")[...].astype(dt)
+      return y.reshape(b, l, heads, cfg.head_dim)
+
+    q = rope(proj("q", cfg.n_heads), positions_BxL, cfg.rope_theta)
+    k = rope(proj("k", cfg.n_kv_heads), positions_BxL, cfg.rope_theta)
+    v = proj("v", cfg.n_kv_heads)
+    q = sharding.constrain(q, ("batch", "length", "act_heads", None))
+    return q, k, v
+
+  def output(self, out_BxLxHxD):
+    b, l = out_BxLxHxD.shape[:2]
+    return out_BxLxHxD.reshape(b, l, -1) @ self.o[...].astype(self.cfg.compute_dtype)
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.dtype = cfg.compute_dtype
+    self.gate = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+    self.up = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+    self.down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
+
+  def __call__(self, x):
+    dt = self.dtype
+    h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
+    h = sharding.constrain(h, ("batch", "length", "act_mlp"))
+    return h @ self.down[...].astype(dt)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BxLxE, positions_BxL, kv_fn):
+    """``kv_fn(k, v) -> (k_all, v_all, mask_BxLxT)`` decides what the queries attend to."""
+    q, k, v = self.attn.project_qkv(self.attn_norm(x_BxLxE), positions_BxL)
+    k_all, v_all, mask = kv_fn(k, v)
+    x = x_BxLxE + self.attn.output(attention(q, k_all, v_all, mask))
+    x = sharding.constrain(x, ("batch", "length", "act_embed"))
+    x = x + self.mlp(self.mlp_norm(x))
+    return sharding.constrain(x, ("batch", "length", "act_embed"))
+
+
+class Transformer(nnx.Module):
+  """Qwen2 / Llama decoder. ``model(tokens_BxL) -> logits_BxLxV``."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), scale=0.02)
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+  def _embed(self, tokens_BxL):
+    x = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.cfg.compute_dtype)
+    return sharding.constrain(x, ("batch", "length", "act_embed"))
+
+  def _logits(self, x_BxLxE):
+    x = self.final_norm(x_BxLxE)
+    if self.cfg.tie_embeddings:
+      w = self.embed[...].astype(self.cfg.compute_dtype).T
+    else:
+      w = self.lm_head[...].astype(self.cfg.compute_dtype)
+    logits = jnp.einsum("ble,ev->blv", x, w, preferred_element_type=jnp.float32)
+    return sharding.constrain(logits, ("batch", "length", "act_vocab"))
+
+  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+    b, l = tokens_BxL.shape
+    if positions_BxL is None:
+      positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    causal_LxL = jnp.tril(jnp.ones((l, l), jnp.bool_))
+    mask_BxLxL = jnp.broadcast_to(causal_LxL, (b, l, l))
+    if segment_ids_BxL is not None:
+      same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+      mask_BxLxL = mask_BxLxL & same & (segment_ids_BxL[:, None, :] > 0)
+    x = self._embed(tokens_BxL)
+    for block in self.layers:
+      x = block(x, positions_BxL, lambda k, v: (k, v, mask_BxLxL))
+    return self._logits(x)
+
+  def extend(self, tokens_BxL, start_B, cache: Cache, kv_len: int | None = None):
+    """Append L tokens per row at ``start_B`` to ``cache``; returns logits and the updated cache."""
+    b, l = tokens_BxL.shape
+    positions_BxL = start_B[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
+    t = cache[0]["k"].shape[1] if kv_len is None else kv_len
+    mask_BxLxT = jnp.arange(t)[None, None, :] <= positions_BxL[:, :, None]
+    x = self._embed(tokens_BxL)
+    new_cache = []
+    for block, layer_cache in zip(self.layers, cache):
+      updated = {}
+
+      def kv_fn(k, v, layer_cache=layer_cache, updated=updated):
+        for name, new in (("k", k), ("v", v)):
+          full = _write_rows(layer_cache[name], new.astype(layer_cache[name].dtype), start_B)
+          updated[name] = sharding.constrain(full, ("cache_batch", None, "cache_heads", None))
+        return updated["k"][:, :t], updated["v"][:, :t], mask_BxLxT
+
+      x = block(x, positions_BxL, kv_fn)
+      new_cache.append(updated)
+    return self._logits(x), new_cache
+
+
+def _write_rows(cache_BxTxKxD, new_BxLxKxD, start_B):
+  write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
+  return jax.vmap(write)(cache_BxTxKxD, new_BxLxKxD, start_B)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
+  """An empty KV cache of ``batch`` rows and ``max_len`` positions."""
+  shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  dtype = dtype or cfg.compute_dtype
+  return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.n_layers)]

@@ -1,0 +1,102 @@
+"""The rollout engine interface: what the runtime programs against.
+
+The JAX sampler (``areal_jax.sampler``) implements it; the vLLM backend and remote engines stand in
+for it. Everything that crosses it is plain data (token ids, floats, ints), so an engine can live in
+another process or on another host.
+
+One request is a *group*: one prompt sampled ``n`` times (GRPO). The engine streams each finished
+sequence out as soon as it ends, as a ``Sample``; every generated token carries the behaviour
+logprob it was drawn with and the policy version that produced it.
+
+Logprob convention: the behaviour logprob of a token is ``log softmax(logits / temperature)`` at that
+token, i.e. the temperature-scaled distribution it was sampled from, before top-k / top-p truncation.
+The learner recomputes exactly this quantity at the same temperature.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # 0: off
+  greedy: bool = False
+  max_new_tokens: int = 256
+  stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class GroupRequest:
+  group_id: int
+  prompt_tokens: list[int]
+  n: int
+  params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through to samples
+
+
+@dataclasses.dataclass
+class Sample:
+  """One finished (or aborted) sequence of a group."""
+
+  group_id: int
+  index: int  # 0 .. n-1 within the group
+  prompt_tokens: list[int]
+  tokens: list[int]  # generated tokens (the stop token included when it ended the sequence)
+  logprobs: list[float]  # behaviour logprob per generated token
+  versions: list[int]  # policy version that produced each generated token
+  finish_reason: str  # "eos" | "stop" | "length" | "cache_full" | "abort" | "error"
+  submitted_s: float = 0.0  # time.time() stamps
+  started_s: float = 0.0
+  finished_s: float = 0.0
+  error: str | None = None
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+class RolloutEngine(abc.ABC):
+  """Asynchronous generation service. Thread-safe; ``start`` runs it in the background."""
+
+  @abc.abstractmethod
+  def start(self) -> None:
+    """Starts serving requests (in a background thread or process)."""
+
+  @abc.abstractmethod
+  def stop(self) -> None:
+    """Stops serving; unfinished requests are aborted and returned by ``poll``."""
+
+  @abc.abstractmethod
+  def submit(self, request: GroupRequest) -> None:
+    """Queues a group. A bad request yields ``n`` samples with ``finish_reason='error'``."""
+
+  @abc.abstractmethod
+  def poll(self, timeout: float | None = 0.0) -> list[Sample]:
+    """Returns finished samples, waiting up to ``timeout`` seconds for at least one."""
+
+  @abc.abstractmethod
+  def update_params(self, params: Any, version: int) -> None:
+    """Swaps weights; takes effect between two decode steps, in-flight sequences continue."""
+
+  @abc.abstractmethod
+  def pause(self) -> None:
+    """Stops decoding after the current step (requests stay in their slots)."""
+
+  @abc.abstractmethod
+  def resume(self) -> None:
+    """Continues decoding after ``pause``."""
+
+  @abc.abstractmethod
+  def abort(self, group_id: int) -> None:
+    """Ends a group's sequences now; they are returned with what they have."""
+
+  @property
+  @abc.abstractmethod
+  def version(self) -> int:
+    """The policy version of the weights in use."""

@@ -1,0 +1,122 @@
+"""Device meshes and logical-axis sharding.
+
+Parameters and activations are annotated with *logical* axis names ("embed", "heads", "batch", ...).
+A rule table maps each logical name to mesh axes ("data", "fsdp", "tensor"), so the same model runs
+replicated, FSDP-sharded or tensor-parallel by changing the config, not the code.
+
+A dimension that a mesh axis does not divide evenly is replicated instead of sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical name -> mesh axis (or tuple of axes, or None to replicate).
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    # activations
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+    # parameters
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "norm": None,
+    # KV cache of the sampler: slots over data, heads over tensor
+    "cache_batch": ("data", "fsdp"),
+    "cache_heads": "tensor",
+}
+
+_CONTEXT: contextvars.ContextVar[tuple[Mesh, Mapping] | None] = contextvars.ContextVar(
+    "areal_jax_sharding", default=None)
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh with axes ``("data", "fsdp", "tensor")``; ``shape`` gives each size (missing = 1)."""
+  unknown = set(shape) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"unknown mesh axes {sorted(unknown)}; valid axes: {MESH_AXES}")
+  sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
+  devices = list(jax.devices() if devices is None else devices)
+  need = int(np.prod(sizes))
+  if need != len(devices):
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {need} devices, got {len(devices)}")
+  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+         rules: Mapping | None = None) -> P:
+  """PartitionSpec for an array of ``shape`` whose dimensions carry ``logical`` names."""
+  rules = DEFAULT_RULES if rules is None else rules
+  used: set[str] = set()
+  out = []
+  for name, dim in zip(logical, shape):
+    axes = rules.get(name) if name is not None else None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if not axes or dim % size:
+      out.append(None)
+      continue
+    used.update(axes)
+    out.append(axes[0] if len(axes) == 1 else axes)
+  return P(*out)
+
+
+@contextlib.contextmanager
+def use(mesh: Mesh, rules: Mapping | None = None):
+  """Activates activation constraints (``constrain``) for code traced inside the block."""
+  token = _CONTEXT.set((mesh, DEFAULT_RULES if rules is None else rules))
+  try:
+    yield
+  finally:
+    _CONTEXT.reset(token)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+  """Sharding constraint by logical names; a no-op outside ``use(...)``."""
+  ctx = _CONTEXT.get()
+  if ctx is None:
+    return x
+  mesh, rules = ctx
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, x.shape, mesh, rules)))
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping | None = None):
+  """NamedShardings for an NNX state whose Variables carry ``axes`` metadata."""
+
+  def one(var):
+    axes = var.get_metadata().get("axes") or (None,) * var.ndim
+    return NamedSharding(mesh, spec(axes, var.shape, mesh, rules))
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping | None = None) -> nnx.Module:
+  """Places every parameter of ``model`` on ``mesh`` according to its logical axes (in place)."""
+  graphdef, state = nnx.split(model)
+  shardings = state_shardings(state, mesh, rules)
+  values = jax.device_put(nnx.to_pure_dict(state), nnx.to_pure_dict(shardings_to_values(shardings)))
+  nnx.replace_by_pure_dict(state, values)
+  nnx.update(model, state)
+  return model
+
+
+def shardings_to_values(tree):
+  """Unwraps Variables holding shardings into a plain pytree of shardings."""
+  return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
