@@ -238,3 +238,23 @@ def override(config: ConfigDict, key: str, value) -> None:
       node[part] = value
     else:
       node = node[part]
+
+
+def check_overrides(argv: list[str], flag: str = "config") -> None:
+  """Fails early, with the nearby valid keys, on a ``--config.x.y=`` override naming no key."""
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), None)
+  if spec is None:
+    return
+  config = load(spec)
+  for arg in argv:
+    if arg.startswith(f"--{flag}."):
+      key = arg[len(flag) + 3:].split("=", 1)[0]
+      node = config
+      for part in key.split("."):
+        keys = sorted(node.keys()) if isinstance(node, ConfigDict) else []
+        if part not in keys:
+          near = difflib.get_close_matches(part, keys, n=3, cutoff=0.5)
+          hint = f" Did you mean {', '.join(near)}?" if near else ""
+          raise SystemExit(f"error: unknown config key {key!r} in {arg!r}.{hint}\n"
+                           f"Valid keys at that level: {', '.join(keys)}")
+        node = node[part]

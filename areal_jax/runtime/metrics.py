@@ -1,0 +1,109 @@
+"""Where a run reports: ``metrics.jsonl``, TensorBoard events and one progress line per step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+# The fields every line of metrics.jsonl carries (a stable interface; more may follow them).
+REQUIRED_FIELDS = (
+    "step", "version", "reward_mean", "groups_accepted", "groups_rejected", "staleness_mean",
+    "staleness_max", "behav_weight_max", "clip_frac", "loss", "grad_norm", "gen_tokens_per_s",
+    "train_tokens_per_s", "learner_wait_s", "sampler_idle_frac", "weight_publish_s", "step_time_s",
+    "wall_time_s",
+)
+
+
+def _plain(value):
+  if hasattr(value, "item"):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+class MetricsWriter:
+  """Appends one JSON object per training step; mirrors scalars to TensorBoard."""
+
+  def __init__(self, workdir: str, total_steps: int, resume_step: int = 0, stream=sys.stdout):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    _truncate_after(self.path, resume_step)
+    self._file = open(self.path, "a", encoding="utf-8")
+    self._total = total_steps
+    self._stream = stream
+    self._t0 = time.time()
+    self._first_step = None
+    try:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    except ImportError:  # TensorBoard events are optional; metrics.jsonl is not
+      self._tb = None
+
+  def write(self, metrics: dict) -> None:
+    row = {k: _plain(v) for k, v in metrics.items()}
+    missing = [k for k in REQUIRED_FIELDS if k not in row]
+    if missing:
+      raise KeyError(f"metrics for step {row.get('step')} lack required fields {missing}")
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in row.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+          self._tb.add_scalar(k, v, row["step"])
+      self._tb.flush()
+    self._progress(row)
+
+  def _progress(self, row: dict) -> None:
+    step = row["step"]
+    if self._first_step is None:
+      self._first_step, self._t0 = step - 1, time.time() - (row.get("step_time_s") or 0.0)
+    done = step - self._first_step
+    rate = done / max(time.time() - self._t0, 1e-9)
+    eta_s = (self._total - step) / rate if rate > 0 else float("nan")
+    fmt = lambda k, spec: format(row[k], spec) if isinstance(row.get(k), (int, float)) else "-"
+    line = (f"step {step}/{self._total}  v{row['version']}  reward {fmt('reward_mean', '.3f')}"
+            f"  stale {fmt('staleness_mean', '.2f')}/{fmt('staleness_max', 'd')}"
+            f"  gen {fmt('gen_tokens_per_s', '.0f')} tok/s  train {fmt('train_tokens_per_s', '.0f')} tok/s"
+            f"  wait {fmt('learner_wait_s', '.1f')}s  {rate * 60:.1f} steps/min  ETA {_hms(eta_s)}")
+    if row.get("eval_accuracy") is not None:
+      line += f"  eval {row['eval_accuracy']:.3f}"
+    print(line, file=self._stream, flush=True)
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+  """Drops rows a crashed run wrote after the checkpoint it resumes from (atomically)."""
+  if not os.path.exists(path):
+    return
+  rows = [r for r in read(path) if r.get("step", 0) <= step]
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  os.replace(tmp, path)
+
+
+def _hms(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(seconds)
+  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def read(path: str) -> list[dict]:
+  """Reads a metrics.jsonl (skips a torn last line left by a crash)."""
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return rows
