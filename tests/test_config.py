@@ -1,0 +1,73 @@
+"""Config tree: presets load and validate, bad settings and unknown keys fail with clear messages."""
+
+import pathlib
+
+import pytest
+
+from areal_jax import config as config_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted(str(p) for p in (ROOT / "configs").glob("*.py"))
+
+
+def presets(path):
+  text = pathlib.Path(path).read_text()
+  return ["default"] + [p for p in ("tiny", "smollm", "demo") if f'"{p}"' in text]
+
+
+@pytest.mark.parametrize("spec", [f"{p}:{s}" for p in CONFIGS for s in presets(p)])
+def test_every_preset_loads_and_validates(spec):
+  c = config_lib.load(spec)
+  config_lib.validate(c, n_devices=8)
+  with pytest.raises(AttributeError):
+    c.actor.not_a_key = 1  # locked
+
+
+def test_unknown_preset_is_an_error():
+  with pytest.raises(ValueError, match="unknown preset"):
+    config_lib.load(f"{CONFIGS[0]}:nope")
+
+
+def test_decoupled_loss_requires_recomputed_logprobs():
+  c = config_lib.base_config()
+  c.actor.recompute_logprobs = False
+  with pytest.raises(ValueError, match="use_decoupled_loss=True requires actor.recompute_logprobs"):
+    config_lib.validate(c)
+
+
+def test_mesh_needing_more_devices_than_exist():
+  c = config_lib.base_config()
+  c.mesh.learner_devices, c.mesh.sampler_devices = 6, 4
+  with pytest.raises(ValueError, match="needs 10 devices, but only 8 exist"):
+    config_lib.validate(c, n_devices=8)
+
+
+def test_batch_not_divisible_by_data_parallel_size():
+  c = config_lib.base_config()
+  c.actor.batch_size, c.rollout.n_samples = 3, 1  # 3 sequences over fsdp=4
+  with pytest.raises(ValueError, match="not divisible by the learner's data-parallel size 4"):
+    config_lib.validate(c, n_devices=8)
+
+
+def test_several_errors_are_reported_together():
+  c = config_lib.base_config()
+  c.rollout.temperature = 0.0
+  c.rollout.backend = "sglang"
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(c)
+  assert "rollout.temperature" in str(e.value) and "rollout.backend='sglang'" in str(e.value)
+
+
+def test_unknown_override_names_the_nearby_keys():
+  spec = f"{CONFIGS[0]}:tiny"
+  with pytest.raises(SystemExit) as e:
+    config_lib.check_overrides([f"--config={spec}", "--config.actor.lrr=1e-6"])
+  msg = str(e.value)
+  assert "actor.lrr" in msg and "Did you mean lr" in msg and "eps_clip" in msg
+  config_lib.check_overrides([f"--config={spec}", "--config.actor.lr=1e-6"])  # a real key passes
+
+
+def test_mesh_sizes_resolves_minus_one():
+  assert config_lib.mesh_sizes({"data": -1, "fsdp": 2, "tensor": 1}, 8, "m") == dict(data=4, fsdp=2, tensor=1)
+  with pytest.raises(ValueError, match="at most one axis may be -1"):
+    config_lib.mesh_sizes({"data": -1, "fsdp": -1}, 8, "m")
