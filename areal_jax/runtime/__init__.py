@@ -1,0 +1,1 @@
+"""The asynchronous runtime: staleness-bounded queue, rollout controller, weight transfer, run loop."""
