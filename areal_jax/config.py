@@ -46,6 +46,7 @@ def base_config() -> ConfigDict:
   c.task.max_operand = 20  # arithmetic task only
   c.task.num_train = 10000  # arithmetic task only: size of the generated train split
   c.task.num_test = 200  # arithmetic task only
+  c.task.seed = 0  # arithmetic task only: seed of the generated problems (fixed across runs)
 
   c.rollout = ConfigDict()
   c.rollout.backend = "jax"  # "jax" | "vllm"
