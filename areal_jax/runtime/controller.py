@@ -153,7 +153,7 @@ class RolloutController:
         example = self._next_example()
         if example is None:
           return
-        tokens = self.task.prompt_tokens(example, self.tokenizer)
+        tokens = self.task.prompt_ids(example, self.tokenizer)
         if len(tokens) > self.max_prompt_len:
           self.stats["prompts_too_long"] += 1
           continue
@@ -186,7 +186,7 @@ class RolloutController:
 
   def _score(self, gid: int, run: _Running) -> Group:
     texts = [self.tokenizer.decode(s.tokens) for s in run.samples]
-    rewards, failed = self.rewards.score(self.task.reward, texts, run.example)
+    rewards, failed = self.rewards.score(self.task.reward_fn, texts, run.example)
     return Group(gid, run.example, run.samples, rewards, run.admit_version, failed)
 
   def _collect_scores(self) -> None:
@@ -212,7 +212,7 @@ class RolloutController:
         self._next_eval_id -= 1  # negative ids never collide with training groups
         gid = self._next_eval_id
         self._evals[gid] = _Running(example, -1)
-      tokens = self.task.prompt_tokens(example, self.tokenizer)
+      tokens = self.task.prompt_ids(example, self.tokenizer)
       self.engine.submit(GroupRequest(gid, tokens, k, params, {"kind": "eval"}))
       gids.append(gid)
     while True:

@@ -1,0 +1,45 @@
+"""metrics.jsonl: required fields, one line per step, resume drops rows past the checkpoint."""
+
+import io
+import json
+import os
+
+import pytest
+
+from areal_jax.runtime import metrics as metrics_lib
+
+
+def row(step):
+  r = {k: 0.0 for k in metrics_lib.REQUIRED_FIELDS}
+  r.update(step=step, version=step, staleness_max=0)
+  return r
+
+
+def test_writes_jsonl_tensorboard_and_progress(tmp_path):
+  out = io.StringIO()
+  w = metrics_lib.MetricsWriter(str(tmp_path), total_steps=3, stream=out)
+  for s in (1, 2, 3):
+    w.write(row(s))
+  w.close()
+  rows = metrics_lib.read(os.path.join(tmp_path, "metrics.jsonl"))
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert set(metrics_lib.REQUIRED_FIELDS) <= set(rows[0])
+  assert os.listdir(tmp_path / "tensorboard")
+  assert "step 3/3" in out.getvalue() and "ETA" in out.getvalue()
+
+
+def test_missing_field_is_an_error(tmp_path):
+  w = metrics_lib.MetricsWriter(str(tmp_path), total_steps=1, stream=io.StringIO())
+  r = row(1)
+  del r["loss"]
+  with pytest.raises(KeyError, match="loss"):
+    w.write(r)
+
+
+def test_resume_drops_rows_after_the_checkpoint_and_torn_lines(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps(row(s)) + "\n" for s in range(1, 6)) + '{"step": 6, "los')
+  w = metrics_lib.MetricsWriter(str(tmp_path), total_steps=9, resume_step=3, stream=io.StringIO())
+  w.write(row(4))
+  w.close()
+  assert [r["step"] for r in metrics_lib.read(str(path))] == [1, 2, 3, 4]

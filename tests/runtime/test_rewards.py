@@ -1,0 +1,40 @@
+"""The reward pool: a crashing or hanging reward scores 0, is counted, and never stalls scoring."""
+
+import sys
+import pathlib
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import reward_fns  # noqa: E402
+
+from areal_jax.runtime.rewards import RewardPool  # noqa: E402
+from areal_jax.tasks import get_task  # noqa: E402
+
+
+def test_scores_crashes_and_timeouts():
+  pool = RewardPool(workers=1, timeout_s=3.0)
+  try:
+    rewards, failed = pool.score(reward_fns.ok, ["7", "8"], {"answer": "7"})
+    assert rewards == [1.0, 0.0] and failed == 0
+    rewards, failed = pool.score(reward_fns.crash, ["7", "8"], {"answer": "7"})
+    assert rewards == [0.0, 0.0] and failed == 2 and pool.failures == 2
+    t0 = time.time()
+    rewards, failed = pool.score(reward_fns.hang, ["7"], {"answer": "7"})
+    assert rewards == [0.0] and failed == 1 and pool.timeouts == 1
+    assert time.time() - t0 < 10
+    # The hung worker was replaced: scoring goes on.
+    assert pool.score(reward_fns.ok, ["7"], {"answer": "7"}) == ([1.0], 0)
+  finally:
+    pool.close()
+
+
+def test_task_reward_runs_in_workers():
+  task = get_task({"name": "gsm8k"})
+  example = task.test_examples(1)[0]
+  answer = example["answer"].split("####")[-1].strip()
+  pool = RewardPool(workers=1, timeout_s=30.0)
+  try:
+    rewards, _ = pool.score(task.reward_fn, [f"so \\boxed{{{answer}}}", "no idea"], example)
+  finally:
+    pool.close()
+  assert rewards == [1.0, 0.0]
