@@ -1,0 +1,354 @@
+"""Moving policy weights from the learner to the sampler.
+
+Parameters cross components as an NNX pure dict (nested dicts of ``jax.Array``, e.g.
+``nnx.to_pure_dict(nnx.state(model, nnx.Param))``). Two ways to move them, chosen by
+``weights.transfer``:
+
+* ``"device_put"``: one process. ``publish`` copies the tree onto the sampler mesh's shardings with
+  ``jax.device_put`` (a real copy even when the meshes share devices, so the learner may donate or
+  overwrite its buffers afterwards) and waits for the copy; ``fetch`` hands out that copy.
+* ``"orbax"``: the learner writes ``<path>/<version>/`` with Orbax, so any process (or machine, with a
+  bucket path) can read it. Orbax writes into ``<version>.orbax-checkpoint-tmp-*`` and renames it
+  when complete (on object stores, where rename is not atomic, it writes ``commit_success.txt``
+  last); a version counts as published only when its directory has the final name *and* the commit
+  file, so a reader never sees a half-written or crashed save. Only the newest ``keep`` versions
+  are kept. The receiver restores into ``jax.ShapeDtypeStruct`` targets that carry the sampler's
+  shardings, so each sampler device reads its own shards straight from storage.
+
+``publish`` must have returned (or ``wait()`` been called after ``publish(..., wait=False)``) before
+the version is announced to the sampler; the returned seconds feed the ``weight_publish_s`` metric.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import uuid
+from typing import Any
+
+import jax
+from etils import epath
+from flax import nnx
+
+from areal_jax import sharding
+
+COMMIT_FILE = "commit_success.txt"  # written by Orbax when a save is finalized
+_TMP_NAME = re.compile(r"^\d+\.orbax-checkpoint-tmp")
+
+
+# ---- shardings and targets ---------------------------------------------------------------------
+def target_shardings(params, mesh, rules=None) -> dict:
+  """Pure dict of ``NamedSharding`` on ``mesh`` for a model's parameters.
+
+  ``params`` is an ``nnx.Module`` or an ``nnx.State`` of its ``nnx.Param`` variables (which carry
+  the logical ``axes`` metadata the shardings come from).
+  """
+  if isinstance(params, nnx.Module):
+    params = nnx.state(params, nnx.Param)
+  if not isinstance(params, nnx.State):
+    raise TypeError("target_shardings needs an nnx.Module or an nnx.State of nnx.Param variables "
+                    f"(a pure dict has lost its logical axes), got {type(params).__name__}")
+  return nnx.to_pure_dict(sharding.state_shardings(params, mesh, rules))
+
+
+def abstract_params(params, shardings) -> dict:
+  """``jax.ShapeDtypeStruct`` tree with ``sharding=``: the restore target on the receiving mesh."""
+  if isinstance(params, nnx.Module):
+    params = nnx.state(params, nnx.Param)
+  if isinstance(params, nnx.State):
+    params = nnx.to_pure_dict(params)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      params, shardings)
+
+
+def _pure(params) -> dict:
+  if isinstance(params, nnx.Module):
+    params = nnx.state(params, nnx.Param)
+  if isinstance(params, nnx.State):
+    params = nnx.to_pure_dict(params)
+  return params
+
+
+def _check_version(version: int, latest: int | None) -> int:
+  if not isinstance(version, int) or version < 0:
+    raise ValueError(f"version must be an int >= 0, got {version!r}")
+  if latest is not None and version <= latest:
+    raise ValueError(f"publish({version}): versions must increase (latest published is {latest})")
+  return version
+
+
+# ---- in-process: device_put ----------------------------------------------------------------------
+class DevicePutTransfer:
+  """Learner and sampler in one process: a copy onto the sampler's shardings, held for ``fetch``."""
+
+  mode = "device_put"
+
+  def __init__(self, shardings):
+    self.shardings = shardings
+    self._lock = threading.Lock()
+    self._version: int | None = None
+    self._params = None
+    self.last_publish_s = self.last_fetch_s = 0.0
+
+  def publish(self, params, version: int, wait: bool = True) -> float:
+    """Copies ``params`` onto the sampler mesh; returns the seconds it took (copy complete)."""
+    t0 = time.perf_counter()
+    with self._lock:
+      _check_version(version, self._version)
+    out = jax.device_put(_pure(params), self.shardings, may_alias=False)
+    jax.block_until_ready(out)  # always: a version is announced only once it is really there
+    with self._lock:
+      _check_version(version, self._version)
+      self._version, self._params = version, out
+    self.last_publish_s = time.perf_counter() - t0
+    return self.last_publish_s
+
+  def wait(self) -> float:
+    return 0.0
+
+  def latest_version(self) -> int | None:
+    with self._lock:
+      return self._version
+
+  def fetch(self, version: int | None = None) -> dict:
+    """The published parameters, already on the sampler mesh (only the latest version is held)."""
+    with self._lock:
+      if self._version is None:
+        raise LookupError("no weights have been published yet")
+      if version is not None and version != self._version:
+        raise LookupError(f"version {version} is not held (device_put keeps only the latest, "
+                          f"{self._version})")
+      self.last_fetch_s = 0.0
+      return self._params
+
+  def send(self, params, version: int) -> dict:
+    """``publish`` then ``fetch``: the parameters of ``version`` on the sampler mesh."""
+    self.publish(params, version)
+    return self.fetch(version)
+
+  def close(self) -> None:
+    with self._lock:
+      self._params = None
+
+
+# ---- across processes: Orbax -------------------------------------------------------------------
+def list_versions(path) -> list[int]:
+  """Published (finalized) versions under ``path``, ascending; tmp and unfinished dirs are ignored."""
+  root = epath.Path(path)
+  if not root.exists():
+    return []
+  out = []
+  for child in root.iterdir():
+    if child.name.isdigit() and child.is_dir() and (child / COMMIT_FILE).exists():
+      out.append(int(child.name))
+  return sorted(out)
+
+
+class OrbaxPublisher:
+  """Learner side: writes ``<path>/<version>/`` atomically and keeps the newest ``keep`` versions."""
+
+  mode = "orbax"
+
+  def __init__(self, path, keep: int = 2):
+    if keep < 1:
+      raise ValueError(f"weights.keep={keep} must be >= 1")
+    self.path = epath.Path(path)
+    self.keep = int(keep)
+    self._ckptr = None  # created on the first publish
+    self._latest: int | None = None
+    self._pending: tuple[int, float] | None = None  # (version, perf_counter at publish start)
+    self.last_publish_s = self.last_save_s = 0.0
+
+  def publish(self, params, version: int, wait: bool = True) -> float:
+    """Saves ``params`` as ``version``; returns the seconds the caller was blocked.
+
+    With ``wait=False`` only the device-to-host copy blocks (the learner may then modify or donate
+    its arrays); the write finishes in the background and the version becomes visible to readers
+    when it is finalized. Call ``wait()`` before announcing the version.
+    """
+    t0 = time.perf_counter()
+    self.wait()
+    if self._ckptr is None:
+      self._start(version)
+    _check_version(version, self._latest)
+    self._ckptr.save(self.path / str(version), _pure(params))
+    self._pending = (version, t0)
+    if wait:
+      self.wait()
+    self.last_publish_s = time.perf_counter() - t0
+    return self.last_publish_s
+
+  def wait(self) -> float:
+    """Blocks until the pending save is finalized, then drops versions beyond the newest ``keep``."""
+    if self._pending is None:
+      return 0.0
+    t0 = time.perf_counter()
+    self._ckptr.wait_until_finished()
+    version, started = self._pending
+    self._pending = None
+    if not (self.path / str(version) / COMMIT_FILE).exists():
+      raise RuntimeError(f"Orbax finished saving version {version} under {self.path} but it is not "
+                         f"finalized ({COMMIT_FILE} missing)")
+    self._latest = version
+    self.last_save_s = time.perf_counter() - started
+    for old in list_versions(self.path)[:-self.keep]:
+      _remove(self.path / str(old))
+    return time.perf_counter() - t0
+
+  def _start(self, first_version: int) -> None:
+    """First publish of this process: clears leftovers of a crashed run, then opens the writer."""
+    self.path.mkdir(parents=True, exist_ok=True)
+    for child in list(self.path.iterdir()):
+      stale_tmp = bool(_TMP_NAME.match(child.name))
+      # A resumed run republishes from its checkpoint's version: newer versions (and unfinished
+      # directories) belong to the crashed timeline and must not be served.
+      stale = child.name.isdigit() and (int(child.name) >= first_version
+                                        or not (child / COMMIT_FILE).exists())
+      if stale_tmp or stale:
+        _remove(child)
+    existing = list_versions(self.path)
+    self._latest = existing[-1] if existing else None
+    import orbax.checkpoint as ocp  # heavy import, only when Orbax is used
+    self._ckptr = ocp.StandardCheckpointer()
+
+  def latest_version(self) -> int | None:
+    versions = list_versions(self.path)
+    return versions[-1] if versions else None
+
+  def close(self) -> None:
+    self.wait()
+    if self._ckptr is not None:
+      self._ckptr.close()
+      self._ckptr = None
+
+
+class OrbaxReceiver:
+  """Sampler side: restores a published version straight into the sampler's shardings."""
+
+  mode = "orbax"
+
+  def __init__(self, path, target):
+    """``target``: pure dict of ``jax.ShapeDtypeStruct`` with ``sharding=`` (``abstract_params``)."""
+    leaves = jax.tree.leaves(target)
+    if not leaves or not all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
+                             for x in leaves):
+      raise TypeError("target must be a tree of jax.ShapeDtypeStruct with sharding= set "
+                      "(see abstract_params)")
+    self.path = epath.Path(path)
+    self.target = target
+    import orbax.checkpoint as ocp
+    self._ckptr = ocp.StandardCheckpointer()
+    self.last_fetch_s = 0.0
+
+  def versions(self) -> list[int]:
+    return list_versions(self.path)
+
+  def latest_version(self) -> int | None:
+    versions = list_versions(self.path)
+    return versions[-1] if versions else None
+
+  def fetch(self, version: int | None = None, retries: int = 3) -> dict:
+    """Restores ``version`` (default: the latest) onto the sampler mesh.
+
+    When no version is named and the chosen one is deleted by the publisher's retention while it
+    is read, the newest version is tried again (up to ``retries`` times).
+    """
+    t0 = time.perf_counter()
+    for attempt in range(retries + 1):
+      v = self.latest_version() if version is None else version
+      if v is None:
+        raise LookupError(f"no published weights under {self.path}")
+      d = self.path / str(v)
+      if not (d / COMMIT_FILE).exists():
+        raise LookupError(f"version {v} is not published under {self.path} "
+                          f"(published: {self.versions()})")
+      try:
+        params = self._ckptr.restore(d, self.target)
+        break
+      except Exception:  # deleted under us by retention: retry with the newest version
+        if version is not None or attempt == retries or (d / COMMIT_FILE).exists():
+          raise
+    jax.block_until_ready(params)
+    self.last_fetch_s = time.perf_counter() - t0
+    return params
+
+  def close(self) -> None:
+    self._ckptr.close()
+
+
+class OrbaxTransfer:
+  """Both sides in one object (the runtime's single-process use of the Orbax path)."""
+
+  mode = "orbax"
+
+  def __init__(self, path, keep: int, target):
+    self.publisher = OrbaxPublisher(path, keep)
+    self.receiver = OrbaxReceiver(path, target)
+
+  def publish(self, params, version: int, wait: bool = True) -> float:
+    return self.publisher.publish(params, version, wait)
+
+  def wait(self) -> float:
+    return self.publisher.wait()
+
+  def latest_version(self) -> int | None:
+    return self.receiver.latest_version()
+
+  def fetch(self, version: int | None = None) -> dict:
+    return self.receiver.fetch(version)
+
+  def send(self, params, version: int) -> dict:
+    """``publish`` (finalized) then ``fetch``: the parameters of ``version`` on the sampler mesh."""
+    self.publish(params, version)
+    return self.fetch(version)
+
+  @property
+  def last_publish_s(self) -> float:
+    return self.publisher.last_publish_s
+
+  @property
+  def last_fetch_s(self) -> float:
+    return self.receiver.last_fetch_s
+
+  def close(self) -> None:
+    self.publisher.close()
+    self.receiver.close()
+
+
+def _remove(path: epath.Path) -> None:
+  """Deletes a version directory; on a local disk it first leaves the listing by an atomic rename."""
+  try:
+    if os.path.isdir(os.fspath(path)):
+      hidden = path.parent / f".deleting-{path.name}-{uuid.uuid4().hex[:8]}"
+      os.rename(os.fspath(path), os.fspath(hidden))
+      path = hidden
+  except (OSError, TypeError, NotImplementedError):
+    pass
+  if path.exists():
+    path.rmtree() if path.is_dir() else path.unlink()
+
+
+# ---- factory ------------------------------------------------------------------------------------
+def build(weights, workdir, learner_mesh, sampler_mesh, params, shardings=None):
+  """The transfer named by ``weights.transfer`` (config section ``weights``).
+
+  ``params`` is the model (``nnx.Module``) or its ``nnx.State`` of ``nnx.Param`` variables, from
+  which the sampler shardings are derived; with a pure dict, pass ``shardings`` (a pure dict of
+  shardings on ``sampler_mesh``). ``learner_mesh`` only tells whether the two meshes share devices
+  (``.colocated`` on the result); ``device_put`` copies in both cases. ``weights.path`` "" means
+  ``<workdir>/weights``.
+  """
+  if shardings is None:
+    shardings = target_shardings(params, sampler_mesh)
+  if weights.transfer == "device_put":
+    transfer = DevicePutTransfer(shardings)
+  elif weights.transfer == "orbax":
+    path = weights.path or os.path.join(os.fspath(workdir), "weights")
+    transfer = OrbaxTransfer(path, weights.keep, abstract_params(params, shardings))
+  else:
+    raise ValueError(f"weights.transfer={weights.transfer!r} is not one of ('device_put', 'orbax')")
+  same = learner_mesh is not None and (set(learner_mesh.devices.flat) == set(sampler_mesh.devices.flat))
+  transfer.colocated = same
+  return transfer

@@ -1,0 +1,203 @@
+"""Weight transfer learner (devices 0-3) -> sampler (devices 4-7): device_put and Orbax."""
+
+import os
+import shutil
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax import config as config_lib
+from areal_jax import sharding
+from areal_jax.models import ModelConfig, Transformer
+from areal_jax.runtime import weight_transfer as wt
+
+SAMPLER_SHAPES = [dict(data=4), dict(data=2, tensor=2)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+  devices = jax.devices()
+  assert len(devices) >= 8, "tests/conftest.py should provide 8 CPU devices"
+  model = Transformer(ModelConfig(), nnx.Rngs(0))
+  state = nnx.state(model, nnx.Param)
+  learner_mesh = sharding.make_mesh(dict(fsdp=4), devices[:4])
+  learner_shardings = wt.target_shardings(state, learner_mesh)
+  params = jax.device_put(nnx.to_pure_dict(state), learner_shardings)
+  return dict(state=state, params=params, learner_mesh=learner_mesh, devices=devices)
+
+
+def sampler_mesh(setup, shape):
+  return sharding.make_mesh(shape, setup["devices"][4:8])
+
+
+def shifted(params, v):
+  return jax.tree.map(lambda x: x + v, params)
+
+
+def assert_on_sampler(out, expected_values, shardings, setup):
+  assert jax.tree.structure(out) == jax.tree.structure(expected_values)
+  sampler_devices = set(setup["devices"][4:8])
+  for got, want, sh in zip(jax.tree.leaves(out), jax.tree.leaves(expected_values),
+                           jax.tree.leaves(shardings)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.dtype == want.dtype
+    assert got.sharding == sh
+    assert set(got.sharding.device_set) == sampler_devices
+
+
+def weights_config(transfer, path="", keep=2):
+  c = config_lib.base_config().weights
+  c.transfer, c.path, c.keep = transfer, str(path), keep
+  return c
+
+
+@pytest.mark.parametrize("shape", SAMPLER_SHAPES, ids=str)
+def test_device_put_lands_on_sampler_mesh(setup, shape):
+  mesh = sampler_mesh(setup, shape)
+  transfer = wt.build(weights_config("device_put"), "/unused", setup["learner_mesh"], mesh,
+                      setup["state"])
+  assert isinstance(transfer, wt.DevicePutTransfer) and not transfer.colocated
+  learner_copy = jax.tree.map(lambda x: x.copy(), setup["params"])
+  seconds = transfer.publish(learner_copy, 1)
+  assert seconds > 0 and transfer.latest_version() == 1
+  # The sampler's copy is independent of the learner's buffers (the learner may donate them).
+  jax.tree.map(lambda x: x.delete(), learner_copy)
+  shardings = wt.target_shardings(setup["state"], mesh)
+  assert_on_sampler(transfer.fetch(1), setup["params"], shardings, setup)
+  out = transfer.send(shifted(setup["params"], 2.0), 2)
+  assert_on_sampler(out, shifted(setup["params"], 2.0), shardings, setup)
+  with pytest.raises(ValueError, match="must increase"):
+    transfer.publish(setup["params"], 2)
+  with pytest.raises(LookupError, match="only the latest"):
+    transfer.fetch(1)
+
+
+@pytest.mark.parametrize("shape", SAMPLER_SHAPES, ids=str)
+def test_orbax_restores_into_sampler_sharding(setup, shape, tmp_path):
+  mesh = sampler_mesh(setup, shape)
+  transfer = wt.build(weights_config("orbax", tmp_path / "w"), tmp_path, setup["learner_mesh"],
+                      mesh, setup["state"])
+  assert isinstance(transfer, wt.OrbaxTransfer)
+  out = transfer.send(setup["params"], 1)
+  shardings = wt.target_shardings(setup["state"], mesh)
+  assert_on_sampler(out, setup["params"], shardings, setup)
+  assert transfer.last_publish_s > 0 and transfer.last_fetch_s > 0
+  print(f"orbax {shape}: publish {transfer.last_publish_s:.3f}s fetch {transfer.last_fetch_s:.3f}s")
+  # A second receiver (another process, in real use) sees the same published version.
+  other = wt.OrbaxReceiver(tmp_path / "w", wt.abstract_params(setup["state"], shardings))
+  assert other.latest_version() == 1
+  assert_on_sampler(other.fetch(), setup["params"], shardings, setup)
+  other.close()
+  transfer.close()
+
+
+def test_default_path_is_under_workdir(setup, tmp_path):
+  mesh = sampler_mesh(setup, dict(data=4))
+  transfer = wt.build(weights_config("orbax"), tmp_path, setup["learner_mesh"], mesh, setup["state"])
+  transfer.publish(setup["params"], 0)
+  assert wt.list_versions(tmp_path / "weights") == [0]
+  transfer.close()
+
+
+def test_orbax_keeps_last_k_and_versions_increase(setup, tmp_path):
+  mesh = sampler_mesh(setup, dict(data=4))
+  shardings = wt.target_shardings(setup["state"], mesh)
+  transfer = wt.OrbaxTransfer(tmp_path, keep=2, target=wt.abstract_params(setup["state"], shardings))
+  for v in range(1, 5):
+    transfer.publish(shifted(setup["params"], float(v)), v)
+    assert transfer.latest_version() == v
+  assert wt.list_versions(tmp_path) == [3, 4]
+  assert sorted(os.listdir(tmp_path)) == ["3", "4"]  # nothing else left behind
+  assert_on_sampler(transfer.fetch(3), shifted(setup["params"], 3.0), shardings, setup)
+  assert_on_sampler(transfer.fetch(), shifted(setup["params"], 4.0), shardings, setup)
+  for bad in (4, 2):
+    with pytest.raises(ValueError, match="must increase"):
+      transfer.publish(setup["params"], bad)
+  with pytest.raises(LookupError, match="not published"):
+    transfer.fetch(2)
+  transfer.close()
+
+
+def test_crash_leftovers_are_never_served(setup, tmp_path):
+  mesh = sampler_mesh(setup, dict(data=2, tensor=2))
+  shardings = wt.target_shardings(setup["state"], mesh)
+  target = wt.abstract_params(setup["state"], shardings)
+  pub = wt.OrbaxPublisher(tmp_path, keep=3)
+  for v in (1, 2):
+    pub.publish(shifted(setup["params"], float(v)), v)
+  pub.close()
+  # A crash mid-write leaves: a tmp dir (even a complete-looking one), a final-named directory
+  # without the commit marker (object-store style), and unrelated files.
+  shutil.copytree(tmp_path / "2", tmp_path / "3.orbax-checkpoint-tmp-1700000000")
+  shutil.copytree(tmp_path / "2", tmp_path / "4")
+  os.remove(tmp_path / "4" / wt.COMMIT_FILE)
+  (tmp_path / "notes.txt").write_text("x")
+  receiver = wt.OrbaxReceiver(tmp_path, target)
+  assert receiver.versions() == [1, 2] and receiver.latest_version() == 2
+  assert_on_sampler(receiver.fetch(), shifted(setup["params"], 2.0), shardings, setup)
+  with pytest.raises(LookupError, match="not published"):
+    receiver.fetch(4)
+  # The restarted learner (resumed at version 2) publishes 3: leftovers are cleared first.
+  restarted = wt.OrbaxPublisher(tmp_path, keep=3)
+  restarted.publish(shifted(setup["params"], 3.0), 3)
+  assert sorted(os.listdir(tmp_path)) == ["1", "2", "3", "notes.txt"]
+  assert_on_sampler(receiver.fetch(), shifted(setup["params"], 3.0), shardings, setup)
+  restarted.close()
+  # A run resumed from an older checkpoint drops the crashed timeline's newer versions.
+  resumed = wt.OrbaxPublisher(tmp_path, keep=3)
+  resumed.publish(shifted(setup["params"], 20.0), 2)
+  assert wt.list_versions(tmp_path) == [1, 2]
+  assert_on_sampler(receiver.fetch(), shifted(setup["params"], 20.0), shardings, setup)
+  resumed.close()
+  receiver.close()
+
+
+def test_concurrent_reader_never_sees_a_partial_version(setup, tmp_path):
+  """A reader polling while async saves finalize only ever loads complete, matching versions."""
+  mesh = sampler_mesh(setup, dict(data=4))
+  shardings = wt.target_shardings(setup["state"], mesh)
+  pub = wt.OrbaxPublisher(tmp_path, keep=2)
+  receiver = wt.OrbaxReceiver(tmp_path, wt.abstract_params(setup["state"], shardings))
+  expected = {v: shifted(setup["params"], float(v)) for v in range(1, 6)}
+  stop, seen, problems = threading.Event(), [], []
+
+  def reader():
+    while not stop.is_set():
+      for v in range(1, 6):  # a final-named directory is always complete (rename is atomic)
+        d = tmp_path / str(v)
+        if d.exists() and not (d / wt.COMMIT_FILE).exists() and d.exists():
+          problems.append(f"version {v} visible before its commit marker")
+      try:
+        v = receiver.latest_version()
+        if v is None:
+          continue
+        out = receiver.fetch()
+      except Exception as e:  # noqa: BLE001 - reported below
+        problems.append(repr(e))
+        continue
+      leaf = np.asarray(jax.tree.leaves(out)[0])
+      match = [w for w, p in expected.items() if np.array_equal(leaf, np.asarray(jax.tree.leaves(p)[0]))]
+      if not match:
+        problems.append("fetched weights match no published version")
+      seen.append(match[0] if match else None)
+
+  thread = threading.Thread(target=reader, daemon=True)
+  thread.start()
+  last = 0
+  for v in range(1, 6):
+    blocked = pub.publish(expected[v], v, wait=False)
+    assert blocked >= 0
+    pub.wait()
+    assert pub.latest_version() == v
+  stop.set()
+  thread.join(30)
+  pub.close()
+  receiver.close()
+  assert not problems, problems[:5]
+  assert seen, "the reader never loaded a version"
+  for v in seen:  # versions a single reader observes never go backwards
+    assert v >= last
+    last = v
