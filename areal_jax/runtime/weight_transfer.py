@@ -147,7 +147,10 @@ def list_versions(path) -> list[int]:
 
 
 class OrbaxPublisher:
-  """Learner side: writes ``<path>/<version>/`` atomically and keeps the newest ``keep`` versions."""
+  """Learner side: writes ``<path>/<version>/`` atomically and keeps the newest ``keep`` versions.
+
+  One writer per directory, called from one thread (the learner's).
+  """
 
   mode = "orbax"
 
@@ -341,6 +344,11 @@ def build(weights, workdir, learner_mesh, sampler_mesh, params, shardings=None):
   ``<workdir>/weights``.
   """
   if shardings is None:
+    if not isinstance(params, (nnx.Module, nnx.State)):
+      raise TypeError(f"weight_transfer.build: params is a {type(params).__name__}, which has no "
+                      "logical axes to derive the sampler shardings from; pass the model, its "
+                      "nnx.State of nnx.Param, or shardings= (a pure dict of shardings on the "
+                      "sampler mesh)")
     shardings = target_shardings(params, sampler_mesh)
   if weights.transfer == "device_put":
     transfer = DevicePutTransfer(shardings)

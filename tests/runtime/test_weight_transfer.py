@@ -102,6 +102,19 @@ def test_default_path_is_under_workdir(setup, tmp_path):
   transfer.close()
 
 
+def test_build_from_pure_dict_needs_shardings(setup, tmp_path):
+  mesh = sampler_mesh(setup, dict(data=4))
+  with pytest.raises(TypeError, match="shardings="):
+    wt.build(weights_config("device_put"), tmp_path, setup["learner_mesh"], mesh, setup["params"])
+  shardings = wt.target_shardings(setup["state"], mesh)
+  transfer = wt.build(weights_config("orbax", tmp_path), tmp_path, None, mesh, setup["params"],
+                      shardings=shardings)
+  assert_on_sampler(transfer.send(setup["params"], 0), setup["params"], shardings, setup)
+  transfer.close()
+  with pytest.raises(ValueError, match="weights.transfer"):
+    wt.build(weights_config("nccl"), tmp_path, None, mesh, setup["state"])
+
+
 def test_orbax_keeps_last_k_and_versions_increase(setup, tmp_path):
   mesh = sampler_mesh(setup, dict(data=4))
   shardings = wt.target_shardings(setup["state"], mesh)
