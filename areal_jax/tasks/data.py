@@ -4,7 +4,7 @@ Readers return plain ``dict`` rows. JSON lines (``.jsonl``) are read with the st
 Hugging Face dataset stored locally (``.parquet`` files from the hub, or the ``.arrow`` files that
 ``Dataset.save_to_disk`` and the datasets cache write) needs ``pyarrow``, which is imported only on
 that path. A path may be one file or a directory, in which case every data file below it is read in
-sorted path order.
+sorted path order (only the requested split's files when the directory holds several splits).
 
 Every row goes through a task-supplied ``validate(row) -> problem | None``. A bad row raises
 :class:`MalformedRowError` naming the file and line (row number for columnar files), unless
@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import re
 from collections.abc import Callable, Sequence
 
 import grain
@@ -59,8 +60,25 @@ def _import_pyarrow(kind: str):
   return pyarrow
 
 
-def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
-  """The data files a path names: itself, or every ``.jsonl/.parquet/.arrow`` file below it."""
+_SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
+
+
+def _split_of(relative: pathlib.Path) -> str | None:
+  """The split a data file's path names (``main/train-00000-of-00001.parquet``), if any."""
+  for part in reversed(relative.parts):
+    for token in re.split(r"[^a-z]+", part.lower()):
+      if token in _SPLIT_NAMES:
+        return token
+  return None
+
+
+def data_files(path: str | pathlib.Path, split: str | None = None) -> list[pathlib.Path]:
+  """The data files a path names: itself, or every ``.jsonl/.parquet/.arrow`` file below it.
+
+  For a directory that holds several splits (a Hugging Face snapshot ``main/train-*.parquet`` and
+  ``main/test-*.parquet``, or a datasets cache folder with ``gsm8k-train.arrow`` and
+  ``gsm8k-test.arrow``), only the files whose path names ``split`` are used.
+  """
   p = pathlib.Path(path).expanduser()
   if not p.exists():
     raise FileNotFoundError(f"data path not found: {p}")
@@ -72,22 +90,24 @@ def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
                  and not any(part.startswith(".") for part in f.relative_to(p).parts))
   if not files:
     raise FileNotFoundError(f"no {'/'.join(DATA_SUFFIXES)} files found under directory {p}")
+  splits = {f: _split_of(f.relative_to(p)) for f in files}
+  if split is not None and len(set(splits.values()) - {None}) > 1:
+    files = [f for f in files if splits[f] == split]
+    if not files:
+      raise FileNotFoundError(f"{p} holds the splits {sorted(set(splits.values()) - {None})} "
+                              f"but no {split!r} files; point at the {split} file or folder")
   return files
 
 
 def _jsonl_records(path: pathlib.Path):
   """Yields ``(line_number, row_or_problem)``; blank lines are ignored."""
-  with open(path, encoding="utf-8", errors="strict") as f:
-    lineno = 0
-    while True:
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
       try:
-        line = f.readline()
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
       except UnicodeDecodeError as e:
-        yield lineno + 1, f"not valid UTF-8 ({e.reason})"
-        return
-      if not line:
-        return
-      lineno += 1
+        yield lineno, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+        continue
       if not line.strip():
         continue
       try:
@@ -123,10 +143,11 @@ def _columnar_records(path: pathlib.Path):
     yield i, row
 
 
-def read_rows(path: str | pathlib.Path, validate: Validator, skip_malformed: bool = False) -> Rows:
-  """Reads and validates every row under ``path``; see the module docstring for the rules."""
+def read_rows(path: str | pathlib.Path, validate: Validator, skip_malformed: bool = False,
+              split: str | None = None) -> Rows:
+  """Reads and validates every row under ``path`` (``split``: see :func:`data_files`)."""
   out = Rows(rows=[])
-  for file in data_files(path):
+  for file in data_files(path, split):
     records = _jsonl_records(file) if file.suffix == ".jsonl" else _columnar_records(file)
     unit = "line" if file.suffix == ".jsonl" else "row"
     for line, row in records:

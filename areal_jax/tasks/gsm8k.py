@@ -3,7 +3,8 @@
 The package ships a copy of GSM8K (``data/gsm8k/{train,test}.jsonl``, 7,473 and 1,319 problems,
 MIT license in ``data/gsm8k/LICENSE``). ``task.train_path`` / ``task.test_path`` may point at another
 copy instead: JSON lines, or a Hugging Face dataset stored locally as Parquet or Arrow files (a file
-or a directory). A row needs a non-empty string ``question`` and a string ``answer`` whose last
+or a directory; a directory holding several splits, like a hub snapshot with
+``main/train-*.parquet`` and ``main/test-*.parquet``, gives each split its own files). A row needs a non-empty string ``question`` and a string ``answer`` whose last
 ``#### N`` gives the numeric answer; an ``id`` column is kept when present.
 """
 
@@ -65,6 +66,7 @@ class GSM8KTask(Task):
   def _load(self, split: str) -> data.Rows:
     given = self.settings[f"{split}_path"]
     path = pathlib.Path(given).expanduser() if given else shipped_path(split)
-    rows = data.read_rows(path, validate_row, skip_malformed=bool(self.settings["skip_malformed"]))
+    rows = data.read_rows(path, validate_row, skip_malformed=bool(self.settings["skip_malformed"]),
+                          split=split)
     rows.rows = to_examples(rows.rows, f"gsm8k-{split}")
     return rows

@@ -11,7 +11,7 @@ The final answer of a completion is looked for in this order:
 Numbers may carry thousands commas (``1,000``, LaTeX ``1{,}000``), ``$`` / ``\\$``, a ``%``, units
 (``18 dollars``, ``\\text{ cm}^2``), trailing zeros (``18.00``), a sign (``-5``, ``\\u22125``), and may be
 fractions (``3/4``, ``\\frac{3}{4}``, ``\\dfrac34``, mixed ``1 1/2``). Values are compared exactly as
-fractions, with a relative tolerance of 1e-6 for rounded decimals.
+fractions, with a relative tolerance of 1e-6 when one is not an integer (rounded decimals).
 
 :func:`reward` is total: any input (garbage, a megabyte of text, a non-string) gives 0.0 or 1.0 and
 never raises. Every step is linear in the input: ``rfind`` from the end, bounded brace scans, and
@@ -190,10 +190,17 @@ def reference_answer(answer: str) -> Fraction | None:
 
 
 def same_number(a: Fraction | None, b: Fraction | None) -> bool:
-  """Exact equality, or within a relative 1e-6 (so 0.333333 matches 1/3, 0.33 does not)."""
+  """Exact equality; a non-integer may also be within a relative 1e-6 (0.3333333 matches 1/3).
+
+  Two integers must be equal (999999 is not 1000000).
+  """
   if a is None or b is None:
     return False
-  return a == b or abs(a - b) <= REL_TOL * max(1, abs(b))
+  if a == b:
+    return True
+  if a.denominator == 1 and b.denominator == 1:
+    return False
+  return abs(a - b) <= REL_TOL * max(1, abs(b))
 
 
 def score(completion: str, reference: str) -> float:
