@@ -1,0 +1,235 @@
+"""The training run, top to bottom: ``run(config, workdir)``.
+
+Two device meshes work at the same time. The sampler mesh generates rollouts without pause (the
+rollout controller keeps its slots full, within the staleness bound); the learner mesh trains on
+batches of finished groups and publishes each new policy version to the sampler, which applies it
+between two decode steps (partial rollouts). ``rollout.max_head_offpolicyness = 0`` makes the same
+loop synchronous RL.
+
+Follow one batch: controller admits a prompt group -> engine generates n samples -> reward pool
+scores them -> staleness queue -> ``take_batch`` here -> ``learner.train_step`` -> publish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+
+from areal_jax import config as config_lib
+from areal_jax import models, tasks
+from areal_jax.learner import Learner
+from areal_jax.rollout_api import SamplingParams
+from areal_jax.runtime import engines, meshes, weight_transfer
+from areal_jax.runtime.checkpoint import Checkpointer
+from areal_jax.runtime.controller import RolloutController
+from areal_jax.runtime.metrics import MetricsWriter
+from areal_jax.runtime.rewards import RewardPool
+from areal_jax.runtime.staleness import StalenessController
+
+
+def run(config, workdir: str, wrap_engine=None) -> dict:
+  """Trains until ``train.total_steps`` policy versions exist; resumes from ``workdir``.
+
+  ``wrap_engine`` (optional) wraps the rollout engine, e.g. to shape a benchmark workload.
+  Returns the last step's metrics.
+  """
+  config_lib.validate(config, jax.device_count())
+  os.makedirs(workdir, exist_ok=True)
+  _write_config(config, workdir)
+  c_roll, c_act, c_train = config.rollout, config.actor, config.train
+  learner_mesh, sampler_mesh = meshes.build(config.mesh)
+
+  model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+  task = tasks.get_task(config.task)
+  sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
+  learner = Learner(model, c_act, learner_mesh, temperature=c_roll.temperature)
+  engine = engines.build(config, model, tokenizer, sampler_mesh)
+  if wrap_engine is not None:
+    engine = wrap_engine(engine)
+  transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
+                                   learner.params(), shardings=sampler_shardings)
+  ckpt = Checkpointer(workdir, c_train.keep_checkpoints)
+
+  # Resume: learner state, policy version, data position and unfinished groups.
+  version, meta = 0, {}
+  if ckpt.latest_step() is not None:
+    version = ckpt.latest_step()
+    state, meta = ckpt.restore(version, learner.state)
+    learner.load_state(state)
+    print(f"resumed from {ckpt.directory} at version {version}", flush=True)
+  data_iter = task.train_iterator(seed=config.seed, epochs=c_train.epochs)
+  if meta.get("data_state") is not None:
+    data_iter.set_state(meta["data_state"])
+  staleness = StalenessController(c_act.batch_size, c_roll.max_head_offpolicyness,
+                                  c_roll.max_concurrent_rollouts or c_act.batch_size)
+  staleness.resume(version)  # accepted = version x B: the bound holds after a restart
+
+  rewards = RewardPool(c_roll.reward_workers, c_roll.reward_timeout_s)
+  params = SamplingParams(temperature=c_roll.temperature, top_p=c_roll.top_p, top_k=c_roll.top_k,
+                          max_new_tokens=c_roll.max_new_tokens)
+  controller = RolloutController(
+      engine, task, tokenizer, staleness, data_iter, rewards, n_samples=c_roll.n_samples,
+      params=params, max_prompt_len=c_roll.max_prompt_len,
+      filter_uniform_groups=c_roll.filter_uniform_groups, seed=config.seed,
+      next_group_id=meta.get("next_group_id", 0), pending=meta.get("pending"))
+  engine.update_params(transfer.send(learner.params(), version), version)
+  writer = MetricsWriter(workdir, c_train.total_steps, resume_step=version)
+  totals = meta.get("totals", dict(groups_accepted=0, groups_rejected=0, wall_time_s=0.0))
+  dump = _TrajectoryDump(workdir) if c_train.dump_trajectories else None
+
+  stop = _StopFlag()
+  engine.start()
+  controller.start()
+  last_stats, last_t, t_start = dict(controller.stats), time.time(), time.time()
+  result = {}
+  try:
+    for step in range(version, c_train.total_steps):
+      # 1. Wait for B accepted groups, none older than the bound allows.
+      t0 = time.time()
+      batch = None
+      while batch is None:
+        batch = staleness.take_batch(step, timeout=0.5)
+        controller.check()
+        if stop.requested:
+          raise KeyboardInterrupt
+        if batch is None and controller.data_exhausted and staleness.idle():
+          raise RuntimeError(f"the training data ran out at step {step}: raise train.epochs")
+      wait_s = time.time() - t0
+
+      # 2. Train: recompute proximal logprobs, advantages, ppo_n_minibatches updates.
+      if config.mesh.colocated:
+        engine.pause()
+      t1 = time.time()
+      metrics = learner.train_step([g.samples for g in batch], [g.rewards for g in batch])
+      train_s = time.time() - t1
+      controller.mark_trained([g.group_id for g in batch])
+
+      # 3. Publish version step + 1 to the sampler (in flight, or between sequences).
+      t2 = time.time()
+      if not c_roll.partial_rollouts:
+        controller.pause_admission()
+        controller.wait_idle()
+      engine.update_params(transfer.send(learner.params(), step + 1), step + 1)
+      staleness.publish(step + 1)
+      controller.resume_admission()
+      if config.mesh.colocated:
+        engine.resume()
+      publish_s = time.time() - t2
+
+      # 4. Report.
+      now = time.time()
+      stats = dict(controller.stats)
+      delta = {k: stats[k] - last_stats[k] for k in stats}
+      period = now - last_t
+      last_stats, last_t = stats, now
+      totals["groups_accepted"] += delta["groups_accepted"]
+      totals["groups_rejected"] += delta["groups_rejected"]
+      staleness_s = [step - min(s.versions) for g in batch for s in g.samples if s.versions]
+      row = dict(
+          step=step + 1, version=step + 1,
+          reward_mean=float(np.mean([r for g in batch for r in g.rewards])),
+          groups_accepted=totals["groups_accepted"], groups_rejected=totals["groups_rejected"],
+          staleness_mean=float(np.mean(staleness_s)) if staleness_s else 0.0,
+          staleness_max=int(max(staleness_s, default=0)),
+          behav_weight_max=metrics.get("behav_weight_max"), clip_frac=metrics.get("clip_frac"),
+          loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
+          gen_tokens_per_s=delta["gen_tokens"] / max(period, 1e-9),
+          train_tokens_per_s=metrics.get("tokens", 0) / max(train_s, 1e-9),
+          learner_wait_s=wait_s, sampler_idle_frac=min(1.0, delta["idle_s"] / max(period, 1e-9)),
+          weight_publish_s=publish_s, step_time_s=period,
+          wall_time_s=totals["wall_time_s"] + now - t_start,
+          reward_failures=stats["reward_failures"], prompts_too_long=stats["prompts_too_long"],
+          **{f"learner/{k}": v for k, v in metrics.items()})
+      if c_train.eval_every and (step + 1) % c_train.eval_every == 0:
+        row.update(evaluate(controller, task, c_train))
+      writer.write(row)
+      if dump is not None:
+        dump.write(step, batch)
+      result = row
+
+      # 5. Checkpoint (atomic; a crash before this point redoes the step after resume).
+      if (step + 1) % c_train.checkpoint_every == 0 or step + 1 == c_train.total_steps:
+        _save(ckpt, learner, controller, staleness, step + 1, totals, t_start)
+  except KeyboardInterrupt:
+    print("interrupted: saving a checkpoint before exiting", flush=True)
+    if learner.version > (ckpt.latest_step() or 0):
+      _save(ckpt, learner, controller, staleness, learner.version, totals, t_start)
+  finally:
+    stop.restore()
+    controller.stop()
+    engine.stop()
+    rewards.close()
+    writer.close()
+    ckpt.close()
+  return result
+
+
+def evaluate(controller: RolloutController, task, c_train) -> dict:
+  """Greedy pass@1 (and sampled mean@k) on the held-out split, outside the staleness bound."""
+  examples = task.test_examples(c_train.eval_size)
+  greedy = controller.evaluate(examples, 1, SamplingParams(greedy=True,
+                                                           max_new_tokens=controller.params.max_new_tokens))
+  out = {"eval_accuracy": float(np.mean([g.rewards[0] > 0.5 for g in greedy]))}
+  if c_train.eval_samples > 1:
+    sampled = controller.evaluate(examples, c_train.eval_samples, SamplingParams(
+        temperature=c_train.eval_temperature, max_new_tokens=controller.params.max_new_tokens))
+    out[f"eval_mean@{c_train.eval_samples}"] = float(np.mean([r > 0.5 for g in sampled for r in g.rewards]))
+  return out
+
+
+def _save(ckpt, learner, controller, staleness, version, totals, t_start) -> None:
+  snap = controller.snapshot()
+  totals = dict(totals, wall_time_s=totals["wall_time_s"] + time.time() - t_start)
+  meta = dict(version=version, totals=totals, staleness=staleness.state_dict(), **snap)
+  ckpt.save(version, learner.state, meta)
+
+
+def _write_config(config, workdir: str) -> None:
+  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+
+class _TrajectoryDump:
+  """``<workdir>/trajectories/step_<n>.jsonl``: every trained sample, for audits."""
+
+  def __init__(self, workdir: str):
+    self.dir = os.path.join(workdir, "trajectories")
+    os.makedirs(self.dir, exist_ok=True)
+
+  def write(self, step: int, batch) -> None:
+    path = os.path.join(self.dir, f"step_{step:06d}.jsonl")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      for g in batch:
+        for s, r in zip(g.samples, g.rewards):
+          f.write(json.dumps(dict(
+              trained_at_version=step, group_id=g.group_id, example_id=g.example.get("id"), index=s.index,
+              admit_version=g.admit_version, reward=r, prompt_tokens=s.prompt_tokens,
+              tokens=s.tokens, versions=s.versions, logprobs=s.logprobs,
+              finish_reason=s.finish_reason, staleness=step - min(s.versions, default=step))) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+class _StopFlag:
+  """Turns SIGINT/SIGTERM into a clean stop at the next step boundary (with a checkpoint)."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (e.g. a notebook worker): keep default handling
+        pass
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def restore(self) -> None:
+    for sig, old in self._old.items():
+      signal.signal(sig, old)

@@ -1,0 +1,137 @@
+r"""Asynchronous vs synchronous RL: the same run at several staleness bounds, side by side.
+
+  python bench/async_vs_sync.py --json /tmp/async.json            # eta in {0, 1, 2, 4, 8}
+  python bench/async_vs_sync.py --quick                           # a few minutes
+
+Every run trains the same config for the same number of steps; only
+``rollout.max_head_offpolicyness`` (eta) changes, and eta = 0 is synchronous RL. Generation lengths
+are long-tailed, as with reasoning models: each sample's token budget is drawn from a log-normal
+distribution (seeded by group and sample), so a synchronous batch waits for its longest sequence
+while an asynchronous sampler keeps its slots busy. Reported per eta: wall time per step, effective
+trained tokens/s, learner wait and sampler idle fractions, final reward, and the throughput ratio
+against eta = 0 (JSON: top-level ``speedup`` and ``final_reward``, keyed by eta as a string).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from areal_jax import config as config_lib  # noqa: E402
+from areal_jax.rollout_api import GroupRequest, RolloutEngine  # noqa: E402
+from areal_jax.runtime import metrics as metrics_lib  # noqa: E402
+from areal_jax.runtime import trainer  # noqa: E402
+
+
+class LongTailEngine(RolloutEngine):
+  """Gives each sample of a group its own log-normal token budget (a long-tailed workload)."""
+
+  def __init__(self, inner: RolloutEngine, median: int, sigma: float, cap: int):
+    self.inner, self.median, self.sigma, self.cap = inner, median, sigma, cap
+
+  def budget(self, group_id: int, index: int) -> int:
+    rng = np.random.default_rng([abs(group_id), index])
+    return int(np.clip(rng.lognormal(np.log(self.median), self.sigma), 4, self.cap))
+
+  def submit(self, request: GroupRequest) -> None:
+    if request.metadata.get("kind") == "eval":
+      return self.inner.submit(request)
+    for i in range(request.n):
+      params = dataclasses.replace(request.params, seed=request.params.seed + i,
+                                   max_new_tokens=self.budget(request.group_id, i))
+      meta = dict(request.metadata, group=request.group_id, index=i)
+      self.inner.submit(GroupRequest(request.group_id * 1024 + i, request.prompt_tokens, 1, params, meta))
+
+  def poll(self, timeout=0.0):
+    out = self.inner.poll(timeout)
+    for s in out:
+      if "group" in s.metadata:
+        s.group_id, s.index = s.metadata["group"], s.metadata["index"]
+    return out
+
+  def abort(self, group_id):
+    for i in range(1024):
+      self.inner.abort(group_id * 1024 + i)
+
+  start = property(lambda self: self.inner.start)
+  stop = property(lambda self: self.inner.stop)
+  update_params = property(lambda self: self.inner.update_params)
+  pause = property(lambda self: self.inner.pause)
+  resume = property(lambda self: self.inner.resume)
+  version = property(lambda self: self.inner.version)
+
+
+def run_one(eta: int, args) -> dict:
+  c = config_lib.load(args.config)
+  for key, value in {"rollout.max_head_offpolicyness": eta, "train.total_steps": args.steps,
+                     "rollout.max_new_tokens": args.cap, "train.checkpoint_every": 10**6,
+                     "actor.batch_size": args.batch, "rollout.num_slots": args.slots,
+                     "rollout.filter_uniform_groups": False}.items():
+    config_lib.override(c, key, value)
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer.run(c, workdir, wrap_engine=lambda e: LongTailEngine(e, args.median, args.sigma, args.cap))
+    rows = metrics_lib.read(os.path.join(workdir, "metrics.jsonl"))
+  skip = min(args.warmup, len(rows) - 1)  # compilation happens in the first steps
+  timed = rows[skip:]
+  wall = sum(r["step_time_s"] for r in timed)
+  tokens = sum(r["learner/tokens"] for r in timed)
+  return dict(
+      eta=eta, steps=len(rows), timed_steps=len(timed), wall_per_step_s=wall / len(timed),
+      trained_tokens_per_s=tokens / wall, learner_wait_frac=sum(r["learner_wait_s"] for r in timed) / wall,
+      sampler_idle_frac=float(np.mean([r["sampler_idle_frac"] for r in timed])),
+      staleness_max=max(r["staleness_max"] for r in rows),
+      final_reward=float(np.mean([r["reward_mean"] for r in rows[-max(1, len(rows) // 4):]])))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", default="configs/gsm8k.py:tiny")
+  p.add_argument("--etas", default="0,1,2,4,8")
+  p.add_argument("--steps", type=int, default=16)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--slots", type=int, default=32)
+  p.add_argument("--median", type=int, default=48)
+  p.add_argument("--sigma", type=float, default=1.0)
+  p.add_argument("--cap", type=int, default=512)
+  p.add_argument("--quick", action="store_true", help="eta in {0, 4}, fewer steps")
+  p.add_argument("--json", default="")
+  args = p.parse_args()
+  if args.quick:
+    args.etas, args.steps, args.warmup = "0,4", 8, 2
+  etas = [int(e) for e in args.etas.split(",")]
+  rows = [run_one(eta, args) for eta in etas]
+  base = next(r for r in rows if r["eta"] == 0)["trained_tokens_per_s"] if 0 in etas else None
+  for r in rows:
+    r["speedup"] = r["trained_tokens_per_s"] / base if base else None
+  machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                 cores=os.cpu_count())
+  print(f"machine: {machine}; config {args.config}, {args.steps} steps ({args.warmup} untimed), "
+        f"B={args.batch}, slots={args.slots}, budget lognormal(median {args.median}, "
+        f"sigma {args.sigma}) capped at {args.cap}")
+  header = f"{'eta':>4} {'s/step':>8} {'train tok/s':>12} {'speedup':>8} {'wait':>6} {'idle':>6} {'stale':>6} {'reward':>7}"
+  print(header)
+  for r in rows:
+    print(f"{r['eta']:>4} {r['wall_per_step_s']:>8.2f} {r['trained_tokens_per_s']:>12.1f} "
+          f"{(r['speedup'] or 0):>8.2f} {r['learner_wait_frac']:>6.2f} {r['sampler_idle_frac']:>6.2f} "
+          f"{r['staleness_max']:>6d} {r['final_reward']:>7.3f}")
+  out = dict(machine=machine, args=vars(args), rows=rows,
+             speedup={str(r["eta"]): r["speedup"] for r in rows},
+             final_reward={str(r["eta"]): r["final_reward"] for r in rows})
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
