@@ -1,0 +1,271 @@
+"""Device side of the sampler: fixed decode slots, a KV cache per slot, JetStream-style calls.
+
+  * ``prefill(params, tokens)``: runs a prompt (padded to one of a few length buckets, so compilation
+    is bounded) through the model and returns its KV prefix.
+  * ``insert(state, prefix, slots, ...)``: copies one prefix into any number of slots (a GRPO group
+    shares one prefill) and sets up those slots' sampling parameters, keys and stop conditions.
+  * ``generate(params, state)``: advances every slot by ``steps_per_call`` tokens. The decode state is
+    donated; stop conditions (EOS / stop ids, max new tokens, cache full) are checked on device, so
+    several steps can run per host sync.
+
+A slot holds the *next token to feed* and its position: a prefill covers ``prompt[:-1]`` and the first
+decode step feeds the last prompt token, so every generated token (and its logprob and version)
+comes out of ``generate``. Re-prefilling a sequence under new weights is the same: prefill
+``prompt + generated[:-1]`` and feed the last generated token.
+
+Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
+mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
+``generate`` reads only the first ``kv_len`` cache positions, ``kv_len`` picked from a few buckets
+by the caller (memory bandwidth dominates decode on CPU).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from areal_jax import sharding
+from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
+from areal_jax.sampler import sampling
+
+State = dict[str, Any]
+
+
+def _buckets(requested, max_len: int, smallest: int) -> tuple[int, ...]:
+  if requested is None:
+    requested, b = [], smallest
+    while b < max_len:
+      requested.append(b)
+      b *= 2
+  return tuple(sorted({min(int(b), max_len) for b in requested} | {max_len}))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  num_slots: int = 8
+  max_len: int = 512  # cache positions per slot: prompt + generated tokens never exceed it
+  prefill_buckets: tuple[int, ...] | None = None  # default: 32, 64, ... up to max_len
+  kv_buckets: tuple[int, ...] | None = None  # default: 64, 128, ... up to max_len
+  steps_per_call: int = 1  # decode steps per generate call (per host sync)
+  max_stop_ids: int = 8  # EOS + stop ids per slot
+  cache_dtype: str | None = None  # default: the model's compute dtype
+
+  def __post_init__(self):
+    if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 1:
+      raise ValueError(f"invalid engine config {self}")
+
+
+class DecodeEngine:
+  """Jitted prefill / insert / generate over ``num_slots`` slots on ``mesh``."""
+
+  def __init__(self, model: Transformer, config: EngineConfig, mesh: Mesh | None = None):
+    self.config = config
+    self.model_cfg: ModelConfig = model.cfg
+    self.mesh = mesh or sharding.make_mesh({}, jax.devices()[:1])
+    self.graphdef, state = nnx.split(model)
+    param_state = nnx.state(model, nnx.Param)
+    self.param_shardings = nnx.to_pure_dict(
+        sharding.shardings_to_values(sharding.state_shardings(param_state, self.mesh)))
+    self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
+    self.kv_buckets = _buckets(config.kv_buckets, config.max_len, 64)
+    self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
+    self.state_shardings = self._state_shardings()
+    self._prefill_fns: dict[int, Any] = {}
+    self._insert_fns: dict[int, Any] = {}
+    self._generate_fns: dict[int, Any] = {}
+    self._init_fn = None
+    self._deactivate = jax.jit(
+        lambda state, mask_S: {**state, "active": state["active"] & ~mask_S},
+        in_shardings=(self.state_shardings, self._slot_sharding()),
+        out_shardings=self.state_shardings, donate_argnums=0)
+    self.params = self.put_params(nnx.to_pure_dict(param_state))
+
+  # ---- placement -------------------------------------------------------------------------------
+
+  def _named(self, logical, shape) -> NamedSharding:
+    return NamedSharding(self.mesh, sharding.spec(logical, shape, self.mesh))
+
+  def _slot_sharding(self, *rest):
+    s = self.config.num_slots
+    return self._named(("cache_batch",) + (None,) * len(rest), (s,) + rest)
+
+  def _state_shardings(self):
+    cfg, c = self.model_cfg, self.config
+    kv_shape = (c.num_slots, c.max_len, cfg.n_kv_heads, cfg.head_dim)
+    kv = self._named(("cache_batch", None, "cache_heads", None), kv_shape)
+    vec = self._slot_sharding()
+    return {
+        "cache": [{"k": kv, "v": kv} for _ in range(cfg.n_layers)],
+        "tokens": vec, "pos": vec, "end": vec, "active": vec,
+        "temperature": vec, "top_k": vec, "top_p": vec, "greedy": vec,
+        "key": self._slot_sharding(2), "stop_ids": self._slot_sharding(c.max_stop_ids),
+    }
+
+  def put_params(self, params: dict) -> dict:
+    """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there)."""
+    return jax.device_put(params, self.param_shardings)
+
+  def init_state(self) -> State:
+    cfg, c = self.model_cfg, self.config
+    s = c.num_slots
+
+    def make():
+      return {
+          "cache": init_cache(cfg, s, c.max_len, self._cache_dtype),
+          "tokens": jnp.zeros((s,), jnp.int32), "pos": jnp.zeros((s,), jnp.int32),
+          "end": jnp.zeros((s,), jnp.int32), "active": jnp.zeros((s,), jnp.bool_),
+          "temperature": jnp.ones((s,), jnp.float32), "top_k": jnp.zeros((s,), jnp.int32),
+          "top_p": jnp.ones((s,), jnp.float32), "greedy": jnp.zeros((s,), jnp.bool_),
+          "key": jnp.zeros((s, 2), jnp.uint32),
+          "stop_ids": jnp.full((s, c.max_stop_ids), -1, jnp.int32),
+      }
+
+    if self._init_fn is None:
+      self._init_fn = jax.jit(make, out_shardings=self.state_shardings)
+    return self._init_fn()
+
+  # ---- prefill ---------------------------------------------------------------------------------
+
+  def prefill_bucket(self, length: int) -> int:
+    i = bisect.bisect_left(self.prefill_buckets, length)
+    if i == len(self.prefill_buckets):
+      raise ValueError(f"{length} tokens exceed the largest prefill bucket {self.prefill_buckets[-1]}")
+    return self.prefill_buckets[i]
+
+  def prefill(self, params: dict, tokens: list[int] | np.ndarray):
+    """KV prefix of ``tokens`` (list per layer of {"k","v"} ``[1, bucket, Hkv, D]``), or None if empty."""
+    n = len(tokens)
+    if n == 0:
+      return None
+    bucket = self.prefill_bucket(n)
+    tokens_1xL = np.zeros((1, bucket), np.int32)
+    tokens_1xL[0, :n] = tokens
+    if bucket not in self._prefill_fns:
+      self._prefill_fns[bucket] = self._make_prefill(bucket)
+    return self._prefill_fns[bucket](params, tokens_1xL)
+
+  def _make_prefill(self, bucket: int):
+    cfg = self.model_cfg
+    prefix = self._named((None, None, "cache_heads", None), (1, bucket, cfg.n_kv_heads, cfg.head_dim))
+
+    def fn(params, tokens_1xL):
+      with sharding.use(self.mesh):
+        model = nnx.merge(self.graphdef, params)
+        cache = init_cache(cfg, 1, bucket, self._cache_dtype)
+        _, cache = model.extend(tokens_1xL, jnp.zeros((1,), jnp.int32), cache, kv_len=bucket)
+      return cache
+
+    return jax.jit(fn, in_shardings=(self.param_shardings, None),
+                   out_shardings=[{"k": prefix, "v": prefix} for _ in range(cfg.n_layers)])
+
+  # ---- insert ----------------------------------------------------------------------------------
+
+  def insert(self, state: State, prefix, slots: list[int], *, token: list[int], pos: list[int],
+             end: list[int], keys: np.ndarray, temperature: float, top_k: int, top_p: float,
+             greedy: bool, stop_ids: list[int]) -> State:
+    """Copies ``prefix`` into ``slots`` and arms them: slot ``slots[i]`` next feeds ``token[i]`` at
+    ``pos[i]`` and stops when its sequence reaches ``end[i]`` tokens or samples a ``stop_ids`` token.
+    ``keys`` are raw uint32[len(slots), 2] sampling keys."""
+    c = self.config
+    s, m = c.num_slots, c.max_stop_ids
+    if len(stop_ids) > m:
+      raise ValueError(f"{len(stop_ids)} stop ids exceed max_stop_ids={m}")
+    slots_S = np.full((s,), s, np.int32)  # index s = dropped
+    slots_S[:len(slots)] = slots
+    vals = {
+        "tokens": np.zeros((s,), np.int32), "pos": np.zeros((s,), np.int32),
+        "end": np.zeros((s,), np.int32), "key": np.zeros((s, 2), np.uint32),
+    }
+    k = len(slots)
+    vals["tokens"][:k], vals["pos"][:k], vals["end"][:k] = token, pos, end
+    vals["key"][:k] = keys
+    vals["temperature"] = np.full((s,), temperature, np.float32)
+    vals["top_k"] = np.full((s,), top_k, np.int32)
+    vals["top_p"] = np.full((s,), top_p, np.float32)
+    vals["greedy"] = np.full((s,), greedy, np.bool_)
+    stops = np.full((s, m), -1, np.int32)
+    stops[:, :len(stop_ids)] = stop_ids
+    vals["stop_ids"] = stops
+    bucket = 0 if prefix is None else prefix[0]["k"].shape[1]
+    if bucket not in self._insert_fns:
+      self._insert_fns[bucket] = self._make_insert(bucket)
+    return self._insert_fns[bucket](state, prefix, slots_S, vals)
+
+  def _make_insert(self, bucket: int):
+
+    def fn(state, prefix, slots_S, vals):
+      state = dict(state)
+      if prefix is not None:
+        state["cache"] = [
+            {name: layer[name].at[slots_S, :bucket].set(
+                jnp.broadcast_to(pre[name], (slots_S.shape[0],) + pre[name].shape[1:]),
+                mode="drop") for name in ("k", "v")}
+            for layer, pre in zip(state["cache"], prefix)]
+      for name, value in vals.items():
+        state[name] = state[name].at[slots_S].set(value, mode="drop")
+      state["active"] = state["active"].at[slots_S].set(True, mode="drop")
+      return state
+
+    return jax.jit(fn, out_shardings=self.state_shardings, donate_argnums=0)
+
+  def deactivate(self, state: State, slots: list[int]) -> State:
+    mask_S = np.zeros((self.config.num_slots,), np.bool_)
+    mask_S[list(slots)] = True
+    return self._deactivate(state, mask_S)
+
+  # ---- generate --------------------------------------------------------------------------------
+
+  def kv_bucket(self, max_pos: int) -> int:
+    """Smallest kv bucket that holds positions ``0..max_pos`` for the next ``steps_per_call`` steps."""
+    need = min(max_pos + self.config.steps_per_call, self.config.max_len)
+    return self.kv_buckets[bisect.bisect_left(self.kv_buckets, need)]
+
+  def generate(self, params: dict, state: State, kv_len: int):
+    """Advances every active slot ``steps_per_call`` tokens.
+
+    Returns ``(state, (tokens_KxS, logprobs_KxS, valid_KxS))``; ``valid`` marks slots that were
+    active at that step (their token is real)."""
+    if kv_len not in self._generate_fns:
+      self._generate_fns[kv_len] = self._make_generate(kv_len)
+    return self._generate_fns[kv_len](params, state)
+
+  def _make_generate(self, kv_len: int):
+    steps = self.config.steps_per_call
+    out = self._named((None, "cache_batch"), (steps, self.config.num_slots))
+
+    def one_step(model, state):
+      logits_Sx1xV, cache = model.extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len)
+      token_S, logprob_S = sampling.sample(
+          logits_Sx1xV[:, 0], state["key"], state["pos"], state["temperature"], state["top_k"],
+          state["top_p"], state["greedy"])
+      active = state["active"]
+      hit_stop = jnp.any(token_S[:, None] == state["stop_ids"], axis=-1)
+      new_len = state["pos"] + 2  # sequence length including the new token
+      state = {**state, "cache": cache,
+               "tokens": jnp.where(active, token_S, state["tokens"]),
+               "pos": jnp.where(active, state["pos"] + 1, state["pos"]),
+               "active": active & ~hit_stop & (new_len < state["end"])}
+      return state, (token_S, logprob_S, active)
+
+    def fn(params, state):
+      with sharding.use(self.mesh):
+        model = nnx.merge(self.graphdef, params)
+        if steps == 1:
+          state, (t, lp, v) = one_step(model, state)
+          return state, (t[None], lp[None], v[None])
+        return jax.lax.scan(lambda st, _: one_step(model, st), state, None, length=steps)
+
+    return jax.jit(fn, in_shardings=(self.param_shardings, self.state_shardings),
+                   out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1)
+
+  def num_compiled(self) -> int:
+    """Number of compiled variants of prefill / insert / generate (bounded by the buckets)."""
+    fns = [*self._prefill_fns.values(), *self._insert_fns.values(), *self._generate_fns.values()]
+    return sum(f._cache_size() for f in fns) + self._deactivate._cache_size()
