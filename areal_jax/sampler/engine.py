@@ -36,6 +36,7 @@ from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
 from areal_jax.sampler import sampling
 
 State = dict[str, Any]
+_COMPILED: dict[tuple, dict[str, Any]] = {}
 
 
 def _buckets(requested, max_len: int, smallest: int) -> tuple[int, ...]:
@@ -77,14 +78,17 @@ class DecodeEngine:
     self.kv_buckets = _buckets(config.kv_buckets, config.max_len, 64)
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
     self.state_shardings = self._state_shardings()
-    self._prefill_fns: dict[int, Any] = {}
-    self._insert_fns: dict[int, Any] = {}
-    self._generate_fns: dict[int, Any] = {}
-    self._init_fn = None
-    self._deactivate = jax.jit(
+    # Compiled functions are shared by engines of the same model structure, config and mesh.
+    fns = _COMPILED.setdefault((self.graphdef, config, self.mesh), {})
+    self._prefill_fns: dict[int, Any] = fns.setdefault("prefill", {})
+    self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
+    self._generate_fns: dict[int, Any] = fns.setdefault("generate", {})
+    self._init_fn = fns.get("init")
+    self._deactivate = fns.get("deactivate") or jax.jit(
         lambda state, mask_S: {**state, "active": state["active"] & ~mask_S},
         in_shardings=(self.state_shardings, self._slot_sharding()),
         out_shardings=self.state_shardings, donate_argnums=0)
+    fns["deactivate"] = self._deactivate
     self.params = self.put_params(nnx.to_pure_dict(param_state))
 
   # ---- placement -------------------------------------------------------------------------------
@@ -129,6 +133,7 @@ class DecodeEngine:
 
     if self._init_fn is None:
       self._init_fn = jax.jit(make, out_shardings=self.state_shardings)
+      _COMPILED[(self.graphdef, self.config, self.mesh)]["init"] = self._init_fn
     return self._init_fn()
 
   # ---- prefill ---------------------------------------------------------------------------------

@@ -17,3 +17,9 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 @pytest.fixture(scope="module")
 def model():
   return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def other_model():
+  """Same shapes, different weights: the 'new version' in weight-swap tests."""
+  return tiny_model(7)

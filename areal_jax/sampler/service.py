@@ -1,0 +1,389 @@
+"""Host side of the sampler: continuous batching in a background thread (``JaxRolloutEngine``).
+
+The loop admits waiting groups into free slots as soon as sequences finish (one prefill per group,
+inserted into n slots), advances all slots with ``DecodeEngine.generate`` and streams every finished
+sequence out at once to a queue that ``poll`` drains.
+
+Host overhead per decode call is one device->host fetch (tokens, logprobs, valid flags) and it is
+pipelined: call k+1 is dispatched before the results of call k are fetched, so the device never
+waits for Python. Stop conditions are evaluated on the device too, so a finished slot idles for at
+most the one call already queued behind it.
+
+Weight swaps (``update_params``) take effect between two decode calls without draining sequences.
+Continuation modes:
+  * ``"keep_cache"``: in-flight sequences keep the KV cache computed by the old weights; tokens after
+    the swap are drawn from the new weights attending to that old cache. Their logprobs are those of
+    the new weights *given the old cache*; they differ from a fresh forward of the new weights over
+    the whole sequence by the staleness of the cached prefix (the decoupled objective accounts for
+    it). Cheapest.
+  * ``"reprefill"``: every in-flight sequence is re-prefilled (prompt + generated so far) under the
+    new weights, so tokens after the swap carry exactly the new weights' logprobs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from areal_jax.models.transformer import Transformer
+from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, SamplingParams
+from areal_jax.sampler import sampling
+from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+
+log = logging.getLogger(__name__)
+
+CONTINUATION_MODES = ("keep_cache", "reprefill")
+
+
+@dataclasses.dataclass
+class _Group:
+  request: GroupRequest
+  submitted_s: float
+  stop_ids: tuple[int, ...]
+  seqs: list["_Seq"] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Seq:
+  group: _Group
+  index: int
+  slot: int
+  started_s: float
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  done: bool = False
+
+  @property
+  def length(self) -> int:
+    return len(self.group.request.prompt_tokens) + len(self.tokens)
+
+
+class JaxRolloutEngine(RolloutEngine):
+  """Continuous-batching rollout engine on a JAX mesh; see the module docstring."""
+
+  def __init__(self, model: Transformer, *, mesh: Mesh | None = None, num_slots: int = 8,
+               max_len: int = 512, prefill_buckets: tuple[int, ...] | None = None,
+               kv_buckets: tuple[int, ...] | None = None, continuation: str = "keep_cache",
+               eos_token_ids: tuple[int, ...] | None = None, steps_per_call: int = 1,
+               max_stop_ids: int = 8, cache_dtype: str | None = None, params: Any = None,
+               version: int = 0):
+    if continuation not in CONTINUATION_MODES:
+      raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
+    self.continuation = continuation
+    self.engine = DecodeEngine(model, EngineConfig(
+        num_slots=num_slots, max_len=max_len, prefill_buckets=prefill_buckets,
+        kv_buckets=kv_buckets, steps_per_call=steps_per_call, max_stop_ids=max_stop_ids,
+        cache_dtype=cache_dtype), mesh)
+    self.num_slots, self.max_len = num_slots, max_len
+    self.vocab_size = model.cfg.vocab_size
+    self.eos_token_ids = tuple(model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    self._params = self.engine.params if params is None else self.engine.put_params(params)
+    self._version = version
+    self._state = None
+    self._slots: list[_Seq | None] = [None] * num_slots
+    self._waiting: collections.deque[_Group] = collections.deque()
+    self._inflight: collections.deque = collections.deque()  # (outputs, slot snapshot, version)
+    self._out: queue.Queue[Sample] = queue.Queue()
+    self._lock = threading.Condition()
+    self._pending_params = None
+    self._aborts: list[int] = []
+    self._paused = False
+    self._stopping = False
+    self._thread: threading.Thread | None = None
+    self.stats = collections.Counter()
+
+  # ---- RolloutEngine ---------------------------------------------------------------------------
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  def start(self) -> None:
+    if self._thread is not None:
+      return
+    self._state = self.engine.init_state()
+    self._stopping = False
+    self._thread = threading.Thread(target=self._run, name="jax-rollout", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    with self._lock:
+      self._stopping = True
+      self._lock.notify_all()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    self._drain_inflight()
+    for seq in self._slots:
+      if seq is not None and not seq.done:
+        self._finish(seq, "abort")
+    self._slots = [None] * self.num_slots
+    with self._lock:
+      while self._waiting:
+        self._emit_group(self._waiting.popleft(), "abort")
+
+  def submit(self, request: GroupRequest) -> None:
+    now = time.time()
+    group = _Group(request, now, ())
+    try:
+      group.stop_ids = self._validate(request)
+    except ValueError as e:
+      self._emit_group(group, "error", str(e))
+      return
+    with self._lock:
+      self._waiting.append(group)
+      self._lock.notify_all()
+
+  def poll(self, timeout: float | None = 0.0) -> list[Sample]:
+    out = []
+    try:
+      if timeout is None or timeout > 0:
+        out.append(self._out.get(timeout=timeout))
+      while True:
+        out.append(self._out.get_nowait())
+    except queue.Empty:
+      pass
+    return out
+
+  def update_params(self, params: Any, version: int) -> None:
+    placed = self.engine.put_params(params)
+    with self._lock:
+      self._pending_params = (placed, int(version))
+      self._lock.notify_all()
+    if self._thread is None:
+      self._apply_params()
+
+  def pause(self) -> None:
+    with self._lock:
+      self._paused = True
+
+  def resume(self) -> None:
+    with self._lock:
+      self._paused = False
+      self._lock.notify_all()
+
+  def abort(self, group_id: int) -> None:
+    with self._lock:
+      self._aborts.append(group_id)
+      self._lock.notify_all()
+
+  # ---- validation ------------------------------------------------------------------------------
+
+  def _validate(self, r: GroupRequest) -> tuple[int, ...]:
+    p: SamplingParams = r.params
+    prompt = r.prompt_tokens
+    if not prompt:
+      raise ValueError("empty prompt")
+    if len(prompt) >= self.max_len:
+      raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a cache of "
+                       f"{self.max_len} positions")
+    if any(not 0 <= int(t) < self.vocab_size for t in prompt):
+      raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+    if not 1 <= r.n <= self.num_slots:
+      raise ValueError(f"n={r.n} must be between 1 and the slot count {self.num_slots}")
+    if not p.greedy and not p.temperature > 0:
+      raise ValueError(f"temperature={p.temperature} must be > 0 (or set greedy=True)")
+    if not 0 < p.top_p <= 1:
+      raise ValueError(f"top_p={p.top_p} must lie in (0, 1]")
+    if p.top_k < 0:
+      raise ValueError(f"top_k={p.top_k} must be >= 0 (0 disables it)")
+    if p.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={p.max_new_tokens} must be >= 1")
+    stop_ids = tuple(dict.fromkeys([*self.eos_token_ids, *p.stop_token_ids]))
+    if len(stop_ids) > self.engine.config.max_stop_ids:
+      raise ValueError(f"{len(stop_ids)} EOS + stop ids exceed max_stop_ids="
+                       f"{self.engine.config.max_stop_ids}")
+    if any(not 0 <= int(t) < self.vocab_size for t in stop_ids):
+      raise ValueError("stop token ids must be valid vocabulary ids")
+    return stop_ids
+
+  # ---- output ----------------------------------------------------------------------------------
+
+  def _emit_group(self, group: _Group, reason: str, error: str | None = None):
+    r, now = group.request, time.time()
+    for i in range(r.n):
+      self._out.put(Sample(r.group_id, i, list(r.prompt_tokens), [], [], [], reason,
+                           group.submitted_s, now if reason == "error" else 0.0, now, error,
+                           dict(r.metadata)))
+
+  def _finish(self, seq: _Seq, reason: str):
+    seq.done = True
+    r = seq.group.request
+    self._out.put(Sample(r.group_id, seq.index, list(r.prompt_tokens), seq.tokens, seq.logprobs,
+                         seq.versions, reason, seq.group.submitted_s, seq.started_s, time.time(),
+                         None, dict(r.metadata)))
+    self.stats["finished"] += 1
+
+  # ---- the loop --------------------------------------------------------------------------------
+
+  def _run(self):
+    try:
+      while True:
+        with self._lock:
+          if self._stopping:
+            return
+          busy = any(s is not None for s in self._slots) or bool(self._waiting)
+          if (self._paused or not busy) and not self._inflight and self._pending_params is None \
+              and not self._aborts:
+            self._lock.wait(0.05)
+            continue
+        self._handle_aborts()
+        if self._pending_params is not None:
+          self._apply_params()
+        if self._paused:
+          self._drain_inflight()
+          continue
+        self._admit()
+        if any(s is not None and not s.done for s in self._slots):
+          self._dispatch()
+          if len(self._inflight) > 1:
+            self._process(self._inflight.popleft())
+        else:
+          self._drain_inflight()
+    except Exception as e:  # a bug, not a bad request: fail every sequence loudly, keep the thread
+      log.exception("rollout loop failed")
+      self._fail_all(f"{type(e).__name__}: {e}")
+
+  def _fail_all(self, message: str):
+    self._inflight.clear()
+    for i, seq in enumerate(self._slots):
+      if seq is not None and not seq.done:
+        seq.done = True
+        r = seq.group.request
+        self._out.put(Sample(r.group_id, seq.index, list(r.prompt_tokens), seq.tokens,
+                             seq.logprobs, seq.versions, "error", seq.group.submitted_s,
+                             seq.started_s, time.time(), message, dict(r.metadata)))
+      self._slots[i] = None
+    with self._lock:
+      while self._waiting:
+        self._emit_group(self._waiting.popleft(), "error", message)
+    self._state = self.engine.init_state()
+
+  def _dispatch(self):
+    active = [s for s in self._slots if s is not None and not s.done]
+    max_pos = max(s.length - 1 for s in active) + len(self._inflight) * \
+        self.engine.config.steps_per_call
+    kv_len = self.engine.kv_bucket(max_pos)
+    self._state, outputs = self.engine.generate(self._params, self._state, kv_len)
+    self._inflight.append((outputs, list(self._slots), self._version))
+    self.stats["calls"] += 1
+
+  def _drain_inflight(self):
+    while self._inflight:
+      self._process(self._inflight.popleft())
+
+  def _process(self, item):
+    outputs, snapshot, version = item
+    tokens_KxS, logprobs_KxS, valid_KxS = jax.device_get(outputs)
+    for k in range(tokens_KxS.shape[0]):
+      for s in np.flatnonzero(valid_KxS[k]):
+        seq = snapshot[s]
+        if seq is None or seq.done:
+          continue
+        token = int(tokens_KxS[k, s])
+        seq.tokens.append(token)
+        seq.logprobs.append(float(logprobs_KxS[k, s]))
+        seq.versions.append(version)
+        self.stats["tokens"] += 1
+        reason = self._finish_reason(seq, token)
+        if reason:
+          self._finish(seq, reason)
+          if self._slots[seq.slot] is seq:
+            self._slots[seq.slot] = None
+
+  def _finish_reason(self, seq: _Seq, token: int) -> str | None:
+    if token in self.eos_token_ids:
+      return "eos"
+    if token in seq.group.stop_ids:
+      return "stop"
+    if len(seq.tokens) >= seq.group.request.params.max_new_tokens:
+      return "length"
+    if seq.length >= self.max_len:
+      return "cache_full"
+    return None
+
+  def _admit(self):
+    while True:
+      with self._lock:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if not self._waiting or self._waiting[0].request.n > len(free):
+          return
+        group = self._waiting.popleft()
+      try:
+        self._start_group(group, free[:group.request.n])
+      except Exception as e:  # this request only
+        log.exception("admitting group %s failed", group.request.group_id)
+        self._emit_group(group, "error", f"{type(e).__name__}: {e}")
+
+  def _start_group(self, group: _Group, slots: list[int]):
+    r, p = group.request, group.request.params
+    prompt = [int(t) for t in r.prompt_tokens]
+    prefix = self.engine.prefill(self._params, prompt[:-1])
+    keys = np.stack([np.asarray(sampling.slot_key(p.seed, i)) for i in range(r.n)])
+    end = min(len(prompt) + p.max_new_tokens, self.max_len)
+    self._state = self.engine.insert(
+        self._state, prefix, slots, token=[prompt[-1]] * r.n, pos=[len(prompt) - 1] * r.n,
+        end=[end] * r.n, keys=keys, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        greedy=p.greedy, stop_ids=list(group.stop_ids))
+    now = time.time()
+    for i, slot in enumerate(slots):
+      seq = _Seq(group, i, slot, now)
+      group.seqs.append(seq)
+      self._slots[slot] = seq
+    self.stats["prefills"] += 1
+
+  def _handle_aborts(self):
+    with self._lock:
+      ids, self._aborts = set(self._aborts), []
+      if not ids:
+        return
+      kept = collections.deque()
+      for g in self._waiting:
+        if g.request.group_id in ids:
+          self._emit_group(g, "abort")
+        else:
+          kept.append(g)
+      self._waiting = kept
+    freed = []
+    for i, seq in enumerate(self._slots):
+      if seq is not None and seq.group.request.group_id in ids:
+        if not seq.done:
+          self._finish(seq, "abort")
+        self._slots[i] = None
+        freed.append(i)
+    if freed:
+      self._state = self.engine.deactivate(self._state, freed)
+
+  def _apply_params(self):
+    with self._lock:
+      pending, self._pending_params = self._pending_params, None
+    if pending is None:
+      return
+    self._params, self._version = pending
+    self.stats["swaps"] += 1
+    if self.continuation != "reprefill" or self._state is None:
+      return
+    self._drain_inflight()
+    for seq in self._slots:
+      if seq is None or seq.done:
+        continue
+      r, p = seq.group.request, seq.group.request.params
+      tokens = [int(t) for t in r.prompt_tokens] + seq.tokens
+      prefix = self.engine.prefill(self._params, tokens[:-1])
+      key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
+      end = min(len(r.prompt_tokens) + p.max_new_tokens, self.max_len)
+      self._state = self.engine.insert(
+          self._state, prefix, [seq.slot], token=[tokens[-1]], pos=[len(tokens) - 1], end=[end],
+          keys=key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, greedy=p.greedy,
+          stop_ids=list(seq.group.stop_ids))
+      self.stats["reprefills"] += 1

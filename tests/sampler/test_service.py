@@ -1,0 +1,168 @@
+"""Host loop: streaming, group sampling, in-flight weight swaps, pause/resume/abort, bad input."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.models import init_cache
+from areal_jax.rollout_api import GroupRequest, SamplingParams
+from areal_jax.sampler.service import JaxRolloutEngine
+
+
+def _collect(engine, count, timeout=120.0):
+  out, deadline = [], time.time() + timeout
+  while len(out) < count and time.time() < deadline:
+    out += engine.poll(timeout=0.5)
+  assert len(out) == count, f"got {len(out)} of {count} samples"
+  return out
+
+
+def _engine(model, **kw):
+  kw = {"num_slots": 8, "max_len": 64, "prefill_buckets": (16, 63), "kv_buckets": (32, 64), **kw}
+  return JaxRolloutEngine(model, **kw)
+
+
+def _logprobs(model, prompt, tokens, temperature):
+  seq = jnp.asarray([list(prompt) + list(tokens)])
+  logp = jax.nn.log_softmax(model(seq)[0] / temperature, axis=-1)
+  return np.asarray(logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(tokens)])
+
+
+def test_groups_stream_distinct_samples_before_the_longest_ends(model):
+  eng = _engine(model, num_slots=6, steps_per_call=2)
+  eng.start()
+  try:
+    params = lambda m, seed: SamplingParams(temperature=1.0, max_new_tokens=m, seed=seed)
+    eng.submit(GroupRequest(0, [1, 2, 3], n=4, params=params(40, 0), metadata={"q": "a"}))
+    eng.submit(GroupRequest(1, [4, 5], n=2, params=params(3, 1)))
+    eng.submit(GroupRequest(2, [6, 7, 8, 9], n=2, params=params(3, 2)))  # waits for free slots
+    samples = _collect(eng, 8)
+  finally:
+    eng.stop()
+  order = [s.group_id for s in samples]
+  assert order.index(1) < order.index(0) and order.index(2) < order.index(0)
+  long = [s for s in samples if s.group_id == 0]
+  assert max(s.finished_s for s in samples if s.group_id != 0) < max(s.finished_s for s in long)
+  assert len({tuple(s.tokens) for s in long}) == 4 and sorted(s.index for s in long) == [0, 1, 2, 3]
+  for s in samples:
+    assert s.finish_reason == "length" and len(s.tokens) == len(s.logprobs) == len(s.versions)
+    assert s.submitted_s <= s.started_s <= s.finished_s
+  assert long[0].metadata == {"q": "a"}
+  g2 = [s for s in samples if s.group_id == 2]
+  assert min(s.started_s for s in g2) >= min(s.finished_s for s in samples if s.group_id == 1)
+  assert eng.engine.num_compiled() <= 2 + 2 + 2 + 1
+
+
+def test_stop_tokens_eos_and_cache_full(model):
+  eng = _engine(model, eos_token_ids=(), max_len=32, kv_buckets=(32,), prefill_buckets=(31,))
+  eng.start()
+  try:
+    greedy = SamplingParams(greedy=True, max_new_tokens=100)
+    eng.submit(GroupRequest(0, [5, 6, 7], n=1, params=greedy))
+    (full,) = _collect(eng, 1)
+    assert full.finish_reason == "cache_full" and len(full.tokens) == 32 - 3
+    stop = full.tokens[4]
+    eng.submit(GroupRequest(1, [5, 6, 7], n=1, params=SamplingParams(
+        greedy=True, max_new_tokens=100, stop_token_ids=(stop,))))
+    (stopped,) = _collect(eng, 1)
+  finally:
+    eng.stop()
+  assert stopped.finish_reason == "stop"
+  assert stopped.tokens == full.tokens[:full.tokens.index(stop) + 1]
+  eng = _engine(model, eos_token_ids=(stop,))
+  eng.start()
+  try:
+    eng.submit(GroupRequest(2, [5, 6, 7], n=1, params=greedy))
+    (eos,) = _collect(eng, 1)
+  finally:
+    eng.stop()
+  assert eos.finish_reason == "eos" and eos.tokens == stopped.tokens
+
+
+def _swap_run(model, new_model, continuation):
+  eng = _engine(model, num_slots=4, continuation=continuation, eos_token_ids=())
+  new_params = nnx.to_pure_dict(nnx.state(new_model, nnx.Param))
+  eng.start()
+  try:
+    eng.pause()
+    eng.submit(GroupRequest(0, [3, 1, 4, 1, 5], n=2, params=SamplingParams(
+        temperature=0.8, max_new_tokens=40, seed=5)))
+    eng.resume()
+    deadline = time.time() + 60
+    while eng.stats["tokens"] < 6 and time.time() < deadline:
+      time.sleep(0.001)
+    eng.pause()
+    eng.update_params(new_params, version=1)
+    time.sleep(0.2)
+    assert eng.version == 1
+    eng.resume()
+    samples = _collect(eng, 2)
+  finally:
+    eng.stop()
+  return samples
+
+
+@pytest.mark.parametrize("continuation", ["reprefill", "keep_cache"])
+def test_in_flight_weight_swap(model, other_model, continuation):
+  new_model = other_model
+  prompt, temperature = [3, 1, 4, 1, 5], 0.8
+  for s in _swap_run(model, new_model, continuation):
+    assert len(s.tokens) == 40
+    j = s.versions.index(1)  # first token drawn by the new weights
+    assert 0 < j < 40 and s.versions == [0] * j + [1] * (40 - j)
+    np.testing.assert_allclose(s.logprobs[:j], _logprobs(model, prompt, s.tokens, temperature)[:j],
+                               atol=1e-4)
+    if continuation == "reprefill":
+      ref = _logprobs(new_model, prompt, s.tokens, temperature)[j:]
+    else:  # old weights' KV for everything fed before the swap, new weights from then on
+      seq = jnp.asarray([prompt + s.tokens])
+      p = len(prompt)
+      cache = init_cache(model.cfg, 1, 64)
+      _, cache = model.extend(seq[:, :p + j - 1], jnp.zeros((1,), jnp.int32), cache)
+      logits, _ = new_model.extend(seq[:, p + j - 1:-1], jnp.full((1,), p + j - 1), cache)
+      logp = jax.nn.log_softmax(logits[0] / temperature, axis=-1)
+      ref = np.asarray(logp[jnp.arange(40 - j), jnp.asarray(s.tokens[j:])])
+      fresh = _logprobs(new_model, prompt, s.tokens, temperature)[j:]
+      assert np.abs(fresh - ref).max() > 1e-3  # the stale cache does matter
+    np.testing.assert_allclose(s.logprobs[j:], ref, atol=1e-4)
+
+
+def test_pause_resume_abort_and_bad_requests(model):
+  eng = _engine(model, num_slots=4, eos_token_ids=())
+  eng.start()
+  try:
+    ok = SamplingParams(max_new_tokens=50)
+    bad = [
+        GroupRequest(10, [], n=1, params=ok),
+        GroupRequest(11, list(range(1, 65)), n=1, params=ok),
+        GroupRequest(12, [1, 2], n=5, params=ok),
+        GroupRequest(13, [1, 2], n=1, params=SamplingParams(temperature=0.0)),
+        GroupRequest(14, [1, 2], n=1, params=SamplingParams(top_p=1.5)),
+        GroupRequest(15, [1, 999], n=2, params=ok),
+    ]
+    eng.pause()
+    eng.submit(GroupRequest(0, [1, 2, 3], n=2, params=ok))
+    for r in bad:
+      eng.submit(r)
+    errors = _collect(eng, 1 + 1 + 5 + 1 + 1 + 2)
+    assert {s.group_id for s in errors} == {10, 11, 12, 13, 14, 15}
+    assert all(s.finish_reason == "error" and s.error for s in errors)
+    assert "empty" in errors[0].error
+    eng.submit(GroupRequest(1, [4, 5, 6], n=2, params=SamplingParams(max_new_tokens=5)))
+    time.sleep(0.3)
+    assert eng.poll() == []  # paused: nothing decodes
+    eng.resume()
+    done = _collect(eng, 2)
+    assert {s.group_id for s in done} == {1} and all(len(s.tokens) == 5 for s in done)
+    eng.abort(0)
+    aborted = _collect(eng, 2)
+    assert all(s.group_id == 0 and s.finish_reason == "abort" for s in aborted)
+    assert all(0 < len(s.tokens) < 50 and len(s.logprobs) == len(s.tokens) for s in aborted)
+    eng.submit(GroupRequest(2, [7, 8], n=4, params=SamplingParams(max_new_tokens=3)))
+    assert len(_collect(eng, 4)) == 4  # still serving after errors and aborts
+  finally:
+    eng.stop()
