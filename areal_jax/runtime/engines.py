@@ -11,7 +11,7 @@ def build(config, model, tokenizer, sampler_mesh) -> RolloutEngine:
     from areal_jax.sampler.service import JaxRolloutEngine
 
     return JaxRolloutEngine(
-        model, sampler_mesh, num_slots=r.num_slots,
+        model, mesh=sampler_mesh, num_slots=r.num_slots,
         max_len=max(r.prefill_buckets) + r.max_new_tokens, prefill_buckets=tuple(r.prefill_buckets),
         continuation=r.continuation, eos_token_ids=tuple(tokenizer.eos_token_ids))
   raise ValueError(f"rollout.backend={r.backend!r}: only 'jax' is available in this version "
