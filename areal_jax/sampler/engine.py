@@ -270,6 +270,20 @@ class DecodeEngine:
     return jax.jit(fn, in_shardings=(self.param_shardings, self.state_shardings),
                    out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1)
 
+  def warmup(self, state: State) -> State:
+    """Compiles every prefill, insert and generate bucket (no slot is armed afterwards)."""
+    for bucket in self.prefill_buckets:
+      prefix = self.prefill(self.params, np.zeros((bucket,), np.int32))
+      state = self.insert(state, prefix, [], token=[], pos=[], end=[], keys=np.zeros((0, 2)),
+                          temperature=1.0, top_k=0, top_p=1.0, greedy=False, stop_ids=[])
+    state = self.insert(state, None, [], token=[], pos=[], end=[], keys=np.zeros((0, 2)),
+                        temperature=1.0, top_k=0, top_p=1.0, greedy=False, stop_ids=[])
+    for kv_len in self.kv_buckets:
+      state, out = self.generate(self.params, state, kv_len)
+    state = self.deactivate(state, [])
+    jax.block_until_ready(out)
+    return state
+
   def num_compiled(self) -> int:
     """Number of compiled variants of prefill / insert / generate (bounded by the buckets)."""
     fns = [*self._prefill_fns.values(), *self._insert_fns.values(), *self._generate_fns.values()]

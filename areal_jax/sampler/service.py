@@ -108,10 +108,17 @@ class JaxRolloutEngine(RolloutEngine):
   def version(self) -> int:
     return self._version
 
+  def warmup(self) -> None:
+    """Compiles every bucket now (optional; otherwise the first use of a bucket compiles it)."""
+    if self._thread is not None:
+      raise RuntimeError("warmup() must run before start()")
+    self._state = self.engine.warmup(self._state or self.engine.init_state())
+
   def start(self) -> None:
     if self._thread is not None:
       return
-    self._state = self.engine.init_state()
+    if self._state is None:
+      self._state = self.engine.init_state()
     self._stopping = False
     self._thread = threading.Thread(target=self._run, name="jax-rollout", daemon=True)
     self._thread.start()

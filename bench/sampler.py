@@ -1,0 +1,228 @@
+"""Rollout sampler throughput: continuous batching vs a static-batch baseline, and the decode roofline.
+
+  python bench/sampler.py [--quick] [--json PATH]
+
+Workload: GRPO-style groups (n samples per prompt) whose lengths are long-tailed (log-normal
+max_new_tokens, EOS disabled so every sequence runs to its drawn length). Both engines use the same
+jitted prefill / insert / generate at the same slot count:
+  * ``continuous``: ``JaxRolloutEngine`` admits waiting groups as soon as slots free up.
+  * ``static``: fills all slots with whole groups, decodes until the longest sequence of the batch
+    ends, then takes the next batch.
+Tokens/s counts generated tokens (each sequence its own length) over wall time, prefill included.
+
+Roofline (SmolLM2-135M shapes, all slots decoding): per step the weights (including the tied
+embedding read by the LM head) and each slot's KV up to its position must be read, and
+2 * matmul params * slots + attention FLOPs computed. Ideal step time is
+max(bytes / measured read bandwidth, FLOPs / measured matmul throughput); ``roofline_frac`` is ideal
+over measured step time. Both hardware figures are measured on the spot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models import ModelConfig, Transformer
+from areal_jax.rollout_api import GroupRequest, SamplingParams
+from areal_jax.sampler import sampling
+from areal_jax.sampler.service import JaxRolloutEngine
+
+SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
+                      n_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5, norm_eps=1e-5)
+TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=16, d_ff=128)
+
+
+def machine() -> dict:
+  cpu = platform.processor()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
+          "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}"}
+
+
+def _best(fn, *args, reps=5):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return min(times)
+
+
+def hardware() -> dict:
+  x = jnp.ones((128 * 1024 * 1024 // 4,), jnp.float32) * 1.5  # 128 MiB, far beyond the caches
+  read_bw = x.nbytes / _best(jax.jit(jnp.sum), x)
+  a = jnp.ones((2048, 2048), jnp.float32)
+  flops = 2 * 2048**3 / _best(jax.jit(lambda a: a @ a), a)
+  return {"read_GBps": read_bw / 1e9, "matmul_GFLOPps": flops / 1e9}
+
+
+def make_model(cfg: ModelConfig) -> Transformer:
+  return Transformer(cfg, nnx.Rngs(0))  # random weights: throughput does not depend on values
+
+
+def workload(num_groups, n, vocab, max_new, seed=0):
+  rng = np.random.default_rng(seed)
+  groups = []
+  for g in range(num_groups):
+    prompt = rng.integers(1, vocab, size=int(rng.integers(8, 25))).tolist()
+    length = int(np.clip(np.round(np.exp(rng.normal(np.log(12), 1.0))), 2, max_new))
+    groups.append((prompt, [length] * n))
+  return groups
+
+
+def _requests(groups):
+  for g, (prompt, lengths) in enumerate(groups):
+    yield GroupRequest(g, prompt, n=len(lengths),
+                       params=SamplingParams(temperature=1.0, max_new_tokens=lengths[0], seed=g))
+
+
+def run_continuous(model, groups, slots, max_len, kv_buckets, steps):
+  eng = JaxRolloutEngine(model, num_slots=slots, max_len=max_len, prefill_buckets=(32,),
+                         kv_buckets=kv_buckets, eos_token_ids=(), steps_per_call=steps)
+  eng.warmup()
+  reqs = list(_requests(groups))
+  eng.start()
+  t0 = time.perf_counter()
+  for r in reqs:
+    eng.submit(r)
+  got, expected = [], sum(r.n for r in reqs)
+  while len(got) < expected:
+    got += eng.poll(timeout=1.0)
+  wall = time.perf_counter() - t0
+  eng.stop()
+  assert all(s.finish_reason == "length" for s in got), {s.finish_reason for s in got}
+  tokens = sum(len(s.tokens) for s in got)
+  return {"engine": "continuous", "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
+          "decode_calls": eng.stats["calls"], "prefills": eng.stats["prefills"]}
+
+
+def run_static(model, groups, slots, max_len, kv_buckets, steps):
+  eng = JaxRolloutEngine(model, num_slots=slots, max_len=max_len, prefill_buckets=(32,),
+                         kv_buckets=kv_buckets, eos_token_ids=(), steps_per_call=steps)
+  dev = eng.engine
+  state = dev.warmup(dev.init_state())
+  t0, tokens, calls, prefills = time.perf_counter(), 0, 0, 0
+  samples = [(p, m) for p, lengths in groups for m in lengths]
+  for b in range(0, len(samples), slots):
+    batch = samples[b:b + slots]
+    for s, (prompt, m) in enumerate(batch):
+      if s == 0 or prompt is not batch[s - 1][0]:  # one prefill per group
+        prefix = dev.prefill(dev.params, prompt[:-1])
+        prefills += 1
+      state = dev.insert(state, prefix, [s], token=[prompt[-1]], pos=[len(prompt) - 1],
+                         end=[len(prompt) + m], keys=np.asarray(sampling.slot_key(b + s, 0))[None],
+                         temperature=1.0, top_k=0, top_p=1.0, greedy=False, stop_ids=[])
+    longest = max(len(p) + m for p, m in batch)
+    pos = min(len(p) for p, _ in batch) - 1
+    done = 0
+    while pos < longest - 1:  # the whole batch runs until its longest sequence ends
+      state, (t, lp, valid) = dev.generate(dev.params, state, dev.kv_bucket(longest - 1))
+      done += int(np.asarray(valid).sum())
+      pos += steps
+      calls += 1
+    tokens += done
+  wall = time.perf_counter() - t0
+  assert tokens == sum(m for _, m in samples), (tokens, sum(m for _, m in samples))
+  return {"engine": "static", "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
+          "decode_calls": calls, "prefills": prefills}
+
+
+def roofline(model, cfg, slots, context, hw, steps=1, reps=3):
+  """Steady decode of ``slots`` slots at ``context`` positions: measured vs ideal step time."""
+  eng = JaxRolloutEngine(model, num_slots=slots, max_len=context + 16 * steps,
+                         kv_buckets=(context + 8 * steps,), prefill_buckets=(16,),
+                         eos_token_ids=(), steps_per_call=steps)
+  dev = eng.engine
+  state = dev.init_state()
+  keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
+  state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
+                     end=[context + 16 * steps] * slots, keys=keys, temperature=1.0, top_k=0,
+                     top_p=1.0, greedy=False, stop_ids=[])
+  kv_len = dev.kv_buckets[0]
+  state, out = dev.generate(dev.params, state, kv_len)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    state, out = dev.generate(dev.params, state, kv_len)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / steps)
+  step_s = min(times)
+  n_params = cfg.num_params()
+  matmul_params = n_params - cfg.d_model * (2 * cfg.n_layers + 1)  # minus norm scales
+  if cfg.tie_embeddings:
+    pass  # the embedding matrix doubles as the LM head: read once, multiplied once
+  kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4
+  ctx = context + 1
+  bytes_step = n_params * 4 + slots * ctx * kv_per_token
+  flops_step = 2 * matmul_params * slots + slots * cfg.n_layers * 4 * ctx * cfg.n_heads * cfg.head_dim
+  t_mem = bytes_step / (hw["read_GBps"] * 1e9)
+  t_flop = flops_step / (hw["matmul_GFLOPps"] * 1e9)
+  ideal = max(t_mem, t_flop)
+  return {"slots": slots, "context": context, "step_ms": step_s * 1e3, "tok_per_s": slots / step_s,
+          "ideal_step_ms": ideal * 1e3, "bound": "compute" if t_flop > t_mem else "memory",
+          "bytes_per_step_MB": bytes_step / 1e6, "gflop_per_step": flops_step / 1e9,
+          "roofline_frac": ideal / step_s, "roofline_tok_per_s": slots / ideal}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="reduced run (under two minutes)")
+  ap.add_argument("--json", default=None, help="write results to this path")
+  args = ap.parse_args()
+  quick = args.quick
+  info, hw = machine(), hardware()
+  print(f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['devices']}); "
+        f"read {hw['read_GBps']:.1f} GB/s, matmul {hw['matmul_GFLOPps']:.0f} GFLOP/s (f32)")
+  rows = []
+  plans = [  # model, config, slots, groups, n, max_new, kv buckets, steps per call
+      ("tiny", TINY, 16, 32 if quick else 96, 4, 96, (64, 128), 4),
+      ("smollm2-135m", SMOLLM2, 8 if quick else 16, 12 if quick else 32, 4, 48 if quick else 96,
+       (64, 128), 1),
+  ]
+  for name, cfg, slots, num_groups, n, max_new, kv_buckets, steps in plans:
+    model = make_model(cfg)
+    groups = workload(num_groups, n, cfg.vocab_size, max_new)
+    for runner in (run_continuous, run_static):
+      r = runner(model, groups, slots, 128, kv_buckets, steps)
+      r.update(model=name, slots=slots, sequences=num_groups * n, workload=
+               f"groups of {n}, log-normal lengths per group (median 12, sigma 1, max {max_new})")
+      rows.append(r)
+      print(f"{name:>13} {r['engine']:>10} slots={slots:<3} seqs={r['sequences']:<4} "
+            f"tokens={r['tokens']:<6} wall={r['wall_s']:7.2f}s  {r['tok_per_s']:8.1f} tok/s")
+  speed = {}
+  for name in ("tiny", "smollm2-135m"):
+    c = next(r for r in rows if r["model"] == name and r["engine"] == "continuous")
+    s = next(r for r in rows if r["model"] == name and r["engine"] == "static")
+    speed[name] = c["tok_per_s"] / s["tok_per_s"]
+    print(f"{name:>13} speedup continuous / static: {speed[name]:.2f}x")
+  roof = roofline(model, SMOLLM2, 64, 64 if quick else 128, hw, reps=2 if quick else 3)
+  print(f" smollm2-135m decode at 64 slots, context {roof['context']}: "
+        f"{roof['step_ms']:.0f} ms/step = {roof['tok_per_s']:.0f} tok/s; ideal "
+        f"{roof['ideal_step_ms']:.0f} ms ({roof['bound']}-bound: {roof['gflop_per_step']:.1f} GFLOP, "
+        f"{roof['bytes_per_step_MB']:.0f} MB) -> {100 * roof['roofline_frac']:.0f}% of roofline")
+  result = {"machine": info, "hardware": hw, "quick": quick,
+            "speedup_vs_static": speed["smollm2-135m"], "speedup_vs_static_tiny": speed["tiny"],
+            "roofline_frac": roof["roofline_frac"], "roofline": roof, "rows": rows}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+  main()
