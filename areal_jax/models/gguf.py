@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp) -> the NNX ``Transformer`` and a ``Tokenizer``.
 
-Reads a llama-architecture GGUF with the ``gguf`` package, dequantizes every tensor to float32 and
-maps the llama.cpp names to Hugging Face ones, so the rest goes through ``hf.model_from_tensors``.
+Parses a llama-architecture GGUF file (``GGUFFile``), dequantizes every tensor to float32 with
+``gguf.quants`` and maps the llama.cpp names to Hugging Face ones, so the rest goes through ``hf.model_from_tensors``.
 llama.cpp's converter reorders the rows of Q and K of each head from the 'rotate half' layout into
 the interleaved rotary layout; ``unpermute_rotary`` restores the Hugging Face order our model uses.
 
@@ -268,7 +268,7 @@ def tokenizer_from_gguf(fields: GGUFFile) -> Tokenizer:
 
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32",
               seed: int = 0) -> tuple[Transformer, Tokenizer]:
-  """Loads a llama-architecture GGUF file as (float32 model, tokenizer)."""
+  """Loads a llama-architecture GGUF file as (float32 model, tokenizer); ``seed`` is unused."""
   path = os.fspath(path)
   f = GGUFFile(path)
   tokenizer = tokenizer_from_gguf(f)

@@ -348,7 +348,10 @@ def load_hf_config(path: str, dtype: str = "float32") -> ModelConfig:
 
 def load_hf(path: str | os.PathLike, *, dtype: str = "float32",
             seed: int = 0) -> tuple[Transformer, Tokenizer | None]:
-  """Loads a Hugging Face Llama / Qwen2 directory; the tokenizer is None without tokenizer.json."""
+  """Loads a Hugging Face Llama / Qwen2 directory; the tokenizer is None without tokenizer.json.
+
+  ``seed`` is unused (every parameter comes from the files).
+  """
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: not a directory")

@@ -67,7 +67,7 @@ class Tokenizer:
     self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
     self.bos_token_id = self._id_of(bos_token, "bos_token")
     eos_id = self._id_of(eos_token, "eos_token")
-    ids = list(eos_token_ids or ())
+    ids = list(dict.fromkeys(int(i) for i in eos_token_ids or ()))
     if eos_id is not None and eos_id not in ids:
       ids.insert(0, eos_id)
     self.eos_token_ids: tuple[int, ...] = tuple(ids)
