@@ -186,7 +186,7 @@ class RolloutController:
 
   def _score(self, gid: int, run: _Running) -> Group:
     texts = [self.tokenizer.decode(s.tokens) for s in run.samples]
-    rewards, failed = self.rewards.score(self.task.reward_fn, texts, run.example)
+    rewards, failed = self.rewards.score(texts, run.example)
     return Group(gid, run.example, run.samples, rewards, run.admit_version, failed)
 
   def _collect_scores(self) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from areal_jax import config as config_lib
 from areal_jax import models, tasks
-from areal_jax.learner import Learner
+from areal_jax import learner as learner_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import engines, meshes, weight_transfer
 from areal_jax.runtime.checkpoint import Checkpointer
@@ -47,7 +47,7 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
   task = tasks.get_task(config.task)
   sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
-  learner = Learner(model, c_act, learner_mesh, temperature=c_roll.temperature)
+  learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature)
   engine = engines.build(config, model, tokenizer, sampler_mesh)
   if wrap_engine is not None:
     engine = wrap_engine(engine)
@@ -69,7 +69,7 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
                                   c_roll.max_concurrent_rollouts or c_act.batch_size)
   staleness.resume(version)  # accepted = version x B: the bound holds after a restart
 
-  rewards = RewardPool(c_roll.reward_workers, c_roll.reward_timeout_s)
+  rewards = RewardPool(task.reward_fn, c_roll.reward_workers, c_roll.reward_timeout_s)
   params = SamplingParams(temperature=c_roll.temperature, top_p=c_roll.top_p, top_k=c_roll.top_k,
                           max_new_tokens=c_roll.max_new_tokens)
   controller = RolloutController(

@@ -12,29 +12,31 @@ from areal_jax.tasks import get_task  # noqa: E402
 
 
 def test_scores_crashes_and_timeouts():
-  pool = RewardPool(workers=1, timeout_s=3.0)
+  pools = [RewardPool(fn, workers=1, timeout_s=3.0)
+           for fn in (reward_fns.ok, reward_fns.crash, reward_fns.hang)]
+  ok, crash, hang = pools
   try:
-    rewards, failed = pool.score(reward_fns.ok, ["7", "8"], {"answer": "7"})
-    assert rewards == [1.0, 0.0] and failed == 0
-    rewards, failed = pool.score(reward_fns.crash, ["7", "8"], {"answer": "7"})
-    assert rewards == [0.0, 0.0] and failed == 2 and pool.failures == 2
+    assert ok.score(["7", "8"], {"answer": "7"}) == ([1.0, 0.0], 0)
+    rewards, failed = crash.score(["7", "8"], {"answer": "7"})
+    assert rewards == [0.0, 0.0] and failed == 2 and crash.failures == 2
     t0 = time.time()
-    rewards, failed = pool.score(reward_fns.hang, ["7"], {"answer": "7"})
-    assert rewards == [0.0] and failed == 1 and pool.timeouts == 1
+    rewards, failed = hang.score(["7"], {"answer": "7"})
+    assert rewards == [0.0] and failed == 1 and hang.timeouts == 1
     assert time.time() - t0 < 10
-    # The hung worker was replaced: scoring goes on.
-    assert pool.score(reward_fns.ok, ["7"], {"answer": "7"}) == ([1.0], 0)
+    # The hung worker was replaced: the pool keeps scoring (and timing out) without stalling.
+    assert hang.score(["7"], {"answer": "7"}) == ([0.0], 1) and hang.timeouts == 2
   finally:
-    pool.close()
+    for pool in pools:
+      pool.close()
 
 
 def test_task_reward_runs_in_workers():
   task = get_task({"name": "gsm8k"})
   example = task.test_examples(1)[0]
   answer = example["answer"].split("####")[-1].strip()
-  pool = RewardPool(workers=1, timeout_s=30.0)
+  pool = RewardPool(task.reward_fn, workers=1, timeout_s=30.0)
   try:
-    rewards, _ = pool.score(task.reward_fn, [f"so \\boxed{{{answer}}}", "no idea"], example)
+    rewards, _ = pool.score([f"so \\boxed{{{answer}}}", "no idea"], example)
   finally:
     pool.close()
   assert rewards == [1.0, 0.0]
