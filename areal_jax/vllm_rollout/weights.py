@@ -1,0 +1,87 @@
+"""Policy weights for vLLM: versioned Hugging Face safetensors directories.
+
+``WeightDirs.write(params, version)`` puts the parameters into the model's structure and writes
+``<root>/v<version>`` with ``areal_jax.models.save_hf`` (atomic: a directory appears only once
+complete; sharded arrays are gathered from whatever mesh holds them). vLLM then reloads from that
+path. Old versions are pruned, keeping the newest ``keep`` plus any directory still marked in use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+from typing import Any
+
+from flax import nnx
+
+from areal_jax.models import save_hf
+
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def as_model(template: nnx.Module, params: Any) -> nnx.Module:
+  """``template`` with its parameters replaced by ``params``.
+
+  ``params`` is a model, an ``nnx.State`` of its ``nnx.Param`` variables or the NNX pure dict of
+  them (what the runtime hands the engines). The template is not modified.
+  """
+  if isinstance(params, nnx.Module):
+    return params
+  graphdef, state, rest = nnx.split(template, nnx.Param, ...)
+  if isinstance(params, nnx.State):
+    params = nnx.to_pure_dict(params)
+  if not isinstance(params, dict):
+    raise TypeError("params must be an nnx.Module, an nnx.State or an NNX pure dict, got "
+                    f"{type(params).__name__}")
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state, rest)
+
+
+class WeightDirs:
+  """Writes versioned Hugging Face directories under ``root`` for vLLM to load."""
+
+  def __init__(self, template: nnx.Module, tokenizer, root: str, keep: int = 2):
+    if keep < 1:
+      raise ValueError(f"keep={keep} must be >= 1")
+    self.template, self.tokenizer, self.keep = template, tokenizer, keep
+    self.root = os.path.abspath(root)
+    os.makedirs(self.root, exist_ok=True)
+    self._in_use: set[str] = set()
+    self._lock = threading.Lock()
+
+  def path(self, version: int) -> str:
+    return os.path.join(self.root, f"v{int(version):08d}")
+
+  def write(self, params: Any, version: int) -> str:
+    """Writes ``params`` as version ``version``; returns its directory (replaced if it existed)."""
+    model = as_model(self.template, params)
+    path = save_hf(model, self.tokenizer, self.path(version))
+    self.prune()
+    return path
+
+  def mark_in_use(self, path: str | None, previous: str | None = None) -> None:
+    """Protects ``path`` from pruning (and releases ``previous``): vLLM is using it."""
+    with self._lock:
+      if previous is not None:
+        self._in_use.discard(os.path.abspath(previous))
+      if path is not None:
+        self._in_use.add(os.path.abspath(path))
+
+  def versions(self) -> list[int]:
+    found = []
+    for name in os.listdir(self.root):
+      m = _VERSION_DIR.match(name)
+      if m and os.path.isdir(os.path.join(self.root, name)):
+        found.append(int(m.group(1)))
+    return sorted(found)
+
+  def prune(self) -> None:
+    with self._lock:
+      in_use = set(self._in_use)
+    versions = self.versions()
+    for v in versions[:-self.keep]:
+      path = self.path(v)
+      if path not in in_use:
+        shutil.rmtree(path, ignore_errors=True)
