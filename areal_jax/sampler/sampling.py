@@ -28,6 +28,12 @@ def slot_key(seed: int, index: int) -> jax.Array:
   return jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(seed), index))
 
 
+def slot_keys(seed: int, n: int) -> jax.Array:
+  """Raw uint32[n, 2] keys of samples ``0..n-1`` of a request seeded with ``seed``."""
+  base = jax.random.PRNGKey(seed)
+  return jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(n)))
+
+
 def scaled_log_probs(logits_SxV, temperature_S):
   """``log softmax(logits / temperature)`` in float32."""
   t = jnp.maximum(temperature_S.astype(jnp.float32), 1e-6)[:, None]

@@ -336,7 +336,7 @@ class JaxRolloutEngine(RolloutEngine):
     r, p = group.request, group.request.params
     prompt = [int(t) for t in r.prompt_tokens]
     prefix = self.engine.prefill(self._params, prompt[:-1])
-    keys = np.stack([np.asarray(sampling.slot_key(p.seed, i)) for i in range(r.n)])
+    keys = np.asarray(sampling.slot_keys(p.seed, r.n))
     end = min(len(prompt) + p.max_new_tokens, self.max_len)
     self._state = self.engine.insert(
         self._state, prefix, slots, token=[prompt[-1]] * r.n, pos=[len(prompt) - 1] * r.n,

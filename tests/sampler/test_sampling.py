@@ -9,7 +9,7 @@ from areal_jax.sampler import sampling
 
 def _run(logits_SxV, temperature=1.0, top_k=0, top_p=1.0, greedy=False, seed=0, pos=0):
   s = logits_SxV.shape[0]
-  keys = jnp.stack([sampling.slot_key(seed, i) for i in range(s)])
+  keys = sampling.slot_keys(seed, s)
   full = lambda x, dt: jnp.full((s,), x, dt)
   return jax.jit(sampling.sample)(
       logits_SxV, keys, full(pos, jnp.int32), full(temperature, jnp.float32),
@@ -62,3 +62,4 @@ def test_draws_depend_on_seed_index_and_position_only():
   assert (np.asarray(a) != np.asarray(c)).mean() > 0.9
   assert (np.asarray(a) != np.asarray(d)).mean() > 0.9
   assert len(set(np.asarray(a))) > 50  # different indices of one request differ
+  np.testing.assert_array_equal(sampling.slot_keys(4, 3)[2], sampling.slot_key(4, 2))
