@@ -14,5 +14,8 @@ def build(config, model, tokenizer, sampler_mesh) -> RolloutEngine:
         model, mesh=sampler_mesh, num_slots=r.num_slots,
         max_len=max(r.prefill_buckets) + r.max_new_tokens, prefill_buckets=tuple(r.prefill_buckets),
         continuation=r.continuation, eos_token_ids=tuple(tokenizer.eos_token_ids))
-  raise ValueError(f"rollout.backend={r.backend!r}: only 'jax' is available in this version "
-                   "(the vLLM backend is tracked as its own issue)")
+  if r.backend == "vllm":  # optional: needs vLLM (make install-vllm), raises a clear error without
+    from areal_jax.vllm_rollout.factory import build as build_vllm
+
+    return build_vllm(config, model, tokenizer, sampler_mesh)
+  raise ValueError(f"rollout.backend={r.backend!r} is not one of ('jax', 'vllm')")

@@ -36,7 +36,8 @@ class VllmInProcessEngine(VllmEngineBase):
   """Rollout engine on an in-process vLLM ``LLMEngine``; see the module docstring.
 
   Args:
-    model, tokenizer: the policy (its weights are written for vLLM) and its tokenizer.
+    model, tokenizer: the policy (its weights are written for vLLM) and its tokenizer (None: no
+      tokenizer files are written; EOS ids come from the model config).
     workdir: weight versions go to ``<workdir>/weights``, vLLM caches to ``<workdir>/cache``
       (default: a fresh temporary directory).
     num_slots: vLLM's ``max_num_seqs`` (sequences decoded together).
@@ -52,7 +53,8 @@ class VllmInProcessEngine(VllmEngineBase):
                engine_kwargs: dict[str, Any] | None = None):
     env_lib.require_vllm()
     super().__init__(vocab_size=model.cfg.vocab_size,
-                     eos_token_ids=tuple(tokenizer.eos_token_ids or model.cfg.eos_token_ids),
+                     eos_token_ids=tuple(getattr(tokenizer, "eos_token_ids", None)
+                                         or model.cfg.eos_token_ids),
                      max_model_len=max_model_len, num_slots=num_slots, version=version)
     self.workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="areal_vllm_"))
     self.weights = WeightDirs(model, tokenizer, os.path.join(self.workdir, "weights"),

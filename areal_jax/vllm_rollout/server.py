@@ -91,7 +91,8 @@ class VllmServerEngine(VllmEngineBase):
     if server_url is None:
       env_lib.require_vllm()
     super().__init__(vocab_size=model.cfg.vocab_size,
-                     eos_token_ids=tuple(tokenizer.eos_token_ids or model.cfg.eos_token_ids),
+                     eos_token_ids=tuple(getattr(tokenizer, "eos_token_ids", None)
+                                         or model.cfg.eos_token_ids),
                      max_model_len=max_model_len, num_slots=num_slots, version=version)
     self.workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="areal_vllm_server_"))
     self.weights = WeightDirs(model, tokenizer, os.path.join(self.workdir, "weights"),
