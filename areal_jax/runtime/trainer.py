@@ -47,7 +47,8 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
   task = tasks.get_task(config.task)
   sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
-  learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature)
+  learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature,
+                                total_steps=c_train.total_steps)
   engine = engines.build(config, model, tokenizer, sampler_mesh)
   if wrap_engine is not None:
     engine = wrap_engine(engine)
