@@ -55,8 +55,11 @@ class Learner:
   """Trains the policy on the learner mesh; ``params()`` is what gets published to the sampler."""
 
   def __init__(self, model: Transformer, opts, mesh, temperature: float = 1.0, rules=None,
-               total_steps: int = 0):
+               total_steps: int = 0, max_seq_len: int = 0):
+    """``max_seq_len`` (prompt + completion) fixes the packed row length, so that the train step
+    compiles for a few row counts only; sequences longer than it still work (a larger bucket)."""
     self.opts, self.mesh, self.rules, self.temperature = opts, mesh, rules, float(temperature)
+    self.max_seq_len = max_seq_len
     cfg = dataclasses.replace(model.cfg, dtype=opts.dtype)
     self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
     state = nnx.state(model, nnx.Param)
@@ -163,7 +166,7 @@ class Learner:
   def _layout(self, seqs: list[packing.Seq]):
     """Row length, rows per micro-batch, and micro-batches per minibatch (all bucketed)."""
     longest = max(len(s.tokens) for s in seqs)
-    row_len = packing.bucket(longest)
+    row_len = packing.bucket(max(longest, min(self.max_seq_len, self.opts.micro_batch_tokens)))
     rows = packing.assign_rows([len(s.tokens) for s in seqs], row_len) if self.opts.pack_sequences \
         else [[i] for i in range(len(seqs))]
     n_mb = self.opts.ppo_n_minibatches

@@ -48,7 +48,8 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   task = tasks.get_task(config.task)
   sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
   learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature,
-                                total_steps=c_train.total_steps)
+                                total_steps=c_train.total_steps,
+                                max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
   engine = engines.build(config, model, tokenizer, sampler_mesh)
   if wrap_engine is not None:
     engine = wrap_engine(engine)

@@ -57,6 +57,14 @@ def test_tiny_run_respects_the_staleness_bound(tmp_path, eta):
   steps = 5
   c = tiny_config(**{"rollout.max_head_offpolicyness": eta, "train.total_steps": steps,
                      "train.dump_trajectories": True, "rollout.max_new_tokens": 48})
+  if eta:
+    # Make generation the bottleneck, as it is in real RL: short prompts (cheap training), long
+    # generations (the random model rarely stops) on few slots. Weight updates then land
+    # mid-sequence.
+    for key, value in {"task.name": "arithmetic", "rollout.max_prompt_len": 384,
+                       "rollout.prefill_buckets": (128, 256, 384), "rollout.max_new_tokens": 256,
+                       "rollout.num_slots": 4}.items():
+      config_lib.override(c, key, value)
   trainer.run(c, str(tmp_path))
   rows, samples = check_run(str(tmp_path), steps, eta)
   if eta == 0:  # synchronous: batch s+1 is generated entirely by version s
