@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export PYTHONHASHSEED = 0
 
-.PHONY: install test test-fast bench clean install-vllm test-vllm
+.PHONY: install test test-fast demo bench clean install-vllm test-vllm
 
 $(PYBIN):
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -48,6 +48,10 @@ install-vllm: $(VLLM_STAMP)
 # The vLLM backend tests (real vLLM on CPU, no mocks); under the main venv they skip.
 test-vllm: install-vllm
 	$(VLLM_PYBIN) -m pytest -q tests/vllm_backend
+
+# The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO (~15 minutes on 2 cores).
+demo: install
+	$(PYBIN) launch.py --config=configs/arithmetic.py --workdir=runs/demo
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -7,12 +7,17 @@ Rerunning the same command resumes from the latest checkpoint in --workdir.
 The same run can be started from Python: ``areal_jax.runtime.trainer.run(config, workdir)``.
 """
 
+import os
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+# On a CPU-only host, expose 8 virtual devices so the learner and sampler meshes can be split as on
+# an accelerator host (ignored by TPU/GPU backends). Set XLA_FLAGS yourself to override.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from areal_jax import config as config_lib
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from areal_jax import config as config_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "path/to/config.py[:preset]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
