@@ -10,6 +10,13 @@ Logprob convention (``rollout_api``): ``log softmax(logits / T)`` at the sampled
 With top-k or top-p on, vLLM computes the logprob *after* truncation, i.e. renormalised over the kept
 tokens: ours minus ``log(kept mass)``, so never smaller than ours. Greedy requests (temperature 0 in
 vLLM) report ``log softmax(logits)``, i.e. temperature 1.
+
+Randomness: requests are unseeded by default and draw from vLLM's engine-wide generator (seeded with
+the engine seed), so a run is not reproducible sample by sample. Per-request seeds
+(``SamplingParams.seed`` mixed with the sample index and offset) are available with
+``per_request_seeds=True`` but are off because vLLM 0.32 on CPU fails the whole step ("CPU Generator
+does not use offset") when a seeded request's prefill is split across steps (chunked prefill of
+long prompts, e.g. the GSM8K prompts of the tiny preset).
 """
 
 from __future__ import annotations
@@ -29,10 +36,15 @@ def attempt_seed(seed: int, index: int, offset: int) -> int:
 
 
 def sampling_fields(p: SamplingParams, stop_ids: tuple[int, ...], max_tokens: int,
-                    seed: int) -> dict:
-  """vLLM sampling settings (``vllm.SamplingParams`` keywords, also valid completion-API fields)."""
+                    seed: int | None) -> dict:
+  """vLLM sampling settings (``vllm.SamplingParams`` keywords, also valid completion-API fields).
+
+  ``seed=None`` leaves the request unseeded (drawn from the engine's seeded generator).
+  """
   fields = dict(max_tokens=int(max_tokens), logprobs=0, stop_token_ids=list(stop_ids),
-                ignore_eos=False, seed=int(seed), top_p=1.0, top_k=-1)
+                ignore_eos=False, top_p=1.0, top_k=-1)
+  if seed is not None:
+    fields["seed"] = int(seed)
   if p.greedy:
     fields["temperature"] = 0.0
   else:
@@ -79,10 +91,11 @@ class Seq:
   def remaining(self) -> int:
     return self.group.request.params.max_new_tokens - len(self.tokens)
 
-  def attempt_fields(self) -> dict:
+  def attempt_fields(self, seeded: bool = False) -> dict:
+    """vLLM settings of the next attempt; ``seeded``: a per-request seed (see ``PER_REQUEST_SEEDS``)."""
     p = self.group.request.params
-    return sampling_fields(p, self.group.stop_ids, self.remaining,
-                           attempt_seed(p.seed, self.index, len(self.tokens)))
+    seed = attempt_seed(p.seed, self.index, len(self.tokens)) if seeded else None
+    return sampling_fields(p, self.group.stop_ids, self.remaining, seed)
 
   def add(self, tokens, logprobs, version: int) -> None:
     if len(tokens) != len(logprobs):

@@ -44,13 +44,15 @@ class VllmInProcessEngine(VllmEngineBase):
     max_model_len: prompt + generated tokens per sequence.
     kv_cache_gib: KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
     keep_weights: weight directories kept on disk.
+    seed: vLLM's engine seed. per_request_seeds: seed each request (see ``base.py``: off because
+      of a vLLM CPU bug with chunked prefill).
     engine_kwargs: extra ``vllm.EngineArgs`` fields.
   """
 
   def __init__(self, model, tokenizer, *, workdir: str | None = None, num_slots: int = 8,
                max_model_len: int = 512, kv_cache_gib: float = 1.0, keep_weights: int = 2,
                num_threads: int | None = None, seed: int = 0, version: int = 0,
-               engine_kwargs: dict[str, Any] | None = None):
+               per_request_seeds: bool = False, engine_kwargs: dict[str, Any] | None = None):
     env_lib.require_vllm()
     super().__init__(vocab_size=model.cfg.vocab_size,
                      eos_token_ids=tuple(getattr(tokenizer, "eos_token_ids", None)
@@ -61,6 +63,7 @@ class VllmInProcessEngine(VllmEngineBase):
                               keep_weights)
     self._env = env_lib.vllm_env(os.path.join(self.workdir, "cache"), kv_cache_gib, num_threads)
     self._engine_kwargs = dict(seed=seed, **(engine_kwargs or {}))
+    self.per_request_seeds = per_request_seeds
     self._loaded = self.weights.write(model, version)
     self.weights.mark_in_use(self._loaded)
     self._llm = None
@@ -192,7 +195,7 @@ class VllmInProcessEngine(VllmEngineBase):
     from vllm.sampling_params import RequestOutputKind
 
     rid = seq.next_request_id()
-    params = SamplingParams(**seq.attempt_fields(), detokenize=False,
+    params = SamplingParams(**seq.attempt_fields(self.per_request_seeds), detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
     self._llm.add_request(rid, {"prompt_token_ids": seq.prompt}, params)
     self._running[rid] = seq

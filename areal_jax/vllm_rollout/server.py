@@ -86,8 +86,8 @@ class VllmServerEngine(VllmEngineBase):
   def __init__(self, model, tokenizer, *, server_url: str | None = None,
                workdir: str | None = None, num_slots: int = 8, max_model_len: int = 512,
                kv_cache_gib: float = 1.0, keep_weights: int = 2, num_threads: int | None = None,
-               seed: int = 0, version: int = 0, startup_timeout: float = 600.0,
-               request_timeout: float = 600.0):
+               seed: int = 0, version: int = 0, per_request_seeds: bool = False,
+               startup_timeout: float = 600.0, request_timeout: float = 600.0):
     if server_url is None:
       env_lib.require_vllm()
     super().__init__(vocab_size=model.cfg.vocab_size,
@@ -98,6 +98,7 @@ class VllmServerEngine(VllmEngineBase):
     self.weights = WeightDirs(model, tokenizer, os.path.join(self.workdir, "weights"),
                               keep_weights)
     self.request_timeout = request_timeout
+    self.per_request_seeds = per_request_seeds
     self._lock = threading.Condition()
     self._swap_lock = threading.Lock()
     self._queue: collections.deque[Seq] = collections.deque()
@@ -351,7 +352,7 @@ class VllmServerEngine(VllmEngineBase):
     """Runs one attempt; returns (vLLM finish reason or None, error text or None)."""
     seq = attempt.seq
     body = dict(model=SERVED_NAME, prompt=seq.prompt, stream=True, return_token_ids=True,
-                **seq.attempt_fields())
+                **seq.attempt_fields(self.per_request_seeds))
     conn = http.client.HTTPConnection(self._host, self._port, timeout=self.request_timeout)
     attempt.conn = conn
     try:

@@ -51,7 +51,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(policies, tokenizer, tmp_path_factory):
   engine = VllmInProcessEngine(policies[0], tokenizer, workdir=str(tmp_path_factory.mktemp("e")),
-                               num_slots=8, max_model_len=256)
+                               num_slots=8, max_model_len=256,
+                               engine_kwargs={"max_num_batched_tokens": 256})  # chunked prefills
   engine.start()
   yield Served(engine, policies)
   engine.close()
@@ -173,6 +174,18 @@ def test_abort_returns_the_partial_output(served, tokenizer):
   for s in out:
     assert s.finish_reason == "abort" and 4 <= len(s.tokens) < 200
     assert len(s.logprobs) == len(s.versions) == len(s.tokens)
+    np.testing.assert_allclose(s.logprobs, teacher_forced(served.model, s), atol=TOL, rtol=0)
+
+
+def test_long_prompts_with_chunked_prefill(served, tokenizer):
+  """Prompts longer than one step's token budget are prefilled in chunks (the path where vLLM 0.32
+  on CPU breaks seeded requests)."""
+  e = served.engine
+  long_prompt = tokenizer.encode("a fairly long prompt " * 10)[:200]
+  e.submit(GroupRequest(70, long_prompt, 4, SamplingParams(temperature=1.0, max_new_tokens=12)))
+  out = collect(e, 4)
+  assert all(s.finish_reason in ("length", "eos") and s.error is None for s in out)
+  for s in out:
     np.testing.assert_allclose(s.logprobs, teacher_forced(served.model, s), atol=TOL, rtol=0)
 
 

@@ -53,7 +53,8 @@ def test_sampling_fields_follow_our_params():
   f = sampling_fields(SamplingParams(temperature=0.7, top_k=5, top_p=0.9), (7, 9), 11, 3)
   assert f == dict(max_tokens=11, logprobs=0, stop_token_ids=[7, 9], ignore_eos=False, seed=3,
                    temperature=0.7, top_p=0.9, top_k=5)
-  assert sampling_fields(SamplingParams(top_k=0), (), 1, 0)["top_k"] == -1
+  unseeded = sampling_fields(SamplingParams(top_k=0), (), 1, None)
+  assert unseeded["top_k"] == -1 and "seed" not in unseeded
   greedy = sampling_fields(SamplingParams(greedy=True, temperature=0.5, top_k=3), (), 4, 0)
   assert greedy["temperature"] == 0.0 and greedy["top_k"] == -1
 
