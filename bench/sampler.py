@@ -1,6 +1,6 @@
 """Rollout sampler throughput: continuous batching vs a static-batch baseline, and the decode roofline.
 
-  python bench/sampler.py [--quick] [--json PATH]
+  python bench/sampler.py [--quick] [--json PATH] [--peer vllm]
 
 Workload: GRPO-style groups (n samples per prompt) whose lengths are long-tailed (log-normal
 max_new_tokens, EOS disabled so every sequence runs to its drawn length). Both engines use the same
@@ -15,14 +15,28 @@ embedding read by the LM head) and each slot's KV up to its position must be rea
 2 * matmul params * slots + attention FLOPs computed. Ideal step time is
 max(bytes / measured read bandwidth, FLOPs / measured matmul throughput); ``roofline_frac`` is ideal
 over measured step time. Both hardware figures are measured on the spot.
+
+``--peer vllm``: the same workloads, at the same slot count (vLLM ``max_num_seqs``), through vLLM on
+this CPU (``areal_jax.vllm_rollout.VllmInProcessEngine``, float32, all cores), with the same weights
+(written with ``save_hf``). vLLM runs in a subprocess under ``--vllm-python`` (default: this
+interpreter if it has vLLM, else ``.venv-vllm/bin/python`` from ``make install-vllm``), one model at
+a time, never concurrently with a JAX measurement. vLLM's CPU attention needs head_dim in {32, 64,
+...}, so the tiny comparison uses the tiny config with head_dim 32 (rows ``tiny-hd32``, JAX re-run
+on it). Adds top-level ``speedup_vs_vllm`` (JAX continuous tok/s over vLLM tok/s, SmolLM2-135M) and
+``speedup_vs_vllm_tiny``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -30,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models import ModelConfig, Transformer
+from areal_jax.models import ModelConfig, Transformer, save_hf
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
@@ -39,6 +53,9 @@ SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, 
                       n_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5, norm_eps=1e-5)
 TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=16, d_ff=128)
+
+TINY_HD32 = dataclasses.replace(TINY, head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def machine() -> dict:
@@ -179,11 +196,44 @@ def roofline(model, cfg, slots, context, hw, steps=1, reps=3):
           "roofline_frac": ideal / step_s, "roofline_tok_per_s": slots / ideal}
 
 
+def vllm_python(arg: str | None) -> str:
+  if arg:
+    return arg
+  if importlib.util.find_spec("vllm") is not None:
+    return sys.executable
+  candidate = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+  if not os.path.exists(candidate):
+    raise SystemExit("--peer vllm needs vLLM: run `make install-vllm` (creates .venv-vllm) or pass "
+                     "--vllm-python")
+  return candidate
+
+
+def run_vllm(python, model, groups, slots, max_len):
+  """The same workload through vLLM in a subprocess (see bench/vllm_peer.py)."""
+  with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
+    model_dir = save_hf(model, None, os.path.join(tmp, "model"))
+    with open(os.path.join(tmp, "workload.json"), "w") as f:
+      json.dump(groups, f)
+    out = os.path.join(tmp, "row.json")
+    cmd = [python, os.path.join(ROOT, "bench", "vllm_peer.py"), "--model-dir", model_dir,
+           "--workload", os.path.join(tmp, "workload.json"), "--slots", str(slots),
+           "--max-len", str(max_len), "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+      raise SystemExit(f"vLLM peer failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    with open(out) as f:
+      return json.load(f)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="reduced run (under two minutes)")
   ap.add_argument("--json", default=None, help="write results to this path")
+  ap.add_argument("--peer", choices=["vllm"], default=None,
+                  help="also run the same workloads through this peer engine")
+  ap.add_argument("--vllm-python", default=None, help="interpreter with vLLM (for --peer vllm)")
   args = ap.parse_args()
+  peer_python = vllm_python(args.vllm_python) if args.peer == "vllm" else None
   quick = args.quick
   info, hw = machine(), hardware()
   print(f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['devices']}); "
@@ -218,6 +268,30 @@ def main():
   result = {"machine": info, "hardware": hw, "quick": quick,
             "speedup_vs_static": speed["smollm2-135m"], "speedup_vs_static_tiny": speed["tiny"],
             "roofline_frac": roof["roofline_frac"], "roofline": roof, "rows": rows}
+  if args.peer == "vllm":
+    vs = {}
+    for name, cfg, slots, num_groups, n, max_new, kv_buckets, steps in plans:
+      groups = workload(num_groups, n, cfg.vocab_size, max_new)
+      label = name
+      if cfg.head_dim < 32:  # same workload on a vLLM-compatible tiny model, both engines
+        cfg, label = TINY_HD32, f"{name}-hd32"
+      model = make_model(cfg)
+      if label == name:
+        ours = next(r for r in rows if r["model"] == name and r["engine"] == "continuous")
+      else:
+        ours = run_continuous(model, groups, slots, 128, kv_buckets, steps)
+        ours.update(model=label, slots=slots, sequences=num_groups * n)
+        rows.append(ours)
+      theirs = run_vllm(peer_python, model, groups, slots, 128)
+      theirs.update(model=label, slots=slots, sequences=num_groups * n)
+      rows.append(theirs)
+      vs[name] = ours["tok_per_s"] / theirs["tok_per_s"]
+      for r in (ours, theirs):
+        print(f"{label:>13} {r['engine']:>10} slots={slots:<3} seqs={r['sequences']:<4} "
+              f"tokens={r['tokens']:<6} wall={r['wall_s']:7.2f}s  {r['tok_per_s']:8.1f} tok/s")
+      print(f"{label:>13} speedup JAX continuous / vLLM {theirs['vllm']}: {vs[name]:.2f}x")
+    result.update(speedup_vs_vllm=vs["smollm2-135m"], speedup_vs_vllm_tiny=vs["tiny"],
+                  rows=rows)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=2)
