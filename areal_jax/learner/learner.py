@@ -2,18 +2,24 @@
 
 ``train_step(groups, rewards)``:
   1. advantages per sequence (group normalization, optional batch normalization);
-  2. pack all sequences into rows (segment ids, restarting positions);
-  3. recompute the proximal logprobs with one forward pass of the current parameters;
-  4. ``ppo_n_minibatches`` optimizer updates, each accumulating gradients over micro-batches that
-     fit the ``micro_batch_tokens`` budget (``lax.scan`` inside one jitted function).
-Parameters and optimizer state live on the learner mesh with shardings from the logical axes; the
-state is donated. A non-finite loss or gradient leaves the parameters untouched and raises.
+  2. split the sequences into ``ppo_n_minibatches`` minibatches, pack each into rows (segment ids,
+     restarting positions) and cut the rows into micro-batches of ``micro_batch_tokens``;
+  3. recompute the proximal logprobs (and the reference model's, with a KL penalty) with one
+     forward pass of the current parameters over every micro-batch;
+  4. per minibatch, accumulate gradients over its micro-batches, then one AdamW update.
+
+Three jitted functions do the device work, each with explicit shardings on the learner mesh: the
+logprob forward, ``accumulate`` (grads and metric sums, donated) and ``apply`` (the optimizer
+update, with the training state donated). Their shapes depend only on the bucketed row length and
+rows per micro-batch, never on the number of sequences or micro-batches, so steady state does not
+recompile. An update whose loss or gradient is not finite is not applied: the parameters stay
+those of the last good update and ``train_step`` raises ``FloatingPointError`` naming the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import time
 from collections.abc import Sequence
 
@@ -31,185 +37,277 @@ from areal_jax.learner import packing
 from areal_jax.models import Transformer
 from areal_jax.rollout_api import Sample
 
-_BATCH_FIELDS = ("tokens", "positions", "segment_ids", "seq", "mask", "behav_logp", "adv")
+
+def make_schedule(opts, total_steps: int = 0) -> optax.Schedule:
+  """Learning rate per optimizer update (train steps x ``ppo_n_minibatches``), with linear warmup."""
+  n_mb = opts.ppo_n_minibatches
+  total, warm = max(total_steps, 1) * n_mb, opts.warmup_steps * n_mb
+  if opts.lr_schedule == "constant":
+    if not warm:
+      return optax.constant_schedule(opts.lr)
+    return optax.join_schedules([optax.linear_schedule(0.0, opts.lr, warm),
+                                 optax.constant_schedule(opts.lr)], [warm])
+  if opts.lr_schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, opts.lr, warm, max(total, warm + 1))
+  if opts.lr_schedule == "linear":
+    return optax.join_schedules([optax.linear_schedule(0.0, opts.lr, max(warm, 1)),
+                                 optax.linear_schedule(opts.lr, 0.0, max(total - warm, 1))], [warm])
+  raise ValueError(f"actor.lr_schedule={opts.lr_schedule!r} is not one of constant, cosine, linear")
 
 
 def make_optimizer(opts, total_steps: int = 0) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping; the schedule counts optimizer updates (steps x minibatches)."""
-  total = max(total_steps, 1) * opts.ppo_n_minibatches
-  warm = opts.warmup_steps * opts.ppo_n_minibatches
-  if opts.lr_schedule == "constant":
-    lr = optax.join_schedules([optax.linear_schedule(0.0, opts.lr, max(warm, 1)),
-                               optax.constant_schedule(opts.lr)], [warm]) if warm else opts.lr
-  elif opts.lr_schedule == "cosine":
-    lr = optax.warmup_cosine_decay_schedule(0.0, opts.lr, warm, max(total, warm + 1))
-  else:
-    lr = optax.join_schedules([optax.linear_schedule(0.0, opts.lr, max(warm, 1)),
-                               optax.linear_schedule(opts.lr, 0.0, max(total - warm, 1))], [warm])
+  """AdamW with global-norm gradient clipping (``grad_clip`` 0 disables it)."""
   parts = [optax.clip_by_global_norm(opts.grad_clip)] if opts.grad_clip else []
-  parts.append(optax.adamw(lr, b1=opts.b1, b2=opts.b2, weight_decay=opts.weight_decay))
+  parts.append(optax.adamw(make_schedule(opts, total_steps), b1=opts.b1, b2=opts.b2,
+                           weight_decay=opts.weight_decay))
   return optax.chain(*parts)
 
 
 class Learner:
-  """Trains the policy on the learner mesh; ``params()`` is what gets published to the sampler."""
+  """Trains the policy on the learner mesh; ``params()`` is what gets published to the sampler.
+
+  Args:
+    model: the initial policy (its parameters are copied onto the learner mesh; with
+      ``kl_coef > 0`` they are also kept, frozen, as the reference model).
+    opts: the ``actor`` config.
+    mesh: the learner mesh (axes data, fsdp, tensor); rows are split over data x fsdp,
+      parameters by their logical axes (``rules``, default ``sharding.DEFAULT_RULES``).
+    temperature: the sampling temperature (logprobs are those of ``softmax(logits / T)``).
+    total_steps: train steps of the run (for decaying learning-rate schedules).
+    max_seq_len: prompt + completion budget; fixes the packed row length (capped by
+      ``micro_batch_tokens``) so the train step compiles for few shapes. Longer sequences still
+      work (in a larger row bucket).
+  """
 
   def __init__(self, model: Transformer, opts, mesh, temperature: float = 1.0, rules=None,
                total_steps: int = 0, max_seq_len: int = 0):
-    """``max_seq_len`` (prompt + completion) fixes the packed row length, so that the train step
-    compiles for a few row counts only; sequences longer than it still work (a larger bucket)."""
+    if opts.use_decoupled_loss and not opts.recompute_logprobs:
+      raise ValueError("actor.use_decoupled_loss=True requires actor.recompute_logprobs=True")
+    if temperature <= 0:
+      raise ValueError(f"temperature={temperature} must be > 0")
     self.opts, self.mesh, self.rules, self.temperature = opts, mesh, rules, float(temperature)
-    self.max_seq_len = max_seq_len
-    cfg = dataclasses.replace(model.cfg, dtype=opts.dtype)
-    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    self.max_seq_len = int(max_seq_len)
+    self.cfg = dataclasses.replace(model.cfg, dtype=opts.dtype)
+    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(self.cfg, nnx.Rngs(0))))
     state = nnx.state(model, nnx.Param)
     self.param_shardings = nnx.to_pure_dict(sharding.state_shardings(state, mesh, rules))
     params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
+    self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    self.row_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    self.replicated = NamedSharding(mesh, P())
+    self.row_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
+    self.schedule = make_schedule(opts, total_steps)
     self.tx = make_optimizer(opts, total_steps)
-    opt_state = jax.jit(self.tx.init)(params)
-    replicated = NamedSharding(mesh, P())
-    opt_shardings = jax.tree.map(
-        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, opt_state)
-    opt_state = jax.device_put(opt_state, opt_shardings)
-    self.state_shardings = dict(params=self.param_shardings, opt=opt_shardings, step=replicated)
-    self._state = dict(params=params, opt=opt_state, step=jax.device_put(
-        jnp.zeros((), jnp.int32), self.state_shardings["step"]))
+    opt_shapes = jax.eval_shape(self.tx.init, params)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        self.tx, lambda _, s: s, opt_shapes, self.param_shardings,
+        transform_non_params=lambda _: self.replicated)
+    self.state_shardings = dict(params=self.param_shardings, opt=opt_shardings,
+                                step=self.replicated, version=self.replicated)
+    opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
+    put = lambda x: jax.device_put(jnp.asarray(x, jnp.int32), self.replicated)
+    self._state = dict(params=params, opt=opt_state, step=put(0), version=put(0))
     self.ref_params = jax.tree.map(jnp.copy, params) if opts.kl_coef else None
-    self.version = 0
-    self._logp_fn = jax.jit(self._logprobs, static_argnames=("micro",))
-    micro_sharding = NamedSharding(mesh, P(None, ("data", "fsdp")))  # [M, R, L]: rows sharded
-    self._update_fn = jax.jit(self._update, donate_argnums=(0,), static_argnums=(3,),
-                              in_shardings=(self.state_shardings, micro_sharding,
-                                            self.param_shardings if opts.kl_coef else None),
-                              out_shardings=(self.state_shardings, None))
+    self._build_fns()
 
   # ---- state -----------------------------------------------------------------------------------
   @property
   def state(self) -> dict:
-    """Parameters, optimizer state and step: the checkpointed pytree."""
+    """Parameters, optimizer state, optimizer step and policy version: the checkpointed pytree."""
     return self._state
 
   def load_state(self, state: dict) -> None:
-    self._state = jax.device_put(state, self.state_shardings)
-    self.version = int(self._state["step"])
+    """Restores a ``state`` pytree (e.g. from Orbax) onto the learner mesh."""
+    self._state = jax.device_put(dict(state), self.state_shardings)
+    self._check_finite_params()
+
+  @property
+  def version(self) -> int:
+    """The policy version of the current parameters (train steps done)."""
+    return int(self._state["version"])
 
   def params(self) -> dict:
-    """The current parameters (NNX pure dict on the learner mesh)."""
+    """The current parameters, an NNX pure dict on the learner mesh (do not modify in place)."""
     return self._state["params"]
 
   # ---- device functions ------------------------------------------------------------------------
-  def _forward_logp(self, params, b):
+  def _build_fns(self):
+    ps, rs, rep = self.param_shardings, self.row_sharding, self.replicated
+    batch_sh = {f: rs for f in packing.FIELDS}
+    metric_sh = {k: rep for k in loss_lib.METRIC_SUMS + loss_lib.METRIC_MAXES}
+    self._acc_shardings = dict(grads=ps, metrics=metric_sh)
+    kl = bool(self.opts.kl_coef)
+    if kl:
+      self._logp_fn = jax.jit(self._logprobs, in_shardings=(ps, batch_sh, ps),
+                              out_shardings=(rs, rs))
+    else:
+      self._logp_fn = jax.jit(self._logprobs, in_shardings=(ps, batch_sh), out_shardings=(rs, rs))
+    train_sh = dict(batch_sh, old_logp=rs, **({"ref_logp": rs} if kl else {}))
+    self._zeros_fn = jax.jit(self._zeros, out_shardings=self._acc_shardings)
+    self._acc_fn = jax.jit(self._accumulate, donate_argnums=(1,),
+                           in_shardings=(ps, self._acc_shardings, train_sh, rep),
+                           out_shardings=self._acc_shardings)
+    self._apply_fn = jax.jit(self._apply, donate_argnums=(0,),
+                             in_shardings=(self.state_shardings, ps, rep),
+                             out_shardings=(self.state_shardings, dict(grad_norm=rep, finite=rep)))
+
+  def _forward(self, params, b):
+    """``(logp_RxL, entropy_RxL)`` of the tokens of packed rows ``b`` under ``params``."""
     with sharding.use(self.mesh, self.rules):
-      logits = nnx.merge(self.graphdef, params)(b["tokens"], b["positions"], b["segment_ids"])
+      model = nnx.merge(self.graphdef, params)
+      logits = model(b["tokens"], b["positions"], b["segment_ids"])
       return loss_lib.token_logprobs(logits, b["tokens"], self.temperature)
 
-  def _logprobs(self, params, batch, micro: int):
-    """Logprobs of every row, ``micro`` rows at a time (bounded activation memory)."""
-    split = jax.tree.map(lambda x: x.reshape(-1, micro, *x.shape[1:]), batch)
-    logp = jax.lax.map(lambda b: self._forward_logp(params, b)[0], split)
-    return logp.reshape(batch["tokens"].shape)
+  def _logprobs(self, params, batch, ref_params=None):
+    """Proximal logprobs and entropy of one micro-batch, or proximal and reference logprobs."""
+    prox, entropy = self._forward(params, batch)
+    if ref_params is None:
+      return prox, entropy
+    return prox, self._forward(ref_params, batch)[0]
 
-  def _update(self, state, batch_MxRxL, ref_params, num_seqs: int):
-    """One optimizer update from micro-batches ``[M, R, L]`` (gradients accumulated by scan)."""
-    params, opts = state["params"], self.opts
-    n_tokens = jnp.sum(batch_MxRxL["mask"])
+  def _zeros(self):
+    shapes = jax.eval_shape(lambda: self._state["params"])
+    grads = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+    return dict(grads=grads, metrics={k: jnp.zeros((), jnp.float32) for k in
+                                      loss_lib.METRIC_SUMS + loss_lib.METRIC_MAXES})
 
-    def micro_loss(p, b):
-      logp, entropy = self._forward_logp(p, b)
-      ref = None
-      if ref_params is not None:
-        ref = jax.lax.stop_gradient(self._forward_logp(ref_params, b)[0])
+  def _accumulate(self, params, acc, b, n_tokens):
+    """Adds the gradient and metric sums of micro-batch ``b`` to ``acc``."""
+
+    def loss_fn(p):
+      logp, entropy = self._forward(p, b)
       loss, m = loss_lib.ppo_loss(logp, b["old_logp"], b["behav_logp"], b["adv"], b["mask"],
-                                  b["seq"], n_tokens, opts, num_seqs, ref_logp=ref)
-      m["entropy"] = jnp.sum(b["mask"] * jax.lax.stop_gradient(entropy)) / jnp.maximum(n_tokens, 1)
+                                  b["segment_ids"], n_tokens, self.opts, ref_logp=b.get("ref_logp"))
+      m["entropy"] = jnp.sum(b["mask"] * entropy) / jnp.maximum(n_tokens, 1.0)
       return loss, m
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc["grads"], g)
+    metrics = {k: (jnp.maximum(v, m[k]) if k in loss_lib.METRIC_MAXES else v + m[k])
+               for k, v in acc["metrics"].items()}
+    return dict(grads=grads, metrics=metrics)
 
-    def body(acc, b):
-      (_, m), g = grad_fn(params, b)
-      g_acc, m_acc = acc
-      m_acc = {k: (jnp.maximum(m_acc[k], v) if k == "behav_weight_max" else m_acc[k] + v)
-               for k, v in m.items()}
-      return (jax.tree.map(jnp.add, g_acc, g), m_acc), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    m0 = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], batch_MxRxL))[0][1])
-    m0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m0)
-    (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), batch_MxRxL)
+  def _apply(self, state, grads, loss):
+    """One AdamW update; skipped entirely (state unchanged) if the loss or gradient is not finite."""
     grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    updates, new_opt = self.tx.update(grads, state["opt"], params)
-    new_params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = self.tx.update(grads, state["opt"], state["params"])
+    new_params = optax.apply_updates(state["params"], updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_state = dict(params=keep(new_params, params), opt=keep(new_opt, state["opt"]),
-                     step=state["step"] + finite.astype(jnp.int32))
-    metrics.update(grad_norm=grad_norm, finite=finite)
-    return new_state, metrics
+    new_state = dict(params=keep(new_params, state["params"]), opt=keep(new_opt, state["opt"]),
+                     step=state["step"] + finite.astype(jnp.int32), version=state["version"])
+    return new_state, dict(grad_norm=grad_norm, finite=finite)
 
   # ---- host side -------------------------------------------------------------------------------
-  def build_sequences(self, groups: Sequence[Sequence[Sample]], rewards) -> list[packing.Seq]:
-    opts = self.opts
+  def build_sequences(self, groups: Sequence[Sequence[Sample]], rewards) -> tuple[list, dict]:
+    """Training sequences (with advantages) of the non-empty samples, and batch statistics."""
+    if len(groups) != len(rewards):
+      raise ValueError(f"{len(groups)} groups but {len(rewards)} reward lists")
+    if not groups:
+      raise ValueError(f"step {self.version}: empty batch")
     sizes = {len(g) for g in groups}
     if len(sizes) != 1:
       raise ValueError(f"all groups must have the same number of samples, got sizes {sorted(sizes)}")
-    adv = adv_lib.group_advantages(np.asarray(rewards, np.float64), opts)
+    for i, (g, r) in enumerate(zip(groups, rewards)):
+      if len(g) != len(r):
+        raise ValueError(f"group {i}: {len(g)} samples but {len(r)} rewards")
+    r_GxN = np.asarray(rewards, np.float64)
+    if not np.all(np.isfinite(r_GxN)):
+      raise ValueError(f"step {self.version}: non-finite rewards {r_GxN[~np.isfinite(r_GxN)]}")
+    n_tok = np.asarray([[len(s.tokens) for s in g] for g in groups])
+    adv = adv_lib.sequence_advantages(r_GxN, n_tok, self.opts)
     flat = [s for g in groups for s in g]
-    adv = adv.reshape(-1)
-    if opts.batch_adv_norm:
-      adv = adv_lib.batch_normalize(adv, [max(len(s.tokens), 1) for s in flat], opts.adv_eps)
-    return [packing.Seq(list(s.prompt_tokens) + list(s.tokens), len(s.prompt_tokens),
+    seqs = [packing.Seq(list(s.prompt_tokens) + list(s.tokens), len(s.prompt_tokens),
                         list(s.logprobs), float(a)) for s, a in zip(flat, adv) if s.tokens]
+    stats = dict(reward_mean=float(r_GxN.mean()), adv_abs_mean=float(np.mean(np.abs(adv))),
+                 uniform_groups=adv_lib.uniform_groups(r_GxN), sequences=len(seqs))
+    return seqs, stats
 
-  def _layout(self, seqs: list[packing.Seq]):
-    """Row length, rows per micro-batch, and micro-batches per minibatch (all bucketed)."""
-    longest = max(len(s.tokens) for s in seqs)
-    row_len = packing.bucket(max(longest, min(self.max_seq_len, self.opts.micro_batch_tokens)))
-    rows = packing.assign_rows([len(s.tokens) for s in seqs], row_len) if self.opts.pack_sequences \
-        else [[i] for i in range(len(seqs))]
-    n_mb = self.opts.ppo_n_minibatches
-    micro_rows = max(self.dp, self.opts.micro_batch_tokens // row_len // self.dp * self.dp)
-    per_mb = math.ceil(len(rows) / n_mb)
-    micro_rows = min(micro_rows, packing.bucket(math.ceil(per_mb / self.dp), 1) * self.dp)
-    n_micro = packing.bucket(math.ceil(per_mb / micro_rows), 1)
-    return row_len, rows, micro_rows, n_micro
-
-  def train_step(self, groups: Sequence[Sequence[Sample]], rewards) -> dict:
-    """Trains version ``v`` into ``v + 1`` on ``groups`` (lists of Samples) with their rewards."""
-    t0 = time.time()
-    seqs = self.build_sequences(groups, rewards)
+  def _prepare(self, groups, rewards):
+    """Sequences -> packed micro-batches per minibatch, with proximal/reference logprobs attached."""
+    seqs, stats = self.build_sequences(groups, rewards)
     if not seqs:
       raise ValueError(f"step {self.version}: the batch has no generated tokens")
-    row_len, rows, micro_rows, n_micro = self._layout(seqs)
-    n_mb = self.opts.ppo_n_minibatches
-    total_rows = n_mb * n_micro * micro_rows
-    # Minibatches are contiguous runs of rows; rows are spread so each minibatch gets its share.
-    order = [rows[i] for i in range(len(rows))]
-    mb_rows = [order[k::n_mb] for k in range(n_mb)]
-    padded = []
-    for k in range(n_mb):
-      padded += mb_rows[k] + [[] for _ in range(n_micro * micro_rows - len(mb_rows[k]))]
-    packed = packing.pack(seqs, row_len, rows=padded, num_rows=total_rows)
-    batch = {f: jax.device_put(getattr(packed, f), self.row_sharding) for f in _BATCH_FIELDS}
-    prox = self._logp_fn(self._state["params"], batch, micro=micro_rows)
-    batch["old_logp"] = prox if self.opts.recompute_logprobs else batch["behav_logp"]
-    sums, maxes = {}, {}
-    for k in range(n_mb):
-      sl = slice(k * n_micro * micro_rows, (k + 1) * n_micro * micro_rows)
-      mb = {f: v[sl].reshape(n_micro, micro_rows, row_len) for f, v in batch.items()}
-      self._state, m = self._update_fn(self._state, mb, self.ref_params, len(seqs))
-      m = jax.device_get(m)
+    opts = self.opts
+    layout = packing.plan([len(s.tokens) for s in seqs], min(opts.ppo_n_minibatches, len(seqs)),
+                          opts.micro_batch_tokens, self.dp,
+                          min_row_len=min(self.max_seq_len, opts.micro_batch_tokens),
+                          packed=opts.pack_sequences)
+    need_forward = opts.recompute_logprobs or bool(opts.kl_coef)
+    minibatches, real = [], 0
+    for mbs in layout.minibatches:
+      micro = []
+      for rows in mbs:
+        p = packing.pack(seqs, layout.row_len, rows=rows, num_rows=layout.micro_rows)
+        real += p.real_tokens
+        b = p.arrays()
+        old, ref = (self._logp_fn(self.params(), b, *([self.ref_params] if opts.kl_coef else []))
+                    if need_forward else (None, None))
+        b["old_logp"] = old if opts.recompute_logprobs else b["behav_logp"]
+        if opts.kl_coef:
+          b["ref_logp"] = ref
+        micro.append(b)
+      minibatches.append(micro)
+    stats.update(tokens=real, row_len=layout.row_len, micro_rows=layout.micro_rows,
+                 micro_batches=sum(len(m) for m in minibatches),
+                 padding_efficiency=real / layout.computed_tokens,
+                 packing_efficiency=real / (layout.used_rows * layout.row_len))
+    return minibatches, stats
+
+  def _minibatch_grads(self, micro):
+    """Accumulated gradients and metric sums of one minibatch (a list of micro-batches)."""
+    n_tokens = np.float32(sum(float(b["mask"].sum()) for b in micro))
+    acc = self._zeros_fn()
+    for b in micro:
+      acc = self._acc_fn(self.params(), acc, b, n_tokens)
+    return acc, int(n_tokens)
+
+  def gradients(self, groups: Sequence[Sequence[Sample]], rewards) -> tuple[dict, dict]:
+    """The gradient and metrics of the first minibatch at the current parameters (no update)."""
+    minibatches, _ = self._prepare(groups, rewards)
+    acc, _ = self._minibatch_grads(minibatches[0])
+    return acc["grads"], {k: float(v) for k, v in jax.device_get(acc["metrics"]).items()}
+
+  def train_step(self, groups: Sequence[Sequence[Sample]], rewards) -> dict:
+    """Trains version ``v`` into ``v + 1`` on ``groups`` (lists of Samples) with their rewards.
+
+    Returns metrics: minibatch means of the loss metrics (``loss``, ``clip_frac``,
+    ``behav_weight_mean``, ``cap_masked_frac``, ``approx_kl``, ``entropy``, ``grad_norm``, ...),
+    the max of ``behav_weight_max``, and batch figures (``tokens`` = real tokens trained,
+    ``gen_tokens``, ``padding_efficiency``, ``train_s``, ...).
+    """
+    t0 = time.perf_counter()
+    version = self.version
+    minibatches, stats = self._prepare(groups, rewards)
+    sums: dict[str, float] = {}
+    maxes: dict[str, float] = {}
+    gen_tokens = 0
+    for k, micro in enumerate(minibatches):
+      acc, n_tokens = self._minibatch_grads(micro)
+      gen_tokens += n_tokens
+      lr = float(self.schedule(int(self._state["step"])))
+      self._state, upd = self._apply_fn(self._state, acc["grads"], acc["metrics"]["loss"])
+      m = jax.device_get(dict(acc["metrics"], **upd))
       if not m.pop("finite"):
+        done = f"minibatches 0..{k - 1} of this step were applied" if k else "nothing was applied"
         raise FloatingPointError(
-            f"step {self.version} (minibatch {k}): non-finite loss {m['loss']} or gradient norm "
-            f"{m['grad_norm']}; the update was skipped and nothing is published")
+            f"learner step {version} (training version {version} -> {version + 1}), minibatch "
+            f"{k + 1}/{len(minibatches)}: non-finite loss {float(m['loss'])} or gradient norm "
+            f"{float(m['grad_norm'])}; this update was skipped ({done}) and the version was not "
+            f"advanced, so no bad parameters can be published or checkpointed")
+      m["lr"] = lr
       for key, v in m.items():
-        if key == "behav_weight_max":
-          maxes[key] = max(maxes.get(key, 0.0), float(v))
+        if key in loss_lib.METRIC_MAXES:
+          maxes[key] = max(maxes.get(key, -np.inf), float(v))
         else:
-          sums[key] = sums.get(key, 0.0) + float(v) / n_mb
-    self.version += 1
-    return dict(sums, **maxes, tokens=packed.real_tokens, padding_efficiency=packed.efficiency,
-                rows=total_rows, row_len=row_len, train_s=time.time() - t0)
+          sums[key] = sums.get(key, 0.0) + float(v) / len(minibatches)
+    self._state["version"] = jax.device_put(jnp.asarray(version + 1, jnp.int32), self.replicated)
+    return dict(sums, **maxes, **stats, gen_tokens=gen_tokens, updates=len(minibatches),
+                train_s=time.perf_counter() - t0)
+
+  def _check_finite_params(self):
+    bad = [jax.tree_util.keystr(path) for path, x in
+           jax.tree_util.tree_leaves_with_path(self._state["params"])
+           if not bool(jnp.all(jnp.isfinite(x)))]
+    if bad:
+      raise FloatingPointError(f"restored learner state has non-finite parameters: {bad[:5]}")

@@ -1,21 +1,29 @@
-"""Sequence packing: several sequences per row, so padding is not computed.
+"""Sequence packing and micro-batching, host side (NumPy).
 
 Each row holds whole sequences (prompt + completion) one after another; ``segment_ids`` keep
-attention inside a sequence and ``positions`` restart at 0 for each. Per-token training arrays are
-aligned to the position that *scores* the token (t scores t+1). Row length and row count come from
-a few buckets, so the train step compiles a handful of shapes at most.
+attention inside a sequence (0 = padding) and ``positions`` restart at 0 for each. Per-token
+training arrays are aligned to the position that *scores* the token (position t scores token t+1):
+the ``c`` completion tokens of a sequence starting at offset ``o`` with a prompt of ``p`` tokens are
+scored at positions ``o + p - 1 .. o + p + c - 2``.
+
+Shapes are bucketed (row length and rows per micro-batch come from a short geometric list), so the
+train step compiles a handful of shapes at most.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
+
+FIELDS = ("tokens", "positions", "segment_ids", "mask", "behav_logp", "adv")
 
 
 @dataclasses.dataclass
 class Seq:
-  tokens: list[int]  # prompt + completion
+  """One training sequence: prompt + completion, the completion's behaviour logprobs, advantage."""
+  tokens: list[int]
   prompt_len: int
   behav_logp: list[float]  # one per completion token
   adv: float
@@ -23,22 +31,30 @@ class Seq:
 
 @dataclasses.dataclass
 class Packed:
-  tokens: np.ndarray  # [R, L] int32
-  positions: np.ndarray  # [R, L] int32
-  segment_ids: np.ndarray  # [R, L] int32, 0 = padding
-  seq: np.ndarray  # [R, L] int32, sequence index of the scored token, -1 = none
-  mask: np.ndarray  # [R, L] float32, 1 where the position scores a completion token
-  behav_logp: np.ndarray  # [R, L] float32
-  adv: np.ndarray  # [R, L] float32
-  real_tokens: int
+  """``[R, L]`` arrays of packed rows (see the module docstring for the alignment)."""
+  tokens: np.ndarray  # int32
+  positions: np.ndarray  # int32, restart at 0 in every segment
+  segment_ids: np.ndarray  # int32, 1, 2, ... within a row; 0 = padding
+  mask: np.ndarray  # float32, 1 where the position scores a completion token
+  behav_logp: np.ndarray  # float32
+  adv: np.ndarray  # float32
+  seq: np.ndarray  # int32, index of the sequence whose token is scored there, -1 = none
+
+  @property
+  def real_tokens(self) -> int:
+    return int(np.sum(self.segment_ids > 0))
 
   @property
   def efficiency(self) -> float:
-    return self.real_tokens / self.tokens.size
+    """Real tokens over computed positions (rows x row length)."""
+    return self.real_tokens / max(self.tokens.size, 1)
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    return {f: getattr(self, f) for f in FIELDS}
 
 
 def bucket(n: int, minimum: int = 16) -> int:
-  """The smallest of 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x) that is >= ``n``."""
+  """The smallest of ``minimum`` x (1, 1.5, 2, 3, 4, 6, 8, ...) that is >= ``n``."""
   b = minimum
   while True:
     if b >= n:
@@ -50,8 +66,9 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 def assign_rows(lengths: list[int], row_len: int) -> list[list[int]]:
   """First-fit decreasing: indices of the sequences placed in each row."""
-  order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-  rows, free = [], []
+  order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+  rows: list[list[int]] = []
+  free: list[int] = []
   for i in order:
     for r, room in enumerate(free):
       if lengths[i] <= room:
@@ -65,32 +82,37 @@ def assign_rows(lengths: list[int], row_len: int) -> list[list[int]]:
 
 
 def pack(seqs: list[Seq], row_len: int, rows: list[list[int]] | None = None,
-         num_rows: int | None = None, packed: bool = True) -> Packed:
-  """Packs ``seqs`` into ``num_rows`` rows of ``row_len`` (one sequence per row if not ``packed``)."""
+         num_rows: int | None = None) -> Packed:
+  """Packs ``seqs`` into ``num_rows`` rows of ``row_len``; ``rows`` lists each row's sequences
+  (default: first-fit decreasing). Rows beyond ``rows`` are all padding."""
   lengths = [len(s.tokens) for s in seqs]
   too_long = [i for i, n in enumerate(lengths) if n > row_len]
   if too_long:
     raise ValueError(f"sequences {too_long} are longer than the row length {row_len}")
   if rows is None:
-    rows = assign_rows(lengths, row_len) if packed else [[i] for i in range(len(seqs))]
+    rows = assign_rows(lengths, row_len)
   num_rows = len(rows) if num_rows is None else num_rows
   if num_rows < len(rows):
     raise ValueError(f"{len(rows)} rows needed, only {num_rows} allowed")
   shape = (num_rows, row_len)
   out = Packed(np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32),
-               np.full(shape, -1, np.int32), np.zeros(shape, np.float32),
-               np.zeros(shape, np.float32), np.zeros(shape, np.float32), sum(lengths))
+               np.zeros(shape, np.float32), np.zeros(shape, np.float32),
+               np.zeros(shape, np.float32), np.full(shape, -1, np.int32))
   for r, members in enumerate(rows):
     offset = 0
     for k, i in enumerate(members):
       s, n = seqs[i], lengths[i]
+      c = n - s.prompt_len
+      if s.prompt_len < 1:
+        raise ValueError(f"sequence {i}: the prompt must have at least one token")
+      if len(s.behav_logp) != c:
+        raise ValueError(f"sequence {i}: {len(s.behav_logp)} behaviour logprobs for {c} tokens")
+      if offset + n > row_len:
+        raise ValueError(f"row {r} overflows: {offset + n} tokens > row length {row_len}")
       sl = slice(offset, offset + n)
       out.tokens[r, sl] = s.tokens
       out.positions[r, sl] = np.arange(n)
       out.segment_ids[r, sl] = k + 1
-      c = n - s.prompt_len
-      if len(s.behav_logp) != c:
-        raise ValueError(f"sequence {i}: {len(s.behav_logp)} behaviour logprobs for {c} tokens")
       score = slice(offset + s.prompt_len - 1, offset + n - 1)
       out.seq[r, score] = i
       out.mask[r, score] = 1.0
@@ -98,3 +120,57 @@ def pack(seqs: list[Seq], row_len: int, rows: list[list[int]] | None = None,
       out.adv[r, score] = s.adv
       offset += n
   return out
+
+
+@dataclasses.dataclass
+class Layout:
+  """How a batch of sequences becomes ``ppo_n_minibatches`` lists of micro-batches.
+
+  ``minibatches[k][m]`` lists the rows of micro-batch ``m`` of minibatch ``k``, each row a list of
+  sequence indices; every micro-batch has exactly ``micro_rows`` rows (padding rows are empty).
+  """
+  row_len: int
+  micro_rows: int
+  minibatches: list[list[list[list[int]]]]
+
+  @property
+  def computed_tokens(self) -> int:
+    return sum(len(mbs) for mbs in self.minibatches) * self.micro_rows * self.row_len
+
+  @property
+  def used_rows(self) -> int:
+    return sum(1 for mbs in self.minibatches for mb in mbs for row in mb if row)
+
+
+def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: int = 1,
+         min_row_len: int = 0, packed: bool = True) -> Layout:
+  """Splits sequences (in order) into ``n_minibatches`` equal parts, packs each into rows, and cuts
+  the rows into micro-batches of at most ``micro_batch_tokens`` tokens (but at least ``dp`` rows).
+
+  Row length is ``bucket(max(longest, min_row_len))``; rows per micro-batch are a multiple of
+  ``dp`` from a bucketed list, chosen to leave as few padding rows as possible.
+  """
+  if not lengths:
+    raise ValueError("no sequences to pack")
+  if n_minibatches < 1 or n_minibatches > len(lengths):
+    raise ValueError(f"ppo_n_minibatches={n_minibatches} must be in [1, {len(lengths)}] "
+                     f"(the number of sequences)")
+  row_len = bucket(max(max(lengths), min_row_len))
+  parts = np.array_split(np.arange(len(lengths)), n_minibatches)
+  mb_rows = []
+  for idx in parts:
+    idx = [int(i) for i in idx]
+    if packed:
+      local = assign_rows([lengths[i] for i in idx], row_len)
+      mb_rows.append([[idx[j] for j in row] for row in local])
+    else:
+      mb_rows.append([[i] for i in idx])
+  budget = max(1, micro_batch_tokens // row_len // dp)  # in units of dp rows
+  most = max(math.ceil(len(r) / dp) for r in mb_rows)
+  n_micro = math.ceil(most / budget)
+  micro_rows = dp * min(bucket(math.ceil(most / n_micro), 1), max(budget, 1))
+  minibatches = []
+  for rows in mb_rows:
+    rows = rows + [[] for _ in range(-len(rows) % micro_rows)]
+    minibatches.append([rows[i:i + micro_rows] for i in range(0, len(rows), micro_rows)])
+  return Layout(row_len, micro_rows, minibatches)
