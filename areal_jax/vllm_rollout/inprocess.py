@@ -7,9 +7,9 @@ recorded with the policy version in use when it was produced.
 
 Weight update (``update_params``): the caller's thread writes the safetensors directory (decoding
 goes on meanwhile); then, between two steps, the loop aborts every unfinished request (keeping its
-partial tokens and logprobs), runs ``reload_weights`` on the worker (see ``worker_ext.py``), resets the prefix cache (always:
-cached prompt blocks hold keys and values of the old weights) and resubmits each sequence as prompt
-+ partial output with the remaining budget.
+partial tokens and logprobs), runs ``reload_weights`` on the worker (see ``worker_ext.py``), resets
+the prefix cache (always: cached prompt blocks hold keys and values of the old weights) and
+resubmits each sequence as prompt + partial output with the remaining budget.
 """
 
 from __future__ import annotations
