@@ -20,9 +20,11 @@ $(STAMP): requirements.lock pyproject.toml | $(PYBIN)
 
 install: $(STAMP)
 
-# The full suite, slow end-to-end tests included (what CI runs).
+# The full suite, slow end-to-end tests included, then the vLLM backend's tests under its own venv
+# (what CI runs).
 test: install
 	$(PYBIN) -m pytest -q tests
+	$(MAKE) test-vllm
 
 # Skip the slow end-to-end tests for a quick local loop.
 test-fast: install

@@ -65,6 +65,12 @@ def base_config() -> ConfigDict:
   c.rollout.filter_uniform_groups = True  # drop groups whose rewards are all equal
   c.rollout.reward_timeout_s = 5.0
   c.rollout.reward_workers = 2
+  c.rollout.vllm = ConfigDict()  # rollout.backend="vllm" only (see areal_jax/vllm_rollout/factory.py)
+  c.rollout.vllm.mode = "inprocess"  # "inprocess" | "server" (OpenAI-compatible, on 127.0.0.1)
+  c.rollout.vllm.server_url = ""  # attach to a running server instead of starting one
+  c.rollout.vllm.kv_cache_gib = 1.0
+  c.rollout.vllm.num_threads = 0  # 0: all cores
+  c.rollout.vllm.workdir = ""  # "": under weights.path, else a temporary directory
 
   c.actor = ConfigDict()
   c.actor.batch_size = 8  # B: prompt groups per training step

@@ -76,6 +76,7 @@ def run_one(eta: int, args) -> dict:
   for key, value in {"rollout.max_head_offpolicyness": eta, "train.total_steps": args.steps,
                      "rollout.max_new_tokens": args.cap, "train.checkpoint_every": 10**6,
                      "actor.batch_size": args.batch, "rollout.num_slots": args.slots,
+                     "rollout.max_concurrent_rollouts": max(args.batch, args.slots // c.rollout.n_samples),
                      "rollout.filter_uniform_groups": False}.items():
     config_lib.override(c, key, value)
   with tempfile.TemporaryDirectory() as workdir:
