@@ -10,9 +10,13 @@ truncation). Greedy slots report the same quantity at the argmax token.
 
 Randomness: the key of a step is ``fold_in(slot_key, position)``, so a sequence's draws depend only on
 its request seed, its index in the group and the position, not on which slot it landed in or on what
-else was batched with it. Sampling draws one uniform per slot and inverts the CDF (``O(V)``, no
-Gumbel noise over the vocabulary); top-k / top-p sort the vocabulary only when some slot asks for
-them (a runtime ``lax.cond``).
+else was batched with it. Sampling draws one uniform per slot and inverts the CDF (no Gumbel noise
+over the vocabulary); top-k / top-p sort the vocabulary only when some slot asks for them (a runtime
+``lax.cond``).
+
+Cost: the vocabulary is read twice per step in the common case (one argmax pass, one pass of
+``exp`` summed per block of ``_block(V)`` tokens); the CDF is inverted in two levels (over the block
+sums, then inside the one chosen block), so no full-vocabulary cumsum or sort runs.
 """
 
 from __future__ import annotations
@@ -55,27 +59,51 @@ def _truncation_floor(logp_SxV, top_k_S, top_p_S):
   return jnp.maximum(floor_k, floor_p)
 
 
-def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, greedy_S):
-  """Draws one token per slot; returns ``(token_S int32, logprob_S float32)``."""
-  logp_SxV = scaled_log_probs(logits_SxV, temperature_S)
-  truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
-  floor_S = jax.lax.cond(
-      truncate, _truncation_floor,
-      lambda lp, k, p: jnp.full(lp.shape[:1], -jnp.inf, lp.dtype),
-      logp_SxV, top_k_S, top_p_S)
-  kept_SxV = jnp.where(logp_SxV >= floor_S[:, None], logp_SxV, _NEG)
-  probs_SxV = jnp.exp(kept_SxV - jnp.max(kept_SxV, axis=-1, keepdims=True))
-  cdf_SxV = jnp.cumsum(probs_SxV, axis=-1)
+def _block(v: int) -> int:
+  """Tokens per block of the two-level CDF inversion: the largest divisor of ``v`` up to 256."""
+  return max(b for b in range(1, min(v, 256) + 1) if v % b == 0)
 
-  def uniform(key, pos):
+
+def _uniform(key_Sx2, position_S):
+  def one(key, pos):
     return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key), pos))
 
-  u_S = jax.vmap(uniform)(key_Sx2, position_S) * cdf_SxV[:, -1]
-  drawn_S = jnp.sum(cdf_SxV <= u_S[:, None], axis=-1)
-  # guard the edge u == total and round-off: never pick a dropped token
-  drawn_S = jnp.minimum(drawn_S, logp_SxV.shape[-1] - 1)
-  drawn_ok = jnp.take_along_axis(kept_SxV, drawn_S[:, None], axis=-1)[:, 0] > _NEG / 2
-  drawn_S = jnp.where(drawn_ok, drawn_S, jnp.argmax(kept_SxV, axis=-1))
-  token_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
-  logprob_S = jnp.take_along_axis(logp_SxV, token_S[:, None], axis=-1)[:, 0]
+  return jax.vmap(one)(key_Sx2, position_S)
+
+
+def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, greedy_S):
+  """Draws one token per slot; returns ``(token_S int32, logprob_S float32)``."""
+  s, v = logits_SxV.shape
+  bs = _block(v)
+  nb = v // bs
+  t_S = jnp.maximum(temperature_S.astype(jnp.float32), 1e-6)
+  x_SxV = logits_SxV.astype(jnp.float32) / t_S[:, None]  # fused into the passes below
+  argmax_S = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)  # pass 1 (also the greedy token)
+  max_S = jnp.take_along_axis(x_SxV, argmax_S[:, None], axis=-1)[:, 0]
+  e_SxNbxB = jnp.exp(x_SxV - max_S[:, None]).reshape(s, nb, bs)
+  sums_SxNb = jnp.sum(e_SxNbxB, axis=-1)  # pass 2
+  lse_S = max_S + jnp.log(jnp.sum(sums_SxNb, axis=-1))
+  truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
+
+  def truncated(sums):
+    floor = _truncation_floor(x_SxV - lse_S[:, None], top_k_S, top_p_S) + lse_S
+    kept = jnp.where(x_SxV >= floor[:, None], e_SxNbxB.reshape(s, v), 0.0)
+    return floor, jnp.sum(kept.reshape(s, nb, bs), axis=-1)
+
+  floor_S, kept_SxNb = jax.lax.cond(
+      truncate, truncated, lambda sums: (jnp.full((s,), -jnp.inf, jnp.float32), sums), sums_SxNb)
+  # level 1: the block holding the uniform's share of the kept mass
+  cum_SxNb = jnp.cumsum(kept_SxNb, axis=-1)
+  target_S = _uniform(key_Sx2, position_S) * cum_SxNb[:, -1]
+  blk_S = jnp.minimum(jnp.sum(cum_SxNb <= target_S[:, None], axis=-1), nb - 1)
+  below_S = jnp.take_along_axis(cum_SxNb - kept_SxNb, blk_S[:, None], axis=-1)[:, 0]
+  # level 2: the token inside that block
+  xb_SxB = jnp.take_along_axis(x_SxV.reshape(s, nb, bs), blk_S[:, None, None], axis=1)[:, 0]
+  eb_SxB = jnp.where(xb_SxB >= floor_S[:, None], jnp.exp(xb_SxB - max_S[:, None]), 0.0)
+  j_S = jnp.minimum(jnp.sum(jnp.cumsum(eb_SxB, axis=-1) <= (target_S - below_S)[:, None], -1), bs - 1)
+  # round-off can land on a dropped token (or an empty block): fall back to the argmax, always kept
+  ok_S = jnp.take_along_axis(eb_SxB, j_S[:, None], axis=-1)[:, 0] > 0
+  drawn_S = jnp.where(ok_S, blk_S * bs + j_S, argmax_S)
+  token_S = jnp.where(greedy_S, argmax_S, drawn_S).astype(jnp.int32)
+  logprob_S = jnp.take_along_axis(x_SxV, token_S[:, None], axis=-1)[:, 0] - lse_S
   return token_S, logprob_S
