@@ -15,8 +15,13 @@ comes out of ``generate``. Re-prefilling a sequence under new weights is the sam
 
 Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
 mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
-``generate`` reads only the first ``kv_len`` cache positions, ``kv_len`` picked from a few buckets
-by the caller (memory bandwidth dominates decode on CPU).
+A decode step reads the cache only up to the furthest active position (a dynamic loop over cache
+chunks, ``transformer.decode_attention``), so one compiled ``generate`` serves every length;
+``kv_buckets`` (default: just ``max_len``) only add static upper bounds.
+
+Compiled functions are shared by engines of the same model structure, config and mesh; they close
+over static structure only (graph definition, shapes, shardings), never over an engine or its
+parameters, so a discarded engine's weights are freed.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ class EngineConfig:
   num_slots: int = 8
   max_len: int = 512  # cache positions per slot: prompt + generated tokens never exceed it
   prefill_buckets: tuple[int, ...] | None = None  # default: 32, 64, ... up to max_len
-  kv_buckets: tuple[int, ...] | None = None  # default: 64, 128, ... up to max_len
+  kv_buckets: tuple[int, ...] | None = None  # static read bounds; default: (max_len,)
   steps_per_call: int = 1  # decode steps per generate call (per host sync)
   max_stop_ids: int = 8  # EOS + stop ids per slot
   cache_dtype: str | None = None  # default: the model's compute dtype
@@ -75,7 +80,7 @@ class DecodeEngine:
     self.param_shardings = nnx.to_pure_dict(
         sharding.shardings_to_values(sharding.state_shardings(param_state, self.mesh)))
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
-    self.kv_buckets = _buckets(config.kv_buckets, config.max_len, 64)
+    self.kv_buckets = _buckets(config.kv_buckets or (config.max_len,), config.max_len, 64)
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh.
@@ -117,12 +122,12 @@ class DecodeEngine:
     return jax.device_put(params, self.param_shardings)
 
   def init_state(self) -> State:
-    cfg, c = self.model_cfg, self.config
+    cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype
     s = c.num_slots
 
     def make():
       return {
-          "cache": init_cache(cfg, s, c.max_len, self._cache_dtype),
+          "cache": init_cache(cfg, s, c.max_len, cache_dtype),
           "tokens": jnp.zeros((s,), jnp.int32), "pos": jnp.zeros((s,), jnp.int32),
           "end": jnp.zeros((s,), jnp.int32), "active": jnp.zeros((s,), jnp.bool_),
           "temperature": jnp.ones((s,), jnp.float32), "top_k": jnp.zeros((s,), jnp.int32),
@@ -157,13 +162,13 @@ class DecodeEngine:
     return self._prefill_fns[bucket](params, tokens_1xL)
 
   def _make_prefill(self, bucket: int):
-    cfg = self.model_cfg
+    cfg, mesh, graphdef, cache_dtype = self.model_cfg, self.mesh, self.graphdef, self._cache_dtype
     prefix = self._named((None, None, "cache_heads", None), (1, bucket, cfg.n_kv_heads, cfg.head_dim))
 
     def fn(params, tokens_1xL):
-      with sharding.use(self.mesh):
-        model = nnx.merge(self.graphdef, params)
-        cache = init_cache(cfg, 1, bucket, self._cache_dtype)
+      with sharding.use(mesh):
+        model = nnx.merge(graphdef, params)
+        cache = init_cache(cfg, 1, bucket, cache_dtype)
         _, cache = model.extend(tokens_1xL, jnp.zeros((1,), jnp.int32), cache, kv_len=bucket)
       return cache
 
@@ -242,7 +247,7 @@ class DecodeEngine:
     return self._generate_fns[kv_len](params, state)
 
   def _make_generate(self, kv_len: int):
-    steps = self.config.steps_per_call
+    steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
     out = self._named((None, "cache_batch"), (steps, self.config.num_slots))
 
     def one_step(model, state):
@@ -260,8 +265,8 @@ class DecodeEngine:
       return state, (token_S, logprob_S, active)
 
     def fn(params, state):
-      with sharding.use(self.mesh):
-        model = nnx.merge(self.graphdef, params)
+      with sharding.use(mesh):
+        model = nnx.merge(graphdef, params)
         if steps == 1:
           state, (t, lp, v) = one_step(model, state)
           return state, (t[None], lp[None], v[None])

@@ -50,6 +50,7 @@ class _Group:
   submitted_s: float
   stop_ids: tuple[int, ...]
   seqs: list["_Seq"] = dataclasses.field(default_factory=list)
+  bypassed: int = 0  # later groups admitted while this one waited at the head of the queue
 
 
 @dataclasses.dataclass
@@ -320,12 +321,25 @@ class JaxRolloutEngine(RolloutEngine):
     return None
 
   def _admit(self):
+    """FIFO, except that a later group that fits the free slots may overtake a head group that does
+    not, at most ``num_slots`` times per head group (then the slots freed are kept for the head, so
+    a big group is never starved by a stream of small ones)."""
     while True:
       with self._lock:
         free = [i for i, s in enumerate(self._slots) if s is None]
-        if not self._waiting or self._waiting[0].request.n > len(free):
+        if not self._waiting or not free:
           return
-        group = self._waiting.popleft()
+        head = self._waiting[0]
+        if head.request.n <= len(free):
+          group = self._waiting.popleft()
+        elif head.bypassed < self.num_slots:
+          group = next((g for g in self._waiting if g.request.n <= len(free)), None)
+          if group is None:
+            return
+          self._waiting.remove(group)
+          head.bypassed += 1
+        else:
+          return
       try:
         self._start_group(group, free[:group.request.n])
       except Exception as e:  # this request only

@@ -1,6 +1,9 @@
 """Device side: greedy parity with naive decoding, logprob parity with the learner-side forward,
 bounded compilation, and a 4-device sampler mesh with slots over data."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,3 +91,17 @@ def test_four_device_mesh_slots_over_data(model):
   prompt = [9, 8, 7, 6]
   toks, _ = _decode(eng, prompt, 3, 12, slots=[0, 3, 6], greedy=True)
   assert toks == [_naive_greedy(model, prompt, 12)] * 3
+
+
+def test_discarded_engine_frees_its_params(model):
+  """Compiled functions are shared between engines but must not pin an engine's weights."""
+  config = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,))
+  eng = DecodeEngine(model, config)
+  state = eng.warmup(eng.init_state())
+  ref = weakref.ref(jax.tree.leaves(eng.params)[0])
+  del eng, state
+  gc.collect()
+  assert ref() is None
+  again = DecodeEngine(model, config)  # reuses the compiled functions
+  toks, _ = _decode(again, [1, 2, 3], 1, 4, greedy=True)
+  assert toks == [_naive_greedy(model, [1, 2, 3], 4)]

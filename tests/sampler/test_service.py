@@ -166,3 +166,22 @@ def test_pause_resume_abort_and_bad_requests(model):
     assert len(_collect(eng, 4)) == 4  # still serving after errors and aborts
   finally:
     eng.stop()
+
+
+def test_a_later_group_that_fits_overtakes_a_blocked_head(model):
+  eng = _engine(model, num_slots=4, eos_token_ids=(), steps_per_call=2)
+  eng.start()
+  try:
+    params = lambda m, seed: SamplingParams(temperature=1.0, max_new_tokens=m, seed=seed)
+    eng.pause()
+    eng.submit(GroupRequest(0, [1, 2, 3], n=3, params=params(30, 0)))
+    eng.submit(GroupRequest(1, [4, 5], n=3, params=params(3, 1)))  # does not fit next to group 0
+    eng.submit(GroupRequest(2, [6, 7], n=1, params=params(3, 2)))  # fits the free slot
+    eng.resume()
+    samples = _collect(eng, 7)
+  finally:
+    eng.stop()
+  by = lambda g: [s for s in samples if s.group_id == g]
+  assert max(s.finished_s for s in by(2)) < min(s.started_s for s in by(1))
+  assert min(s.started_s for s in by(1)) >= min(s.finished_s for s in by(0))
+  assert all(s.finish_reason == "length" for s in samples)
