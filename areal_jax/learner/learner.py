@@ -5,7 +5,9 @@
   2. split the sequences into ``ppo_n_minibatches`` minibatches, pack each into rows (segment ids,
      restarting positions) and cut the rows into micro-batches of ``micro_batch_tokens``;
   3. recompute the proximal logprobs (and the reference model's, with a KL penalty) with one
-     forward pass of the current parameters over every micro-batch;
+     forward pass of the current parameters over every micro-batch; for the first minibatch the
+     proximal policy *is* the current parameters, so its logprobs come for free from the update's
+     own forward (without gradient) unless a reference forward runs anyway;
   4. per minibatch, accumulate gradients over its micro-batches, then one AdamW update.
 
 Three jitted functions do the device work, each with explicit shardings on the learner mesh: the
@@ -144,9 +146,11 @@ class Learner:
       self._logp_fn = jax.jit(self._logprobs, in_shardings=(ps, batch_sh), out_shardings=(rs, rs))
     train_sh = dict(batch_sh, old_logp=rs, **({"ref_logp": rs} if kl else {}))
     self._zeros_fn = jax.jit(self._zeros, out_shardings=self._acc_shardings)
-    self._acc_fn = jax.jit(self._accumulate, donate_argnums=(1,),
-                           in_shardings=(ps, self._acc_shardings, train_sh, rep),
-                           out_shardings=self._acc_shardings)
+    acc_jit = lambda self_prox, sh: jax.jit(
+        functools.partial(self._accumulate, self_prox=self_prox), donate_argnums=(1,),
+        in_shardings=(ps, self._acc_shardings, sh, rep), out_shardings=self._acc_shardings)
+    self._acc_fn = acc_jit(False, train_sh)
+    self._acc_self_fn = acc_jit(True, {k: v for k, v in train_sh.items() if k != "old_logp"})
     self._apply_fn = jax.jit(self._apply, donate_argnums=(0,),
                              in_shardings=(self.state_shardings, ps, rep),
                              out_shardings=(self.state_shardings, dict(grad_norm=rep, finite=rep)))
@@ -171,12 +175,17 @@ class Learner:
     return dict(grads=grads, metrics={k: jnp.zeros((), jnp.float32) for k in
                                       loss_lib.METRIC_SUMS + loss_lib.METRIC_MAXES})
 
-  def _accumulate(self, params, acc, b, n_tokens):
-    """Adds the gradient and metric sums of micro-batch ``b`` to ``acc``."""
+  def _accumulate(self, params, acc, b, n_tokens, self_prox: bool):
+    """Adds the gradient and metric sums of micro-batch ``b`` to ``acc``.
+
+    ``self_prox``: the proximal policy is ``params`` itself (the first update of a step), so its
+    logprobs are this forward's, without gradient, instead of a separate recomputation.
+    """
 
     def loss_fn(p):
       logp, entropy = self._forward(p, b)
-      loss, m = loss_lib.ppo_loss(logp, b["old_logp"], b["behav_logp"], b["adv"], b["mask"],
+      old = jax.lax.stop_gradient(logp) if self_prox else b["old_logp"]
+      loss, m = loss_lib.ppo_loss(logp, old, b["behav_logp"], b["adv"], b["mask"],
                                   b["segment_ids"], n_tokens, self.opts, ref_logp=b.get("ref_logp"))
       m["entropy"] = jnp.sum(b["mask"] * entropy) / jnp.maximum(n_tokens, 1.0)
       return loss, m
@@ -233,17 +242,23 @@ class Learner:
                           opts.micro_batch_tokens, self.dp,
                           min_row_len=min(self.max_seq_len, opts.micro_batch_tokens),
                           packed=opts.pack_sequences)
-    need_forward = opts.recompute_logprobs or bool(opts.kl_coef)
     minibatches, real = [], 0
-    for mbs in layout.minibatches:
+    for k, mbs in enumerate(layout.minibatches):
       micro = []
+      # The first update's proximal policy is the current parameters: its own forward gives the
+      # proximal logprobs (see _accumulate), unless the reference model needs a forward anyway.
+      self_prox = k == 0 and opts.recompute_logprobs and not opts.kl_coef
+      need_forward = (opts.recompute_logprobs and not self_prox) or bool(opts.kl_coef)
       for rows in mbs:
         p = packing.pack(seqs, layout.row_len, rows=rows, num_rows=layout.micro_rows)
         real += p.real_tokens
         b = p.arrays()
         old, ref = (self._logp_fn(self.params(), b, *([self.ref_params] if opts.kl_coef else []))
                     if need_forward else (None, None))
-        b["old_logp"] = old if opts.recompute_logprobs else b["behav_logp"]
+        if opts.recompute_logprobs and not self_prox:
+          b["old_logp"] = old
+        elif not opts.recompute_logprobs:
+          b["old_logp"] = b["behav_logp"]
         if opts.kl_coef:
           b["ref_logp"] = ref
         micro.append(b)
@@ -259,7 +274,8 @@ class Learner:
     n_tokens = np.float32(sum(float(b["mask"].sum()) for b in micro))
     acc = self._zeros_fn()
     for b in micro:
-      acc = self._acc_fn(self.params(), acc, b, n_tokens)
+      fn = self._acc_fn if "old_logp" in b else self._acc_self_fn
+      acc = fn(self.params(), acc, b, n_tokens)
     return acc, int(n_tokens)
 
   def gradients(self, groups: Sequence[Sequence[Sample]], rewards) -> tuple[dict, dict]:

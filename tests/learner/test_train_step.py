@@ -61,6 +61,13 @@ def test_packed_equals_padded_and_accumulated_equals_full():
     assert_trees_close(g, g_full)
     for k in m_full:
       np.testing.assert_allclose(m[k], m_full[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  # The first minibatch takes its proximal logprobs from the update's own forward; an explicit
+  # recomputation gives the same gradient.
+  opts.update(dict(pack_sequences=True, micro_batch_tokens=4096))
+  (micro,), _ = learner._prepare(groups, rewards)
+  b = dict(micro[0], old_logp=learner._logp_fn(learner.params(), micro[0])[0])
+  acc = learner._acc_fn(learner.params(), learner._zeros_fn(), b, np.float32(micro[0]["mask"].sum()))
+  assert_trees_close(acc["grads"], g_full)
   bf16 = Learner(model(), actor(eps_clip_high=0.28, behav_imp_weight_cap=1.2, dtype="bfloat16"),
                  mesh())
   g16, m16 = bf16.gradients(groups, rewards)
