@@ -183,7 +183,8 @@ def train_dataset(examples: Sequence[dict], seed: int, epochs: int | None = 1,
   """``examples`` in a seeded order that differs every epoch, repeated ``epochs`` times.
 
   ``epochs=None`` repeats forever. The result is random-access (``ds[i]``) and deterministic: the
-  same seed gives the same sequence on every machine.
+  same seed gives the same sequence on every machine. (grain's index shuffle costs about
+  ``50 / len(examples)`` ms per element: negligible from a few hundred examples on.)
   """
   if epochs is not None and epochs < 1:
     raise ValueError(f"epochs={epochs} must be >= 1 (or None for endless)")
