@@ -119,8 +119,14 @@ class Learner:
     return self._state
 
   def load_state(self, state: dict) -> None:
-    """Restores a ``state`` pytree (e.g. from Orbax) onto the learner mesh."""
-    self._state = jax.device_put(dict(state), self.state_shardings)
+    """Restores a ``state`` pytree (e.g. from Orbax) onto the learner mesh.
+
+    A state without ``version`` (written before it was added) takes ``step // ppo_n_minibatches``.
+    """
+    state = dict(state)
+    if "version" not in state:
+      state["version"] = np.int32(int(state["step"]) // self.opts.ppo_n_minibatches)
+    self._state = jax.device_put(state, self.state_shardings)
     self._check_finite_params()
 
   @property
@@ -129,7 +135,11 @@ class Learner:
     return int(self._state["version"])
 
   def params(self) -> dict:
-    """The current parameters, an NNX pure dict on the learner mesh (do not modify in place)."""
+    """The current parameters, an NNX pure dict on the learner mesh.
+
+    The buffers are donated to the next ``train_step``: copy them (``device_put`` onto the sampler
+    mesh, ``device_get``, or an Orbax save that completes) before training again.
+    """
     return self._state["params"]
 
   # ---- device functions ------------------------------------------------------------------------
