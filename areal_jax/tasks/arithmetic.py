@@ -15,9 +15,9 @@ platforms and versions). Knobs (``task.*``):
 - ``seed``: the generation seed (fixed across runs, unlike the run's shuffle seed).
 
 At ``difficulty=1`` a problem is one small addition, subtraction, multiplication or exact division.
-Measured with SmolLM2-135M-Instruct (GGUF Q4_1 run by transformers on CPU, greedy, the default \\boxed{} prompt through its chat
-template, 160 new tokens, 32 test problems, ``max_operand=20``): 5/32 = 0.16 right at
-``difficulty=1``, 2/32 = 0.06 at ``difficulty=2``.
+Measured with SmolLM2-135M-Instruct (GGUF Q4_1 run by transformers on CPU, greedy, the default
+\\boxed{} prompt through its chat template, 160 new tokens, 32 test problems, ``max_operand=20``):
+5/32 = 0.16 right at ``difficulty=1``, 2/32 = 0.06 at ``difficulty=2``.
 """
 
 from __future__ import annotations
