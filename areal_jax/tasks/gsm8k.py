@@ -4,8 +4,9 @@ The package ships a copy of GSM8K (``data/gsm8k/{train,test}.jsonl``, 7,473 and 
 MIT license in ``data/gsm8k/LICENSE``). ``task.train_path`` / ``task.test_path`` may point at another
 copy instead: JSON lines, or a Hugging Face dataset stored locally as Parquet or Arrow files (a file
 or a directory; a directory holding several splits, like a hub snapshot with
-``main/train-*.parquet`` and ``main/test-*.parquet``, gives each split its own files). A row needs a non-empty string ``question`` and a string ``answer`` whose last
-``#### N`` gives the numeric answer; an ``id`` column is kept when present.
+``main/train-*.parquet`` and ``main/test-*.parquet``, gives each split its own files). A row
+needs a non-empty string ``question`` and a string ``answer`` whose last ``#### N`` gives the
+numeric answer; an ``id`` column is kept when present.
 """
 
 from __future__ import annotations
