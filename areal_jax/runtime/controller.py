@@ -204,8 +204,12 @@ class RolloutController:
       self.staleness.finish(gid, accept, group if accept else None)
 
   # ---- evaluation ------------------------------------------------------------------------------
-  def evaluate(self, examples: list[dict], k: int, params: SamplingParams) -> list[Group]:
-    """Generates ``k`` samples per example outside the staleness bound and scores them."""
+  def evaluate(self, examples: list[dict], k: int, params: SamplingParams,
+               progress=None) -> list[Group]:
+    """Generates ``k`` samples per example outside the staleness bound and scores them.
+
+    ``progress(done, total)``, if given, is called whenever more examples have all ``k`` samples.
+    """
     gids = []
     for example in examples:
       with self._lock:
@@ -215,13 +219,20 @@ class RolloutController:
       tokens = self.task.prompt_ids(example, self.tokenizer)
       self.engine.submit(GroupRequest(gid, tokens, k, params, {"kind": "eval"}))
       gids.append(gid)
+    reported = 0
     while True:
       with self._lock:
-        if all(len(self._evals[g].samples) == k for g in gids):
+        done = sum(len(self._evals[g].samples) == k for g in gids)
+        if done == len(gids):
           runs = [self._evals.pop(g) for g in gids]
           break
+      if progress is not None and done > reported:
+        reported = done
+        progress(done, len(gids))
       self.check()
       time.sleep(0.01)
+    if progress is not None:
+      progress(len(gids), len(gids))
     for run in runs:
       run.samples.sort(key=lambda s: s.index)
     return list(self._scorer.map(lambda a: self._score(*a), zip(gids, runs)))

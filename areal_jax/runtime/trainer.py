@@ -12,9 +12,11 @@ scores them -> staleness queue -> ``take_batch`` here -> ``learner.train_step`` 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -24,7 +26,7 @@ from areal_jax import config as config_lib
 from areal_jax import models, tasks
 from areal_jax import learner as learner_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import engines, meshes, weight_transfer
+from areal_jax.runtime import engines, meshes, plots, weight_transfer
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -168,20 +170,41 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
     rewards.close()
     writer.close()
     ckpt.close()
+  try:  # the run's results are saved; a plotting problem must not turn it into a failure
+    print(f"curves: {plots.plot_run(workdir)}", flush=True)
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"could not plot {workdir}/metrics.jsonl: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
   return result
 
 
 def evaluate(controller: RolloutController, task, c_train) -> dict:
   """Greedy pass@1 (and sampled mean@k) on the held-out split, outside the staleness bound."""
+  return evaluate_groups(controller, task, c_train)[0]
+
+
+def evaluate_groups(controller: RolloutController, task, c_train, progress=None):
+  """:func:`evaluate`, also returning the scored groups: ``(metrics, greedy, sampled)``.
+
+  ``greedy`` holds one single-sample group per test example, ``sampled`` one group of
+  ``train.eval_samples`` completions per example (empty when that is 1). ``progress(phase, done,
+  total)``, if given, is called as examples finish (phase "greedy" or "sampled").
+  """
   examples = task.test_examples(c_train.eval_size)
-  greedy = controller.evaluate(examples, 1, SamplingParams(greedy=True,
-                                                           max_new_tokens=controller.params.max_new_tokens))
+  max_new = controller.params.max_new_tokens
+  greedy = controller.evaluate(examples, 1, SamplingParams(greedy=True, max_new_tokens=max_new),
+                               progress=_phase(progress, "greedy"))
   out = {"eval_accuracy": float(np.mean([g.rewards[0] > 0.5 for g in greedy]))}
+  sampled = []
   if c_train.eval_samples > 1:
     sampled = controller.evaluate(examples, c_train.eval_samples, SamplingParams(
-        temperature=c_train.eval_temperature, max_new_tokens=controller.params.max_new_tokens))
+        temperature=c_train.eval_temperature, max_new_tokens=max_new), progress=_phase(progress, "sampled"))
     out[f"eval_mean@{c_train.eval_samples}"] = float(np.mean([r > 0.5 for g in sampled for r in g.rewards]))
-  return out
+  return out, greedy, sampled
+
+
+def _phase(progress, phase: str):
+  """``progress(done, total)`` for one evaluation phase of ``progress(phase, done, total)``."""
+  return None if progress is None else functools.partial(progress, phase)
 
 
 def _save(ckpt, learner, controller, staleness, version, totals, t_start) -> None:
