@@ -9,6 +9,9 @@ pipelined: call k+1 is dispatched before the results of call k are fetched, so t
 waits for Python. Stop conditions are evaluated on the device too, so a finished slot idles for at
 most the one call already queued behind it.
 
+Prefills are memoised per token sequence (a few entries, cleared by a weight swap), so samples of
+one prompt submitted as separate requests (e.g. ``n=1`` with per-sample budgets) share one prefill.
+
 Weight swaps (``update_params``) take effect between two decode calls without draining sequences.
 Continuation modes:
   * ``"keep_cache"``: in-flight sequences keep the KV cache computed by the old weights; tokens after
@@ -101,6 +104,7 @@ class JaxRolloutEngine(RolloutEngine):
     self._paused = False
     self._stopping = False
     self._thread: threading.Thread | None = None
+    self._prefixes: collections.OrderedDict = collections.OrderedDict()  # tokens -> KV prefix
     self.stats = collections.Counter()
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
@@ -114,6 +118,10 @@ class JaxRolloutEngine(RolloutEngine):
     if self._thread is not None:
       raise RuntimeError("warmup() must run before start()")
     self._state = self.engine.warmup(self._state or self.engine.init_state())
+    n = 1
+    while n <= 2 * self.num_slots:  # the per-request sampling keys (padded to powers of two)
+      sampling.slot_keys(0, n)
+      n *= 2
 
   def start(self) -> None:
     if self._thread is not None:
@@ -346,10 +354,26 @@ class JaxRolloutEngine(RolloutEngine):
         log.exception("admitting group %s failed", group.request.group_id)
         self._emit_group(group, "error", f"{type(e).__name__}: {e}")
 
+  _PREFIX_CACHE_SIZE = 8
+
+  def _prefill(self, tokens: list[int]):
+    """KV prefix of ``tokens`` under the current weights, memoised (LRU) until the next swap."""
+    key = tuple(tokens)
+    if key in self._prefixes:
+      self._prefixes.move_to_end(key)
+      self.stats["prefix_hits"] += 1
+      return self._prefixes[key]
+    prefix = self.engine.prefill(self._params, tokens)
+    self._prefixes[key] = prefix
+    if len(self._prefixes) > self._PREFIX_CACHE_SIZE:
+      self._prefixes.popitem(last=False)
+    self.stats["prefills"] += 1
+    return prefix
+
   def _start_group(self, group: _Group, slots: list[int]):
     r, p = group.request, group.request.params
     prompt = [int(t) for t in r.prompt_tokens]
-    prefix = self.engine.prefill(self._params, prompt[:-1])
+    prefix = self._prefill(prompt[:-1])
     keys = np.asarray(sampling.slot_keys(p.seed, r.n))
     end = min(len(prompt) + p.max_new_tokens, self.max_len)
     self._state = self.engine.insert(
@@ -361,7 +385,6 @@ class JaxRolloutEngine(RolloutEngine):
       seq = _Seq(group, i, slot, now)
       group.seqs.append(seq)
       self._slots[slot] = seq
-    self.stats["prefills"] += 1
 
   def _handle_aborts(self):
     with self._lock:
@@ -391,6 +414,7 @@ class JaxRolloutEngine(RolloutEngine):
     if pending is None:
       return
     self._params, self._version = pending
+    self._prefixes.clear()
     self.stats["swaps"] += 1
     if self.continuation != "reprefill" or self._state is None:
       return
@@ -400,7 +424,7 @@ class JaxRolloutEngine(RolloutEngine):
         continue
       r, p = seq.group.request, seq.group.request.params
       tokens = [int(t) for t in r.prompt_tokens] + seq.tokens
-      prefix = self.engine.prefill(self._params, tokens[:-1])
+      prefix = self._prefill(tokens[:-1])
       key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
       end = min(len(r.prompt_tokens) + p.max_new_tokens, self.max_len)
       self._state = self.engine.insert(
