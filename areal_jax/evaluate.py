@@ -34,6 +34,7 @@ from typing import Any, TextIO
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from areal_jax import config as config_lib
@@ -101,8 +102,11 @@ def restore_params(step_dir: str, model, mesh=None) -> None:
   state_dir = os.path.join(step_dir, "state")
   if not os.path.isdir(state_dir):
     raise FileNotFoundError(f"{step_dir}: no 'state' item (is it a run checkpoint step?)")
-  checkpointer = ocp.PyTreeCheckpointer()
-  tree = checkpointer.metadata(state_dir).item_metadata
+  handler = ocp.PyTreeCheckpointHandler()  # item-level metadata: no step metadata file wanted
+  try:
+    tree = handler.metadata(epath.Path(state_dir))
+  finally:
+    handler.close()
   if "params" not in tree:
     raise KeyError(f"{state_dir}: the checkpointed state has no 'params' (keys: {sorted(tree)}); "
                    "expected the learner's state layout")
@@ -123,7 +127,7 @@ def restore_params(step_dir: str, model, mesh=None) -> None:
   else:
     shardings = weight_transfer.target_shardings(params, mesh)
   target = {"params": weight_transfer.abstract_params(params, shardings)}
-  restored = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
+  restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
       item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
       partial_restore=True))
   nnx.replace_by_pure_dict(params, restored["params"])

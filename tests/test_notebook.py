@@ -1,0 +1,38 @@
+"""colabs/quickstart.ipynb runs top to bottom in a fresh kernel, as on a one-device Colab runtime."""
+
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "colabs" / "quickstart.ipynb"
+
+
+def outputs(nb, kind):
+  return [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
+          if o.get("output_type") == kind]
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_executes(monkeypatch):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  # The kernel inherits this environment: one CPU device (the colocated Colab set-up), and the
+  # checkout importable without an install, so the install cell is skipped.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                   resources={"metadata": {"path": str(ROOT)}})
+  client.execute()  # raises CellExecutionError, with the cell and its traceback, on any failure
+
+  text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
+  assert "configs from" in text and "git clone" not in text
+  assert "step 4/4" in text  # trainer.run's progress lines
+  assert "curves: " in text and "greedy pass@1 =" in text
+  assert "'eval_accuracy'" in text  # the last step evaluated (train.eval_every=2)
+  images = [o for o in outputs(nb, "display_data") if "image/png" in o.get("data", {})]
+  assert images, "the curves cell displayed no PNG"
