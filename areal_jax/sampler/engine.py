@@ -187,40 +187,46 @@ class DecodeEngine:
     s, m = c.num_slots, c.max_stop_ids
     if len(stop_ids) > m:
       raise ValueError(f"{len(stop_ids)} stop ids exceed max_stop_ids={m}")
-    slots_S = np.full((s,), s, np.int32)  # index s = dropped
-    slots_S[:len(slots)] = slots
-    vals = {
-        "tokens": np.zeros((s,), np.int32), "pos": np.zeros((s,), np.int32),
-        "end": np.zeros((s,), np.int32), "key": np.zeros((s, 2), np.uint32),
-    }
     k = len(slots)
+    n = self.insert_rows(k)  # rows written: k padded to a power of two (index s = dropped)
+    slots_N = np.full((n,), s, np.int32)
+    slots_N[:k] = slots
+    vals = {
+        "tokens": np.zeros((n,), np.int32), "pos": np.zeros((n,), np.int32),
+        "end": np.zeros((n,), np.int32), "key": np.zeros((n, 2), np.uint32),
+    }
     vals["tokens"][:k], vals["pos"][:k], vals["end"][:k] = token, pos, end
     vals["key"][:k] = keys
-    vals["temperature"] = np.full((s,), temperature, np.float32)
-    vals["top_k"] = np.full((s,), top_k, np.int32)
-    vals["top_p"] = np.full((s,), top_p, np.float32)
-    vals["greedy"] = np.full((s,), greedy, np.bool_)
-    stops = np.full((s, m), -1, np.int32)
+    vals["temperature"] = np.full((n,), temperature, np.float32)
+    vals["top_k"] = np.full((n,), top_k, np.int32)
+    vals["top_p"] = np.full((n,), top_p, np.float32)
+    vals["greedy"] = np.full((n,), greedy, np.bool_)
+    stops = np.full((n, m), -1, np.int32)
     stops[:, :len(stop_ids)] = stop_ids
     vals["stop_ids"] = stops
     bucket = 0 if prefix is None else prefix[0]["k"].shape[1]
-    if bucket not in self._insert_fns:
-      self._insert_fns[bucket] = self._make_insert(bucket)
-    return self._insert_fns[bucket](state, prefix, slots_S, vals)
+    if (bucket, n) not in self._insert_fns:
+      self._insert_fns[(bucket, n)] = self._make_insert(bucket)
+    return self._insert_fns[(bucket, n)](state, prefix, slots_N, vals)
+
+  def insert_rows(self, k: int) -> int:
+    """Rows an insert of ``k`` slots writes: the next power of two, at most the slot count (so an
+    insert costs in proportion to its group, with log2(slots) compiled variants per bucket)."""
+    return min(1 << max(k - 1, 0).bit_length(), self.config.num_slots)
 
   def _make_insert(self, bucket: int):
 
-    def fn(state, prefix, slots_S, vals):
+    def fn(state, prefix, slots_N, vals):
       state = dict(state)
       if prefix is not None:
         state["cache"] = [
-            {name: layer[name].at[slots_S, :bucket].set(
-                jnp.broadcast_to(pre[name], (slots_S.shape[0],) + pre[name].shape[1:]),
+            {name: layer[name].at[slots_N, :bucket].set(
+                jnp.broadcast_to(pre[name], (slots_N.shape[0],) + pre[name].shape[1:]),
                 mode="drop") for name in ("k", "v")}
             for layer, pre in zip(state["cache"], prefix)]
       for name, value in vals.items():
-        state[name] = state[name].at[slots_S].set(value, mode="drop")
-      state["active"] = state["active"].at[slots_S].set(True, mode="drop")
+        state[name] = state[name].at[slots_N].set(value, mode="drop")
+      state["active"] = state["active"].at[slots_N].set(True, mode="drop")
       return state
 
     return jax.jit(fn, out_shardings=self.state_shardings, donate_argnums=0)
@@ -277,15 +283,20 @@ class DecodeEngine:
 
   def warmup(self, state: State) -> State:
     """Compiles every prefill, insert and generate bucket (no slot is armed afterwards)."""
-    for bucket in self.prefill_buckets:
-      prefix = self.prefill(self.params, np.zeros((bucket,), np.int32))
-      state = self.insert(state, prefix, [], token=[], pos=[], end=[], keys=np.zeros((0, 2)),
-                          temperature=1.0, top_k=0, top_p=1.0, greedy=False, stop_ids=[])
-    state = self.insert(state, None, [], token=[], pos=[], end=[], keys=np.zeros((0, 2)),
-                        temperature=1.0, top_k=0, top_p=1.0, greedy=False, stop_ids=[])
+    rows, n = [], 1
+    while n < self.config.num_slots:
+      rows.append(n)
+      n *= 2
+    rows.append(self.config.num_slots)
+    prefixes = [self.prefill(self.params, np.zeros((b,), np.int32)) for b in self.prefill_buckets]
+    for prefix in prefixes + [None]:
+      for n in rows:  # arms slots then deactivates them all below
+        state = self.insert(state, prefix, list(range(n)), token=[0] * n, pos=[0] * n,
+                            end=[0] * n, keys=np.zeros((n, 2), np.uint32), temperature=1.0,
+                            top_k=0, top_p=1.0, greedy=False, stop_ids=[])
     for kv_len in self.kv_buckets:
       state, out = self.generate(self.params, state, kv_len)
-    state = self.deactivate(state, [])
+    state = self.deactivate(state, list(range(self.config.num_slots)))
     jax.block_until_ready(out)
     return state
 

@@ -70,14 +70,16 @@ def test_no_recompilation_in_steady_state(model):
   listener = lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    for prompt_len in (3, 6, 20, 30):  # warm-up: every prefill and kv bucket
-      _decode(eng, list(range(1, prompt_len + 1)), 2, 30 - prompt_len + 20)
+    eng.warmup(eng.init_state())  # every prefill, insert and kv bucket
+    _decode(eng, [1, 2, 3], 1, 2)  # and the test's own helpers (sampling keys)
     warm = len(compiles)
     n_fns = eng.num_compiled()
-    for prompt_len in (4, 5, 18, 25, 31):
-      _decode(eng, list(range(2, prompt_len + 2)), 3, 64 - prompt_len - 1)
+    for prompt_len, n in ((4, 3), (5, 1), (18, 2), (25, 4), (31, 3), (2, 1)):
+      _decode(eng, list(range(2, prompt_len + 2)), n, 64 - prompt_len - 1)
     assert len(compiles) == warm, compiles[warm:]
-    assert eng.num_compiled() == n_fns <= 2 + 2 + 3 + 1  # prefill, insert, generate buckets
+    # prefill buckets (8, 32 and max_len - 1) + insert (those + no prefix) x (1, 2, 4 rows)
+    # + generate per kv bucket + deactivate
+    assert eng.num_compiled() == n_fns <= 3 + 4 * 3 + 3 + 1
   finally:
     monitoring.unregister_event_duration_listener(listener)
 
