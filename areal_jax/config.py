@@ -28,7 +28,9 @@ def base_config() -> ConfigDict:
 
   # Devices: learner and sampler get disjoint sub-meshes unless colocated.
   c.mesh = ConfigDict()
-  c.mesh.colocated = False  # one mesh, generation and training alternate (single chip, Colab)
+  # colocated: one mesh of the first learner_devices devices; generation and training alternate
+  # (a single chip, Colab, or a CPU with few cores where two computations at once would thrash).
+  c.mesh.colocated = False
   c.mesh.learner_devices = 4
   c.mesh.sampler_devices = 4
   c.mesh.learner = ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: all remaining devices
@@ -198,8 +200,11 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
 
 def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int) -> list[str]:
   errors = []
-  learner_n = n_devices if m.colocated else m.learner_devices
-  sampler_n = n_devices if m.colocated else m.sampler_devices
+  learner_n = m.learner_devices
+  sampler_n = m.learner_devices if m.colocated else m.sampler_devices
+  if m.colocated and m.learner_devices > n_devices:
+    return [f"mesh.learner_devices={m.learner_devices} (colocated: both meshes) exceeds the "
+            f"{n_devices} available devices"]
   if not m.colocated and m.learner_devices + m.sampler_devices > n_devices:
     return [f"mesh.learner_devices={m.learner_devices} + mesh.sampler_devices={m.sampler_devices} "
             f"needs {m.learner_devices + m.sampler_devices} devices, but only {n_devices} exist"]

@@ -10,10 +10,14 @@ from areal_jax import sharding
 
 
 def build(mesh_config, devices=None) -> tuple[Mesh, Mesh]:
-  """``(learner_mesh, sampler_mesh)``: disjoint devices, or the same devices when colocated."""
+  """``(learner_mesh, sampler_mesh)``: disjoint devices, or, when colocated, the same first
+  ``mesh.learner_devices`` devices for both."""
   devices = list(jax.devices() if devices is None else devices)
   if mesh_config.colocated:
-    learner_devs = sampler_devs = devices
+    if mesh_config.learner_devices > len(devices):
+      raise ValueError(f"mesh.learner_devices={mesh_config.learner_devices} (colocated) exceeds the "
+                       f"{len(devices)} available devices")
+    learner_devs = sampler_devs = devices[:mesh_config.learner_devices]
   else:
     n_l, n_s = mesh_config.learner_devices, mesh_config.sampler_devices
     if n_l + n_s > len(devices):

@@ -109,3 +109,26 @@ def test_sigkill_then_rerun_resumes(tmp_path):
   trained = [s["example_id"] for s in samples if s["index"] == 0]
   assert len(trained) == len(set(trained)) == steps * 4
   assert set(trained) <= set(order)
+
+
+@pytest.mark.slow
+def test_colocated_run_alternates_on_one_shared_mesh(tmp_path):
+  """mesh.colocated: both meshes are the first learner_devices devices, generation pauses while a
+  step trains, and the same staleness bound and partial rollouts hold."""
+  from areal_jax.runtime import meshes, trainer
+
+  steps = 3
+  c = tiny_config(**{"mesh.colocated": True, "mesh.learner_devices": 2,
+                     "rollout.max_head_offpolicyness": 1, "train.total_steps": steps,
+                     "train.dump_trajectories": True, "rollout.max_new_tokens": 32})
+  learner_mesh, sampler_mesh = meshes.build(c.mesh)
+  assert list(learner_mesh.devices.flat) == list(sampler_mesh.devices.flat)
+  assert len(learner_mesh.devices.flat) == 2
+  trainer.run(c, str(tmp_path))
+  check_run(str(tmp_path), steps, eta=1)
+
+
+def test_colocated_mesh_larger_than_the_host_is_rejected():
+  c = tiny_config(**{"mesh.colocated": True, "mesh.learner_devices": 16})
+  with pytest.raises(ValueError, match="mesh.learner_devices=16"):
+    config_lib.validate(c, 8)
