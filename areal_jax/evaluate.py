@@ -187,14 +187,14 @@ class _Progress:
 
 
 def evaluate(config, checkpoint: str = "", *, config_name: str = "", output: str | None = None,
-             stream: TextIO | None = sys.stdout) -> dict[str, Any]:
+             stream: TextIO | None | str = "stdout") -> dict[str, Any]:
   """Evaluates ``checkpoint`` (see the module docstring) under ``config``; returns the results.
 
-  Writes them as JSON to ``output`` when given. Progress and a summary go to ``stream`` (None:
-  silent).
+  Writes them as JSON to ``output`` when given. Progress and a summary go to ``stream`` (the
+  current ``sys.stdout`` by default; None: silent).
   """
-
-
+  if stream == "stdout":
+    stream = sys.stdout
   say = (lambda msg: print(msg, file=stream, flush=True)) if stream is not None else (lambda msg: None)
   t_start = time.time()
   config_lib.validate(config, jax.device_count())

@@ -218,3 +218,12 @@ def test_run_checkpoint_through_the_python_api(tmp_path):
                                   step=2, model_source="tiny", dtype="float32")
   assert results["eval_temperature"] == c.train.eval_temperature
   assert json.loads(out.read_text()) == results
+
+
+def test_no_checkpoint_evaluates_the_config_model(tmp_path, capsys):
+  c = tiny_config(**{"train.eval_size": 2})
+  results = ev.evaluate(c, "", config_name="tiny", output=str(tmp_path / "r.json"))
+  check_results(results, n=2, k=1)
+  assert results["model"]["kind"] == "source" and results["model"]["path"] == "tiny"
+  out = capsys.readouterr().out
+  assert "greedy: 2/2 examples" in out and "greedy pass@1 =" in out and "results: " in out
