@@ -14,7 +14,7 @@ import sys
 # an accelerator host (ignored by TPU/GPU backends). Set XLA_FLAGS yourself to override.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from areal_jax import config as config_lib  # noqa: E402
@@ -26,6 +26,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:  # Orbax logs every save and restore at INFO
+    logging.set_verbosity(logging.WARNING)
   from areal_jax.runtime import trainer  # imports JAX after flags are parsed
 
   trainer.run(_CONFIG.value, _WORKDIR.value)
