@@ -61,11 +61,15 @@ def test_server_logprobs_and_stop_tokens(server, policies, tokenizer):
 def test_server_weight_sync_and_partial_rollout(server, policies, tokenizer):
   m0, m1 = policies
   p = tokenizer.encode("Long story over HTTP:")
-  server.submit(GroupRequest(10, p, 2, SamplingParams(temperature=1.0, max_new_tokens=150,
+  server.submit(GroupRequest(10, p, 2, SamplingParams(temperature=1.0, max_new_tokens=200,
                                                       seed=2)))
-  wait_for_tokens(server, 10, 8)
+  wait_for_tokens(server, 10, 4)
+  # Freeze the group mid-sequence (a tiny model on an idle CPU could otherwise finish 200 tokens
+  # before the swap's pause reaches the server), swap while paused, then let it continue.
+  server.pause()
   server.update_params(pure(m1), 1)  # synchronous for the server engine
   assert server.version == 1
+  server.resume()
   server.submit(GroupRequest(11, p, 1, SamplingParams(greedy=True, max_new_tokens=8)))
   out = collect(server, 3)
   for s in out:
@@ -75,8 +79,8 @@ def test_server_weight_sync_and_partial_rollout(server, policies, tokenizer):
     np.testing.assert_allclose(lp[v == 1], teacher_forced(m1, s)[v == 1], atol=TOL, rtol=0)
   long = [s for s in out if s.group_id == 10]
   assert all(s.versions[0] == 0 for s in long)
-  assert all(len(s.tokens) == 150 or s.finish_reason == "eos" for s in long)
-  crossed = [s for s in long if s.versions[-1] == 1]  # the rest ended (EOS) before the swap
+  assert all(len(s.tokens) == 200 or s.finish_reason == "eos" for s in long)
+  crossed = [s for s in long if s.versions[-1] == 1]  # the rest ended (EOS) before the pause
   assert crossed and server.stats["resubmitted"] == len(crossed) and server.stats["swaps"] == 1
 
 
