@@ -2,19 +2,23 @@
 
   python bench/sampler.py [--quick] [--json PATH] [--peer vllm]
 
-Workload: GRPO-style groups (n samples per prompt) whose lengths are long-tailed (log-normal
-max_new_tokens, EOS disabled so every sequence runs to its drawn length). Both engines use the same
-jitted prefill / insert / generate at the same slot count:
-  * ``continuous``: ``JaxRolloutEngine`` admits waiting groups as soon as slots free up.
-  * ``static``: fills all slots with whole groups, decodes until the longest sequence of the batch
-    ends, then takes the next batch.
+Workload: GRPO-style prompts with n samples each, every *sample* with its own long-tailed length
+(log-normal, EOS disabled so every sequence runs to its drawn length), many more sequences than
+slots. Each sample is submitted as its own ``n=1`` request (the public interface has one
+``max_new_tokens`` per request); samples of a prompt are submitted together and share one prefill
+in both engines. Both engines use the same jitted prefill / insert / generate at the same slot count:
+  * ``continuous``: ``JaxRolloutEngine`` admits waiting requests as soon as slots free up.
+  * ``static``: fills all slots, decodes until the longest sequence of the batch ends, then takes
+    the next batch.
 Tokens/s counts generated tokens (each sequence its own length) over wall time, prefill included.
 
-Roofline (SmolLM2-135M shapes, all slots decoding): per step the weights (including the tied
+Roofline (SmolLM2-135M shapes, all 64 slots decoding): per step the weights (including the tied
 embedding read by the LM head) and each slot's KV up to its position must be read, and
 2 * matmul params * slots + attention FLOPs computed. Ideal step time is
-max(bytes / measured read bandwidth, FLOPs / measured matmul throughput); ``roofline_frac`` is ideal
-over measured step time. Both hardware figures are measured on the spot.
+max(bytes / read bandwidth, FLOPs / matmul throughput); ``roofline_frac`` is ideal over measured
+step time. The hardware figures (a 128 MiB sum, a 2048^3 float32 matmul) are measured interleaved
+with the decode steps and each side takes its best repetition, so machine load (the bench machines
+are shared) affects both alike.
 
 ``--peer vllm``: the same workloads, at the same slot count (vLLM ``max_num_seqs``), through vLLM on
 this CPU (``areal_jax.vllm_rollout.VllmInProcessEngine``, float32, all cores), with the same weights
@@ -79,25 +83,53 @@ def _best(fn, *args, reps=5):
   return min(times)
 
 
+class Hardware:
+  """Memory read bandwidth (sum of 128 MiB) and float32 matmul throughput (2048^3), best of the
+  probes so far; ``probe()`` can be interleaved with other measurements."""
+
+  def __init__(self):
+    self.x = jnp.ones((128 * 1024 * 1024 // 4,), jnp.float32) * 1.5  # far beyond the caches
+    self.a = jnp.ones((2048, 2048), jnp.float32)
+    self.sum, self.mm = jax.jit(jnp.sum), jax.jit(lambda a: a @ a)
+    self.read_s, self.mm_s = float("inf"), float("inf")
+    jax.block_until_ready((self.sum(self.x), self.mm(self.a)))
+
+  def reset(self):
+    self.read_s, self.mm_s = float("inf"), float("inf")
+    return self
+
+  def probe(self, reps=1):
+    for _ in range(reps):
+      self.read_s = min(self.read_s, _best(self.sum, self.x, reps=1))
+      self.mm_s = min(self.mm_s, _best(self.mm, self.a, reps=1))
+    return self
+
+  def figures(self) -> dict:
+    return {"read_GBps": self.x.nbytes / self.read_s / 1e9,
+            "matmul_GFLOPps": 2 * 2048**3 / self.mm_s / 1e9}
+
+
 def hardware() -> dict:
-  x = jnp.ones((128 * 1024 * 1024 // 4,), jnp.float32) * 1.5  # 128 MiB, far beyond the caches
-  read_bw = x.nbytes / _best(jax.jit(jnp.sum), x)
-  a = jnp.ones((2048, 2048), jnp.float32)
-  flops = 2 * 2048**3 / _best(jax.jit(lambda a: a @ a), a)
-  return {"read_GBps": read_bw / 1e9, "matmul_GFLOPps": flops / 1e9}
+  return Hardware().probe(5).figures()
 
 
 def make_model(cfg: ModelConfig) -> Transformer:
   return Transformer(cfg, nnx.Rngs(0))  # random weights: throughput does not depend on values
 
 
-def workload(num_groups, n, vocab, max_new, seed=0):
+MEDIAN_NEW, SIGMA_NEW = 24, 1.0  # log-normal generation lengths
+MAX_LEN = 256  # cache positions per slot (prompts are 8 to 24 tokens)
+
+
+def workload(num_prompts, n, vocab, max_new, seed=0):
+  """``n`` samples per prompt, each its own log-normal length, as ``n=1`` groups
+  ``(prompt, [length])``; the samples of a prompt are adjacent and share the prompt list."""
   rng = np.random.default_rng(seed)
   groups = []
-  for g in range(num_groups):
+  for _ in range(num_prompts):
     prompt = rng.integers(1, vocab, size=int(rng.integers(8, 25))).tolist()
-    length = int(np.clip(np.round(np.exp(rng.normal(np.log(12), 1.0))), 2, max_new))
-    groups.append((prompt, [length] * n))
+    lengths = np.exp(rng.normal(np.log(MEDIAN_NEW), SIGMA_NEW, size=n))
+    groups += [(prompt, [int(m)]) for m in np.clip(np.round(lengths), 2, max_new)]
   return groups
 
 
@@ -111,6 +143,7 @@ def run_continuous(model, groups, slots, max_len, kv_buckets, steps):
   eng = JaxRolloutEngine(model, num_slots=slots, max_len=max_len, prefill_buckets=(32,),
                          kv_buckets=kv_buckets, eos_token_ids=(), steps_per_call=steps)
   eng.warmup()
+  eng.stats.clear()
   reqs = list(_requests(groups))
   eng.start()
   t0 = time.perf_counter()
@@ -124,7 +157,8 @@ def run_continuous(model, groups, slots, max_len, kv_buckets, steps):
   assert all(s.finish_reason == "length" for s in got), {s.finish_reason for s in got}
   tokens = sum(len(s.tokens) for s in got)
   return {"engine": "continuous", "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
-          "decode_calls": eng.stats["calls"], "prefills": eng.stats["prefills"]}
+          "decode_calls": eng.stats["calls"], "prefills": eng.stats["prefills"],
+          "prefix_hits": eng.stats["prefix_hits"]}
 
 
 def run_static(model, groups, slots, max_len, kv_buckets, steps):
@@ -158,27 +192,31 @@ def run_static(model, groups, slots, max_len, kv_buckets, steps):
           "decode_calls": calls, "prefills": prefills}
 
 
-def roofline(model, cfg, slots, context, hw, steps=1, reps=3):
-  """Steady decode of ``slots`` slots at ``context`` positions: measured vs ideal step time."""
-  eng = JaxRolloutEngine(model, num_slots=slots, max_len=context + 16 * steps,
-                         kv_buckets=(context + 8 * steps,), prefill_buckets=(16,),
-                         eos_token_ids=(), steps_per_call=steps)
+def roofline(model, cfg, slots, context, hw: Hardware, steps=1, reps=3):
+  """Steady decode of ``slots`` slots at ``context`` positions: measured vs ideal step time, the
+  hardware probed between the steps."""
+  eng = JaxRolloutEngine(model, num_slots=slots, max_len=context + 16 * steps * (reps + 2),
+                         prefill_buckets=(16,), eos_token_ids=(), steps_per_call=steps)
   dev = eng.engine
   state = dev.init_state()
   keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
   state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
-                     end=[context + 16 * steps] * slots, keys=keys, temperature=1.0, top_k=0,
+                     end=[context + 16 * steps * (reps + 2)] * slots, keys=keys, temperature=1.0, top_k=0,
                      top_p=1.0, greedy=False, stop_ids=[])
   kv_len = dev.kv_buckets[0]
   state, out = dev.generate(dev.params, state, kv_len)
   jax.block_until_ready(out)
   times = []
+  hw.reset()  # hardware figures from the same time window as the steps only
   for _ in range(reps):
+    hw.probe()
     t0 = time.perf_counter()
     state, out = dev.generate(dev.params, state, kv_len)
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / steps)
+  hw.probe()
   step_s = min(times)
+  figures = hw.figures()
   n_params = cfg.num_params()
   matmul_params = n_params - cfg.d_model * (2 * cfg.n_layers + 1)  # minus norm scales
   if cfg.tie_embeddings:
@@ -187,13 +225,14 @@ def roofline(model, cfg, slots, context, hw, steps=1, reps=3):
   ctx = context + 1
   bytes_step = n_params * 4 + slots * ctx * kv_per_token
   flops_step = 2 * matmul_params * slots + slots * cfg.n_layers * 4 * ctx * cfg.n_heads * cfg.head_dim
-  t_mem = bytes_step / (hw["read_GBps"] * 1e9)
-  t_flop = flops_step / (hw["matmul_GFLOPps"] * 1e9)
+  t_mem = bytes_step / (figures["read_GBps"] * 1e9)
+  t_flop = flops_step / (figures["matmul_GFLOPps"] * 1e9)
   ideal = max(t_mem, t_flop)
   return {"slots": slots, "context": context, "step_ms": step_s * 1e3, "tok_per_s": slots / step_s,
           "ideal_step_ms": ideal * 1e3, "bound": "compute" if t_flop > t_mem else "memory",
           "bytes_per_step_MB": bytes_step / 1e6, "gflop_per_step": flops_step / 1e9,
-          "roofline_frac": ideal / step_s, "roofline_tok_per_s": slots / ideal}
+          "roofline_frac": ideal / step_s, "roofline_tok_per_s": slots / ideal,
+          "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
 
 
 def vllm_python(arg: str | None) -> str:
@@ -235,22 +274,25 @@ def main():
   args = ap.parse_args()
   peer_python = vllm_python(args.vllm_python) if args.peer == "vllm" else None
   quick = args.quick
-  info, hw = machine(), hardware()
+  t_start = time.perf_counter()
+  info, probe = machine(), Hardware().probe(3)
+  hw = probe.figures()
   print(f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['devices']}); "
         f"read {hw['read_GBps']:.1f} GB/s, matmul {hw['matmul_GFLOPps']:.0f} GFLOP/s (f32)")
   rows = []
-  plans = [  # model, config, slots, groups, n, max_new, kv buckets, steps per call
-      ("tiny", TINY, 16, 32 if quick else 96, 4, 96, (64, 128), 4),
-      ("smollm2-135m", SMOLLM2, 8 if quick else 16, 12 if quick else 32, 4, 48 if quick else 96,
-       (64, 128), 1),
+  plans = [  # model, config, slots, prompts, samples per prompt, max_new, kv buckets, steps/call
+      ("tiny", TINY, 16, 32 if quick else 128, 4, 200, None, 8),
+      ("smollm2-135m", SMOLLM2, 16 if quick else 64, 16 if quick else 96, 4, 96 if quick else 200,
+       None, 1),
   ]
   for name, cfg, slots, num_groups, n, max_new, kv_buckets, steps in plans:
     model = make_model(cfg)
     groups = workload(num_groups, n, cfg.vocab_size, max_new)
     for runner in (run_continuous, run_static):
-      r = runner(model, groups, slots, 128, kv_buckets, steps)
-      r.update(model=name, slots=slots, sequences=num_groups * n, workload=
-               f"groups of {n}, log-normal lengths per group (median 12, sigma 1, max {max_new})")
+      r = runner(model, groups, slots, MAX_LEN, kv_buckets, steps)
+      r.update(model=name, slots=slots, sequences=num_groups * n, steps_per_call=steps, workload=
+               f"{num_groups} prompts x {n} samples, n=1 requests, log-normal length per sample "
+               f"(median {MEDIAN_NEW}, sigma {SIGMA_NEW}, clipped to [2, {max_new}])")
       rows.append(r)
       print(f"{name:>13} {r['engine']:>10} slots={slots:<3} seqs={r['sequences']:<4} "
             f"tokens={r['tokens']:<6} wall={r['wall_s']:7.2f}s  {r['tok_per_s']:8.1f} tok/s")
@@ -260,14 +302,15 @@ def main():
     s = next(r for r in rows if r["model"] == name and r["engine"] == "static")
     speed[name] = c["tok_per_s"] / s["tok_per_s"]
     print(f"{name:>13} speedup continuous / static: {speed[name]:.2f}x")
-  roof = roofline(model, SMOLLM2, 64, 64 if quick else 128, hw, reps=2 if quick else 3)
+  roof = roofline(model, SMOLLM2, 64, 64 if quick else 128, probe, reps=3 if quick else 5)
   print(f" smollm2-135m decode at 64 slots, context {roof['context']}: "
         f"{roof['step_ms']:.0f} ms/step = {roof['tok_per_s']:.0f} tok/s; ideal "
         f"{roof['ideal_step_ms']:.0f} ms ({roof['bound']}-bound: {roof['gflop_per_step']:.1f} GFLOP, "
         f"{roof['bytes_per_step_MB']:.0f} MB) -> {100 * roof['roofline_frac']:.0f}% of roofline")
   result = {"machine": info, "hardware": hw, "quick": quick,
             "speedup_vs_static": speed["smollm2-135m"], "speedup_vs_static_tiny": speed["tiny"],
-            "roofline_frac": roof["roofline_frac"], "roofline": roof, "rows": rows}
+            "roofline_frac": roof["roofline_frac"], "roofline": roof, "rows": rows,
+            "load_avg": os.getloadavg(), "bench_s": time.perf_counter() - t_start}
   if args.peer == "vllm":
     vs = {}
     for name, cfg, slots, num_groups, n, max_new, kv_buckets, steps in plans:
@@ -279,10 +322,10 @@ def main():
       if label == name:
         ours = next(r for r in rows if r["model"] == name and r["engine"] == "continuous")
       else:
-        ours = run_continuous(model, groups, slots, 128, kv_buckets, steps)
+        ours = run_continuous(model, groups, slots, MAX_LEN, kv_buckets, steps)
         ours.update(model=label, slots=slots, sequences=num_groups * n)
         rows.append(ours)
-      theirs = run_vllm(peer_python, model, groups, slots, 128)
+      theirs = run_vllm(peer_python, model, groups, slots, MAX_LEN)
       theirs.update(model=label, slots=slots, sequences=num_groups * n)
       rows.append(theirs)
       vs[name] = ours["tok_per_s"] / theirs["tok_per_s"]
@@ -292,6 +335,8 @@ def main():
       print(f"{label:>13} speedup JAX continuous / vLLM {theirs['vllm']}: {vs[name]:.2f}x")
     result.update(speedup_vs_vllm=vs["smollm2-135m"], speedup_vs_vllm_tiny=vs["tiny"],
                   rows=rows)
+  print(f"bench took {time.perf_counter() - t_start:.0f} s; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=2)
