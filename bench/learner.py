@@ -11,6 +11,9 @@ updates over packed micro-batches; the first step (compilation) is not timed.
   mfu       = 6 x params x tokens / time / measured float32 matmul FLOP/s
   (with ppo_n_minibatches = 1 there is no separate proximal forward: the update's own forward
   provides the proximal logprobs; with more minibatches the extra forward is not credited).
+The full run adds ``smollm2-135m-short``: the CPU demo's lengths (prompt ~80, answers 16-48
+tokens, 32 sequences per step; JSON ``mfu_short``). Attention is dense over each packed row, so
+long rows (GSM8K-like, 768) spend uncredited time on masked attention; short rows do not.
 ``--quick`` uses SmolLM2-135M layer shapes with 6 of the 30 layers (the 30-layer compile alone
 takes minutes on 2 cores) and a single timed step.
 
@@ -79,8 +82,16 @@ def gsm8k_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
   return prompt, completion
 
 
-def make_batch(rng, groups: int, n: int, vocab: int):
-  prompts, completions = gsm8k_lengths(rng, groups * n)
+def short_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
+  """The CPU demo's lengths (configs/arithmetic.py): chat prompt ~80 tokens, one-sentence answers."""
+  return rng.integers(70, 90, n), rng.integers(16, 49, n)
+
+
+LENGTHS = {"gsm8k": gsm8k_lengths, "short": short_lengths}
+
+
+def make_batch(rng, groups: int, n: int, vocab: int, lengths: str = "gsm8k"):
+  prompts, completions = LENGTHS[lengths](rng, groups * n)
   out, rewards = [], []
   for g in range(groups):
     prompt = rng.integers(0, vocab, prompts[g * n]).tolist()
@@ -107,7 +118,7 @@ def packing_efficiency(batches: int, groups: int, n: int, row_len: int) -> float
 
 
 def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, peak: float,
-                micro_batch_tokens: int, max_seq_len: int = 768) -> dict:
+                micro_batch_tokens: int, max_seq_len: int = 768, lengths: str = "gsm8k") -> dict:
   opts = config_lib.base_config().actor
   opts.micro_batch_tokens = micro_batch_tokens
   mesh = sharding.make_mesh({}, jax.devices()[:1])
@@ -116,11 +127,11 @@ def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, pe
   del model
   rng = np.random.default_rng(0)
   t = time.perf_counter()
-  learner.train_step(*make_batch(rng, groups, n, cfg.vocab_size))  # compile
+  learner.train_step(*make_batch(rng, groups, n, cfg.vocab_size, lengths))  # compile
   compile_s = time.perf_counter() - t
   times, tokens, metrics = [], [], {}
   for _ in range(steps):
-    groups_, rewards = make_batch(rng, groups, n, cfg.vocab_size)
+    groups_, rewards = make_batch(rng, groups, n, cfg.vocab_size, lengths)
     t = time.perf_counter()
     metrics = learner.train_step(groups_, rewards)
     jax.block_until_ready(learner.params())
@@ -128,7 +139,7 @@ def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, pe
     tokens.append(metrics["tokens"])
   tok_s = sum(tokens) / sum(times)
   p = learner.num_params
-  return dict(model=name, params=p, sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
+  return dict(model=name, lengths=lengths, params=p, sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
               step_s=float(np.mean(times)), compile_s=compile_s, tokens_per_s=tok_s,
               mfu=6 * p * tok_s / peak,
               padding_efficiency=metrics["padding_efficiency"],
@@ -150,8 +161,9 @@ def main():
     smol = ("smollm2-135m-6L", dataclasses.replace(SMOLLM2, n_layers=6), 2, 2, 1, 1536)
     runs = [("tiny", TINY, 4, 4, 1, 8192), smol]
   else:
-    runs = [("tiny", TINY, 16, 4, 3, 8192), ("smollm2-135m", SMOLLM2, 2, 4, 1, 1536)]
-  rows = [bench_model(*r[:5], peak, r[5]) for r in runs]
+    runs = [("tiny", TINY, 16, 4, 3, 8192), ("smollm2-135m", SMOLLM2, 2, 4, 1, 1536),
+            ("smollm2-135m-short", SMOLLM2, 4, 8, 2, 2048, 176, "short")]
+  rows = [bench_model(*r[:5], peak, *r[5:]) for r in runs]
   # The machine is shared: keep the best matmul figure seen (MFU is then conservative).
   peak = max(peak, matmul_flops())
   for r in rows:
@@ -167,7 +179,9 @@ def main():
   print(f"\npacking efficiency (GSM8K-like lengths, 64 x 4 sequences per batch, rows of 768): "
         f"{pack:.1%}")
   smol = next(r for r in rows if r["model"].startswith("smollm2"))
+  short = next((r for r in rows if r["model"] == "smollm2-135m-short"), None)
   result = dict(machine=info, matmul_flops=peak, mfu=smol["mfu"], packing_efficiency=pack,
+                mfu_short=short["mfu"] if short else None,
                 quick=args.quick, models=rows)
   if args.json:
     with open(args.json, "w") as f:
