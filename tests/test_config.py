@@ -23,6 +23,18 @@ def test_every_preset_loads_and_validates(spec):
     c.actor.not_a_key = 1  # locked
 
 
+@pytest.mark.parametrize("spec", [f"{p}:tiny" for p in CONFIGS if "tiny" in presets(p)])
+def test_tiny_presets_prompts_fit_the_prompt_budget(spec):
+  """The tiny model's byte tokenizer makes long prompts: a preset must admit them."""
+  from areal_jax import models, tasks
+
+  c = config_lib.load(spec)
+  task, tokenizer = tasks.get_task(c.task), models.byte_tokenizer()
+  it = task.train_iterator(seed=0, epochs=1)
+  lengths = [len(task.prompt_ids(example, tokenizer)) for _, example in zip(range(64), it)]
+  assert max(lengths) <= c.rollout.max_prompt_len, (spec, max(lengths))
+
+
 def test_unknown_preset_is_an_error():
   with pytest.raises(ValueError, match="unknown preset"):
     config_lib.load(f"{CONFIGS[0]}:nope")
