@@ -9,7 +9,7 @@ the same reward applies. Measured with ``make demo`` from an empty workdir on 2 
 173 GFLOP/s float32 matmul), 2026-11-23: held-out greedy pass@1 on 100 test problems 0.26 before ->
 0.36 at step 8 -> 0.63 after 16 steps (+37 points); training took 1745 s (~100 s a step, ~90 s of
 it in the learner at ~38 trained tokens/s), each evaluation ~55 s. An earlier session measured
-931 s for the same run on a faster machine of the same kind (0.26 -> 0.53).
+931 s (0.26 -> 0.53) for this config on another machine of the same kind.
 """
 
 from areal_jax.config import base_config, lock
