@@ -283,11 +283,7 @@ class DecodeEngine:
 
   def warmup(self, state: State) -> State:
     """Compiles every prefill, insert and generate bucket (no slot is armed afterwards)."""
-    rows, n = [], 1
-    while n < self.config.num_slots:
-      rows.append(n)
-      n *= 2
-    rows.append(self.config.num_slots)
+    rows = sorted({self.insert_rows(k) for k in range(1, self.config.num_slots + 1)})
     prefixes = [self.prefill(self.params, np.zeros((b,), np.int32)) for b in self.prefill_buckets]
     for prefix in prefixes + [None]:
       for n in rows:  # arms slots then deactivates them all below
