@@ -7,8 +7,8 @@ median ~180, capped at 512), random tokens, random rewards and behaviour logprob
 ``Learner.train_step`` = recompute the proximal logprobs (one forward) + ``ppo_n_minibatches``
 updates over packed micro-batches. A first, untimed step compiles (for the 30-layer model on a
 2-prompt batch of the same micro-batch shape); compilations in timed steps are counted
-(``compiles_timed``) and their
-seconds taken out of the timed wall time (steady state: a shape compiles once).
+(``compiles_timed``) and their seconds taken out of the timed wall time (steady state: a shape
+compiles once).
 The full run trains SmolLM2-135M on 32 sequences a step (8 prompts x 4 samples), a small RL batch.
 
   tokens/s  = real (non-padding) tokens of the batch / train_step wall time
@@ -152,10 +152,11 @@ def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, pe
   if compiles:
     print(f"{name}: {len(compiles)} compilations ({sum(compiles):.1f} s) inside timed steps, "
           f"not counted")
-  tok_s = sum(tokens) / (sum(times) - sum(compiles))
+  busy_s = sum(times) - sum(compiles)
+  tok_s = sum(tokens) / busy_s
   p = learner.num_params
   return dict(model=name, lengths=lengths, params=p, sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
-              step_s=float(np.mean(times)), compile_s=compile_s, tokens_per_s=tok_s,
+              step_s=busy_s / len(times), compile_s=compile_s, tokens_per_s=tok_s,
               mfu=6 * p * tok_s / peak,
               padding_efficiency=metrics["padding_efficiency"],
               packing_efficiency=metrics["packing_efficiency"], row_len=metrics["row_len"],
