@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.models import hf, init_cache
+from areal_jax.models import hf, init_cache, transformer
 
 VOCAB = 300
 
@@ -26,7 +26,10 @@ def _tokens(b, l, seed=0):
   return np.random.RandomState(seed).randint(0, VOCAB, (b, l)).astype(np.int32)
 
 
-def test_full_forward_matches_transformers(hf_checkpoint, torch_logits):
+@pytest.mark.parametrize("causal_block", [64, 4], ids=["dense", "blocked"])
+def test_full_forward_matches_transformers(hf_checkpoint, torch_logits, causal_block, monkeypatch):
+  monkeypatch.setattr(transformer, "CAUSAL_BLOCK", causal_block)
+  jax.clear_caches()  # the block size is fixed at trace time
   arch, path, torch_model = hf_checkpoint
   model, _ = hf.load_hf(path)
   assert model.cfg.arch == arch and model.cfg.qkv_bias == (arch == "qwen2")
@@ -65,6 +68,30 @@ def test_extend_rows_at_different_positions(hf_checkpoint, torch_logits):
                              atol=1e-4, rtol=0)
   np.testing.assert_allclose(np.asarray(logits[1, 0]), torch_logits(torch_model, b[None])[0, -1],
                              atol=1e-4, rtol=0)
+
+
+def test_causal_attention_equals_dense_attention():
+  """Blocked causal attention (blocks of 4, a ragged last block) = the dense form, values and
+  gradients, on every position that attends to something (packed segments, padding at the end)."""
+  rng = np.random.RandomState(0)
+  b, l, h, kv, d = 2, 11, 4, 2, 8
+  q, k, v = (jnp.asarray(rng.randn(b, l, n, d), jnp.float32) for n in (h, kv, kv))
+  seg = jnp.asarray([[1] * 5 + [2] * 4 + [0] * 2, [1] * 11])
+  mask = jnp.tril(jnp.ones((l, l), bool))[None] & (seg[:, :, None] == seg[:, None, :]) \
+      & (seg[:, None, :] > 0)
+  w = jnp.asarray(rng.randn(b, l, h, d), jnp.float32) * (seg > 0)[:, :, None, None]
+
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v) * w)
+
+  dense = lambda q, k, v: transformer.attention(q, k, v, mask)
+  blocked = lambda q, k, v: transformer.causal_attention(q, k, v, mask, block=4)
+  real = np.asarray(seg > 0)
+  np.testing.assert_allclose(np.asarray(blocked(q, k, v))[real], np.asarray(dense(q, k, v))[real],
+                             atol=1e-6)
+  for g_blocked, g_dense in zip(jax.grad(loss, (1, 2, 3))(blocked, q, k, v),
+                                jax.grad(loss, (1, 2, 3))(dense, q, k, v)):
+    np.testing.assert_allclose(g_blocked, g_dense, atol=1e-5)
 
 
 def test_packed_segments_equal_separate_forwards(hf_checkpoint):
