@@ -4,9 +4,11 @@
     is bounded) through the model and returns its KV prefix.
   * ``insert(state, prefix, slots, ...)``: copies one prefix into any number of slots (a GRPO group
     shares one prefill) and sets up those slots' sampling parameters, keys and stop conditions.
-  * ``generate(params, state)``: advances every slot by ``steps_per_call`` tokens. The decode state is
-    donated; stop conditions (EOS / stop ids, max new tokens, cache full) are checked on device, so
-    several steps can run per host sync.
+  * ``generate(params, state, kv_len, width)``: advances slots ``[0, width)`` by ``steps_per_call``
+    tokens. The decode state is donated; stop conditions (EOS / stop ids, max new tokens, cache full)
+    are checked on device, so several steps can run per host sync.
+  * ``move(state, src, dst)``: moves sequences between slots (cache rows and all), so the host can
+    keep live sequences in the lowest slots and decode at a smaller ``width`` while a batch drains.
 
 A slot holds the *next token to feed* and its position: a prefill covers ``prompt[:-1]`` and the first
 decode step feeds the last prompt token, so every generated token (and its logprob and version)
@@ -17,7 +19,10 @@ Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots s
 mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
 A decode step reads the cache only up to the furthest active position (a dynamic loop over cache
 chunks, ``transformer.decode_attention``), so one compiled ``generate`` serves every length;
-``kv_buckets`` (default: just ``max_len``) only add static upper bounds.
+``kv_buckets`` (default: just ``max_len``) only add static upper bounds. ``width_buckets`` (default:
+powers of two from ``num_slots / 8`` up, multiples of the mesh's data-axis size) are the slot counts a
+decode step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are
+read once per step whatever the width).
 
 Compiled functions are shared by engines of the same model structure, config and mesh; they close
 over static structure only (graph definition, shapes, shardings), never over an engine or its
@@ -59,6 +64,7 @@ class EngineConfig:
   max_len: int = 512  # cache positions per slot: prompt + generated tokens never exceed it
   prefill_buckets: tuple[int, ...] | None = None  # default: 32, 64, ... up to max_len
   kv_buckets: tuple[int, ...] | None = None  # static read bounds; default: (max_len,)
+  width_buckets: tuple[int, ...] | None = None  # decode widths (slots); default: S/8, S/4, S/2, S
   steps_per_call: int = 1  # decode steps per generate call (per host sync)
   max_stop_ids: int = 8  # EOS + stop ids per slot
   cache_dtype: str | None = None  # default: the model's compute dtype
@@ -81,13 +87,15 @@ class DecodeEngine:
         sharding.shardings_to_values(sharding.state_shardings(param_state, self.mesh)))
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     self.kv_buckets = _buckets(config.kv_buckets or (config.max_len,), config.max_len, 64)
+    self.width_buckets = self._width_buckets()
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh.
     fns = _COMPILED.setdefault((self.graphdef, config, self.mesh), {})
     self._prefill_fns: dict[int, Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
-    self._generate_fns: dict[int, Any] = fns.setdefault("generate", {})
+    self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
+    self._move_fns: dict[int, Any] = fns.setdefault("move", {})
     self._init_fn = fns.get("init")
     self._deactivate = fns.get("deactivate") or jax.jit(
         lambda state, mask_S: {**state, "active": state["active"] & ~mask_S},
@@ -95,6 +103,19 @@ class DecodeEngine:
         out_shardings=self.state_shardings, donate_argnums=0)
     fns["deactivate"] = self._deactivate
     self.params = self.put_params(nnx.to_pure_dict(param_state))
+
+  def _width_buckets(self) -> tuple[int, ...]:
+    s, requested = self.config.num_slots, self.config.width_buckets
+    if requested is None:
+      shards = self.mesh.shape.get("data", 1)
+      requested = [w for w in (s // 8, s // 4, s // 2) if w >= 1 and w % shards == 0]
+    if any(not 1 <= int(w) <= s for w in requested):
+      raise ValueError(f"width_buckets={requested} must lie in [1, num_slots={s}]")
+    return tuple(sorted({int(w) for w in requested} | {s}))
+
+  def width_bucket(self, n: int) -> int:
+    """Smallest decode width that covers slots ``[0, n)``."""
+    return self.width_buckets[bisect.bisect_left(self.width_buckets, n)]
 
   # ---- placement -------------------------------------------------------------------------------
 
@@ -243,18 +264,22 @@ class DecodeEngine:
     need = min(max_pos + self.config.steps_per_call, self.config.max_len)
     return self.kv_buckets[bisect.bisect_left(self.kv_buckets, need)]
 
-  def generate(self, params: dict, state: State, kv_len: int):
-    """Advances every active slot ``steps_per_call`` tokens.
+  def generate(self, params: dict, state: State, kv_len: int, width: int | None = None):
+    """Advances the active slots among ``[0, width)`` (a width bucket; default all) by
+    ``steps_per_call`` tokens; slots from ``width`` on are left untouched.
 
-    Returns ``(state, (tokens_KxS, logprobs_KxS, valid_KxS))``; ``valid`` marks slots that were
+    Returns ``(state, (tokens_KxW, logprobs_KxW, valid_KxW))``; ``valid`` marks slots that were
     active at that step (their token is real)."""
-    if kv_len not in self._generate_fns:
-      self._generate_fns[kv_len] = self._make_generate(kv_len)
-    return self._generate_fns[kv_len](params, state)
+    width = width or self.config.num_slots
+    if width not in self.width_buckets:
+      raise ValueError(f"width {width} is not one of the width buckets {self.width_buckets}")
+    if (kv_len, width) not in self._generate_fns:
+      self._generate_fns[(kv_len, width)] = self._make_generate(kv_len, width)
+    return self._generate_fns[(kv_len, width)](params, state)
 
-  def _make_generate(self, kv_len: int):
+  def _make_generate(self, kv_len: int, width: int):
     steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
-    out = self._named((None, "cache_batch"), (steps, self.config.num_slots))
+    out = self._named((None, "cache_batch"), (steps, width))
 
     def one_step(model, state):
       logits_Sx1xV, cache = model.extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len)
@@ -270,20 +295,57 @@ class DecodeEngine:
                "active": active & ~hit_stop & (new_len < state["end"])}
       return state, (token_S, logprob_S, active)
 
-    def fn(params, state):
+    def fn(params, full):
       with sharding.use(mesh):
         model = nnx.merge(graphdef, params)
+        # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
+        state = {k: v if k == "cache" else v[:width] for k, v in full.items()}
         if steps == 1:
           state, (t, lp, v) = one_step(model, state)
-          return state, (t[None], lp[None], v[None])
-        return jax.lax.scan(lambda st, _: one_step(model, st), state, None, length=steps)
+          outputs = (t[None], lp[None], v[None])
+        else:
+          state, outputs = jax.lax.scan(lambda st, _: one_step(model, st), state, None, length=steps)
+        full = {k: v if k == "cache" else full[k].at[:width].set(v) for k, v in state.items()}
+        return full, outputs
 
     return jax.jit(fn, in_shardings=(self.param_shardings, self.state_shardings),
                    out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1)
 
+  # ---- move ------------------------------------------------------------------------------------
+
+  def move(self, state: State, src: list[int], dst: list[int]) -> State:
+    """Moves the sequences in slots ``src`` to the free slots ``dst`` (cache rows, position, sampling
+    parameters, key, stop ids, active flag); ``src`` slots end inactive. Disjoint lists."""
+    if len(src) != len(dst) or set(src) & set(dst):
+      raise ValueError(f"move needs disjoint source and destination lists of one length: {src}, {dst}")
+    s, k = self.config.num_slots, len(src)
+    n = self.insert_rows(k)
+    src_N, dst_N = np.full((n,), s, np.int32), np.full((n,), s, np.int32)  # index s = dropped
+    src_N[:k], dst_N[:k] = src, dst
+    if n not in self._move_fns:
+      self._move_fns[n] = self._make_move()
+    return self._move_fns[n](state, src_N, dst_N)
+
+  def _make_move(self):
+
+    def fn(state, src_N, dst_N):
+      def moved(x):
+        return x.at[dst_N].set(x.at[src_N].get(mode="fill", fill_value=0), mode="drop")
+
+      state = {k: [{n: moved(a) for n, a in layer.items()} for layer in v] if k == "cache"
+               else moved(v) for k, v in state.items()}
+      state["active"] = state["active"].at[src_N].set(False, mode="drop")
+      return state
+
+    return jax.jit(fn, in_shardings=(self.state_shardings, None, None),
+                   out_shardings=self.state_shardings, donate_argnums=0)
+
+  # ---- warmup ----------------------------------------------------------------------------------
+
   def warmup(self, state: State) -> State:
-    """Compiles every prefill, insert and generate bucket (no slot is armed afterwards)."""
-    rows = sorted({self.insert_rows(k) for k in range(1, self.config.num_slots + 1)})
+    """Compiles every prefill, insert, generate and move variant (no slot is armed afterwards)."""
+    s = self.config.num_slots
+    rows = sorted({self.insert_rows(k) for k in range(1, s + 1)})
     prefixes = [self.prefill(self.params, np.zeros((b,), np.int32)) for b in self.prefill_buckets]
     for prefix in prefixes + [None]:
       for n in rows:  # arms slots then deactivates them all below
@@ -291,12 +353,17 @@ class DecodeEngine:
                             end=[0] * n, keys=np.zeros((n, 2), np.uint32), temperature=1.0,
                             top_k=0, top_p=1.0, greedy=False, stop_ids=[])
     for kv_len in self.kv_buckets:
-      state, out = self.generate(self.params, state, kv_len)
-    state = self.deactivate(state, list(range(self.config.num_slots)))
+      for width in self.width_buckets:
+        state, out = self.generate(self.params, state, kv_len, width)
+    for n in sorted({self.insert_rows(k) for k in range(1, s // 2 + 1)}):  # moves of up to s/2
+      k = min(n, s // 2)
+      state = self.move(state, list(range(k)), list(range(s - k, s)))
+    state = self.deactivate(state, list(range(s)))
     jax.block_until_ready(out)
     return state
 
   def num_compiled(self) -> int:
-    """Number of compiled variants of prefill / insert / generate (bounded by the buckets)."""
-    fns = [*self._prefill_fns.values(), *self._insert_fns.values(), *self._generate_fns.values()]
+    """Number of compiled variants of prefill / insert / generate / move (bounded by the buckets)."""
+    fns = [*self._prefill_fns.values(), *self._insert_fns.values(), *self._generate_fns.values(),
+           *self._move_fns.values()]
     return sum(f._cache_size() for f in fns) + self._deactivate._cache_size()

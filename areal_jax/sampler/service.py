@@ -4,6 +4,10 @@ The loop admits waiting groups into free slots as soon as sequences finish (one 
 inserted into n slots), advances all slots with ``DecodeEngine.generate`` and streams every finished
 sequence out at once to a queue that ``poll`` drains.
 
+While a batch drains (fewer live sequences than slots and nothing waiting), the live sequences are
+moved down into the lowest slots and decode steps run over a smaller width bucket
+(``DecodeEngine.width_buckets``), so the tail of long sequences does not pay for empty slots.
+
 Host overhead per decode call is one device->host fetch (tokens, logprobs, valid flags) and it is
 pipelined: call k+1 is dispatched before the results of call k are fetched, so the device never
 waits for Python. Stop conditions are evaluated on the device too, so a finished slot idles for at
@@ -286,13 +290,33 @@ class JaxRolloutEngine(RolloutEngine):
     self._state = self.engine.init_state()
 
   def _dispatch(self):
-    active = [s for s in self._slots if s is not None and not s.done]
+    width = self._compact()
+    active = [s for s in self._slots[:width] if s is not None and not s.done]
     max_pos = max(s.length - 1 for s in active) + len(self._inflight) * \
         self.engine.config.steps_per_call
     kv_len = self.engine.kv_bucket(max_pos)
-    self._state, outputs = self.engine.generate(self._params, self._state, kv_len)
+    self._state, outputs = self.engine.generate(self._params, self._state, kv_len, width)
     self._inflight.append((outputs, list(self._slots), self._version))
     self.stats["calls"] += 1
+    self.stats["slot_steps"] += width * self.engine.config.steps_per_call
+
+  def _compact(self) -> int:
+    """Decode width for the next call. When the live sequences would fit a smaller width bucket
+    (a batch draining, nothing waiting), the ones above it move down into free slots first, so
+    a step stops paying for empty slots. Returns the width."""
+    live = [i for i, s in enumerate(self._slots) if s is not None and not s.done]
+    width = self.engine.width_bucket(live[-1] + 1)
+    target = self.engine.width_bucket(len(live))
+    if target == width:
+      return width
+    src = [i for i in live if i >= target]
+    dst = [i for i in range(target) if self._slots[i] is None or self._slots[i].done][:len(src)]
+    self._state = self.engine.move(self._state, src, dst)
+    for i, j in zip(src, dst):
+      seq, self._slots[i] = self._slots[i], None
+      seq.slot, self._slots[j] = j, seq
+    self.stats["moves"] += len(src)
+    return target
 
   def _drain_inflight(self):
     while self._inflight:

@@ -78,10 +78,51 @@ def test_no_recompilation_in_steady_state(model):
       _decode(eng, list(range(2, prompt_len + 2)), n, 64 - prompt_len - 1)
     assert len(compiles) == warm, compiles[warm:]
     # prefill buckets (8, 32 and max_len - 1) + insert (those + no prefix) x (1, 2, 4 rows)
-    # + generate per kv bucket + deactivate
-    assert eng.num_compiled() == n_fns <= 3 + 4 * 3 + 3 + 1
+    # + generate per kv bucket x width (1, 2, 4) + move (1, 2 rows) + deactivate
+    assert eng.width_buckets == (1, 2, 4)
+    assert eng.num_compiled() == n_fns <= 3 + 4 * 3 + 3 * 3 + 2 + 1
   finally:
     monitoring.unregister_event_duration_listener(listener)
+
+
+def test_moved_sequences_continue_exactly_at_a_narrower_width(model):
+  """Sequences moved down mid-decode and advanced at a smaller width draw the same tokens with the
+  same logprobs as if they had stayed; a live slot beyond the width is left untouched."""
+  eng = DecodeEngine(model, EngineConfig(num_slots=8, max_len=64))
+  assert eng.width_buckets == (1, 2, 4, 8)
+  prompt, n, steps = [4, 8, 15, 16, 23], 3, 20
+  ref_toks, ref_lps = _decode(eng, prompt, n, steps, slots=[5, 6, 7], temperature=0.8, seed=3)
+
+  state = eng.init_state()
+  keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(n)])
+  state = eng.insert(state, eng.prefill(eng.params, prompt[:-1]), [5, 6, 7],
+                     token=[prompt[-1]] * n, pos=[len(prompt) - 1] * n, end=[64] * n, keys=keys,
+                     temperature=0.8, top_k=0, top_p=1.0, greedy=False, stop_ids=[])
+  toks = [[] for _ in range(n)]
+  lps = [[] for _ in range(n)]
+  for step in range(steps):
+    if step == 7:  # slots 5, 6 -> 0, 1 and slot 7 -> 2: the group now fits width 4
+      state = eng.move(state, [5, 6, 7], [0, 1, 2])
+      assert not np.asarray(state["active"])[5:].any()
+    slots = [5, 6, 7] if step < 7 else [0, 1, 2]
+    width = 8 if step < 7 else 4
+    state, (t, lp, v) = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + step), width)
+    t, lp, v = np.asarray(t), np.asarray(lp), np.asarray(v)
+    assert t.shape == (1, width)
+    for i, s in enumerate(slots):
+      assert v[0, s]
+      toks[i].append(int(t[0, s]))
+      lps[i].append(float(lp[0, s]))
+  assert toks == ref_toks
+  np.testing.assert_allclose(lps, ref_lps, atol=1e-5)
+
+  # a live slot beyond the width does not advance (its position stays)
+  pos_before = np.asarray(state["pos"]).copy()
+  state = eng.insert(state, None, [6], token=[1], pos=[3], end=[64], keys=keys[:1],
+                     temperature=1.0, top_k=0, top_p=1.0, greedy=True, stop_ids=[])
+  state, _ = eng.generate(eng.params, state, 64, 4)
+  pos = np.asarray(state["pos"])
+  assert pos[6] == 3 and (pos[:3] == pos_before[:3] + 1).all()
 
 
 def test_four_device_mesh_slots_over_data(model):

@@ -54,7 +54,28 @@ def test_groups_stream_distinct_samples_before_the_longest_ends(model):
   assert long[0].metadata == {"q": "a"}
   g2 = [s for s in samples if s.group_id == 2]
   assert min(s.started_s for s in g2) >= min(s.finished_s for s in samples if s.group_id == 1)
-  assert eng.engine.num_compiled() <= 2 + 2 + 2 + 1
+  # prefill and insert buckets used + generate per kv bucket x width (1, 3, 6) + moves + deactivate
+  assert eng.engine.num_compiled() <= 2 + 2 + 2 * 3 + 3 + 1
+
+
+def test_draining_batch_moves_down_and_keeps_exact_logprobs(model):
+  """With nothing waiting and few sequences left, live ones move to low slots and steps run at a
+  smaller width; the samples are unchanged (logprobs equal a full forward of the final weights)."""
+  eng = _engine(model, num_slots=8)
+  eng.start()
+  try:
+    for g, budget in enumerate((2, 3, 4, 5, 6, 7, 40, 45)):  # six short, two long, one per slot
+      eng.submit(GroupRequest(g, [g + 1, 2, 3], n=1, params=SamplingParams(
+          temperature=0.9, max_new_tokens=budget, seed=g)))
+    samples = _collect(eng, 8)
+  finally:
+    eng.stop()
+  assert eng.stats["moves"] >= 1
+  assert eng.stats["slot_steps"] < 8 * eng.stats["calls"]  # some steps ran narrower
+  for s in samples:
+    np.testing.assert_allclose(s.logprobs, _logprobs(model, s.prompt_tokens, s.tokens, 0.9),
+                               atol=1e-4)
+  assert sorted(len(s.tokens) for s in samples) == [2, 3, 4, 5, 6, 7, 40, 45]
 
 
 def test_stop_tokens_eos_and_cache_full(model):
