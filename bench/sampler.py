@@ -157,7 +157,8 @@ def run_continuous(model, groups, slots, max_len, kv_buckets, steps):
   assert all(s.finish_reason == "length" for s in got), {s.finish_reason for s in got}
   tokens = sum(len(s.tokens) for s in got)
   return {"engine": "continuous", "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
-          "decode_calls": eng.stats["calls"], "prefills": eng.stats["prefills"],
+          "decode_calls": eng.stats["calls"], "slot_steps": eng.stats["slot_steps"],
+          "moves": eng.stats["moves"], "prefills": eng.stats["prefills"],
           "prefix_hits": eng.stats["prefix_hits"]}
 
 
@@ -189,7 +190,7 @@ def run_static(model, groups, slots, max_len, kv_buckets, steps):
   wall = time.perf_counter() - t0
   assert tokens == sum(m for _, m in samples), (tokens, sum(m for _, m in samples))
   return {"engine": "static", "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
-          "decode_calls": calls, "prefills": prefills}
+          "decode_calls": calls, "slot_steps": calls * slots * steps, "prefills": prefills}
 
 
 def roofline(model, cfg, slots, context, hw: Hardware, steps=1, reps=3):

@@ -1,7 +1,9 @@
 """Device side of the sampler: fixed decode slots, a KV cache per slot, JetStream-style calls.
 
   * ``prefill(params, tokens)``: runs a prompt (padded to one of a few length buckets, so compilation
-    is bounded) through the model and returns its KV prefix.
+    is bounded) through the model and returns its KV prefix. ``prefill_batch`` runs several prompts
+    in one call (up to ``max_prefill_batch`` rows, padded to a power of two), which uses the
+    matmul units much better than one short prompt at a time.
   * ``insert(state, prefix, slots, ...)``: copies one prefix into any number of slots (a GRPO group
     shares one prefill) and sets up those slots' sampling parameters, keys and stop conditions.
   * ``generate(params, state, kv_len, width)``: advances slots ``[0, width)`` by ``steps_per_call``
@@ -67,10 +69,12 @@ class EngineConfig:
   width_buckets: tuple[int, ...] | None = None  # decode widths (slots); default: S/8, S/4, S/2, S
   steps_per_call: int = 1  # decode steps per generate call (per host sync)
   max_stop_ids: int = 8  # EOS + stop ids per slot
+  max_prefill_batch: int = 8  # prompts per prefill call
   cache_dtype: str | None = None  # default: the model's compute dtype
 
   def __post_init__(self):
-    if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 1:
+    if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 1 or \
+        self.max_prefill_batch < 1:
       raise ValueError(f"invalid engine config {self}")
 
 
@@ -92,7 +96,7 @@ class DecodeEngine:
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh.
     fns = _COMPILED.setdefault((self.graphdef, config, self.mesh), {})
-    self._prefill_fns: dict[int, Any] = fns.setdefault("prefill", {})
+    self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
     self._move_fns: dict[int, Any] = fns.setdefault("move", {})
@@ -172,29 +176,49 @@ class DecodeEngine:
 
   def prefill(self, params: dict, tokens: list[int] | np.ndarray):
     """KV prefix of ``tokens`` (list per layer of {"k","v"} ``[1, bucket, Hkv, D]``), or None if empty."""
-    n = len(tokens)
-    if n == 0:
-      return None
-    bucket = self.prefill_bucket(n)
-    tokens_1xL = np.zeros((1, bucket), np.int32)
-    tokens_1xL[0, :n] = tokens
-    if bucket not in self._prefill_fns:
-      self._prefill_fns[bucket] = self._make_prefill(bucket)
-    return self._prefill_fns[bucket](params, tokens_1xL)
+    return self.prefill_batch(params, [tokens])[0]
 
-  def _make_prefill(self, bucket: int):
+  def prefill_batch(self, params: dict, token_lists: list) -> list:
+    """``prefill`` of several prompts, ``max_prefill_batch`` per call (rows are independent, so a
+    prefix does not depend on what it was batched with; a call pads to its longest prompt's bucket)."""
+    out = [None] * len(token_lists)
+    todo = [i for i, t in enumerate(token_lists) if len(t)]
+    step = self.prefill_rows(len(todo))
+    for start in range(0, len(todo), step):
+      chunk = todo[start:start + step]
+      bucket = self.prefill_bucket(max(len(token_lists[i]) for i in chunk))
+      n = self.prefill_rows(len(chunk))
+      tokens_NxL = np.zeros((n, bucket), np.int32)
+      for row, i in enumerate(chunk):
+        tokens_NxL[row, :len(token_lists[i])] = token_lists[i]
+      if (bucket, n) not in self._prefill_fns:
+        self._prefill_fns[(bucket, n)] = self._make_prefill(bucket, n)
+      for i, prefix in zip(chunk, self._prefill_fns[(bucket, n)](params, tokens_NxL)):
+        out[i] = prefix
+    return out
+
+  def prefill_rows(self, k: int) -> int:
+    """Rows of a prefill call for ``k`` prompts: a power of two, at most ``max_prefill_batch`` and
+    the slot count (rounded up), the most prompts one admission round can bring."""
+    pow2 = lambda n: 1 << max(n - 1, 0).bit_length()
+    cap = min(1 << (self.config.max_prefill_batch.bit_length() - 1), pow2(self.config.num_slots))
+    return min(pow2(k), cap)
+
+  def _make_prefill(self, bucket: int, n: int):
     cfg, mesh, graphdef, cache_dtype = self.model_cfg, self.mesh, self.graphdef, self._cache_dtype
     prefix = self._named((None, None, "cache_heads", None), (1, bucket, cfg.n_kv_heads, cfg.head_dim))
 
-    def fn(params, tokens_1xL):
+    def fn(params, tokens_NxL):
       with sharding.use(mesh):
         model = nnx.merge(graphdef, params)
-        cache = init_cache(cfg, 1, bucket, cache_dtype)
-        _, cache = model.extend(tokens_1xL, jnp.zeros((1,), jnp.int32), cache, kv_len=bucket)
-      return cache
+        cache = init_cache(cfg, n, bucket, cache_dtype)
+        _, cache = model.extend(tokens_NxL, jnp.zeros((n,), jnp.int32), cache, kv_len=bucket)
+      # one prefix per prompt, as separate buffers
+      return [[{name: layer[name][i:i + 1] for name in ("k", "v")} for layer in cache]
+              for i in range(n)]
 
-    return jax.jit(fn, in_shardings=(self.param_shardings, None),
-                   out_shardings=[{"k": prefix, "v": prefix} for _ in range(cfg.n_layers)])
+    layer_sh = [{"k": prefix, "v": prefix} for _ in range(cfg.n_layers)]
+    return jax.jit(fn, in_shardings=(self.param_shardings, None), out_shardings=[layer_sh] * n)
 
   # ---- insert ----------------------------------------------------------------------------------
 
@@ -347,6 +371,9 @@ class DecodeEngine:
     s = self.config.num_slots
     rows = sorted({self.insert_rows(k) for k in range(1, s + 1)})
     prefixes = [self.prefill(self.params, np.zeros((b,), np.int32)) for b in self.prefill_buckets]
+    for n in sorted({self.prefill_rows(k) for k in range(2, self.config.max_prefill_batch + 1)} - {1}):
+      for b in self.prefill_buckets:
+        self.prefill_batch(self.params, [np.zeros((b,), np.int32)] * n)
     for prefix in prefixes + [None]:
       for n in rows:  # arms slots then deactivates them all below
         state = self.insert(state, prefix, list(range(n)), token=[0] * n, pos=[0] * n,

@@ -14,7 +14,8 @@ waits for Python. Stop conditions are evaluated on the device too, so a finished
 most the one call already queued behind it.
 
 Prefills are memoised per token sequence (a few entries, cleared by a weight swap), so samples of
-one prompt submitted as separate requests (e.g. ``n=1`` with per-sample budgets) share one prefill.
+one prompt submitted as separate requests (e.g. ``n=1`` with per-sample budgets) share one prefill;
+the prompts of the groups admitted in one round are prefilled together (``prefill_batch``).
 
 Weight swaps (``update_params``) take effect between two decode calls without draining sequences.
 Continuation modes:
@@ -355,49 +356,67 @@ class JaxRolloutEngine(RolloutEngine):
   def _admit(self):
     """FIFO, except that a later group that fits the free slots may overtake a head group that does
     not, at most ``num_slots`` times per head group (then the slots freed are kept for the head, so
-    a big group is never starved by a stream of small ones)."""
-    while True:
-      with self._lock:
-        free = [i for i, s in enumerate(self._slots) if s is None]
-        if not self._waiting or not free:
-          return
+    a big group is never starved by a stream of small ones). The prompts of all groups admitted
+    at once are prefilled together."""
+    admitted = []
+    with self._lock:
+      free = [i for i, s in enumerate(self._slots) if s is None]
+      while self._waiting and free:
         head = self._waiting[0]
         if head.request.n <= len(free):
           group = self._waiting.popleft()
         elif head.bypassed < self.num_slots:
           group = next((g for g in self._waiting if g.request.n <= len(free)), None)
           if group is None:
-            return
+            break
           self._waiting.remove(group)
           head.bypassed += 1
         else:
-          return
+          break
+        admitted.append((group, free[:group.request.n]))
+        free = free[group.request.n:]
+    if not admitted:
+      return
+    try:
+      self._prefill_many([list(g.request.prompt_tokens[:-1]) for g, _ in admitted])
+    except Exception:  # let each group fail (or not) on its own below
+      log.exception("batched prefill failed")
+    for group, slots in admitted:
       try:
-        self._start_group(group, free[:group.request.n])
+        self._start_group(group, slots)
       except Exception as e:  # this request only
         log.exception("admitting group %s failed", group.request.group_id)
         self._emit_group(group, "error", f"{type(e).__name__}: {e}")
 
   _PREFIX_CACHE_SIZE = 8
 
-  def _prefill(self, tokens: list[int]):
-    """KV prefix of ``tokens`` under the current weights, memoised (LRU) until the next swap."""
-    key = tuple(tokens)
-    if key in self._prefixes:
-      self._prefixes.move_to_end(key)
-      self.stats["prefix_hits"] += 1
-      return self._prefixes[key]
-    prefix = self.engine.prefill(self._params, tokens)
-    self._prefixes[key] = prefix
-    if len(self._prefixes) > self._PREFIX_CACHE_SIZE:
+  def _prefix(self, tokens: list[int]):
+    """KV prefix of ``tokens`` under the current weights (from the memo, else prefilled now)."""
+    key = tuple(int(t) for t in tokens)
+    if key not in self._prefixes:
+      self._prefill_many([tokens])
+    self._prefixes.move_to_end(key)
+    return self._prefixes[key]
+
+  def _prefill_many(self, token_lists: list[list[int]]):
+    """Puts the prefixes of ``token_lists`` in the memo (LRU, cleared by a weight swap), prefilling
+    those not there yet in batched calls."""
+    keys = [tuple(int(t) for t in ts) for ts in token_lists]
+    todo = [k for k in dict.fromkeys(keys) if k not in self._prefixes]
+    self.stats["prefix_hits"] += len(keys) - len(todo)
+    for key in keys:
+      if key in self._prefixes:
+        self._prefixes.move_to_end(key)
+    for key, prefix in zip(todo, self.engine.prefill_batch(self._params, [list(k) for k in todo])):
+      self._prefixes[key] = prefix
+      self.stats["prefills"] += 1
+    while len(self._prefixes) > max(self._PREFIX_CACHE_SIZE, len(set(keys))):
       self._prefixes.popitem(last=False)
-    self.stats["prefills"] += 1
-    return prefix
 
   def _start_group(self, group: _Group, slots: list[int]):
     r, p = group.request, group.request.params
     prompt = [int(t) for t in r.prompt_tokens]
-    prefix = self._prefill(prompt[:-1])
+    prefix = self._prefix(prompt[:-1])
     keys = np.asarray(sampling.slot_keys(p.seed, r.n))
     end = min(len(prompt) + p.max_new_tokens, self.max_len)
     self._state = self.engine.insert(
@@ -443,12 +462,13 @@ class JaxRolloutEngine(RolloutEngine):
     if self.continuation != "reprefill" or self._state is None:
       return
     self._drain_inflight()
-    for seq in self._slots:
-      if seq is None or seq.done:
-        continue
+    live = [seq for seq in self._slots if seq is not None and not seq.done]
+    sequence = lambda seq: [int(t) for t in seq.group.request.prompt_tokens] + seq.tokens
+    self._prefill_many([sequence(seq)[:-1] for seq in live])
+    for seq in live:
       r, p = seq.group.request, seq.group.request.params
-      tokens = [int(t) for t in r.prompt_tokens] + seq.tokens
-      prefix = self._prefill(tokens[:-1])
+      tokens = sequence(seq)
+      prefix = self._prefix(tokens[:-1])
       key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
       end = min(len(r.prompt_tokens) + p.max_new_tokens, self.max_len)
       self._state = self.engine.insert(

@@ -77,12 +77,30 @@ def test_no_recompilation_in_steady_state(model):
     for prompt_len, n in ((4, 3), (5, 1), (18, 2), (25, 4), (31, 3), (2, 1)):
       _decode(eng, list(range(2, prompt_len + 2)), n, 64 - prompt_len - 1)
     assert len(compiles) == warm, compiles[warm:]
-    # prefill buckets (8, 32 and max_len - 1) + insert (those + no prefix) x (1, 2, 4 rows)
-    # + generate per kv bucket x width (1, 2, 4) + move (1, 2 rows) + deactivate
+    # prefill buckets (8, 32 and max_len - 1) x (1, 2, 4 prompts) + insert (those buckets + no
+    # prefix) x (1, 2, 4 rows) + generate per kv bucket x width (1, 2, 4) + move (1, 2 rows)
+    # + deactivate
     assert eng.width_buckets == (1, 2, 4)
-    assert eng.num_compiled() == n_fns <= 3 + 4 * 3 + 3 * 3 + 2 + 1
+    assert eng.num_compiled() == n_fns <= 3 * 3 + 4 * 3 + 3 * 3 + 2 + 1
   finally:
     monitoring.unregister_event_duration_listener(listener)
+
+
+def test_batched_prefill_equals_one_prompt_at_a_time(model):
+  eng = DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8, 32),
+                                         max_prefill_batch=2))
+  prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9], [], [2, 7, 1, 8, 2]]  # 2 calls: 2 prompts, then 1
+  batched = eng.prefill_batch(eng.params, prompts)
+  assert batched[2] is None
+  for prompt, prefix in zip(prompts, batched):
+    if not prompt:
+      continue
+    alone = eng.prefill(eng.params, prompt)
+    for layer_b, layer_a in zip(prefix, alone):
+      for name in ("k", "v"):
+        assert layer_b[name].shape[0] == 1
+        np.testing.assert_allclose(layer_b[name][:, :len(prompt)], layer_a[name][:, :len(prompt)],
+                                   atol=1e-5)
 
 
 def test_moved_sequences_continue_exactly_at_a_narrower_width(model):
