@@ -74,6 +74,14 @@ def _block(v: int) -> int:
   return max(b for b in range(1, min(v, 256) + 1) if v % b == 0)
 
 
+def _argmax(x_SxV):
+  """``(argmax, max)`` over the last axis, the first index on ties. Two vectorised reductions:
+  XLA:CPU's ``argmax`` (a reduction over (value, index) pairs) is several times slower."""
+  max_S = jnp.max(x_SxV, axis=-1)
+  iota_SxV = jax.lax.broadcasted_iota(jnp.int32, x_SxV.shape, 1)
+  return jnp.min(jnp.where(x_SxV == max_S[:, None], iota_SxV, x_SxV.shape[1]), axis=-1), max_S
+
+
 def _uniform(key_Sx2, position_S):
   def one(key, pos):
     return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key), pos))
@@ -88,20 +96,22 @@ def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, gre
   nb = v // bs
   t_S = jnp.maximum(temperature_S.astype(jnp.float32), 1e-6)
   x_SxV = logits_SxV.astype(jnp.float32) / t_S[:, None]  # fused into the passes below
-  argmax_S = jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32)  # pass 1 (also the greedy token)
-  max_S = jnp.take_along_axis(x_SxV, argmax_S[:, None], axis=-1)[:, 0]
+  argmax_S, max_S = _argmax(x_SxV)  # pass 1 (also the greedy token)
   e_SxNbxB = jnp.exp(x_SxV - max_S[:, None]).reshape(s, nb, bs)
   sums_SxNb = jnp.sum(e_SxNbxB, axis=-1)  # pass 2
   lse_S = max_S + jnp.log(jnp.sum(sums_SxNb, axis=-1))
   truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
 
-  def truncated(sums):
+  def truncated(logits_SxV, t_S, max_S, lse_S, top_k_S, top_p_S):
+    # recomputed from the logits (already in memory) so the fused passes above stay fused
+    x_SxV = logits_SxV.astype(jnp.float32) / t_S[:, None]
     floor = _truncation_floor(x_SxV - lse_S[:, None], top_k_S, top_p_S) + lse_S
-    kept = jnp.where(x_SxV >= floor[:, None], e_SxNbxB.reshape(s, v), 0.0)
+    kept = jnp.where(x_SxV >= floor[:, None], jnp.exp(x_SxV - max_S[:, None]), 0.0)
     return floor, jnp.sum(kept.reshape(s, nb, bs), axis=-1)
 
   floor_S, kept_SxNb = jax.lax.cond(
-      truncate, truncated, lambda sums: (jnp.full((s,), -jnp.inf, jnp.float32), sums), sums_SxNb)
+      truncate, truncated, lambda *_: (jnp.full((s,), -jnp.inf, jnp.float32), sums_SxNb),
+      logits_SxV, t_S, max_S, lse_S, top_k_S, top_p_S)
   # level 1: the block holding the uniform's share of the kept mass
   cum_SxNb = jnp.cumsum(kept_SxNb, axis=-1)
   target_S = _uniform(key_Sx2, position_S) * cum_SxNb[:, -1]

@@ -31,6 +31,8 @@ def test_greedy_and_degenerate_truncation_pick_argmax():
   np.testing.assert_array_equal(_run(logits, greedy=True)[0], argmax)
   np.testing.assert_array_equal(_run(logits, top_k=1)[0], argmax)
   np.testing.assert_array_equal(_run(logits, top_p=1e-6)[0], argmax)
+  tied = jnp.zeros((3, 100)).at[0, [7, 40]].set(5.0).at[1, [99, 3]].set(2.0)  # row 2: all tied
+  np.testing.assert_array_equal(_run(tied, greedy=True)[0], [7, 3, 0])  # the first maximum
 
 
 def test_top_k_and_top_p_stay_inside_their_sets():
