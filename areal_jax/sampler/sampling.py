@@ -14,9 +14,10 @@ else was batched with it. Sampling draws one uniform per slot and inverts the CD
 over the vocabulary); top-k / top-p sort the vocabulary only when some slot asks for them (a runtime
 ``lax.cond``).
 
-Cost: the vocabulary is read twice per step in the common case (one argmax pass, one pass of
-``exp`` summed per block of ``_block(V)`` tokens); the CDF is inverted in two levels (over the block
-sums, then inside the one chosen block), so no full-vocabulary cumsum or sort runs.
+Cost: the vocabulary is read three times per step in the common case (its max, the first index of
+the max, and one pass of ``exp`` summed per block of ``_block(V)`` tokens); the CDF is inverted in
+two levels (over the block sums, then inside the one chosen block), so no full-vocabulary cumsum or
+sort runs.
 """
 
 from __future__ import annotations

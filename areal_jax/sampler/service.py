@@ -4,8 +4,8 @@ The loop admits waiting groups into free slots as soon as sequences finish (one 
 inserted into n slots), advances all slots with ``DecodeEngine.generate`` and streams every finished
 sequence out at once to a queue that ``poll`` drains.
 
-While a batch drains (fewer live sequences than slots and nothing waiting), the live sequences are
-moved down into the lowest slots and decode steps run over a smaller width bucket
+When the live sequences fit a smaller width bucket (a batch draining, with nothing left to admit),
+those above it are moved down into free lower slots and decode steps run over a smaller width bucket
 (``DecodeEngine.width_buckets``), so the tail of long sequences does not pay for empty slots.
 
 Host overhead per decode call is one device->host fetch (tokens, logprobs, valid flags) and it is
@@ -303,8 +303,8 @@ class JaxRolloutEngine(RolloutEngine):
 
   def _compact(self) -> int:
     """Decode width for the next call. When the live sequences would fit a smaller width bucket
-    (a batch draining, nothing waiting), the ones above it move down into free slots first, so
-    a step stops paying for empty slots. Returns the width."""
+    (a batch draining, nothing admissible waiting: admission ran just before), the ones above it
+    move down into free slots first, so a step stops paying for empty slots. Returns the width."""
     live = [i for i, s in enumerate(self._slots) if s is not None and not s.done]
     width = self.engine.width_bucket(live[-1] + 1)
     target = self.engine.width_bucket(len(live))
