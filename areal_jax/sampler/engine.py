@@ -179,10 +179,11 @@ class DecodeEngine:
     return self.prefill_batch(params, [tokens])[0]
 
   def prefill_batch(self, params: dict, token_lists: list) -> list:
-    """``prefill`` of several prompts, ``max_prefill_batch`` per call (rows are independent, so a
-    prefix does not depend on what it was batched with; a call pads to its longest prompt's bucket)."""
+    """``prefill`` of several prompts, ``max_prefill_batch`` per call. Rows are independent, so a
+    prefix does not depend on what it was batched with; prompts are taken shortest first, and a call
+    pads to its longest prompt's bucket."""
     out = [None] * len(token_lists)
-    todo = [i for i, t in enumerate(token_lists) if len(t)]
+    todo = sorted((i for i, t in enumerate(token_lists) if len(t)), key=lambda i: len(token_lists[i]))
     step = self.prefill_rows(len(todo))
     for start in range(0, len(todo), step):
       chunk = todo[start:start + step]
