@@ -96,6 +96,18 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, x.shape, mesh, rules)))
 
 
+def num_shards(logical: str, dim: int) -> int:
+  """Number of devices a dimension of size ``dim`` named ``logical`` is split over under the
+  active ``use(...)`` (1 outside it)."""
+  ctx = _CONTEXT.get()
+  if ctx is None:
+    return 1
+  mesh, rules = ctx
+  axes = spec((logical,), (dim,), mesh, rules)[0]
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping | None = None):
   """NamedShardings for an NNX state whose Variables carry ``axes`` metadata."""
 

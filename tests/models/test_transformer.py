@@ -94,6 +94,25 @@ def test_causal_attention_equals_dense_attention():
     np.testing.assert_allclose(g_blocked, g_dense, atol=1e-5)
 
 
+@pytest.mark.parametrize("group", [64, 4, 3], ids=["one-group", "groups", "ragged-groups"])
+def test_decode_attention_equals_dense_attention(group):
+  """The decode loop (chunks of 5 over 23 positions: the last chunk overlaps) = dense attention over
+  each row's positions 0..pos, rows at very different positions, sorted into groups or not; cache
+  rows beyond the queries' rows are ignored."""
+  rng = np.random.RandomState(1)
+  b, t, h, kv, d = 10, 23, 4, 2, 8
+  q = jnp.asarray(rng.randn(b, 1, h, d), jnp.float32)
+  k, v = (jnp.asarray(rng.randn(b + 2, t, kv, d), jnp.float32) for _ in range(2))
+  fn = jax.jit(lambda q, k, v, pos: transformer.decode_attention(q, k, v, pos, t, chunk=5,
+                                                                  group=group))
+  # spread positions (the groups skip chunks), then alike ones (one loop is as good)
+  for pos in ([22, 0, 3, 17, 9, 1, 22, 4, 12, 6], [20, 21, 19, 22, 20, 21, 22, 20, 19, 21]):
+    pos = jnp.asarray(pos, jnp.int32)
+    mask = (jnp.arange(t)[None, :] <= pos[:, None])[:, None]  # [B, 1, T]
+    dense = transformer.attention(q, k[:b], v[:b], mask)
+    np.testing.assert_allclose(fn(q, k, v, pos), dense, atol=1e-5)
+
+
 def test_packed_segments_equal_separate_forwards(hf_checkpoint):
   _, path, _ = hf_checkpoint
   model, _ = hf.load_hf(path)
