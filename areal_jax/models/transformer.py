@@ -8,7 +8,7 @@ One set of weights, two entry points:
     before them. Prefill is ``start_B = 0``; one decode step is ``L = 1``; re-prefilling generated
     tokens under new weights is any other start. ``kv_len`` (static) bounds how much of the cache is
     read, so short sequences do not pay for the whole cache; a single-token step (decode) reads only
-    the cache chunks up to its furthest row's position (``decode_attention``).
+    the cache chunks each group of rows needs (``decode_attention``).
 
 Every parameter carries logical axis names in its ``axes`` metadata; activations are constrained
 with logical names too (see ``areal_jax.sharding``). The model knows nothing of sampling or training.

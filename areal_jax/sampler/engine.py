@@ -19,8 +19,9 @@ comes out of ``generate``. Re-prefilling a sequence under new weights is the sam
 
 Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
 mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
-A decode step reads the cache only up to the furthest active position (a dynamic loop over cache
-chunks, ``transformer.decode_attention``), so one compiled ``generate`` serves every length;
+A decode step reads each slot's cache only up to about its own position (dynamic loops over cache
+chunks for groups of slots sorted by position, ``transformer.decode_attention``), so one compiled
+``generate`` serves every length;
 ``kv_buckets`` (default: just ``max_len``) only add static upper bounds. ``width_buckets`` (default:
 powers of two from ``num_slots / 8`` up, multiples of the mesh's data-axis size) are the slot counts a
 decode step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are
