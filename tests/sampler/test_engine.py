@@ -63,6 +63,31 @@ def test_behaviour_logprobs_match_full_forward(model):
     np.testing.assert_allclose(lp, ref, atol=1e-4)
 
 
+def test_logprobs_exact_with_slots_at_very_different_positions(model):
+  """24 slots, 16 on a short prompt above 8 on a long one: decode attention sorts the rows into
+  groups that stop at their own last cache chunk; every logprob still equals the full forward's."""
+  eng = DecodeEngine(model, EngineConfig(num_slots=24, max_len=128, prefill_buckets=(8, 96)))
+  groups = [([3, 14, 15], list(range(8, 24))),
+            ([(7 * i) % 120 + 1 for i in range(70)], list(range(8)))]
+  state = eng.init_state()
+  for g, (prompt, slots) in enumerate(groups):
+    n = len(slots)
+    keys = np.stack([np.asarray(sampling.slot_key(g, i)) for i in range(n)])
+    state = eng.insert(state, eng.prefill(eng.params, prompt[:-1]), slots, token=[prompt[-1]] * n,
+                       pos=[len(prompt) - 1] * n, end=[128] * n, keys=keys, temperature=1.0,
+                       top_k=0, top_p=1.0, greedy=False, stop_ids=[])
+  toks, lps = np.zeros((0, 24), np.int32), np.zeros((0, 24), np.float32)
+  for _ in range(6):
+    state, (t, lp, _) = eng.generate(eng.params, state, 128)
+    toks, lps = np.concatenate([toks, np.asarray(t)]), np.concatenate([lps, np.asarray(lp)])
+  for prompt, slots in groups:
+    for s in slots:
+      seq = jnp.asarray([prompt + toks[:, s].tolist()])
+      logp = jax.nn.log_softmax(model(seq)[0], axis=-1)
+      ref = logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(toks[:, s])]
+      np.testing.assert_allclose(lps[:, s], ref, atol=1e-4)
+
+
 def test_no_recompilation_in_steady_state(model):
   eng = DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8, 32),
                                          kv_buckets=(16, 32, 64)))
