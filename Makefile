@@ -51,7 +51,7 @@ install-vllm: $(VLLM_STAMP)
 test-vllm: install-vllm
 	$(VLLM_PYBIN) -m pytest -q tests/vllm_backend
 
-# The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO (training measured at 15 to 29
+# The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO (training measured at 13 to 29
 # minutes on 2 cores, each evaluation ~1 minute),
 # evaluated on held-out problems before and after by the standalone evaluator.
 DEMO := runs/demo
