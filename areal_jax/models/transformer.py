@@ -178,10 +178,10 @@ def decode_attention(q_Bx1xHxD, k_BxTxKxD, v_BxTxKxD, pos_B, kv_len: int | None 
       return jnp.zeros_like(q_BxKxGxD).at[order_B].set(jnp.concatenate(outs))
 
     # groups pay off when they skip at least a quarter of the chunks (not when all rows are alike)
-    chunks_B = (jnp.minimum(pos_B[order_B], t - 1) + c) // c
-    need = jnp.sum(jnp.max(chunks_B[:b // group * group].reshape(-1, group), axis=1))
-    need += jnp.max(chunks_B[b // group * group:], initial=0)
-    out_BxKxGxD = jax.lax.cond(4 * need <= 3 * -(-b // group) * chunks_B[-1], grouped,
+    chunks_GxN = jnp.pad((jnp.minimum(pos_B[order_B], t - 1) + c) // c, (0, -b % group))
+    chunks_GxN = chunks_GxN.reshape(-1, group)  # per group of sorted rows (padded with zeros)
+    need, flat = jnp.sum(jnp.max(chunks_GxN, axis=1)), chunks_GxN.shape[0] * jnp.max(chunks_GxN)
+    out_BxKxGxD = jax.lax.cond(4 * need <= 3 * flat, grouped,
                                lambda q_BxKxGxD: attend(q_BxKxGxD, None, pos_B), q_BxKxGxD)
   return out_BxKxGxD.reshape(b, 1, h, d).astype(v_BxTxKxD.dtype)
 

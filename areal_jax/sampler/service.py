@@ -462,12 +462,11 @@ class JaxRolloutEngine(RolloutEngine):
     if self.continuation != "reprefill" or self._state is None:
       return
     self._drain_inflight()
-    live = [seq for seq in self._slots if seq is not None and not seq.done]
-    sequence = lambda seq: [int(t) for t in seq.group.request.prompt_tokens] + seq.tokens
-    self._prefill_many([sequence(seq)[:-1] for seq in live])
-    for seq in live:
+    live = [(seq, [int(t) for t in seq.group.request.prompt_tokens] + seq.tokens)
+            for seq in self._slots if seq is not None and not seq.done]
+    self._prefill_many([tokens[:-1] for _, tokens in live])
+    for seq, tokens in live:
       r, p = seq.group.request, seq.group.request.params
-      tokens = sequence(seq)
       prefix = self._prefix(tokens[:-1])
       key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
       end = min(len(r.prompt_tokens) + p.max_new_tokens, self.max_len)
