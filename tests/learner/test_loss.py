@@ -206,6 +206,12 @@ def test_token_logprobs_alignment_and_gradient(temperature):
   want_g[0, 2] = -p[0, 2] / temperature
   want_g[0, 2, tokens[0, 3]] += 1.0 / temperature
   np.testing.assert_allclose(np.asarray(g), want_g, rtol=1e-5, atol=1e-6)
+  # the entropy's gradient too: dH/dz = p (E_p[z] - z), z = logits / T
+  g_ent = jax.grad(lambda x: loss_lib.token_logprobs(x, jnp.asarray(tokens), temperature)[1][1, 3])(
+      jnp.asarray(logits))
+  want_ent_g = np.zeros_like(logits, np.float64)
+  want_ent_g[1, 3] = p[1, 3] * ((p[1, 3] * z[1, 3]).sum() - z[1, 3]) / temperature
+  np.testing.assert_allclose(np.asarray(g_ent), want_ent_g, rtol=1e-5, atol=1e-6)
 
 
 def test_seq_mean_stays_inside_a_row_segment():

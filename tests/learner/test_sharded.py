@@ -24,7 +24,10 @@ def test_sharded_8_devices_equals_1_and_non_finite_guard():
   m1, m8 = one.train_step(groups, rewards), eight.train_step(groups, rewards)
   for k in ("loss", "grad_norm", "clip_frac", "entropy", "approx_kl"):
     np.testing.assert_allclose(m8[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)
-  assert_trees_close(eight.params(), one.params(), rtol=1e-4, atol=1e-6)
+  # Adam divides by the gradient's own scale, so where a gradient is near zero its rounding
+  # (summation order differs between layouts) can move a parameter by a fraction of lr (1e-3):
+  # parameters agree to a tenth of one step.
+  assert_trees_close(eight.params(), one.params(), rtol=1e-4, atol=1e-4)
   shardings = [x.sharding for x in jax.tree.leaves(eight.params())]
   assert all(len(s.device_set) == 8 for s in shardings)
   assert any(not s.is_fully_replicated for s in shardings)
