@@ -106,7 +106,7 @@ def linear(x_NxI, w, transpose_w: bool = False, out_dtype=None):
   gradient, the softmax gradient), which ran several times slower than the matmuls themselves.
   Here the weight gradient is always ``x^T g`` (only the input, d_model or d_ff wide, is
   transposed); for ``transpose_w`` its weight-sized result is transposed afterwards. On the
-  learner's step (SmolLM2 shapes, CPU) this took ~40% off each layer and ~20% off the LM head."""
+  learner's step (SmolLM2 shapes, 2 x 768 tokens, CPU) a layer went from 0.35 to 0.20 s."""
   return _linear_fwd(x_NxI, w, transpose_w, out_dtype)[0]
 
 
