@@ -95,6 +95,22 @@ def test_plan_few_shapes():
   assert len(shapes) <= 2, shapes
 
 
+def test_plan_doubles_rows_only_when_packing_gains():
+  """Sequences under half the row length share doubled rows; near-full ones keep their rows."""
+  rng = np.random.default_rng(0)
+  short = rng.integers(86, 138, 32).tolist()  # the CPU demo's lengths, budget 176 -> rows of 192
+  layout = packing.plan(short, 1, 4096, min_row_len=176)
+  assert layout.row_len == 384
+  assert layout.used_rows < 24 and sum(short) / layout.computed_tokens > 0.7
+  single = packing.plan(short, 1, 4096, min_row_len=176, packed=False)
+  assert single.row_len == 192  # without packing, longer rows are only padding
+  full = rng.integers(170, 177, 32).tolist()  # one per row of 192 already
+  assert packing.plan(full, 1, 4096, min_row_len=176).row_len == 192
+  assert packing.plan(short, 1, 300, min_row_len=176).row_len == 192  # 384 > micro_batch_tokens
+  for seed in range(10):  # GSM8K-like batches pack well into rows of 768 already
+    assert packing.plan(gsm8k_like_lengths(64, seed), 1, 8192, min_row_len=768).row_len == 768
+
+
 def test_plan_errors():
   with pytest.raises(ValueError, match="no sequences"):
     packing.plan([], 1, 64)
