@@ -46,7 +46,7 @@ def _logprob_entropy_fwd(logits_BxLxV, next_BxL, temperature):
   # One pass of exp over the vocabulary, shared by both sums. (Written with exp(z - lse) inside
   # each sum, XLA:CPU fuses the exp into a library reduction that ran ~30x slower than this.)
   z = logits_BxLxV / temperature
-  m_BxL = jax.lax.stop_gradient(jnp.max(z, axis=-1))
+  m_BxL = jnp.max(z, axis=-1)
   e = jnp.exp(z - m_BxL[..., None])
   s_BxL = jnp.sum(e, axis=-1)
   lse_BxL = m_BxL + jnp.log(s_BxL)

@@ -153,7 +153,7 @@ def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: in
   Row length is ``bucket(max(longest, min_row_len))``, or twice that (within
   ``micro_batch_tokens``) when packing into the longer rows computes at most ``LONGER_ROWS_GAIN``
   of the tokens: sequences well under the row length then share rows instead of one per row
-  (the CPU demo's ~110-token sequences in rows of 192: 58% -> 78% real, 108 -> 151 trained tokens/s
+  (the CPU demo's ~110-token sequences in rows of 192: 58% -> 78% real, 108 -> 148 trained tokens/s
   on SmolLM2), while the attention cost of longer rows (causal over the row, masked between
   segments; rows of 768 instead of 384 cost ~14% more per position) keeps the shorter rows when
   packing gains little. Rows per micro-batch are a multiple of ``dp`` from a bucketed list,

@@ -119,13 +119,9 @@ def _linear_fwd(x_NxI, w, transpose_w, out_dtype):
 def _linear_bwd(transpose_w, out_dtype, res, g_NxO):
   x_NxI, w = res
   g_NxO = g_NxO.astype(x_NxI.dtype)
-  if transpose_w:
-    dx = jnp.einsum("...o,oi->...i", g_NxO, w)
-    dw = jnp.einsum("...i,...o->io", x_NxI, g_NxO).T
-  else:
-    dx = jnp.einsum("...o,io->...i", g_NxO, w)
-    dw = jnp.einsum("...i,...o->io", x_NxI, g_NxO)
-  return dx.astype(x_NxI.dtype), dw.astype(w.dtype)
+  dx = jnp.einsum("...o,oi->...i" if transpose_w else "...o,io->...i", g_NxO, w)
+  dw_IxO = jnp.einsum("...i,...o->io", x_NxI, g_NxO)
+  return dx.astype(x_NxI.dtype), (dw_IxO.T if transpose_w else dw_IxO).astype(w.dtype)
 
 
 linear.defvjp(_linear_fwd, _linear_bwd)
@@ -340,9 +336,10 @@ class Transformer(nnx.Module):
   def _logits(self, x_BxLxE):
     x = self.final_norm(x_BxLxE)
     if self.cfg.tie_embeddings:  # the embedding [V, E] is the head's weight, transposed
-      logits = linear(x, self.embed[...].astype(self.cfg.compute_dtype), True, jnp.float32)
+      logits = linear(x, self.embed[...].astype(self.cfg.compute_dtype), transpose_w=True,
+                      out_dtype=jnp.float32)
     else:
-      logits = linear(x, self.lm_head[...].astype(self.cfg.compute_dtype), False, jnp.float32)
+      logits = linear(x, self.lm_head[...].astype(self.cfg.compute_dtype), out_dtype=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "act_vocab"))
 
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
