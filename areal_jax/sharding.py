@@ -96,6 +96,11 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, x.shape, mesh, rules)))
 
 
+def current() -> tuple[Mesh, Mapping] | None:
+  """The ``(mesh, rules)`` of the active ``use(...)``, or None outside it."""
+  return _CONTEXT.get()
+
+
 def num_shards(logical: str, dim: int) -> int:
   """Number of devices a dimension of size ``dim`` named ``logical`` is split over under the
   active ``use(...)`` (1 outside it)."""

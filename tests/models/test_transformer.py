@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.models import hf, init_cache, transformer
+from areal_jax.models import cpu_attention, hf, init_cache, transformer
 
 VOCAB = 300
 
@@ -95,10 +95,11 @@ def test_causal_attention_equals_dense_attention():
 
 
 @pytest.mark.parametrize("group", [64, 4, 3], ids=["one-group", "groups", "ragged-groups"])
-def test_decode_attention_equals_dense_attention(group):
-  """The decode loop (chunks of 5 over 23 positions: the last chunk overlaps) = dense attention over
-  each row's positions 0..pos, rows at very different positions, sorted into groups or not; cache
-  rows beyond the queries' rows are ignored."""
+def test_decode_attention_equals_dense_attention(group, monkeypatch):
+  """XLA's decode loop (chunks of 5 over 23 positions: the last chunk overlaps) = dense attention
+  over each row's positions 0..pos, rows at very different positions, sorted into groups or not;
+  cache rows beyond the queries' rows are ignored. (The CPU kernel: test_cpu_attention.py.)"""
+  monkeypatch.setattr(cpu_attention, "available", lambda: False)
   rng = np.random.RandomState(1)
   b, t, h, kv, d = 10, 23, 4, 2, 8
   q = jnp.asarray(rng.randn(b, 1, h, d), jnp.float32)
