@@ -16,7 +16,9 @@ Roofline (SmolLM2-135M shapes, all 64 slots decoding): per step the weights (inc
 embedding read by the LM head) and each slot's KV up to its position must be read, and
 2 * matmul params * slots + attention FLOPs computed. Ideal step time is
 max(bytes / read bandwidth, FLOPs / matmul throughput); ``roofline_frac`` is ideal over measured
-step time. The hardware figures (a 128 MiB sum, a 2048^3 float32 matmul) are measured interleaved
+step time. The same decode is then measured with XLA's attention in place of the CPU decode-attention
+kernel (``roofline_xla_attention``; ``cpu_attention_kernel`` says whether the kernel ran). The
+hardware figures (a 128 MiB sum, a 2048^3 float32 matmul) are measured interleaved
 with the decode steps and each side takes its best repetition, so machine load (the bench machines
 are shared) affects both alike.
 
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models import ModelConfig, Transformer, save_hf
+from areal_jax.models import ModelConfig, Transformer, cpu_attention, save_hf
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
@@ -303,14 +305,20 @@ def main():
     s = next(r for r in rows if r["model"] == name and r["engine"] == "static")
     speed[name] = c["tok_per_s"] / s["tok_per_s"]
     print(f"{name:>13} speedup continuous / static: {speed[name]:.2f}x")
-  roof = roofline(model, SMOLLM2, 64, 64 if quick else 128, probe, reps=3 if quick else 5)
-  print(f" smollm2-135m decode at 64 slots, context {roof['context']}: "
-        f"{roof['step_ms']:.0f} ms/step = {roof['tok_per_s']:.0f} tok/s; ideal "
-        f"{roof['ideal_step_ms']:.0f} ms ({roof['bound']}-bound: {roof['gflop_per_step']:.1f} GFLOP, "
-        f"{roof['bytes_per_step_MB']:.0f} MB) -> {100 * roof['roofline_frac']:.0f}% of roofline")
+  context = 64 if quick else 128
+  roof = roofline(model, SMOLLM2, 64, context, probe, reps=3 if quick else 5)
+  with cpu_attention.disabled():  # the same decode with XLA's attention instead of the CPU kernel
+    roof_xla = roofline(model, SMOLLM2, 64, context, probe, reps=3 if quick else 5)
+  kernel = cpu_attention.available() and jax.default_backend() == "cpu"
+  for label, r in (("CPU kernel" if kernel else "XLA", roof), ("XLA", roof_xla)):
+    print(f" smollm2-135m decode at 64 slots, context {r['context']}, {label} attention: "
+          f"{r['step_ms']:.0f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
+          f"{r['ideal_step_ms']:.0f} ms ({r['bound']}-bound: {r['gflop_per_step']:.1f} GFLOP, "
+          f"{r['bytes_per_step_MB']:.0f} MB) -> {100 * r['roofline_frac']:.0f}% of roofline")
   result = {"machine": info, "hardware": hw, "quick": quick,
             "speedup_vs_static": speed["smollm2-135m"], "speedup_vs_static_tiny": speed["tiny"],
             "roofline_frac": roof["roofline_frac"], "roofline": roof, "rows": rows,
+            "cpu_attention_kernel": kernel, "roofline_xla_attention": roof_xla,
             "load_avg": os.getloadavg(), "bench_s": time.perf_counter() - t_start}
   if args.peer == "vllm":
     vs = {}

@@ -12,12 +12,13 @@ compiles with ``-march=native``, so the cached build is only reused on the same 
 Where it runs: ``decode_attention`` (models/transformer.py) lowers to the kernel on CPU through
 ``lax.platform_dependent`` and to its XLA form on other platforms. The kernel is skipped (the XLA
 form is used) when it cannot be built (a warning names the reason), for caches that are not float32,
-and when ``AREAL_JAX_CPU_KERNELS=0``. Under a device mesh it runs per shard through ``shard_map``:
+when ``AREAL_JAX_CPU_KERNELS=0`` and when traced inside ``disabled()``. Under a device mesh it runs per shard through ``shard_map``:
 slots over ``cache_batch``, heads over ``cache_heads``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -37,6 +38,7 @@ from areal_jax import sharding
 
 TARGET = "areal_decode_attention"
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu_attention.cc")
+_OFF = [False]  # process-wide: engines may trace on their own threads
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -94,6 +96,22 @@ def available() -> bool:
   return True
 
 
+@contextlib.contextmanager
+def disabled():
+  """Functions traced while the block is open, by any thread, use XLA's form (for side-by-side
+  measurements and tests)."""
+  before, _OFF[0] = _OFF[0], True
+  try:
+    yield
+  finally:
+    _OFF[0] = before
+
+
+def is_disabled() -> bool:
+  """Whether a ``disabled()`` block is open (part of the key of cached compiled functions)."""
+  return _OFF[0]
+
+
 def _kernel(q_BxHxD, k_RxTxKxD, v_RxTxKxD, pos_B, kv_len: int):
   out = jax.ShapeDtypeStruct(q_BxHxD.shape, jnp.float32)
   return jax.ffi.ffi_call(TARGET, out)(q_BxHxD, k_RxTxKxD, v_RxTxKxD, pos_B, kv_len=kv_len)
@@ -103,7 +121,7 @@ def usable(q_BxKxGxD, k_RxTxKxD) -> bool:
   """Whether ``decode_attention`` can take this call: the kernel is available, the cache is float32
   and, when slots are split over devices, the queries cover the whole cache (one block per shard)."""
   b, r = q_BxKxGxD.shape[0], k_RxTxKxD.shape[0]
-  if k_RxTxKxD.dtype != jnp.float32 or not available():
+  if _OFF[0] or k_RxTxKxD.dtype != jnp.float32 or not available():
     return False
   return b == r or sharding.num_shards("cache_batch", r) == 1
 

@@ -19,9 +19,9 @@ comes out of ``generate``. Re-prefilling a sequence under new weights is the sam
 
 Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
 mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
-A decode step reads each slot's cache only up to about its own position (dynamic loops over cache
-chunks for groups of slots sorted by position, ``transformer.decode_attention``), so one compiled
-``generate`` serves every length;
+A decode step reads each slot's cache only up to its own position (``transformer.decode_attention``:
+on CPU a C++ kernel, elsewhere dynamic loops over cache chunks for groups of slots sorted by
+position), so one compiled ``generate`` serves every length;
 ``kv_buckets`` (default: just ``max_len``) only add static upper bounds. ``width_buckets`` (default:
 powers of two from ``num_slots / 8`` up, multiples of the mesh's data-axis size) are the slot counts a
 decode step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are
@@ -45,6 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
+from areal_jax.models import cpu_attention
 from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
 from areal_jax.sampler import sampling
 
@@ -95,8 +96,10 @@ class DecodeEngine:
     self.width_buckets = self._width_buckets()
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
     self.state_shardings = self._state_shardings()
-    # Compiled functions are shared by engines of the same model structure, config and mesh.
-    fns = _COMPILED.setdefault((self.graphdef, config, self.mesh), {})
+    # Compiled functions are shared by engines of the same model structure, config and mesh (and
+    # choice of decode attention).
+    self._fns = fns = _COMPILED.setdefault(
+        (self.graphdef, config, self.mesh, cpu_attention.is_disabled()), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
@@ -164,7 +167,7 @@ class DecodeEngine:
 
     if self._init_fn is None:
       self._init_fn = jax.jit(make, out_shardings=self.state_shardings)
-      _COMPILED[(self.graphdef, self.config, self.mesh)]["init"] = self._init_fn
+      self._fns["init"] = self._init_fn
     return self._init_fn()
 
   # ---- prefill ---------------------------------------------------------------------------------

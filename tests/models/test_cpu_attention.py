@@ -1,6 +1,8 @@
 """The CPU decode-attention kernel: built, chosen on CPU, equal to dense attention, per shard under a
 mesh, and a clean fallback to XLA's form when it cannot be built."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,7 +93,17 @@ def test_fewer_queries_than_sharded_cache_rows_use_xla():
 
 def test_no_kernel_for_other_dtypes_or_when_switched_off(monkeypatch):
   q, k, _ = _inputs(2, 2, 8, 1, 2, 64)
-  assert not cpu_attention.usable(q.reshape(2, 1, 2, 64), k.astype(jnp.bfloat16))
+  q = q.reshape(2, 1, 2, 64)
+  assert cpu_attention.usable(q, k)
+  assert not cpu_attention.usable(q, k.astype(jnp.bfloat16))
+  with cpu_attention.disabled():  # for every thread (engines trace on their own)
+    assert not cpu_attention.usable(q, k)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(cpu_attention.usable(q, k)))
+    thread.start()
+    thread.join()
+    assert seen == [False]
+  assert cpu_attention.usable(q, k)
   monkeypatch.setenv("AREAL_JAX_CPU_KERNELS", "0")
   assert not cpu_attention.available.__wrapped__()
 

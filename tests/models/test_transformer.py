@@ -95,11 +95,10 @@ def test_causal_attention_equals_dense_attention():
 
 
 @pytest.mark.parametrize("group", [64, 4, 3], ids=["one-group", "groups", "ragged-groups"])
-def test_decode_attention_equals_dense_attention(group, monkeypatch):
+def test_decode_attention_equals_dense_attention(group):
   """XLA's decode loop (chunks of 5 over 23 positions: the last chunk overlaps) = dense attention
   over each row's positions 0..pos, rows at very different positions, sorted into groups or not;
   cache rows beyond the queries' rows are ignored. (The CPU kernel: test_cpu_attention.py.)"""
-  monkeypatch.setattr(cpu_attention, "available", lambda: False)
   rng = np.random.RandomState(1)
   b, t, h, kv, d = 10, 23, 4, 2, 8
   q = jnp.asarray(rng.randn(b, 1, h, d), jnp.float32)
@@ -107,11 +106,14 @@ def test_decode_attention_equals_dense_attention(group, monkeypatch):
   fn = jax.jit(lambda q, k, v, pos: transformer.decode_attention(q, k, v, pos, t, chunk=5,
                                                                   group=group))
   # spread positions (the groups skip chunks), then alike ones (one loop is as good)
-  for pos in ([22, 0, 3, 17, 9, 1, 22, 4, 12, 6], [20, 21, 19, 22, 20, 21, 22, 20, 19, 21]):
-    pos = jnp.asarray(pos, jnp.int32)
-    mask = (jnp.arange(t)[None, :] <= pos[:, None])[:, None]  # [B, 1, T]
-    dense = transformer.attention(q, k[:b], v[:b], mask)
-    np.testing.assert_allclose(fn(q, k, v, pos), dense, atol=1e-5)
+  positions = ([22, 0, 3, 17, 9, 1, 22, 4, 12, 6], [20, 21, 19, 22, 20, 21, 22, 20, 19, 21])
+  with cpu_attention.disabled():  # traced here: XLA's form
+    assert cpu_attention.TARGET not in fn.lower(q, k, v, jnp.zeros(b, jnp.int32)).as_text()
+    for pos in positions:
+      pos = jnp.asarray(pos, jnp.int32)
+      mask = (jnp.arange(t)[None, :] <= pos[:, None])[:, None]  # [B, 1, T]
+      dense = transformer.attention(q, k[:b], v[:b], mask)
+      np.testing.assert_allclose(fn(q, k, v, pos), dense, atol=1e-5)
 
 
 def test_packed_segments_equal_separate_forwards(hf_checkpoint):
