@@ -37,14 +37,18 @@ struct Job {
 // 16 floats, lowered to the CPU's vector registers (two AVX2 ones, one AVX-512 one, four NEON ones).
 typedef float V16 __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kLanes = 16;
-constexpr int64_t kPrefetch = 4;  // positions read ahead (measured: 4 beats 0, 8 and 16)
+constexpr int64_t kPrefetch = 4;  // positions read ahead (measured: ~10% faster than none; farther no better)
 
 inline V16 Load(const float* p) { return *reinterpret_cast<const V16*>(p); }
 
-inline float Sum(V16 x) {
-  float r = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) r += x[i];
-  return r;
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+inline float Sum(V16 x) {  // halving: a few shuffles and adds, not 16 lane extractions
+  const V8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // Head size kD, a multiple of kLanes; 0: any size (plain loops, for the odd model).
