@@ -48,12 +48,17 @@ def _cache_dir() -> str:
 
 
 def _cpu_id() -> str:
+  """The CPU's model and features (x86 and Arm field names), what ``-march=native`` depends on."""
+  fields = {}
   try:
     with open("/proc/cpuinfo") as f:
-      info = [line for line in f if line.startswith(("model name", "flags"))][:2]
+      for line in f:
+        name = line.split(":", 1)[0].strip()
+        if name in ("model name", "flags", "Features", "CPU implementer", "CPU part"):
+          fields.setdefault(name, line)
   except OSError:
-    info = []
-  return platform.machine() + "".join(info)
+    pass
+  return platform.machine() + "".join(sorted(fields.values()))
 
 
 def _build() -> str:
