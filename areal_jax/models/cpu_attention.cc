@@ -86,8 +86,9 @@ struct Head<0> {
   }
 };
 
-// One cache row: scores over its keys, softmax, then the mix of its values. Keys and values are
-// each read front to back, once; the probabilities live in `scratch` ([n, H]).
+// One cache row: scores over its keys, softmax, then the mix of its values, added straight into the
+// row's output. Keys and values are each read front to back, once; `scratch` holds the scores
+// ([n, H], then unnormalised probabilities), their maxima and the softmax normalisers.
 template <int64_t kD>
 void Row(const Job& job, int64_t b, std::vector<float>& scratch) {
   const int64_t H = job.heads, K = job.kv_heads, D = job.dim, G = H / K, step = K * D;
@@ -96,11 +97,14 @@ void Row(const Job& job, int64_t b, std::vector<float>& scratch) {
   const float* q = job.q + b * H * D;
   const float* k = job.k + b * job.cache_len * step;
   const float* v = job.v + b * job.cache_len * step;
-  scratch.assign(H * n + 3 * H + H * D, 0.f);
+  float* out = job.out + b * H * D;
+  scratch.resize(H * n + 2 * H);
   float* s = scratch.data();
-  float *max = s + H * n, *sum = max + H, *inv = sum + H, *acc = inv + H;
+  float *max = s + H * n, *norm = max + H;
   Head<kD> head(D);
   std::fill(max, max + H, -INFINITY);
+  std::fill(norm, norm + H, 0.f);
+  std::fill(out, out + H * D, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(k + (t + kPrefetch) * step + i * 16);
     for (int64_t kk = 0; kk < K; ++kk) {
@@ -112,16 +116,15 @@ void Row(const Job& job, int64_t b, std::vector<float>& scratch) {
     }
   }
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t h = 0; h < H; ++h) sum[h] += (s[t * H + h] = std::exp(s[t * H + h] - max[h]));
-  for (int64_t h = 0; h < H; ++h) inv[h] = 1.f / sum[h];
+    for (int64_t h = 0; h < H; ++h) norm[h] += (s[t * H + h] = std::exp(s[t * H + h] - max[h]));
+  for (int64_t h = 0; h < H; ++h) norm[h] = 1.f / norm[h];
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(v + (t + kPrefetch) * step + i * 16);
     for (int64_t kk = 0; kk < K; ++kk) {
       head.Load(v + t * step + kk * D);
-      for (int64_t h = kk * G; h < (kk + 1) * G; ++h) head.AddTo(s[t * H + h] * inv[h], acc + h * D);
+      for (int64_t h = kk * G; h < (kk + 1) * G; ++h) head.AddTo(s[t * H + h] * norm[h], out + h * D);
     }
   }
-  std::copy(acc, acc + H * D, job.out + b * H * D);
 }
 
 // Claims rows until none are left.
