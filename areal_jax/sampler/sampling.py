@@ -14,10 +14,11 @@ else was batched with it. Sampling draws one uniform per slot and inverts the CD
 over the vocabulary); top-k / top-p sort the vocabulary only when some slot asks for them (a runtime
 ``lax.cond``).
 
-Cost: the vocabulary is read three times per step in the common case (its max, the first index of
-the max, and one pass of ``exp`` summed per block of ``_block(V)`` tokens); the CDF is inverted in
-two levels (over the block sums, then inside the one chosen block), so no full-vocabulary cumsum or
-sort runs.
+Cost: the vocabulary is read twice per step in the common case: once for the maximum of every block
+of ``_block(V)`` tokens, once for ``exp`` summed per block. The temperature is folded into both
+passes (no scaled copy of the logits); the argmax is the first index of the maximum inside the first
+block holding it, and the CDF is inverted in two levels (over the block sums, then inside the one
+chosen block), so no full-vocabulary cumsum, argmax reduction or sort runs.
 """
 
 from __future__ import annotations
@@ -75,14 +76,6 @@ def _block(v: int) -> int:
   return max(b for b in range(1, min(v, 256) + 1) if v % b == 0)
 
 
-def _argmax(x_SxV):
-  """``(argmax, max)`` over the last axis, the first index on ties. Two vectorised reductions:
-  XLA:CPU's ``argmax`` (a reduction over (value, index) pairs) is several times slower."""
-  max_S = jnp.max(x_SxV, axis=-1)
-  iota_SxV = jax.lax.broadcasted_iota(jnp.int32, x_SxV.shape, 1)
-  return jnp.min(jnp.where(x_SxV == max_S[:, None], iota_SxV, x_SxV.shape[1]), axis=-1), max_S
-
-
 def _uniform(key_Sx2, position_S):
   def one(key, pos):
     return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key), pos))
@@ -90,41 +83,59 @@ def _uniform(key_Sx2, position_S):
   return jax.vmap(one)(key_Sx2, position_S)
 
 
+def _in_block(blocks_SxNbxB, blk_S):
+  """Row ``s`` of the result is block ``blk_S[s]`` of row ``s``."""
+  return jnp.take_along_axis(blocks_SxNbxB, blk_S[:, None, None], axis=1)[:, 0]
+
+
+def _first(mask_SxN):
+  """Index of the first true entry of every row (the row length if none)."""
+  iota_SxN = jax.lax.broadcasted_iota(jnp.int32, mask_SxN.shape, 1)
+  return jnp.min(jnp.where(mask_SxN, iota_SxN, mask_SxN.shape[1]), axis=-1)
+
+
 def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, greedy_S):
   """Draws one token per slot; returns ``(token_S int32, logprob_S float32)``."""
   s, v = logits_SxV.shape
   bs = _block(v)
   nb = v // bs
-  t_S = jnp.maximum(temperature_S.astype(jnp.float32), 1e-6)
-  x_SxV = logits_SxV.astype(jnp.float32) / t_S[:, None]  # fused into the passes below
-  argmax_S, max_S = _argmax(x_SxV)  # pass 1 (also the greedy token)
-  e_SxNbxB = jnp.exp(x_SxV - max_S[:, None]).reshape(s, nb, bs)
-  sums_SxNb = jnp.sum(e_SxNbxB, axis=-1)  # pass 2
-  lse_S = max_S + jnp.log(jnp.sum(sums_SxNb, axis=-1))
+  inv_t_S = 1.0 / jnp.maximum(temperature_S.astype(jnp.float32), 1e-6)
+  l_SxNbxB = logits_SxV.astype(jnp.float32).reshape(s, nb, bs)
+  # the barriers keep XLA from re-reading the vocabulary for the row totals (max, sum) below
+  bmax_SxNb = jax.lax.optimization_barrier(jnp.max(l_SxNbxB, axis=-1))  # pass 1
+  lmax_S = jnp.max(bmax_SxNb, axis=-1)
+  # the argmax (also the greedy token): the first maximum inside the first block that holds it
+  mblk_S = jnp.minimum(_first(bmax_SxNb == lmax_S[:, None]), nb - 1)
+  argmax_S = mblk_S * bs + jnp.minimum(_first(_in_block(l_SxNbxB, mblk_S) == lmax_S[:, None]), bs - 1)
+  # e = exp(x - max x) with x = logits / temperature; max x = max logits / temperature
+  e_SxNbxB = jnp.exp((l_SxNbxB - lmax_S[:, None, None]) * inv_t_S[:, None, None])
+  sums_SxNb = jax.lax.optimization_barrier(jnp.sum(e_SxNbxB, axis=-1))  # pass 2
+  lse_S = lmax_S * inv_t_S + jnp.log(jnp.sum(sums_SxNb, axis=-1))  # of x
   truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
 
-  def truncated(logits_SxV, t_S, max_S, lse_S, top_k_S, top_p_S):
-    # recomputed from the logits (already in memory) so the fused passes above stay fused
-    x_SxV = logits_SxV.astype(jnp.float32) / t_S[:, None]
+  def truncated(logits_SxV, inv_t_S, lmax_S, lse_S, top_k_S, top_p_S):
+    x_SxV = logits_SxV.astype(jnp.float32) * inv_t_S[:, None]
     floor = _truncation_floor(x_SxV - lse_S[:, None], top_k_S, top_p_S) + lse_S
-    kept = jnp.where(x_SxV >= floor[:, None], jnp.exp(x_SxV - max_S[:, None]), 0.0)
+    e_SxV = jnp.exp(x_SxV - (lmax_S * inv_t_S)[:, None])
+    kept = jnp.where(x_SxV >= floor[:, None], e_SxV, 0.0)
     return floor, jnp.sum(kept.reshape(s, nb, bs), axis=-1)
 
   floor_S, kept_SxNb = jax.lax.cond(
       truncate, truncated, lambda *_: (jnp.full((s,), -jnp.inf, jnp.float32), sums_SxNb),
-      logits_SxV, t_S, max_S, lse_S, top_k_S, top_p_S)
+      logits_SxV, inv_t_S, lmax_S, lse_S, top_k_S, top_p_S)
   # level 1: the block holding the uniform's share of the kept mass
   cum_SxNb = jnp.cumsum(kept_SxNb, axis=-1)
   target_S = _uniform(key_Sx2, position_S) * cum_SxNb[:, -1]
   blk_S = jnp.minimum(jnp.sum(cum_SxNb <= target_S[:, None], axis=-1), nb - 1)
   below_S = jnp.take_along_axis(cum_SxNb - kept_SxNb, blk_S[:, None], axis=-1)[:, 0]
   # level 2: the token inside that block
-  xb_SxB = jnp.take_along_axis(x_SxV.reshape(s, nb, bs), blk_S[:, None, None], axis=1)[:, 0]
-  eb_SxB = jnp.where(xb_SxB >= floor_S[:, None], jnp.exp(xb_SxB - max_S[:, None]), 0.0)
+  lb_SxB = _in_block(l_SxNbxB, blk_S)
+  xb_SxB = lb_SxB * inv_t_S[:, None]
+  eb_SxB = jnp.where(xb_SxB >= floor_S[:, None], jnp.exp((lb_SxB - lmax_S[:, None]) * inv_t_S[:, None]), 0.0)
   j_S = jnp.minimum(jnp.sum(jnp.cumsum(eb_SxB, axis=-1) <= (target_S - below_S)[:, None], -1), bs - 1)
   # round-off can land on a dropped token (or an empty block): fall back to the argmax, always kept
   ok_S = jnp.take_along_axis(eb_SxB, j_S[:, None], axis=-1)[:, 0] > 0
   drawn_S = jnp.where(ok_S, blk_S * bs + j_S, argmax_S)
   token_S = jnp.where(greedy_S, argmax_S, drawn_S).astype(jnp.int32)
-  logprob_S = jnp.take_along_axis(x_SxV, token_S[:, None], axis=-1)[:, 0] - lse_S
-  return token_S, logprob_S
+  l_S = jnp.take_along_axis(logits_SxV.astype(jnp.float32), token_S[:, None], axis=-1)[:, 0]
+  return token_S, l_S * inv_t_S - lse_S
