@@ -221,9 +221,8 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=1, reps=3):
   step_s = min(times)
   figures = hw.figures()
   n_params = cfg.num_params()
-  matmul_params = n_params - cfg.d_model * (2 * cfg.n_layers + 1)  # minus norm scales
-  if cfg.tie_embeddings:
-    pass  # the embedding matrix doubles as the LM head: read once, multiplied once
+  # minus the norm scales; a tied embedding matrix is the LM head's weight: read once, multiplied once
+  matmul_params = n_params - cfg.d_model * (2 * cfg.n_layers + 1)
   kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4
   ctx = context + 1
   bytes_step = n_params * 4 + slots * ctx * kv_per_token
