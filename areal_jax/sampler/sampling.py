@@ -101,7 +101,8 @@ def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, gre
   nb = v // bs
   inv_t_S = 1.0 / jnp.maximum(temperature_S.astype(jnp.float32), 1e-6)
   l_SxNbxB = logits_SxV.astype(jnp.float32).reshape(s, nb, bs)
-  # the barriers keep XLA from re-reading the vocabulary for the row totals (max, sum) below
+  # the barriers keep XLA's simplifier from turning the row totals below (max, sum) into second
+  # reads of the whole vocabulary (64 x 49152: 3.5 -> 1.4 ms on CPU)
   bmax_SxNb = jax.lax.optimization_barrier(jnp.max(l_SxNbxB, axis=-1))  # pass 1
   lmax_S = jnp.max(bmax_SxNb, axis=-1)
   # the argmax (also the greedy token): the first maximum inside the first block that holds it
