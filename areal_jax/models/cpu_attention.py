@@ -12,8 +12,8 @@ compiles with ``-march=native``, so the cached build is only reused on the same 
 Where it runs: ``decode_attention`` (models/transformer.py) lowers to the kernel on CPU through
 ``lax.platform_dependent`` and to its XLA form on other platforms. The kernel is skipped (the XLA
 form is used) when it cannot be built (a warning names the reason), for caches that are not float32,
-when ``AREAL_JAX_CPU_KERNELS=0`` and when traced inside ``disabled()``. Under a device mesh it runs per shard through ``shard_map``:
-slots over ``cache_batch``, heads over ``cache_heads``.
+when ``AREAL_JAX_CPU_KERNELS=0`` and when traced inside ``disabled()``. Under a device mesh it runs
+per shard through ``shard_map``: slots over ``cache_batch``, heads over ``cache_heads``.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, kv_len: int):
   if ctx is not None and ctx[0].size > 1:
     mesh, rules = ctx
     cache = sharding.spec(("cache_batch", None, "cache_heads", None), k_RxTxKxD.shape, mesh, rules)
-    rows = cache[0] if b == k_RxTxKxD.shape[0] else None
-    q_spec, pos_spec = P(rows, cache[2], None), P(rows)
+    # the queries' rows split like the cache's (``usable``: unsplit unless they cover all of it)
+    q_spec, pos_spec = P(cache[0], cache[2], None), P(cache[0])
     call = jax.shard_map(call, mesh=mesh, in_specs=(q_spec, cache, cache, pos_spec),
                          out_specs=q_spec, check_vma=False)
   return call(q_BxHxD, k_RxTxKxD, v_RxTxKxD, pos_B.astype(jnp.int32)).reshape(b, kv, g, d)
