@@ -115,9 +115,11 @@ def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, gre
   truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
 
   def truncated(logits_SxV, inv_t_S, lmax_S, lse_S, top_k_S, top_p_S):
-    x_SxV = logits_SxV.astype(jnp.float32) * inv_t_S[:, None]
+    l_SxV = logits_SxV.astype(jnp.float32)
+    x_SxV = l_SxV * inv_t_S[:, None]
     floor = _truncation_floor(x_SxV - lse_S[:, None], top_k_S, top_p_S) + lse_S
-    e_SxV = jnp.exp(x_SxV - (lmax_S * inv_t_S)[:, None])
+    # e computed as in pass 2 and level 2, so block masses and in-block CDFs round alike
+    e_SxV = jnp.exp((l_SxV - lmax_S[:, None]) * inv_t_S[:, None])
     kept = jnp.where(x_SxV >= floor[:, None], e_SxV, 0.0)
     return floor, jnp.sum(kept.reshape(s, nb, bs), axis=-1)
 
