@@ -2,7 +2,8 @@
 
 A reward function that raises or runs past ``timeout_s`` scores 0 and is counted; it never stalls
 the run. Workers are separate processes (spawned, not forked from the JAX process), so a hanging
-reward can be killed: on a timeout the pool is replaced. Workers import the reward function's module
+reward can be killed: on a timeout the pool is replaced. A worker exits on its own when the process
+that started it is gone, even one killed with SIGKILL, so a killed run leaves no worker behind. Workers import the reward function's module
 before they are used (``warmup``), so the time limit measures scoring, not interpreter start-up.
 Scripts that start a run must guard it with ``if __name__ == "__main__":`` (spawned workers import
 the main module).
@@ -13,11 +14,25 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib
 import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 _WARMUP_TIMEOUT_S = 300.0
+
+
+def _exit_with(owner_pid: int) -> None:
+  """Worker initializer: a thread that ends the worker once its owner is gone (it is then adopted,
+  so its parent changes). Polling works on every platform and whichever thread started the pool."""
+
+  def watch():
+    while os.getppid() == owner_pid:
+      time.sleep(0.5)
+    os._exit(1)
+
+  threading.Thread(target=watch, name="exit-with-owner", daemon=True).start()
 
 
 def _import(module: str) -> None:
@@ -46,7 +61,8 @@ class RewardPool:
     self.timeouts = 0
 
   def _new_pool(self) -> cf.ProcessPoolExecutor:
-    pool = cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                  initializer=_exit_with, initargs=(os.getpid(),))
     warm = [pool.submit(_import, self.fn.__module__) for _ in range(self.workers)]
     cf.wait(warm, timeout=_WARMUP_TIMEOUT_S)
     return pool

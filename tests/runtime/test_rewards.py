@@ -1,7 +1,10 @@
 """The reward pool: a crashing or hanging reward scores 0, is counted, and never stalls scoring."""
 
-import sys
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -40,3 +43,41 @@ def test_task_reward_runs_in_workers():
   finally:
     pool.close()
   assert rewards == [1.0, 0.0]
+
+
+_OWNER = """
+import os, sys, time
+sys.path.insert(0, {here!r})
+import reward_fns
+from areal_jax.runtime.rewards import RewardPool
+pool = RewardPool(reward_fns.ok, workers=2, timeout_s=30.0)
+print(*pool._pool._processes, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+  except FileNotFoundError:
+    return False
+
+
+def test_workers_exit_when_their_owner_is_killed():
+  """A run killed with SIGKILL (no clean-up runs) leaves no reward worker behind."""
+  owner = subprocess.Popen([sys.executable, "-c", _OWNER.format(here=str(pathlib.Path(__file__).parent))],
+                           stdout=subprocess.PIPE, text=True)
+  try:
+    workers = [int(pid) for pid in owner.stdout.readline().split()]
+    assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+  finally:
+    owner.kill()
+    owner.wait()
+  deadline = time.time() + 10
+  while any(_alive(pid) for pid in workers) and time.time() < deadline:
+    time.sleep(0.1)
+  survivors = [pid for pid in workers if _alive(pid)]
+  for pid in survivors:
+    os.kill(pid, signal.SIGKILL)
+  assert not survivors, f"reward workers {survivors} outlived their killed owner"
