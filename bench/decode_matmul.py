@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sampler import SMOLLM2, Hardware, _best, machine  # noqa: E402
+from common import SMOLLM2, Hardware, best_time, machine
 
 
 def weights(cfg, layers: int, seed: int = 0):
@@ -63,7 +60,7 @@ def main():
     x = jax.random.normal(jax.random.key(2), (m, cfg.d_model), jnp.float32)
     for label, layers in (("cold", cold), ("hot", hot)):
       hw.probe()
-      s = _best(step_matmuls, x, layers, embed, reps=5)
+      s = best_time(step_matmuls, x, layers, embed, reps=5)
       f = hw.figures()
       gflops = 2 * m * n_weights / s / 1e9
       rows.append({"rows": m, "weights": label, "ms": s * 1e3, "GFLOPps": gflops,

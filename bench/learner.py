@@ -35,12 +35,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax._src import monitoring  # unregistering a listener is not public API
@@ -50,38 +47,7 @@ from areal_jax import sharding
 from areal_jax.learner import Learner, packing
 from areal_jax.models import ModelConfig, Transformer
 from areal_jax.rollout_api import Sample
-
-SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
-                      n_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5, norm_eps=1e-5)
-TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                   head_dim=16, d_ff=128)
-
-
-def machine() -> dict:
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
-  return dict(cpu=cpu, cores=os.cpu_count(), device=str(jax.devices()[0]), jax=jax.__version__,
-              load_avg=os.getloadavg()[0])
-
-
-def matmul_flops(n: int = 2048, reps: int = 5) -> float:
-  """Best float32 FLOP/s of an n x n x n matmul on device 0."""
-  dev = jax.devices()[0]
-  a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.float32), dev)
-  b = jax.device_put(jax.random.normal(jax.random.key(1), (n, n), jnp.float32), dev)
-  f = jax.jit(lambda a, b: a @ b)
-  f(a, b).block_until_ready()
-  best = float("inf")
-  for _ in range(reps):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2 * n**3 / best
-
+from common import SMOLLM2, TINY, Hardware, machine
 
 def gsm8k_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
   prompt = rng.integers(60, 200, n)
@@ -171,9 +137,9 @@ def main():
   ap.add_argument("--quick", action="store_true", help="reduced run (< 2 minutes)")
   ap.add_argument("--json", default=None, help="write results to this path")
   args = ap.parse_args()
-  info = machine()
-  peak = matmul_flops()
-  print(f"machine: {info['cpu']}, {info['cores']} cores, {info['device']}, jax {info['jax']}, "
+  info, hw = machine(), Hardware()
+  peak = hw.probe(5).figures()["matmul_GFLOPps"] * 1e9
+  print(f"machine: {info['cpu']}, {info['cores']} cores, {info['devices']}, jax {info['jax']}, "
         f"load avg {info['load_avg']:.1f}")
   print(f"measured float32 matmul: {peak / 1e9:.1f} GFLOP/s")
   if args.quick:  # SmolLM2-135M layer shapes, 6 of its 30 layers (compiles in a fraction)
@@ -184,7 +150,7 @@ def main():
             ("smollm2-135m-short", SMOLLM2, 4, 8, 2, 2048, 176, "short")]
   rows = [bench_model(*r[:5], peak, *r[5:]) for r in runs]
   # The machine is shared: keep the best matmul figure seen (MFU is then conservative).
-  peak = max(peak, matmul_flops())
+  peak = hw.probe(5).figures()["matmul_GFLOPps"] * 1e9
   for r in rows:
     r["mfu"] = 6 * r["params"] * r["tokens_per_s"] / peak
   pack = packing_efficiency(20 if args.quick else 100, 64, 4, 768)

@@ -39,14 +39,12 @@ import dataclasses
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -54,65 +52,10 @@ from areal_jax.models import ModelConfig, Transformer, cpu_attention, save_hf
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
-
-SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
-                      n_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5, norm_eps=1e-5)
-TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                   head_dim=16, d_ff=128)
+from common import SMOLLM2, TINY, Hardware, machine
 
 TINY_HD32 = dataclasses.replace(TINY, head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def machine() -> dict:
-  cpu = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
-          "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}"}
-
-
-def _best(fn, *args, reps=5):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return min(times)
-
-
-class Hardware:
-  """Memory read bandwidth (sum of 128 MiB) and float32 matmul throughput (2048^3), best of the
-  probes so far; ``probe()`` can be interleaved with other measurements."""
-
-  def __init__(self):
-    self.x = jnp.ones((128 * 1024 * 1024 // 4,), jnp.float32) * 1.5  # far beyond the caches
-    self.a = jnp.ones((2048, 2048), jnp.float32)
-    self.sum, self.mm = jax.jit(jnp.sum), jax.jit(lambda a: a @ a)
-    self.read_s, self.mm_s = float("inf"), float("inf")
-    jax.block_until_ready((self.sum(self.x), self.mm(self.a)))
-
-  def reset(self):
-    self.read_s, self.mm_s = float("inf"), float("inf")
-    return self
-
-  def probe(self, reps=1):
-    for _ in range(reps):
-      self.read_s = min(self.read_s, _best(self.sum, self.x, reps=1))
-      self.mm_s = min(self.mm_s, _best(self.mm, self.a, reps=1))
-    return self
-
-  def figures(self) -> dict:
-    return {"read_GBps": self.x.nbytes / self.read_s / 1e9,
-            "matmul_GFLOPps": 2 * 2048**3 / self.mm_s / 1e9}
-
-
-def hardware() -> dict:
-  return Hardware().probe(5).figures()
 
 
 def make_model(cfg: ModelConfig) -> Transformer:

@@ -26,7 +26,6 @@ import re
 import threading
 import time
 import uuid
-from typing import Any
 
 import jax
 from etils import epath

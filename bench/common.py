@@ -1,0 +1,67 @@
+"""What the benchmarks share: the model shapes they measure, the machine's description, timing, and
+the hardware probes (memory read bandwidth, float32 matmul throughput) results are stated against."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+
+from areal_jax.models import ModelConfig
+
+SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
+                      n_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5, norm_eps=1e-5)
+TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=16, d_ff=128)
+
+
+def machine() -> dict:
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+  except OSError:
+    pass
+  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
+          "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
+          "load_avg": os.getloadavg()[0]}
+
+
+def best_time(fn, *args, reps=5) -> float:
+  """Seconds of the fastest of ``reps`` calls of ``fn(*args)``, after one untimed call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return min(times)
+
+
+class Hardware:
+  """Memory read bandwidth (sum of 128 MiB) and float32 matmul throughput (2048^3), best of the
+  probes so far; ``probe()`` can be interleaved with other measurements."""
+
+  def __init__(self):
+    self.x = jnp.ones((128 * 1024 * 1024 // 4,), jnp.float32) * 1.5  # far beyond the caches
+    self.a = jnp.ones((2048, 2048), jnp.float32)
+    self.sum, self.mm = jax.jit(jnp.sum), jax.jit(lambda a: a @ a)
+    self.read_s, self.mm_s = float("inf"), float("inf")
+    jax.block_until_ready((self.sum(self.x), self.mm(self.a)))
+
+  def reset(self):
+    self.read_s, self.mm_s = float("inf"), float("inf")
+    return self
+
+  def probe(self, reps=1):
+    for _ in range(reps):
+      self.read_s = min(self.read_s, best_time(self.sum, self.x, reps=1))
+      self.mm_s = min(self.mm_s, best_time(self.mm, self.a, reps=1))
+    return self
+
+  def figures(self) -> dict:
+    return {"read_GBps": self.x.nbytes / self.read_s / 1e9,
+            "matmul_GFLOPps": 2 * 2048**3 / self.mm_s / 1e9}
