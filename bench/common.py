@@ -52,10 +52,6 @@ class Hardware:
     self.read_s, self.mm_s = float("inf"), float("inf")
     jax.block_until_ready((self.sum(self.x), self.mm(self.a)))
 
-  def reset(self):
-    self.read_s, self.mm_s = float("inf"), float("inf")
-    return self
-
   def probe(self, reps=1):
     for _ in range(reps):
       self.read_s = min(self.read_s, best_time(self.sum, self.x, reps=1))

@@ -18,9 +18,10 @@ embedding read by the LM head) and each slot's KV up to its position must be rea
 max(bytes / read bandwidth, FLOPs / matmul throughput); ``roofline_frac`` is ideal over measured
 step time. The same decode is then measured with XLA's attention in place of the CPU decode-attention
 kernel (``roofline_xla_attention``; ``cpu_attention_kernel`` says whether the kernel ran). The
-hardware figures (a 128 MiB sum, a 2048^3 float32 matmul) are measured interleaved
-with the decode steps and each side takes its best repetition, so machine load (the bench machines
-are shared) affects both alike.
+hardware figures (a 128 MiB sum, a 2048^3 float32 matmul) are the best seen in the whole run,
+probed at the start and again between the decode steps, and the step time is the best repetition:
+a probe slowed by machine load (the bench machines are shared) cannot lengthen the ideal step and
+so inflate the fraction.
 
 ``--peer vllm``: the same workloads, at the same slot count (vLLM ``max_num_seqs``), through vLLM on
 this CPU (``areal_jax.vllm_rollout.VllmInProcessEngine``, float32, all cores), with the same weights
@@ -140,7 +141,7 @@ def run_static(model, groups, slots, max_len, kv_buckets, steps):
 
 def roofline(model, cfg, slots, context, hw: Hardware, steps=1, reps=3):
   """Steady decode of ``slots`` slots at ``context`` positions: measured vs ideal step time, the
-  hardware probed between the steps."""
+  hardware probed between the steps (``hw`` keeps the best figures seen)."""
   eng = JaxRolloutEngine(model, num_slots=slots, max_len=context + 16 * steps * (reps + 2),
                          prefill_buckets=(16,), eos_token_ids=(), steps_per_call=steps)
   dev = eng.engine
@@ -153,7 +154,6 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=1, reps=3):
   state, out = dev.generate(dev.params, state, kv_len)
   jax.block_until_ready(out)
   times = []
-  hw.reset()  # hardware figures from the same time window as the steps only
   for _ in range(reps):
     hw.probe()
     t0 = time.perf_counter()
