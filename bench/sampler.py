@@ -17,7 +17,8 @@ embedding read by the LM head) and each slot's KV up to its position must be rea
 2 * matmul params * slots + attention FLOPs computed. Ideal step time is
 max(bytes / read bandwidth, FLOPs / matmul throughput); ``roofline_frac`` is ideal over measured
 step time. The same decode is then measured with XLA's attention in place of the CPU decode-attention
-kernel (``roofline_xla_attention``; ``cpu_attention_kernel`` says whether the kernel ran). The
+kernel (``roofline_xla_attention``; ``cpu_attention_kernel`` says whether the kernel ran), and with
+XLA's matmuls in place of the packed-weight kernel (``roofline_xla_matmul``; ``cpu_matmul_kernel``). The
 hardware figures (a 128 MiB sum, a 2048^3 float32 matmul) are the best seen in the whole run,
 probed at the start and again between the decode steps, and the step time is the best repetition:
 a probe slowed by machine load (the bench machines are shared) cannot lengthen the ideal step and
@@ -49,7 +50,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.models import ModelConfig, Transformer, cpu_attention, save_hf
+from areal_jax.models import ModelConfig, Transformer, cpu_attention, cpu_matmul, save_hf
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
@@ -248,12 +249,16 @@ def main():
     speed[name] = c["tok_per_s"] / s["tok_per_s"]
     print(f"{name:>13} speedup continuous / static: {speed[name]:.2f}x")
   context = 64 if quick else 128
-  roof = roofline(model, SMOLLM2, 64, context, probe, reps=3 if quick else 5)
+  reps = 3 if quick else 5
+  roof = roofline(model, SMOLLM2, 64, context, probe, reps=reps)
   with cpu_attention.disabled():  # the same decode with XLA's attention instead of the CPU kernel
-    roof_xla = roofline(model, SMOLLM2, 64, context, probe, reps=3 if quick else 5)
-  kernel = cpu_attention.available() and jax.default_backend() == "cpu"
-  for label, r in (("CPU kernel" if kernel else "XLA", roof), ("XLA", roof_xla)):
-    print(f" smollm2-135m decode at 64 slots, context {r['context']}, {label} attention: "
+    roof_xla = roofline(model, SMOLLM2, 64, context, probe, reps=reps)
+  with cpu_matmul.disabled():  # ... and with XLA's matmuls instead of the packed-weight kernel
+    roof_xla_mm = roofline(model, SMOLLM2, 64, context, probe, reps=reps)
+  on_cpu = jax.default_backend() == "cpu"
+  kernel, mm_kernel = cpu_attention.available() and on_cpu, cpu_matmul.available() and on_cpu
+  for label, r in (("as shipped", roof), ("XLA attention", roof_xla), ("XLA matmuls", roof_xla_mm)):
+    print(f" smollm2-135m decode at 64 slots, context {r['context']}, {label}: "
           f"{r['step_ms']:.0f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
           f"{r['ideal_step_ms']:.0f} ms ({r['bound']}-bound: {r['gflop_per_step']:.1f} GFLOP, "
           f"{r['bytes_per_step_MB']:.0f} MB) -> {100 * r['roofline_frac']:.0f}% of roofline")
@@ -261,6 +266,7 @@ def main():
             "speedup_vs_static": speed["smollm2-135m"], "speedup_vs_static_tiny": speed["tiny"],
             "roofline_frac": roof["roofline_frac"], "roofline": roof, "rows": rows,
             "cpu_attention_kernel": kernel, "roofline_xla_attention": roof_xla,
+            "cpu_matmul_kernel": mm_kernel, "roofline_xla_matmul": roof_xla_mm,
             "load_avg": os.getloadavg(), "bench_s": time.perf_counter() - t_start}
   if args.peer == "vllm":
     vs = {}

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.models import cpu_attention
+from areal_jax.models import cpu_attention, cpu_matmul
 
 Cache = list[dict[str, jax.Array]]  # per layer: {"k": [B, T, Hkv, D], "v": [B, T, Hkv, D]}
 
@@ -95,11 +95,19 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...]).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def linear(x_NxI, w, transpose_w: bool = False, out_dtype=None):
   """``x @ w`` (``w`` is ``[I, O]``), or ``x @ w.T`` with ``transpose_w`` (``w`` is ``[O, I]``, e.g.
   a tied embedding as the LM head), over the last axis of ``x``, returned as ``out_dtype`` (default:
-  ``x``'s), with a hand-written backward.
+  ``x``'s). A 3-D ``w`` is a weight the sampler packed for the CPU kernel (``cpu_matmul.pack``,
+  which already took ``transpose_w`` into account): inference only."""
+  if w.ndim == 3:
+    return cpu_matmul.matmul(x_NxI, w).astype(out_dtype or x_NxI.dtype)
+  return _dense(x_NxI, w, transpose_w, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x_NxI, w, transpose_w, out_dtype):
+  """``linear`` with a hand-written backward.
 
   The gradients are autodiff's; what differs is their form. For autodiff's form of the weight
   gradient XLA:CPU transposes the *output* gradient (activation-sized: for the LM head
@@ -108,16 +116,16 @@ def linear(x_NxI, w, transpose_w: bool = False, out_dtype=None):
   Here the weight gradient is always ``x^T g`` (only the input, d_model or d_ff wide, is
   transposed); for ``transpose_w`` its weight-sized result is transposed afterwards. On the
   learner's step (SmolLM2 shapes, 2 x 768 tokens, CPU) a layer went from 0.35 to 0.20 s."""
-  return _linear_fwd(x_NxI, w, transpose_w, out_dtype)[0]
+  return _dense_fwd(x_NxI, w, transpose_w, out_dtype)[0]
 
 
-def _linear_fwd(x_NxI, w, transpose_w, out_dtype):
+def _dense_fwd(x_NxI, w, transpose_w, out_dtype):
   y = jnp.einsum("...i,oi->...o" if transpose_w else "...i,io->...o", x_NxI, w,
                  preferred_element_type=out_dtype)
   return y, (x_NxI, w)
 
 
-def _linear_bwd(transpose_w, out_dtype, res, g_NxO):
+def _dense_bwd(transpose_w, out_dtype, res, g_NxO):
   x_NxI, w = res
   g_NxO = g_NxO.astype(x_NxI.dtype)
   dx = jnp.einsum("...o,oi->...i" if transpose_w else "...o,io->...i", g_NxO, w)
@@ -125,7 +133,7 @@ def _linear_bwd(transpose_w, out_dtype, res, g_NxO):
   return dx.astype(x_NxI.dtype), (dw_IxO.T if transpose_w else dw_IxO).astype(w.dtype)
 
 
-linear.defvjp(_linear_fwd, _linear_bwd)
+_dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def rope_tables(positions_BxL, head_dim: int, theta: float):
@@ -361,7 +369,11 @@ class Transformer(nnx.Module):
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
   def _embed(self, tokens_BxL):
-    x = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.cfg.compute_dtype)
+    embed = self.embed[...]
+    if embed.ndim == 3:  # packed as the LM head's weight (see ``linear``)
+      x = cpu_matmul.take_rows(embed, tokens_BxL).astype(self.cfg.compute_dtype)
+    else:
+      x = jnp.take(embed, tokens_BxL, axis=0).astype(self.cfg.compute_dtype)
     return sharding.constrain(x, ("batch", "length", "act_embed"))
 
   def _logits(self, x_BxLxE):

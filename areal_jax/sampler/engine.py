@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
-from areal_jax.models import cpu_attention
+from areal_jax.models import cpu_attention, cpu_matmul
 from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
 from areal_jax.sampler import sampling
 
@@ -91,15 +91,26 @@ class DecodeEngine:
     param_state = nnx.state(model, nnx.Param)
     self.param_shardings = nnx.to_pure_dict(
         sharding.shardings_to_values(sharding.state_shardings(param_state, self.mesh)))
+    # On one CPU device the matmul weights are packed for the CPU kernel (``cpu_matmul``), once
+    # per weight version in ``put_params``.
+    self._pack = None
+    if cpu_matmul.enabled(self.mesh, self.model_cfg.compute_dtype):
+      which = cpu_matmul.packable(nnx.to_pure_dict(param_state))
+      self._unpacked_shardings = self.param_shardings
+      self.param_shardings = jax.tree.map(
+          lambda sh, packed: NamedSharding(self.mesh, P()) if packed else sh,
+          self.param_shardings, which)
+      self._pack = jax.jit(lambda params: cpu_matmul.pack_params(params, which),
+                           out_shardings=self.param_shardings)
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     self.kv_buckets = _buckets(config.kv_buckets or (config.max_len,), config.max_len, 64)
     self.width_buckets = self._width_buckets()
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
-    # choice of decode attention).
+    # choice of decode attention and of weight layout).
     self._fns = fns = _COMPILED.setdefault(
-        (self.graphdef, config, self.mesh, cpu_attention.is_disabled()), {})
+        (self.graphdef, config, self.mesh, cpu_attention.is_disabled(), self._pack is not None), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
@@ -147,8 +158,11 @@ class DecodeEngine:
     }
 
   def put_params(self, params: dict) -> dict:
-    """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there)."""
-    return jax.device_put(params, self.param_shardings)
+    """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there), packing
+    the matmul weights when the engine does (``cpu_matmul``)."""
+    if self._pack is None:
+      return jax.device_put(params, self.param_shardings)
+    return self._pack(jax.device_put(params, self._unpacked_shardings))
 
   def init_state(self) -> State:
     cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype

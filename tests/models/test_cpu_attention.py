@@ -114,13 +114,3 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path):
   with pytest.warns(UserWarning, match="no-such-compiler-xyz"):
     assert not cpu_attention.available.__wrapped__()
   assert not list(tmp_path.rglob("*.so"))
-
-
-def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
-  """The library lands whole under the cache directory, once; a second build reuses it."""
-  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-  path = cpu_attention._build()
-  assert path.startswith(str(tmp_path)) and path.endswith(".so")
-  mtime = (tmp_path / path).stat().st_mtime_ns
-  assert cpu_attention._build() == path and (tmp_path / path).stat().st_mtime_ns == mtime
-  assert [p.name for p in (tmp_path / "areal_jax").iterdir()] == [path.rsplit("/", 1)[1]]
