@@ -3,7 +3,9 @@
   python launch.py --config=configs/gsm8k.py:tiny --workdir=/tmp/run
   python launch.py --config=configs/gsm8k.py --workdir=gs://bucket/run --config.actor.lr=1e-6
 
-Rerunning the same command resumes from the latest checkpoint in --workdir.
+Rerunning the same command resumes from the latest usable checkpoint in --workdir (damaged ones are
+moved aside); expected faults (no usable checkpoint, a failed save) print a short message without a
+traceback unless --verbosity=1.
 The same run can be started from Python: ``areal_jax.runtime.trainer.run(config, workdir)``.
 """
 
@@ -29,8 +31,20 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:  # Orbax logs every save and restore at INFO
     logging.set_verbosity(logging.WARNING)
   from areal_jax.runtime import trainer  # imports JAX after flags are parsed
+  from areal_jax.models import CheckpointError
+  from areal_jax.runtime.errors import RunDirError
 
-  trainer.run(_CONFIG.value, _WORKDIR.value)
+  try:
+    trainer.run(_CONFIG.value, _WORKDIR.value)
+  except (RunDirError, CheckpointError) as e:  # expected faults (run directory, model files): the
+    # message says what to do
+    if flags.FLAGS.verbosity >= 1:
+      raise
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    # TensorStore's and asyncio's shutdown chatter about the failed reads would bury the message.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

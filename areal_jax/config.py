@@ -109,6 +109,7 @@ def base_config() -> ConfigDict:
   c.train.epochs = 1
   c.train.checkpoint_every = 10
   c.train.keep_checkpoints = 2
+  c.train.resume = True  # False: start over; existing checkpoints move to checkpoints.old-<time>
   c.train.eval_every = 0  # 0: no periodic evaluation
   c.train.eval_size = 64
   c.train.eval_samples = 1  # k of mean@k (1 = greedy pass@1 only)

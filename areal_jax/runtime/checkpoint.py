@@ -9,42 +9,201 @@ checkpoint holds two items:
     staleness counters and cumulative run statistics.
 Orbax writes into a temporary directory and renames it when complete, so a crash mid-save leaves the
 previous checkpoint as the latest one; unfinished temporaries are ignored and cleaned up.
+
+Damage (an interrupted copy of a workdir, another model's checkpoint, a full disk) is an expected
+fault. ``restore_latest`` tries the checkpoints newest first and uses the first one that restores
+completely and matches the config; each one that does not is moved aside (never deleted) as
+``<step>.corrupt-<UTC time>`` with a one-line warning. Faults a person must act on raise
+:class:`RunDirError`, whose message is meant to be printed as is, without a traceback.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import sys
+import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from areal_jax.runtime.errors import RunDirError  # noqa: F401 (re-exported)
+
+# What ``meta`` must hold for a resume to rewind the run consistently (written by trainer._save).
+REQUIRED_META = ("version", "data_state", "next_group_id", "pending", "staleness", "totals")
+_CORRUPT = re.compile(r"^\d+\.corrupt-")
+
+
+def utc_tag() -> str:
+  """``20261125T121503Z``: the suffix of directories moved aside."""
+  return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def move_aside(path: str, suffix: str) -> str | None:
+  """Renames ``path`` to ``<path><suffix>`` (a free name); returns the new path, None if absent."""
+  if not os.path.lexists(path):
+    return None
+  dest, n = path + suffix, 1
+  while os.path.lexists(dest):
+    n += 1
+    dest = f"{path}{suffix}.{n}"
+  os.rename(path, dest)
+  return dest
+
 
 class Checkpointer:
 
-  def __init__(self, workdir: str, keep: int):
+  def __init__(self, workdir: str, keep: int, resume: bool = True):
+    """``resume=False`` moves existing checkpoints to ``checkpoints.old-<time>`` (kept) first."""
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if not resume and os.path.isdir(self.directory) and os.listdir(self.directory):
+      old = move_aside(self.directory, f".old-{utc_tag()}")
+      print(f"train.resume=False: the previous checkpoints were moved to {old}", flush=True)
     options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True,
                                            enable_async_checkpointing=False,
                                            cleanup_tmp_directories=True)
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+    # Handlers named per item, so item_metadata can read the stored shapes before any array is read.
+    self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=dict(
+        state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()))
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
 
+  def steps(self) -> list[int]:
+    return sorted(self._mgr.all_steps())
+
   def save(self, step: int, state: Any, meta: dict) -> None:
-    self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                 meta=ocp.args.JsonSave(meta)), force=True)
-    self._mgr.wait_until_finished()
+    """Writes ``step`` completely or not at all: on failure the temporary directory is removed,
+    earlier checkpoints are untouched and :class:`RunDirError` is raised."""
+    before = self.steps()
+    try:
+      self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                   meta=ocp.args.JsonSave(meta)), force=True)
+      self._mgr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      self._discard_unfinished(step, keep_final=step in before)
+      kept = f"checkpoint {before[-1]} is intact" if before else "no checkpoint was written before"
+      raise RunDirError(
+          f"could not save checkpoint {step} under {self.directory}: {_reason(e, self.directory)}\n"
+          f"The run stopped; {kept}. Fix the cause (disk space, permissions, the bucket) and rerun "
+          "the same command to resume.") from e
+
+  def _discard_unfinished(self, step: int, keep_final: bool) -> None:
+    """Removes what a failed save of ``step`` left behind, so no later resume can trust it."""
+    for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
+      if (name == str(step) and not keep_final) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    self._mgr.reload()
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-    """Restores ``step``; ``abstract_state`` gives shapes, dtypes and target shardings."""
+    """Restores ``step``, every array read and checked against ``abstract_state`` (shapes, dtypes,
+    target shardings) and ``meta`` checked for :data:`REQUIRED_META`. Raises on any damage."""
+    self._check_shapes(step, abstract_state)
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         abstract_state)
     out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                           meta=ocp.args.JsonRestore()))
-    return out["state"], out["meta"]
+    state, meta = out["state"], out["meta"]
+    jax.block_until_ready(state)
+    _check_meta(step, meta)
+    return state, meta
+
+  def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
+    """The newest usable checkpoint as ``(step, state, meta)``; None when the run has none.
+
+    A checkpoint that fails :meth:`restore` is reported in one warning and moved aside as
+    ``<step>.corrupt-<UTC time>``; then the next older one is tried. Raises
+    :class:`RunDirError` when checkpoints exist (or were moved aside) but none is usable.
+    """
+    tried = []
+    for step in reversed(self.steps()):
+      try:
+        state, meta = self.restore(step, abstract_state)
+        return step, state, meta
+      except Exception as e:  # pylint: disable=broad-except
+        reason = _reason(e, os.path.join(self.directory, str(step)))
+      try:
+        moved = os.path.basename(move_aside(os.path.join(self.directory, str(step)),
+                                            f".corrupt-{utc_tag()}"))
+        where = f"moved aside to {moved}"
+      except OSError as e:
+        where = f"could not be moved aside ({e.strerror or e})"
+      self._mgr.reload()
+      tried.append(f"checkpoint {step}: {reason} ({where})")
+      print(f"warning: checkpoint {step} is unusable: {reason}; {where}, trying an older one",
+            file=sys.stderr, flush=True)
+    earlier = sorted(n for n in os.listdir(self.directory) if _CORRUPT.match(n))
+    if not tried and not earlier:
+      return None
+    lines = tried or [f"only checkpoints moved aside earlier as damaged: {', '.join(earlier)}"]
+    raise RunDirError(
+        f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(lines) + "\n"
+        "To start over, rerun with --config.train.resume=False (the old checkpoints are kept in "
+        "checkpoints.old-<time>); or restore the checkpoints directory from a good copy and rerun.")
 
   def close(self) -> None:
     self._mgr.close()
+
+  def _check_shapes(self, step: int, abstract_state: Any) -> None:
+    """Stored shapes and dtypes against the config's, before any array is read."""
+    stored = self._mgr.item_metadata(step)["state"]
+    stored = getattr(stored, "tree", stored)
+    if stored is None:
+      raise ValueError("state/_METADATA is missing or unreadable")
+    want, have = _flat(abstract_state), _flat(stored)
+    if set(want) != set(have):
+      missing = sorted(set(want) - set(have), key=str)
+      extra = sorted(set(have) - set(want), key=str)
+      first = (missing or extra)[0]
+      raise ValueError(f"its arrays do not match the config's model ({len(missing)} missing, "
+                       f"{len(extra)} unexpected, e.g. state/{first})")
+    for path, w in want.items():
+      h = have[path]
+      if tuple(h.shape) != tuple(w.shape) or jax.numpy.dtype(h.dtype) != jax.numpy.dtype(w.dtype):
+        raise ValueError(f"state/{path} is {h.dtype}{list(h.shape)} in the "
+                         f"checkpoint, the config's model needs {w.dtype}{list(w.shape)} "
+                         "(a checkpoint of another model?)")
+
+
+def _flat(tree) -> dict[str, Any]:
+  """Leaves by a path string that is the same for a list and a tuple, a dict key and an attribute."""
+  def name(k):
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+  return {"/".join(name(k) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_meta(step: int, meta) -> None:
+  if not isinstance(meta, dict):
+    raise ValueError(f"meta/metadata holds a {type(meta).__name__}, not a dict")
+  missing = [k for k in REQUIRED_META if k not in meta or (k == "data_state" and meta[k] is None)]
+  if missing:
+    raise ValueError(f"meta/metadata lacks {missing}")
+  if meta["version"] != step:
+    raise ValueError(f"meta/metadata says version {meta['version']}, the directory is step {step}")
+
+
+def _reason(e: BaseException, directory: str) -> str:
+  """One line: the innermost cause of ``e`` (TensorStore nests them), paths relative to ``directory``."""
+  causes = [e]
+  while len(causes) < 10:
+    nxt = causes[-1].__cause__ or (None if causes[-1].__suppress_context__ else causes[-1].__context__)
+    if nxt is None:
+      break
+    causes.append(nxt)
+  # TensorStore's useful line ("OUT_OF_RANGE: Error reading "x/0.0" ...") is the innermost cause;
+  # the outer ones wrap it in a dump of the whole TensorStore spec.
+  inner = causes[-1]
+  text = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
+  if isinstance(inner, OSError) and inner.filename:
+    text = f"{inner.strerror or type(inner).__name__}: {inner.filename}"
+  text = text.replace(directory.rstrip("/") + "/", "").replace(directory, ".")
+  if len(text) > 300:
+    text = text[:297] + "..."
+  return text

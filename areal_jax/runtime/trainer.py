@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from areal_jax import config as config_lib
 from areal_jax import models, tasks
 from areal_jax import learner as learner_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import engines, meshes, plots, weight_transfer
+from areal_jax.runtime import checkpoint, engines, meshes, plots, weight_transfer
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -57,13 +58,19 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
     engine = wrap_engine(engine)
   transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
                                    learner.params(), shardings=sampler_shardings)
-  ckpt = Checkpointer(workdir, c_train.keep_checkpoints)
+  if not c_train.resume:  # a fresh start keeps the previous run's records aside, never deletes them
+    tag = f".old-{checkpoint.utc_tag()}"
+    for name in ("metrics.jsonl", "trajectories"):
+      checkpoint.move_aside(os.path.join(workdir, name), tag)
+  ckpt = Checkpointer(workdir, c_train.keep_checkpoints, resume=c_train.resume)
 
-  # Resume: learner state, policy version, data position and unfinished groups.
+  # Resume from the newest usable checkpoint (damaged ones are moved aside): learner state, policy
+  # version, data position and unfinished groups; the metrics rows and trajectory dumps written
+  # after it belong to the abandoned timeline and are dropped.
   version, meta = 0, {}
-  if ckpt.latest_step() is not None:
-    version = ckpt.latest_step()
-    state, meta = ckpt.restore(version, learner.state)
+  found = ckpt.restore_latest(learner.state)
+  if found is not None:
+    version, state, meta = found
     learner.load_state(state)
     print(f"resumed from {ckpt.directory} at version {version}", flush=True)
   data_iter = task.train_iterator(seed=config.seed, epochs=c_train.epochs)
@@ -85,6 +92,7 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   writer = MetricsWriter(workdir, c_train.total_steps, resume_step=version)
   totals = meta.get("totals", dict(groups_accepted=0, groups_rejected=0, wall_time_s=0.0))
   dump = _TrajectoryDump(workdir) if c_train.dump_trajectories else None
+  _TrajectoryDump.drop_after(workdir, version)
 
   stop = _StopFlag()
   engine.start()
@@ -225,6 +233,15 @@ class _TrajectoryDump:
   def __init__(self, workdir: str):
     self.dir = os.path.join(workdir, "trajectories")
     os.makedirs(self.dir, exist_ok=True)
+
+  @staticmethod
+  def drop_after(workdir: str, version: int) -> None:
+    """Deletes the dumps of steps a resume from ``version`` redoes (``step_<n>`` trains version n+1)."""
+    directory = os.path.join(workdir, "trajectories")
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+      m = re.fullmatch(r"step_(\d+)\.jsonl(\.tmp)?", name)
+      if m and int(m.group(1)) >= version:
+        os.remove(os.path.join(directory, name))
 
   def write(self, step: int, batch) -> None:
     path = os.path.join(self.dir, f"step_{step:06d}.jsonl")

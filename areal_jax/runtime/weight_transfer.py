@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -32,6 +33,7 @@ from etils import epath
 from flax import nnx
 
 from areal_jax import sharding
+from areal_jax.runtime.errors import RunDirError
 
 COMMIT_FILE = "commit_success.txt"  # written by Orbax when a save is finalized
 _TMP_NAME = re.compile(r"^\d+\.orbax-checkpoint-tmp")
@@ -243,6 +245,7 @@ class OrbaxReceiver:
     import orbax.checkpoint as ocp
     self._ckptr = ocp.StandardCheckpointer()
     self.last_fetch_s = 0.0
+    self.damaged: set[int] = set()  # published versions that failed to restore (skipped for good)
 
   def versions(self) -> list[int]:
     return list_versions(self.path)
@@ -276,6 +279,35 @@ class OrbaxReceiver:
     self.last_fetch_s = time.perf_counter() - t0
     return params
 
+  def fetch_newer(self, current: int | None) -> tuple[int, dict] | None:
+    """The newest readable version above ``current`` as ``(version, params)``; None if there is none.
+
+    For a sampler polling the directory: a published version that cannot be restored (damaged
+    files, another model's shapes) is reported in one warning and never tried again; older versions
+    above ``current`` are tried next, and None means: keep the current weights until the next good
+    version is published.
+    """
+    for v in reversed(self.versions()):
+      if current is not None and v <= current:
+        return None
+      if v in self.damaged:
+        continue
+      try:
+        return v, self.fetch(v)
+      except LookupError:  # removed by the publisher's retention while listed: not damage
+        continue
+      except Exception as e:  # pylint: disable=broad-except
+        if not (self.path / str(v) / COMMIT_FILE).exists():
+          continue  # deleted under us by retention
+        self.damaged.add(v)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        cause = e.__cause__
+        if cause is not None and str(cause).strip():  # TensorStore's useful line is the cause
+          first = str(cause).strip().splitlines()[0]
+        print(f"warning: weights version {v} under {self.path} is unreadable, skipped "
+              f"({first[:240]}); the sampler keeps its current weights", file=sys.stderr, flush=True)
+    return None
+
   def close(self) -> None:
     self._ckptr.close()
 
@@ -302,9 +334,21 @@ class OrbaxTransfer:
     return self.receiver.fetch(version)
 
   def send(self, params, version: int) -> dict:
-    """``publish`` (finalized) then ``fetch``: the parameters of ``version`` on the sampler mesh."""
-    self.publish(params, version)
-    return self.fetch(version)
+    """``publish`` (finalized) then ``fetch``: the parameters of ``version`` on the sampler mesh.
+
+    Fails with :class:`RunDirError` when the version cannot be written or read back (a full
+    disk, permissions, a bucket error): the sampler must not run on weights other than announced.
+    """
+    try:
+      self.publish(params, version)
+      return self.fetch(version)
+    except Exception as e:  # pylint: disable=broad-except
+      cause = e.__cause__ if e.__cause__ is not None and str(e.__cause__).strip() else e
+      first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+      raise RunDirError(
+          f"could not publish weights version {version} under {self.publisher.path}: {first}\n"
+          "The run stopped; its last checkpoint is intact. Fix the cause (disk space, permissions, "
+          "the bucket) and rerun the same command to resume.") from e
 
   @property
   def last_publish_s(self) -> float:
