@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 from areal_jax.runtime.errors import RunDirError  # noqa: F401 (re-exported)
 
@@ -83,6 +84,7 @@ class Checkpointer:
                                                    meta=ocp.args.JsonSave(meta)), force=True)
       self._mgr.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
+      _quiet_orphaned_reads()
       self._discard_unfinished(step, keep_final=step in before)
       kept = f"checkpoint {before[-1]} is intact" if before else "no checkpoint was written before"
       raise RunDirError(
@@ -91,10 +93,23 @@ class Checkpointer:
           "the same command to resume.") from e
 
   def _discard_unfinished(self, step: int, keep_final: bool) -> None:
-    """Removes what a failed save of ``step`` left behind, so no later resume can trust it."""
-    for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
-      if (name == str(step) and not keep_final) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
-        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    """Removes what a failed save of ``step`` left behind, so no later resume can trust it.
+
+    The other item's writes may still be finishing in Orbax's background threads when the save
+    raises (and recreate files under the temporary directory): remove until it stays gone.
+    """
+    try:
+      self._mgr.wait_until_finished()
+    except Exception:  # pylint: disable=broad-except  (the same failure, reported by the caller)
+      pass
+    for _ in range(50):
+      leftovers = [os.path.join(self.directory, n) for n in os.listdir(self.directory)
+                   if (n == str(step) and not keep_final) or n.startswith(f"{step}.orbax-checkpoint-tmp")]
+      if not leftovers:
+        break
+      for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+      time.sleep(0.1)
     self._mgr.reload()
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -125,6 +140,7 @@ class Checkpointer:
         return step, state, meta
       except Exception as e:  # pylint: disable=broad-except
         reason = _reason(e, os.path.join(self.directory, str(step)))
+        _quiet_orphaned_reads()
       try:
         moved = os.path.basename(move_aside(os.path.join(self.directory, str(step)),
                                             f".corrupt-{utc_tag()}"))
@@ -187,6 +203,31 @@ def _check_meta(step: int, meta) -> None:
     raise ValueError(f"meta/metadata lacks {missing}")
   if meta["version"] != step:
     raise ValueError(f"meta/metadata says version {meta['version']}, the directory is step {step}")
+
+
+def _quiet_orphaned_reads() -> None:
+  """Drops the tracebacks of Orbax's orphaned reads and writes after a failure (kept with
+  ``--verbosity=1``).
+
+  When one array of a restore (or save) fails, TensorStore operations still in flight complete
+  later into Orbax's closed event loop, and each prints "Event loop is closed" or "Exception
+  ignored in <coroutine ...>" through ``sys.unraisablehook``: hundreds of lines that bury the one
+  line that matters. Other unraisable exceptions still reach the previous hook.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "quiets_orbax", False) or absl_logging.get_verbosity() >= 1:
+    return
+
+  def hook(unraisable):
+    exc, obj = unraisable.exc_value, unraisable.object
+    code = getattr(obj, "cr_code", None)
+    if ((isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc))
+        or "orbax" in getattr(code, "co_filename", "")):
+      return
+    previous(unraisable)
+
+  hook.quiets_orbax = True
+  sys.unraisablehook = hook
 
 
 def _reason(e: BaseException, directory: str) -> str:
