@@ -245,6 +245,9 @@ def _reason(e: BaseException, directory: str) -> str:
   if isinstance(inner, OSError) and inner.filename:
     text = f"{inner.strerror or type(inner).__name__}: {inner.filename}"
   text = text.replace(directory.rstrip("/") + "/", "").replace(directory, ".")
+  ts = re.search(r'Error reading "([^"/]+)/[^"]*" in OCDBT database at local file "([^"]*)": (.*)', text)
+  if ts:  # TensorStore names the array and the item directory, not the data file inside it
+    text = f"{ts.group(2)}{ts.group(1)} is unreadable: {ts.group(3)}"
   if len(text) > 300:
     text = text[:297] + "..."
   return text

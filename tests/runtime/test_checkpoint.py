@@ -234,3 +234,29 @@ def test_launch_prints_no_usable_checkpoint_briefly(run, verbosity):
     assert "Traceback" not in out.stderr and len(lines) <= 12, out.stderr
     assert any(line.startswith("error: no usable checkpoint") for line in lines)
     assert "--config.train.resume=False" in out.stderr
+
+
+def test_rewind_drops_the_trajectory_dumps_of_redone_steps(run):
+  from areal_jax.runtime import trainer
+
+  workdir, _ = run
+  (workdir / "trajectories" / "step_000002.jsonl.tmp").write_text("torn\n")
+  trainer._TrajectoryDump.drop_after(str(workdir), 1)  # pylint: disable=protected-access
+  assert sorted(os.listdir(workdir / "trajectories")) == ["step_000000.jsonl"]
+
+
+@pytest.mark.slow
+def test_resume_false_starts_over_keeping_the_old_run(run):
+  from areal_jax.runtime import trainer
+
+  workdir, _ = run
+  trainer.run(tiny_config(**dict(RUN, **{"train.total_steps": 1, "train.resume": False})),
+              str(workdir))
+  audit(workdir, 1)
+  for name, content in (("checkpoints", ["1", "2", "3"]),
+                        ("trajectories", [f"step_{s:06d}.jsonl" for s in range(3)])):
+    [old] = glob.glob(str(workdir / f"{name}.old-*"))
+    assert sorted(os.listdir(old)) == content
+  [old_metrics] = glob.glob(str(workdir / "metrics.jsonl.old-*"))
+  assert len(open(old_metrics).read().splitlines()) == STEPS
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]

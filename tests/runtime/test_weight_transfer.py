@@ -214,3 +214,57 @@ def test_concurrent_reader_never_sees_a_partial_version(setup, tmp_path):
   for v in seen:  # versions a single reader observes never go backwards
     assert v >= last
     last = v
+
+
+def _truncate_largest_data_file(version_dir):
+  files = [os.path.join(r, f) for r, _, fs in os.walk(version_dir) for f in fs
+           if os.path.basename(r) == "d"]
+  biggest = max(files, key=os.path.getsize)
+  os.truncate(biggest, os.path.getsize(biggest) // 3)
+
+
+def test_receiver_skips_a_damaged_version_and_keeps_its_weights(setup, tmp_path, capsys):
+  mesh = sampler_mesh(setup, dict(data=4))
+  shardings = wt.target_shardings(setup["state"], mesh)
+  pub = wt.OrbaxPublisher(tmp_path, keep=3)
+  receiver = wt.OrbaxReceiver(tmp_path, wt.abstract_params(setup["state"], shardings))
+  for v in (1, 2):
+    pub.publish(shifted(setup["params"], float(v)), v)
+  _truncate_largest_data_file(tmp_path / "2")
+  version, params = receiver.fetch_newer(None)  # 2 is damaged: the newest good one is 1
+  assert version == 1
+  assert_on_sampler(params, shifted(setup["params"], 1.0), shardings, setup)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "weights version 2" in err[0] and "keeps its current weights" in err[0]
+  assert receiver.fetch_newer(1) is None  # nothing newer that is good: keep version 1
+  assert capsys.readouterr().err == ""  # warned once per damaged version
+  pub.publish(shifted(setup["params"], 3.0), 3)
+  version, params = receiver.fetch_newer(1)
+  assert version == 3
+  assert_on_sampler(params, shifted(setup["params"], 3.0), shardings, setup)
+  pub.close()
+  receiver.close()
+
+
+def test_send_stops_with_a_clear_error_when_a_version_cannot_be_written(setup, tmp_path,
+                                                                         monkeypatch):
+  import errno
+
+  import orbax.checkpoint as ocp
+
+  from areal_jax.runtime.errors import RunDirError
+
+  mesh = sampler_mesh(setup, dict(data=4))
+  shardings = wt.target_shardings(setup["state"], mesh)
+  transfer = wt.OrbaxTransfer(tmp_path, keep=2, target=wt.abstract_params(setup["state"], shardings))
+  transfer.send(setup["params"], 1)
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(ocp.StandardCheckpointer, "save", full)
+  with pytest.raises(RunDirError, match="could not publish weights version 2.*No space left"):
+    transfer.send(setup["params"], 2)
+  monkeypatch.undo()
+  assert wt.list_versions(tmp_path) == [1]
+  transfer.close()
