@@ -24,6 +24,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -104,7 +105,8 @@ class Checkpointer:
       pass
     for _ in range(50):
       leftovers = [os.path.join(self.directory, n) for n in os.listdir(self.directory)
-                   if (n == str(step) and not keep_final) or n.startswith(f"{step}.orbax-checkpoint-tmp")]
+                   if (n == str(step) and not keep_final)
+                   or n.startswith(f"{step}.orbax-checkpoint-tmp")]
       if not leftovers:
         break
       for path in leftovers:
@@ -134,7 +136,8 @@ class Checkpointer:
     :class:`RunDirError` when checkpoints exist (or were moved aside) but none is usable.
     """
     tried = []
-    for step in reversed(self.steps()):
+    candidates = self.steps()
+    for step in reversed(candidates):
       try:
         state, meta = self.restore(step, abstract_state)
         return step, state, meta
@@ -149,7 +152,8 @@ class Checkpointer:
         where = f"could not be moved aside ({e.strerror or e})"
       self._mgr.reload()
       tried.append(f"checkpoint {step}: {reason} ({where})")
-      print(f"warning: checkpoint {step} is unusable: {reason}; {where}, trying an older one",
+      then = "trying an older one" if step > candidates[0] else "no older one"
+      print(f"warning: checkpoint {step} is unusable: {reason}; {where}, {then}",
             file=sys.stderr, flush=True)
     earlier = sorted(n for n in os.listdir(self.directory) if _CORRUPT.match(n))
     if not tried and not earlier:
@@ -213,6 +217,7 @@ def _quiet_orphaned_reads() -> None:
   later into Orbax's closed event loop, and each prints "Event loop is closed" or "Exception
   ignored in <coroutine ...>" through ``sys.unraisablehook``: hundreds of lines that bury the one
   line that matters. Other unraisable exceptions still reach the previous hook.
+  Process-wide from the first failure on (checkpoint faults end or rewind the run anyway).
   """
   previous = sys.unraisablehook
   if getattr(previous, "quiets_orbax", False) or absl_logging.get_verbosity() >= 1:
@@ -228,6 +233,8 @@ def _quiet_orphaned_reads() -> None:
 
   hook.quiets_orbax = True
   sys.unraisablehook = hook
+  # The write coroutines a failed save abandons are reported when collected.
+  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def _reason(e: BaseException, directory: str) -> str:
