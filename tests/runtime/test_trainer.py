@@ -39,6 +39,7 @@ def check_run(workdir, steps, eta):
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
   for r in rows:
     assert set(metrics_lib.REQUIRED_FIELDS) <= set(r)
+    assert isinstance(r["compiles"], int) and r["compiles"] >= 0
     assert r["staleness_max"] <= eta
   samples = trajectories(workdir)
   assert len(samples) == steps * 4 * 4  # B groups x n samples per step
