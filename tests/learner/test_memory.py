@@ -12,16 +12,14 @@ import pytest
 from areal_jax import config as config_lib
 from areal_jax import sharding
 from areal_jax.learner import Learner, memory
-from areal_jax.models import ModelConfig
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from learner_helpers import CFG, actor  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(ROOT / "bench"))
+from common import QWEN25_1P5B  # noqa: E402
+from learner_helpers import CFG, actor  # noqa: E402
+
 GIB = 2**30
-QWEN25_1P5B = ModelConfig(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, n_heads=12,
-                          n_kv_heads=2, head_dim=128, d_ff=8960, rope_theta=1e6, qkv_bias=True,
-                          tie_embeddings=True, dtype="bfloat16")
 
 
 def fsdp(n):
