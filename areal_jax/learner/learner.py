@@ -37,7 +37,7 @@ from areal_jax.learner import advantages as adv_lib
 from areal_jax.learner import compiles, head
 from areal_jax.learner import loss as loss_lib
 from areal_jax.learner import packing
-from areal_jax.models import Transformer
+from areal_jax.models import Transformer, train_forward
 from areal_jax.rollout_api import Sample
 
 
@@ -196,9 +196,9 @@ class Learner:
     opts = self.opts
     with sharding.use(self.mesh, self.rules):
       model = nnx.merge(self.graphdef, params)
-      h_RxLxE = model.hidden(b["tokens"], b["positions"], b["segment_ids"], remat=opts.remat,
-                             scan=opts.scan_layers)
-      w, transpose_w = model.head_weight()
+      h_RxLxE = train_forward.hidden(model, b["tokens"], b["positions"], b["segment_ids"],
+                                     remat=opts.remat, scan=opts.scan_layers)
+      w, transpose_w = train_forward.head_weight(model)
       return head.token_logprobs(h_RxLxE, w, transpose_w, b["tokens"], self.temperature,
                                  opts.logits_chunk)
 

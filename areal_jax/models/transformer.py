@@ -3,9 +3,6 @@
 One set of weights, two entry points:
   * ``model(tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV``: the full causal forward
     used for training (packed rows: attention stays inside a segment, positions restart per segment).
-  * ``model.hidden(tokens_BxL, positions_BxL, segment_ids_BxL, remat=..., scan=...)``: the same
-    forward up to the final norm (``[B, L, E]``), for a learner that applies the LM head itself
-    (``head_weight``), with the layers optionally rematerialised and run under ``lax.scan``.
   * ``model.extend(tokens_BxL, start_B, cache, kv_len) -> (logits_BxLxV, cache)``: writes the keys and
     values of L new tokens at positions ``start_B + [0, L)`` of a KV cache and attends to everything
     before them. Prefill is ``start_B = 0``; one decode step is ``L = 1``; re-prefilling generated
@@ -403,18 +400,6 @@ class Transformer(nnx.Module):
       x = block(x, rope_BxLxF, lambda q, k, v: causal_attention(q, k, v, mask_BxLxL))
     return self._logits(x)
 
-  def hidden(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, remat: str = "none",
-             scan: bool = False):
-    """Final-normed hidden states ``[B, L, E]`` of the training forward (see ``hidden``)."""
-    return hidden(self, tokens_BxL, positions_BxL, segment_ids_BxL, remat, scan)
-
-  def head_weight(self):
-    """``(w, transpose_w)`` of the LM head in the compute dtype, for ``linear(x, w, transpose_w)``
-    (a tied head is the embedding ``[V, E]``, transposed)."""
-    if self.cfg.tie_embeddings:
-      return self.embed[...].astype(self.cfg.compute_dtype), True
-    return self.lm_head[...].astype(self.cfg.compute_dtype), False
-
   def extend(self, tokens_BxL, start_B, cache: Cache, kv_len: int | None = None):
     """Append L tokens per row at ``start_B`` to ``cache``; returns logits and the updated cache.
 
@@ -446,69 +431,6 @@ class Transformer(nnx.Module):
       x = block(x, rope_BxLxF, attend)
       new_cache.append(updated)
     return self._logits(x), new_cache
-
-
-REMAT_POLICIES = ("none", "full", "dots", "offload")
-
-
-def remat_policy(name: str):
-  """The ``jax.checkpoint`` policy of a named rematerialisation setting (None for ``"none"``).
-
-  ``full``: a layer keeps only its input, everything else is recomputed in the backward pass;
-  ``dots``: the outputs of matmuls without batch dimensions (the projections) are kept, the
-  elementwise work and attention recomputed; ``offload``: like ``dots`` but the kept outputs go to
-  pinned host memory (backends with host memory spaces: TPU, GPU)."""
-  policies = jax.checkpoint_policies
-  if name == "none":
-    return None
-  if name == "full":
-    return policies.nothing_saveable
-  if name == "dots":
-    return policies.dots_with_no_batch_dims_saveable
-  if name == "offload":
-    return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
-  raise ValueError(f"remat={name!r} is not one of {REMAT_POLICIES}")
-
-
-def _packed_mask(b: int, l: int, segment_ids_BxL):
-  causal_LxL = jnp.tril(jnp.ones((l, l), jnp.bool_))
-  mask_BxLxL = jnp.broadcast_to(causal_LxL, (b, l, l))
-  if segment_ids_BxL is not None:
-    same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-    mask_BxLxL = mask_BxLxL & same & (segment_ids_BxL[:, None, :] > 0)
-  return mask_BxLxL
-
-
-def hidden(model: "Transformer", tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
-           remat: str = "none", scan: bool = False):
-  """``Transformer.hidden``: the training forward up to the final norm, ``[B, L, E]``.
-
-  ``remat`` names a ``remat_policy`` applied per layer (``jax.checkpoint``). ``scan``: the layers
-  run as one ``lax.scan`` over a stacked ``[n_layers, ...]`` view of their parameters (built here,
-  from the same ``nnx.List`` of Blocks), so the compiled program holds one layer whatever the
-  depth; the gradient flows back to each layer's own parameters through the stack."""
-  b, l = tokens_BxL.shape
-  if positions_BxL is None:
-    positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-  mask_BxLxL = _packed_mask(b, l, segment_ids_BxL)
-  x = model._embed(tokens_BxL)
-  rope_BxLxF = rope_tables(positions_BxL, model.cfg.head_dim, model.cfg.rope_theta)
-  graphdef, _ = nnx.split(model.layers[0])
-
-  def layer(state, x_BxLxE, rope_BxLxF, mask_BxLxL):
-    block = nnx.merge(graphdef, state)
-    return block(x_BxLxE, rope_BxLxF, lambda q, k, v: causal_attention(q, k, v, mask_BxLxL))
-
-  if remat != "none":
-    layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=not scan)
-  states = [nnx.state(block) for block in model.layers]
-  if scan:
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    x, _ = jax.lax.scan(lambda x, s: (layer(s, x, rope_BxLxF, mask_BxLxL), None), x, stacked)
-  else:
-    for state in states:
-      x = layer(state, x, rope_BxLxF, mask_BxLxL)
-  return model.final_norm(x)
 
 
 def _write_rows(cache_BxTxKxD, new_BxLxKxD, start_B):
