@@ -80,6 +80,8 @@ def get_config(preset: str = "default"):
   c.train.eval_size = 1319
   c.weights.transfer = "device_put"
 
+  if preset in ("tiny", "smollm"):  # CPU presets: the plain train step (as measured in the README)
+    c.actor.remat, c.actor.scan_layers, c.actor.logits_chunk = "none", False, 0
   if preset == "tiny":
     c.model.source = "tiny"
     c.model.dtype = c.actor.dtype = "float32"

@@ -47,3 +47,20 @@ def test_hidden_with_remat_and_scan_equals_the_forward(remat, scan):
   assert isinstance(model.layers, nnx.List) and len(model.layers) == 3
   with pytest.raises(ValueError, match="remat='some'"):
     train_forward.remat_policy("some")
+
+
+def test_scanned_program_does_not_grow_with_depth():
+  """Under the scan the lowered train forward holds one layer: an added layer only adds its
+  parameters to the stack (a few lines), unrolled it adds a whole layer's forward and backward."""
+
+  def size(n_layers, scan):
+    cfg = transformer.ModelConfig(vocab_size=VOCAB, n_layers=n_layers)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: transformer.Transformer(cfg, nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    loss = lambda p, t: jnp.sum(train_forward.hidden(nnx.merge(graphdef, p), t, remat="full",
+                                                     scan=scan))
+    return len(jax.jit(jax.grad(loss)).lower(params, tokens).as_text())
+
+  per_layer_scanned = (size(8, True) - size(2, True)) / 6
+  per_layer_unrolled = (size(8, False) - size(2, False)) / 6
+  assert per_layer_scanned < per_layer_unrolled / 5, (per_layer_scanned, per_layer_unrolled)
