@@ -2,6 +2,7 @@
 
   python bench/learner.py [--quick] [--json PATH]
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan [--json PATH]
+  python bench/learner.py --depth [--json PATH]
 
 Workload: GRPO batches with GSM8K-like lengths (prompt 60..200 tokens, completion log-normal with
 median ~180, capped at 512), random tokens, random rewards and behaviour logprobs. One timed
@@ -31,6 +32,8 @@ The matmul throughput is measured on the spot (best of several square float32 ma
 device), so MFU is relative to what this machine actually does, not a datasheet figure. Packing
 efficiency = real tokens / (rows used x row length) over many GSM8K-like batches; the step's
 padding efficiency also counts the padding rows that round micro-batches up to a bucketed shape.
+``--depth`` compiles the train forward and backward (``remat="full"``, 2 rows of 768) of SmolLM2
+shapes at 2, 8 and 30 layers, unrolled and under the scan, and prints the compile seconds.
 ``--plan`` times nothing: it prints the memory plan of the shipped recipes (configs/gsm8k.py, the
 default on 4 FSDP devices of 16 GiB and ``:qwen7b`` on 8 of 80 GiB) for Qwen2.5-1.5B and -7B
 shapes, compiled on abstract shapes for fake CPU devices.
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -176,17 +180,42 @@ def plan_recipes() -> list[dict]:
   return rows
 
 
+def compile_depth() -> list[dict]:
+  """Compile seconds of the train forward + backward by depth, unrolled vs scanned layers."""
+  import jax.numpy as jnp
+  from areal_jax.models import train_forward
+  rows = []
+  for n_layers in (2, 8, 30):
+    for scan in (False, True):
+      cfg = dataclasses.replace(SMOLLM2, n_layers=n_layers)
+      graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+      tokens = jax.ShapeDtypeStruct((2, 768), jnp.int32)
+      loss = lambda p, t: jnp.sum(train_forward.hidden(nnx.merge(graphdef, p), t, remat="full",
+                                                       scan=scan))
+      t0 = time.perf_counter()
+      lowered = jax.jit(jax.grad(loss)).lower(params, tokens)
+      t1 = time.perf_counter()
+      lowered.compile()
+      rows.append(dict(layers=n_layers, scan=scan, lower_s=t1 - t0,
+                       compile_s=time.perf_counter() - t1))
+      print(f"{n_layers:>3} layers {'scanned' if scan else 'unrolled':>9}: lower "
+            f"{rows[-1]['lower_s']:5.1f} s, compile {rows[-1]['compile_s']:5.1f} s", flush=True)
+  return rows
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="reduced run (< 2 minutes)")
   ap.add_argument("--json", default=None, help="write results to this path")
   ap.add_argument("--plan", action="store_true", help="only the recipes' memory plans")
+  ap.add_argument("--depth", action="store_true", help="only compile time by depth")
   args = ap.parse_args()
-  if args.plan:
-    rows = plan_recipes()
+  if args.plan or args.depth:
+    rows = plan_recipes() if args.plan else compile_depth()
     if args.json:
       with open(args.json, "w") as f:
-        json.dump(dict(machine=machine(), plans=rows), f, indent=1)
+        json.dump(dict(machine=machine(), load_avg=os.getloadavg()[0],
+                       **{"plans" if args.plan else "depth": rows}), f, indent=1)
     return
   info, hw = machine(), Hardware()
   peak = hw.probe(5).figures()["matmul_GFLOPps"] * 1e9
