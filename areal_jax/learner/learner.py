@@ -13,8 +13,12 @@
 Three jitted functions do the device work, each with explicit shardings on the learner mesh: the
 logprob forward, ``accumulate`` (grads and metric sums, donated) and ``apply`` (the optimizer
 update, with the training state donated). Their shapes depend only on the bucketed row length and
-rows per micro-batch, never on the number of sequences or micro-batches, so steady state does not
-recompile. An update whose loss or gradient is not finite is not applied: the parameters stay
+rows per micro-batch, never on the number of sequences or micro-batches, and a shape already
+compiled is reused when it costs little more (``packing.plan``'s ``known``), so steady state does
+not recompile (``compiles`` in the step's metrics counts it). The forward is
+``models.train_forward.hidden`` (``actor.remat``, ``actor.scan_layers``) followed by the LM head in
+chunks (``head.py``, ``actor.logits_chunk``); ``memory.py`` plans the step's device memory.
+An update whose loss or gradient is not finite is not applied: the parameters stay
 those of the last good update and ``train_step`` raises ``FloatingPointError`` naming the step.
 """
 

@@ -153,7 +153,8 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
           learner_wait_s=wait_s, sampler_idle_frac=min(1.0, delta["idle_s"] / max(period, 1e-9)),
           weight_publish_s=publish_s, step_time_s=period,
           wall_time_s=totals["wall_time_s"] + now - t_start,
-          compiles=metrics.get("compiles"), reward_failures=stats["reward_failures"], prompts_too_long=stats["prompts_too_long"],
+          compiles=metrics.get("compiles"), reward_failures=stats["reward_failures"],
+          prompts_too_long=stats["prompts_too_long"],
           **{f"learner/{k}": v for k, v in metrics.items()})
       if c_train.eval_every and (step + 1) % c_train.eval_every == 0:
         row.update(evaluate(controller, task, c_train))
