@@ -35,6 +35,11 @@ def base_config() -> ConfigDict:
   c.mesh.sampler_devices = 4
   c.mesh.learner = ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: all remaining devices
   c.mesh.sampler = ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # The learner's memory plan (areal_jax/learner/memory.py) checks its train step against
+  # memory_fraction x device_memory_gib per device before the first step; 0: the memory the
+  # device reports (accelerators), no check where it reports none (CPU).
+  c.mesh.device_memory_gib = 0.0
+  c.mesh.memory_fraction = 0.9
 
   c.task = ConfigDict()
   c.task.name = "gsm8k"  # "gsm8k" | "arithmetic"
@@ -103,6 +108,11 @@ def base_config() -> ConfigDict:
   c.actor.micro_batch_tokens = 4096  # token budget of one micro-batch (gradient accumulation)
   c.actor.pack_sequences = True
   c.actor.dtype = "float32"  # compute dtype; master weights stay float32
+  # Rematerialisation of the layers in the train step: "none" | "full" (keep each layer's input
+  # only) | "dots" (keep the projections' outputs) | "offload" (dots, kept in host memory).
+  c.actor.remat = "none"
+  c.actor.scan_layers = False  # run the layers as one lax.scan (compile time flat in depth)
+  c.actor.logits_chunk = 0  # tokens whose LM-head logits exist at once; 0: the whole micro-batch
 
   c.train = ConfigDict()
   c.train.total_steps = 100
@@ -165,6 +175,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "actor.behav_imp_weight_level": (a.behav_imp_weight_level, ("token", "sequence")),
       "actor.adv_norm": (a.adv_norm, ("group", "group_mean", "rloo", "none")),
       "actor.lr_schedule": (a.lr_schedule, ("constant", "cosine", "linear")),
+      "actor.remat": (a.remat, ("none", "full", "dots", "offload")),
       "weights.transfer": (config.weights.transfer, ("device_put", "orbax")),
       "task.name": (config.task.name, ("gsm8k", "arithmetic")),
   }
@@ -175,6 +186,12 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
               "rollout.max_new_tokens": r.max_new_tokens, "rollout.num_slots": r.num_slots,
               "actor.ppo_n_minibatches": a.ppo_n_minibatches, "train.total_steps": config.train.total_steps}
   errors += [f"{k}={v} must be >= 1" for k, v in positive.items() if v < 1]
+  if a.logits_chunk < 0:
+    errors.append(f"actor.logits_chunk={a.logits_chunk} must be >= 0 (0: no chunking)")
+  if m.device_memory_gib < 0:
+    errors.append(f"mesh.device_memory_gib={m.device_memory_gib} must be >= 0 (0: as reported)")
+  if not 0 < m.memory_fraction <= 1:
+    errors.append(f"mesh.memory_fraction={m.memory_fraction} must be in (0, 1]")
   if r.max_head_offpolicyness < 0:
     errors.append(f"rollout.max_head_offpolicyness={r.max_head_offpolicyness} must be >= 0")
   if r.max_concurrent_rollouts < 0:

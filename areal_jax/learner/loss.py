@@ -31,10 +31,14 @@ def token_logprobs(logits_BxLxV, tokens_BxL, temperature: float):
   The last position (which scores nothing) gets 0 for both. Both carry exact gradients.
   """
   next_BxL = jnp.roll(tokens_BxL, -1, axis=1)
-  logp_BxL, entropy_BxL = _logprob_entropy(logits_BxLxV.astype(jnp.float32), next_BxL,
-                                           float(temperature))
+  logp_BxL, entropy_BxL = logprob_entropy(logits_BxLxV, next_BxL, temperature)
   last = jnp.arange(tokens_BxL.shape[1]) == tokens_BxL.shape[1] - 1
   return jnp.where(last, 0.0, logp_BxL), jnp.where(last, 0.0, entropy_BxL)
+
+
+def logprob_entropy(logits_BxLxV, next_BxL, temperature: float):
+  """``(logp, entropy)`` of ``next_BxL`` under ``softmax(logits / T)`` at every position."""
+  return _logprob_entropy(logits_BxLxV.astype(jnp.float32), next_BxL, float(temperature))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

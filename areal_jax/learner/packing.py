@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -143,10 +144,12 @@ class Layout:
 
 
 LONGER_ROWS_GAIN = 0.85  # doubled rows are taken when they compute at most this share of the tokens
+REUSE_COST = 1.5  # a known shape is taken when it computes at most this many times the new one's
 
 
 def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: int = 1,
-         min_row_len: int = 0, packed: bool = True) -> Layout:
+         min_row_len: int = 0, packed: bool = True,
+         known: Iterable[tuple[int, int]] = ()) -> Layout:
   """Splits sequences (in order) into ``n_minibatches`` equal parts, packs each into rows, and cuts
   the rows into micro-batches of at most ``micro_batch_tokens`` tokens (but at least ``dp`` rows).
 
@@ -158,6 +161,12 @@ def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: in
   segments; rows of 768 instead of 384 cost ~14% more per position) keeps the shorter rows when
   packing gains little. Rows per micro-batch are a multiple of ``dp`` from a bucketed list,
   chosen to leave as few padding rows as possible.
+
+  ``known``: ``(row_len, micro_rows)`` shapes the train step has already compiled. When the layout
+  above has a new shape, the cheapest known shape that holds the batch (within the token budget)
+  is taken instead if it computes at most ``REUSE_COST`` times its tokens: a compilation costs
+  more than a few steps' padding, and a steady workload then stops compiling once its shapes
+  have been seen.
   """
   if not lengths:
     raise ValueError("no sequences to pack")
@@ -170,11 +179,20 @@ def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: in
   if packed and longer <= micro_batch_tokens:
     other = _layout(lengths, n_minibatches, micro_batch_tokens, dp, longer, packed)
     if other.computed_tokens <= LONGER_ROWS_GAIN * layout.computed_tokens:
-      return other
-  return layout
+      layout = other
+  known = set(known)
+  if (layout.row_len, layout.micro_rows) in known:
+    return layout
+  reuse = [_layout(lengths, n_minibatches, micro_batch_tokens, dp, row_len, packed, rows)
+           for row_len, rows in sorted(known)
+           if row_len >= max(lengths) and rows % dp == 0
+           and rows * row_len <= max(micro_batch_tokens, dp * row_len)]
+  reuse = [r for r in reuse if r.computed_tokens <= REUSE_COST * layout.computed_tokens]
+  return min(reuse, key=lambda r: (r.computed_tokens, r.row_len), default=layout)
 
 
-def _layout(lengths, n_minibatches, micro_batch_tokens, dp, row_len, packed) -> Layout:
+def _layout(lengths, n_minibatches, micro_batch_tokens, dp, row_len, packed,
+            micro_rows: int | None = None) -> Layout:
   parts = np.array_split(np.arange(len(lengths)), n_minibatches)
   mb_rows = []
   for idx in parts:
@@ -187,7 +205,8 @@ def _layout(lengths, n_minibatches, micro_batch_tokens, dp, row_len, packed) -> 
   budget = max(1, micro_batch_tokens // row_len // dp)  # in units of dp rows
   most = max(math.ceil(len(r) / dp) for r in mb_rows)
   n_micro = math.ceil(most / budget)
-  micro_rows = dp * min(bucket(math.ceil(most / n_micro), 1), max(budget, 1))
+  if micro_rows is None:
+    micro_rows = dp * min(bucket(math.ceil(most / n_micro), 1), max(budget, 1))
   minibatches = []
   for rows in mb_rows:
     rows = rows + [[] for _ in range(-len(rows) % micro_rows)]

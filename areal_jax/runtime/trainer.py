@@ -26,6 +26,7 @@ import numpy as np
 from areal_jax import config as config_lib
 from areal_jax import models, tasks
 from areal_jax import learner as learner_lib
+from areal_jax.learner import memory
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import checkpoint, engines, meshes, plots, weight_transfer
 from areal_jax.runtime.checkpoint import Checkpointer
@@ -53,6 +54,11 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature,
                                 total_steps=c_train.total_steps,
                                 max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
+  plan = memory.fit(learner, config.mesh)  # may lower actor.micro_batch_tokens; None: no budget
+  if plan is not None:
+    print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
+          f"{plan.budget_bytes / 2**30:.2f} GiB (actor.micro_batch_tokens="
+          f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
   engine = engines.build(config, model, tokenizer, sampler_mesh)
   if wrap_engine is not None:
     engine = wrap_engine(engine)
@@ -155,7 +161,8 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
           learner_wait_s=wait_s, sampler_idle_frac=min(1.0, delta["idle_s"] / max(period, 1e-9)),
           weight_publish_s=publish_s, step_time_s=period,
           wall_time_s=totals["wall_time_s"] + now - t_start,
-          reward_failures=stats["reward_failures"], prompts_too_long=stats["prompts_too_long"],
+          compiles=metrics.get("compiles"), reward_failures=stats["reward_failures"],
+          prompts_too_long=stats["prompts_too_long"],
           **{f"learner/{k}": v for k, v in metrics.items()})
       if c_train.eval_every and (step + 1) % c_train.eval_every == 0:
         row.update(evaluate(controller, task, c_train))

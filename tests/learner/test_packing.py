@@ -116,3 +116,17 @@ def test_plan_errors():
     packing.plan([], 1, 64)
   with pytest.raises(ValueError, match="ppo_n_minibatches"):
     packing.plan([3, 4], 3, 64)
+
+
+def test_plan_reuses_a_known_shape_within_its_cost():
+  """A new shape is avoided when a known one holds the batch for at most REUSE_COST x the tokens;
+  a much costlier known shape (or one whose rows are too short) is not taken."""
+  lengths = [100] * 6  # alone: rows of 128, 6 rows -> micro_rows bucket 6
+  fresh = packing.plan(lengths, 1, 4096)
+  assert (fresh.row_len, fresh.micro_rows) == (128, 6)
+  reused = packing.plan(lengths, 1, 4096, known={(128, 8)})
+  assert (reused.row_len, reused.micro_rows) == (128, 8)
+  assert sorted(i for mb in reused.minibatches for m in mb for r in m for i in r) == list(range(6))
+  assert packing.plan(lengths, 1, 4096, known={(128, 16)}).micro_rows == 6  # 2.7x the tokens
+  assert packing.plan(lengths, 1, 4096, known={(64, 8)}).row_len == 128  # rows too short
+  assert packing.plan(lengths, 1, 4096, known={(128, 6), (128, 8)}).micro_rows == 6

@@ -92,3 +92,25 @@ def test_config_errors():
     learner.train_step(groups, rewards[:2])
   with pytest.raises(ValueError, match="non-finite rewards"):
     learner.train_step(groups, [[float("inf")] * 4] * 4)
+
+
+@pytest.mark.parametrize("remat,scan,chunk", [("full", True, 16), ("dots", False, 0),
+                                              ("offload", True, 0), ("none", True, 7)])
+def test_remat_scan_and_chunked_head_change_no_gradient(remat, scan, chunk):
+  """Rematerialisation, the scanned layers and the chunked LM head compute the same step."""
+  groups, rewards = batch(0)
+  ref = Learner(model(), actor(), mesh())
+  g_ref, m_ref = ref.gradients(groups, rewards)
+  learner = Learner(model(), actor(remat=remat, scan_layers=scan, logits_chunk=chunk), mesh())
+  g, m = learner.gradients(groups, rewards)
+  assert_trees_close(g, g_ref)
+  for k in m_ref:
+    np.testing.assert_allclose(m[k], m_ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_compiles_are_counted_and_vanish_on_a_steady_workload():
+  learner = Learner(model(), actor(), mesh())
+  first = learner.train_step(*batch(0))
+  assert first["compiles"] > 0
+  # Same batch size, other lengths: a known shape holds it, nothing compiles.
+  assert [learner.train_step(*batch(seed))["compiles"] for seed in (1, 2, 3)] == [0, 0, 0]

@@ -39,6 +39,7 @@ def check_run(workdir, steps, eta):
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
   for r in rows:
     assert set(metrics_lib.REQUIRED_FIELDS) <= set(r)
+    assert isinstance(r["compiles"], int) and r["compiles"] >= 0
     assert r["staleness_max"] <= eta
   samples = trajectories(workdir)
   assert len(samples) == steps * 4 * 4  # B groups x n samples per step
@@ -132,3 +133,14 @@ def test_colocated_mesh_larger_than_the_host_is_rejected():
   c = tiny_config(**{"mesh.colocated": True, "mesh.learner_devices": 16})
   with pytest.raises(ValueError, match="mesh.learner_devices=16"):
     config_lib.validate(c, 8)
+
+
+def test_a_learner_that_cannot_fit_stops_before_the_first_step(tmp_path):
+  """The memory plan runs before anything trains: on an impossible budget the run stops naming
+  the keys to change, and nothing is written to metrics.jsonl."""
+  from areal_jax.runtime import trainer
+
+  c = tiny_config(**{"mesh.device_memory_gib": 1e-4, "actor.micro_batch_tokens": 1024})
+  with pytest.raises(MemoryError, match="actor.micro_batch_tokens.*actor.remat.*mesh.learner"):
+    trainer.run(c, str(tmp_path))
+  assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))

@@ -1,0 +1,183 @@
+"""The learner's memory plan: does the train step fit in device memory, and with which micro-batch.
+
+Before the first step, the learner's device functions are compiled on abstract shapes (the
+training state and a micro-batch as ``jax.ShapeDtypeStruct``s: no weights needed) and XLA's memory
+analysis gives, per device, the bytes of arguments, outputs (less those aliased to donated
+arguments) and temporaries. What else is resident while a function runs is added: the optimizer
+state during the gradient accumulation and the proximal forward, the frozen reference parameters
+(``kl_coef > 0``) throughout. The planned peak is the largest of the three functions:
+
+  accumulate = opt state + ref + args (params, gradient sums, micro-batch) + out - aliased + temp
+  forward    = opt state + ref + args (params, micro-batch) + out + temp
+  update     = ref + args (training state, gradients) + out - aliased + temp
+
+The budget is ``mesh.memory_fraction`` x ``mesh.device_memory_gib`` (default: the memory the
+device reports; none on CPU, where nothing is checked unless ``device_memory_gib`` is set). The
+configured ``actor.micro_batch_tokens`` either fits, or the largest halving of it that fits is
+used, or the plan stops with a message naming what to change. Figures are those of the backend the
+plan compiles for (XLA:CPU's fusion and buffer assignment differ somewhat from TPU's or GPU's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.learner import packing
+
+GIB = 1024**3
+_INT_FIELDS = ("tokens", "positions", "segment_ids")
+
+
+@dataclasses.dataclass
+class Plan:
+  """A micro-batch setting and its planned per-device peak (bytes), with the parts behind it."""
+  micro_batch_tokens: int
+  row_len: int
+  micro_rows: int
+  peak_bytes: int
+  budget_bytes: int | None
+  parts: dict  # bytes per device: state, opt, ref, and each function's peak
+
+  @property
+  def peak_gib(self) -> float:
+    return self.peak_bytes / GIB
+
+  @property
+  def fits(self) -> bool:
+    return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+
+
+def _device_bytes(tree) -> int:
+  """Bytes one device holds of a tree of ``ShapeDtypeStruct``s with shardings (the fullest one)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+def shape(learner, micro_batch_tokens: int) -> tuple[int, int]:
+  """``(row_len, micro_rows)`` of the largest micro-batch ``micro_batch_tokens`` allows: rows of
+  the sequence budget (``max_seq_len``, else the token budget) bucketed, or twice that when it
+  fits (``packing.plan`` may double rows), as many rows as fit, a multiple of the data-parallel
+  size."""
+  row_len = packing.bucket(min(learner.max_seq_len or micro_batch_tokens, micro_batch_tokens))
+  longer = packing.bucket(2 * row_len)
+  if learner.opts.pack_sequences and longer <= micro_batch_tokens:
+    row_len = longer
+  dp = learner.dp
+  return row_len, dp * max(1, micro_batch_tokens // row_len // dp)
+
+
+def _cost(compiled) -> dict:
+  m = compiled.memory_analysis()
+  return dict(args=m.argument_size_in_bytes, out=m.output_size_in_bytes,
+              alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes)
+
+
+def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None = None) -> dict:
+  """Per-device bytes of the train step on ``micro_rows`` rows of ``row_len``: ``peak`` and its
+  parts (see the module docstring). ``update_cost``: the update's compiled cost, if known (it does
+  not depend on the micro-batch)."""
+  state = learner.abstract_state()
+  opts = learner.opts
+  rows = lambda dtype: jax.ShapeDtypeStruct((micro_rows, row_len), dtype,
+                                            sharding=learner.row_sharding)
+  batch = {f: rows(jnp.int32 if f in _INT_FIELDS else jnp.float32) for f in packing.FIELDS}
+  if opts.kl_coef:
+    batch["ref_logp"] = rows(jnp.float32)
+  acc = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                     jax.eval_shape(learner._zeros), learner._acc_shardings)
+  n_tokens = jax.ShapeDtypeStruct((), jnp.float32, sharding=learner.replicated)
+  params, opt_b = state["params"], _device_bytes(state["opt"])
+  ref_b = _device_bytes(params) if opts.kl_coef else 0
+  parts = dict(params=_device_bytes(params), opt=opt_b, ref=ref_b, grads=_device_bytes(acc))
+  peak_of = lambda c, resident: resident + c["args"] + c["out"] - c["alias"] + c["temp"]
+  # The first update's proximal logprobs come from its own forward (no old_logp) unless a
+  # separate forward runs (kl_coef, or more minibatches: then the other variant is planned too).
+  self_prox = opts.recompute_logprobs and not opts.kl_coef
+  variants = [(learner._acc_self_fn, batch)] if self_prox else []
+  if not self_prox or opts.ppo_n_minibatches > 1:
+    variants.append((learner._acc_fn, dict(batch, old_logp=rows(jnp.float32))))
+  parts["accumulate"] = max(
+      peak_of(_cost(fn.lower(params, acc, b, n_tokens).compile()), opt_b + ref_b)
+      for fn, b in variants)
+  if not self_prox or opts.ppo_n_minibatches > 1 or opts.kl_coef:
+    ref = [params] if opts.kl_coef else []
+    plain = {f: batch[f] for f in packing.FIELDS}
+    parts["forward"] = peak_of(_cost(learner._logp_fn.lower(params, plain, *ref).compile()),
+                               opt_b + (0 if opts.kl_coef else ref_b))
+  if update_cost is None:
+    grads = acc["grads"]
+    loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=learner.replicated)
+    update_cost = _cost(learner._apply_fn.lower(state, grads, loss).compile())
+  parts["update"] = peak_of(update_cost, ref_b)
+  parts["update_cost"] = update_cost
+  parts["peak"] = max(parts[k] for k in ("accumulate", "forward", "update") if k in parts)
+  return parts
+
+
+def device_budget(mesh_config, devices) -> int | None:
+  """Bytes per device the learner may use: ``memory_fraction`` of ``device_memory_gib`` (0: of
+  the smallest memory the devices report), None when no size is known (no check)."""
+  gib = float(mesh_config.device_memory_gib)
+  if gib <= 0:
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    if not limits or any(not x for x in limits):
+      return None
+    gib = min(limits) / GIB
+  return int(mesh_config.memory_fraction * gib * GIB)
+
+
+def plan(learner, budget_bytes: int | None) -> Plan:
+  """The configured micro-batch if it fits ``budget_bytes`` (or there is no budget), else the
+  largest halving of ``actor.micro_batch_tokens`` that fits; raises ``MemoryError`` naming the keys
+  to change when even the smallest micro-batch (one row per data-parallel device) does not."""
+  mbt = int(learner.opts.micro_batch_tokens)
+  tried, update_cost = [], None
+  while True:
+    row_len, rows = shape(learner, mbt)
+    parts = step_peak(learner, row_len, rows, update_cost)
+    update_cost = parts.pop("update_cost")
+    p = Plan(mbt, row_len, rows, parts["peak"], budget_bytes, parts)
+    if p.fits:
+      return p
+    tried.append(p)
+    smaller = mbt // 2
+    if shape(learner, smaller) == (row_len, rows) or smaller < 1:
+      break
+    mbt = smaller
+  first = tried[0]
+  opts, mesh = learner.opts, learner.mesh
+  raise MemoryError(
+      f"learner memory plan: the train step does not fit: {first.peak_gib:.2f} GiB per device "
+      f"planned for actor.micro_batch_tokens={first.micro_batch_tokens} "
+      f"({first.micro_rows} rows x {first.row_len}), {p.peak_gib:.2f} GiB even at "
+      f"{p.micro_batch_tokens} ({p.micro_rows} rows x {p.row_len}), budget "
+      f"{budget_bytes / GIB:.2f} GiB (mesh.memory_fraction x mesh.device_memory_gib); of which "
+      f"parameters {p.parts['params'] / GIB:.2f}, optimizer state {p.parts['opt'] / GIB:.2f}, "
+      f"gradients {p.parts['grads'] / GIB:.2f} GiB. Lower actor.micro_batch_tokens, set "
+      f"actor.remat (now {opts.remat!r}; 'full' keeps least) with actor.scan_layers=True and "
+      f"actor.logits_chunk, or shard over more devices (mesh.learner.* = {dict(mesh.shape)}, "
+      f"mesh.learner_devices)")
+
+
+def fit(learner, mesh_config) -> Plan | None:
+  """Plans the learner against the budget of ``mesh_config`` (``device_budget``); lowers
+  ``learner.opts.micro_batch_tokens`` to the plan's when it had to. None when there is no budget."""
+  budget = device_budget(mesh_config, list(learner.mesh.devices.flat))
+  if budget is None:
+    return None
+  p = plan(learner, budget)
+  if p.micro_batch_tokens != learner.opts.micro_batch_tokens:
+    print(f"learner memory plan: actor.micro_batch_tokens={learner.opts.micro_batch_tokens} does "
+          f"not fit {budget / GIB:.2f} GiB per device; using {p.micro_batch_tokens} "
+          f"({p.peak_gib:.2f} GiB planned)", flush=True)
+    learner.opts.micro_batch_tokens = p.micro_batch_tokens
+  return p
+
+

@@ -1,0 +1,88 @@
+"""The training forward of a ``Transformer`` with rematerialised and scanned layers.
+
+``hidden(model, tokens_BxL, positions_BxL, segment_ids_BxL, remat=..., scan=...)`` is the model's
+full causal forward over packed rows up to the final norm (``[B, L, E]``), and ``head_weight``
+gives the LM head, so a learner can compute the head itself (in chunks). The parameter layout is
+the model's own (``Transformer.layers`` stays a list of Blocks): the scan runs over a stacked view
+built here, inside the traced function, and gradients flow back to each Block's parameters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.models.transformer import Transformer, causal_attention, rope_tables
+
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+
+
+def remat_policy(name: str):
+  """The ``jax.checkpoint`` policy of a named rematerialisation setting (None for ``"none"``).
+
+  ``full``: a layer keeps only its input, everything else is recomputed in the backward pass;
+  ``dots``: the outputs of matmuls without batch dimensions (the projections) are kept, the
+  elementwise work and attention recomputed; ``offload``: like ``dots`` but the kept outputs go to
+  pinned host memory (backends with a host memory space: TPU, GPU; XLA:CPU compiles it as
+  ``dots``)."""
+  policies = jax.checkpoint_policies
+  if name == "none":
+    return None
+  if name == "full":
+    return policies.nothing_saveable
+  if name == "dots":
+    return policies.dots_with_no_batch_dims_saveable
+  if name == "offload":
+    return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+  raise ValueError(f"remat={name!r} is not one of {REMAT_POLICIES}")
+
+
+def packed_mask(segment_ids_BxL, b: int, l: int):
+  """``[B, L, L]`` attention mask of packed rows: causal, inside a segment, never to padding."""
+  mask_BxLxL = jnp.broadcast_to(jnp.tril(jnp.ones((l, l), jnp.bool_)), (b, l, l))
+  if segment_ids_BxL is not None:
+    same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    mask_BxLxL = mask_BxLxL & same & (segment_ids_BxL[:, None, :] > 0)
+  return mask_BxLxL
+
+
+def hidden(model: Transformer, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
+           remat: str = "none", scan: bool = False):
+  """Final-normed hidden states ``[B, L, E]`` of ``model(tokens_BxL, positions_BxL,
+  segment_ids_BxL)`` (the same computation up to the LM head).
+
+  ``remat`` names a ``remat_policy`` applied per layer (``jax.checkpoint``). ``scan``: the layers
+  run as one ``lax.scan`` over a stacked ``[n_layers, ...]`` view of their parameters, so the
+  compiled program holds one layer whatever the depth (on XLA:CPU remat only saves memory then:
+  unrolled, the checkpointed layers are scheduled without regard to it)."""
+  b, l = tokens_BxL.shape
+  if positions_BxL is None:
+    positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+  mask_BxLxL = packed_mask(segment_ids_BxL, b, l)
+  x = model._embed(tokens_BxL)
+  rope_BxLxF = rope_tables(positions_BxL, model.cfg.head_dim, model.cfg.rope_theta)
+  graphdef = nnx.graphdef(model.layers[0])
+
+  def layer(state, x_BxLxE, rope_BxLxF, mask_BxLxL):
+    block = nnx.merge(graphdef, state)
+    return block(x_BxLxE, rope_BxLxF, lambda q, k, v: causal_attention(q, k, v, mask_BxLxL))
+
+  if remat != "none":
+    layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=not scan)
+  states = [nnx.state(block) for block in model.layers]
+  if scan:
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    x, _ = jax.lax.scan(lambda x, s: (layer(s, x, rope_BxLxF, mask_BxLxL), None), x, stacked)
+  else:
+    for state in states:
+      x = layer(state, x, rope_BxLxF, mask_BxLxL)
+  return model.final_norm(x)
+
+
+def head_weight(model: Transformer):
+  """``(w, transpose_w)`` of the LM head in the compute dtype, for ``linear(x, w, transpose_w)``
+  (a tied head is the embedding ``[V, E]``, transposed)."""
+  if model.cfg.tie_embeddings:
+    return model.embed[...].astype(model.cfg.compute_dtype), True
+  return model.lm_head[...].astype(model.cfg.compute_dtype), False

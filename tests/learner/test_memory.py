@@ -1,0 +1,88 @@
+"""The learner's memory plan: fits / lowers the micro-batch / stops with the keys to change, and
+the shipped Qwen2.5-1.5B recipe's planned peak on 4 FSDP devices (abstract shapes, no weights)."""
+
+import copy
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import pytest
+
+from areal_jax import config as config_lib
+from areal_jax import sharding
+from areal_jax.learner import Learner, memory
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(ROOT / "bench"))
+from common import QWEN25_1P5B  # noqa: E402
+from learner_helpers import CFG, actor  # noqa: E402
+
+GIB = 2**30
+
+
+def fsdp(n):
+  return sharding.make_mesh(dict(fsdp=n), jax.devices()[:n])
+
+
+def small_learner(**kw):
+  cfg = dataclasses.replace(CFG, vocab_size=512, d_model=64, d_ff=256)
+  return Learner.abstract(cfg, actor(micro_batch_tokens=4096, **kw), fsdp(2), max_seq_len=256)
+
+
+def test_shape_follows_the_token_budget():
+  learner = small_learner()
+  assert memory.shape(learner, 4096) == (512, 8)  # rows of 256 doubled, 8 of them (2 per device)
+  assert memory.shape(learner, 512) == (512, 2)
+  assert memory.shape(learner, 256) == (256, 2)  # at least one row per data-parallel device
+
+
+def test_planner_keeps_lowers_or_stops():
+  learner = small_learner()
+  roomy = memory.plan(learner, None)
+  assert roomy.fits and roomy.micro_batch_tokens == 4096
+  parts = roomy.parts
+  assert 0 <= parts["grads"] - parts["params"] < 64  # float32 gradient sums (+ metric sums)
+  assert 0 <= parts["opt"] - 2 * parts["params"] < 64  # AdamW moments and step counters
+  assert parts["peak"] == max(parts["accumulate"], parts["update"]) > parts["params"] + parts["opt"]
+  # A budget between the smallest and the configured micro-batch's peak: a halving that fits.
+  smallest = memory.step_peak(learner, *memory.shape(learner, 256))["peak"]
+  budget = (smallest + roomy.peak_bytes) // 2
+  p = memory.plan(learner, budget)
+  assert p.peak_bytes <= budget and 256 <= p.micro_batch_tokens < 4096
+  mesh_cfg = config_lib.base_config().mesh
+  mesh_cfg.device_memory_gib, mesh_cfg.memory_fraction = budget / GIB, 1.0
+  assert memory.fit(learner, mesh_cfg).micro_batch_tokens == p.micro_batch_tokens
+  assert learner.opts.micro_batch_tokens == p.micro_batch_tokens  # lowered for the run
+  with pytest.raises(MemoryError) as e:
+    memory.plan(learner, smallest - 1)
+  for key in ("actor.micro_batch_tokens", "actor.remat", "mesh.learner", "mesh.device_memory_gib"):
+    assert key in str(e.value)
+
+
+def test_no_budget_no_check_on_cpu():
+  assert memory.device_budget(config_lib.base_config().mesh, jax.devices()[:1]) is None
+  mesh_cfg = config_lib.base_config().mesh
+  mesh_cfg.device_memory_gib = 16.0
+  assert memory.device_budget(mesh_cfg, jax.devices()[:1]) == int(0.9 * 16 * GIB)
+
+
+@pytest.mark.slow
+def test_qwen_1p5b_recipe_fits_16_gib_per_chip_only_with_remat():
+  """The shipped recipe (configs/gsm8k.py) on its 4 FSDP learner devices: under 16 GiB per
+  device as shipped, far above it with neither remat nor a chunked head (the real depth: the
+  layers compile once, under the scan)."""
+  c = config_lib.load(str(ROOT / "configs/gsm8k.py"))
+  assert (c.actor.remat, c.actor.scan_layers) == ("full", True)
+  budget = int(c.mesh.memory_fraction * 16 * GIB)
+  max_seq = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  shipped = Learner.abstract(QWEN25_1P5B, copy.deepcopy(c.actor), fsdp(4), max_seq_len=max_seq)
+  p = memory.plan(shipped, budget)
+  assert p.micro_batch_tokens == c.actor.micro_batch_tokens and p.peak_bytes < 16 * GIB
+  plain = copy.deepcopy(c.actor)
+  plain.remat, plain.logits_chunk = "none", 0
+  learner = Learner.abstract(QWEN25_1P5B, plain, fsdp(4), max_seq_len=max_seq)
+  no_remat = memory.step_peak(learner, p.row_len, p.micro_rows)["peak"]
+  assert no_remat > 16 * GIB
+  print(f"planned peak per device: {p.peak_gib:.2f} GiB shipped, {no_remat / GIB:.2f} without")

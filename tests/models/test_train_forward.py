@@ -1,0 +1,66 @@
+"""The training forward: rematerialised and scanned layers compute what the model's forward does."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.models import train_forward, transformer
+
+VOCAB = 300
+
+
+def _tokens(b, l, seed=0):
+  return np.random.RandomState(seed).randint(0, VOCAB, (b, l)).astype(np.int32)
+
+
+@pytest.mark.parametrize("remat,scan", [("none", True), ("full", True), ("dots", False),
+                                        ("offload", True)])
+def test_hidden_with_remat_and_scan_equals_the_forward(remat, scan):
+  """``hidden`` + the LM head is ``model(...)``, values and parameter gradients, whatever the
+  rematerialisation policy and whether the layers run under a scan; the parameters stay a list
+  of Blocks."""
+  cfg = transformer.ModelConfig(vocab_size=VOCAB, n_layers=3, qkv_bias=True, tie_embeddings=False)
+  model = transformer.Transformer(cfg, nnx.Rngs(5))
+  graphdef, params = nnx.split(model)
+  tokens = jnp.asarray(_tokens(2, 12))
+  segments = jnp.asarray([[1] * 7 + [2] * 5] * 2, jnp.int32)
+  positions = jnp.asarray([list(range(7)) + list(range(5))] * 2, jnp.int32)
+  weights = jax.random.normal(jax.random.key(0), (2, 12, VOCAB))
+
+  def loss(p, new):
+    m = nnx.merge(graphdef, p)
+    if new:
+      w, transpose_w = train_forward.head_weight(m)
+      h = train_forward.hidden(m, tokens, positions, segments, remat=remat, scan=scan)
+      logits = transformer.linear(h, w, transpose_w, jnp.float32)
+    else:
+      logits = m(tokens, positions, segments)
+    return jnp.sum(jnp.tanh(logits) * weights)
+
+  want, got = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, new) for new in (0, 1))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+  assert isinstance(model.layers, nnx.List) and len(model.layers) == 3
+  with pytest.raises(ValueError, match="remat='some'"):
+    train_forward.remat_policy("some")
+
+
+def test_scanned_program_does_not_grow_with_depth():
+  """Under the scan the lowered train forward holds one layer: an added layer only adds its
+  parameters to the stack (a few lines), unrolled it adds a whole layer's forward and backward."""
+
+  def size(n_layers, scan):
+    cfg = transformer.ModelConfig(vocab_size=VOCAB, n_layers=n_layers)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: transformer.Transformer(cfg, nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    loss = lambda p, t: jnp.sum(train_forward.hidden(nnx.merge(graphdef, p), t, remat="full",
+                                                     scan=scan))
+    return len(jax.jit(jax.grad(loss)).lower(params, tokens).as_text())
+
+  per_layer_scanned = (size(8, True) - size(2, True)) / 6
+  per_layer_unrolled = (size(8, False) - size(2, False)) / 6
+  assert per_layer_scanned < per_layer_unrolled / 5, (per_layer_scanned, per_layer_unrolled)
