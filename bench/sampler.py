@@ -50,7 +50,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.models import ModelConfig, Transformer, cpu_attention, cpu_matmul, save_hf
+from areal_jax.kernels import cpu_attention, cpu_matmul
+from areal_jax.models import ModelConfig, Transformer, save_hf
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from areal_jax import sharding
-from areal_jax.models import cpu_ffi
+from areal_jax.kernels import cpu_ffi
 
 TARGET = "areal_decode_attention"
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_attention.cc")
