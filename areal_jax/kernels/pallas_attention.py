@@ -4,7 +4,7 @@ only up to its own length, split over ``k_splits`` blocks of positions combined 
 
 On a CPU device the same kernel runs in Pallas interpret mode (slow; for tests of the GPU path).
 The kernel needs the static bound ``t`` cut into ``k_splits`` pieces of at least 16 positions,
-each a multiple of its block; ``usable`` says whether some split fits, else the caller takes the
+each a multiple of a power-of-two block; ``usable`` says whether some split fits, else the caller takes the
 dense form.
 """
 
@@ -22,11 +22,9 @@ def _split(t: int) -> tuple[int, int] | None:
     piece = t // k_splits
     if t % k_splits or piece < 16:
       continue
-    block_k = BLOCK_K
-    while block_k >= 16 and piece % min(block_k, piece):
-      block_k //= 2
-    if block_k >= 16:
-      return k_splits, min(block_k, piece)
+    for block_k in (BLOCK_K, 64, 32, 16):  # a power of two (Triton's blocks), dividing the piece
+      if block_k <= piece and piece % block_k == 0:
+        return k_splits, block_k
   return None
 
 
