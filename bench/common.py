@@ -14,6 +14,9 @@ from areal_jax.models import ModelConfig
 
 SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
                       n_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5, norm_eps=1e-5)
+QWEN25_15B = ModelConfig(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, n_heads=12,
+                         n_kv_heads=2, head_dim=128, d_ff=8960, rope_theta=1e6, norm_eps=1e-6,
+                         qkv_bias=True, tie_embeddings=True)
 TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=16, d_ff=128)
 
