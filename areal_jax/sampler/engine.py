@@ -19,10 +19,16 @@ comes out of ``generate``. Re-prefilling a sequence under new weights is the sam
 
 Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
 mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
-A decode step reads each slot's cache only up to its own position (``transformer.decode_attention``:
-on CPU a C++ kernel, elsewhere dynamic loops over cache chunks for groups of slots sorted by
-position), so one compiled ``generate`` serves every length;
-``kv_buckets`` (default: just ``max_len``) only add static upper bounds. ``width_buckets`` (default:
+Kernels: the decode attention, the matmuls' weight layout and the steps per call are picked per
+platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
+``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
+to its own position, one step per call; on GPU and TPU one dense read of the cache up to the kv
+bucket (or the Pallas GPU kernel, forced), 16 steps per call. One compiled ``generate`` serves every
+length; ``kv_buckets`` (default: just ``max_len``) only add static upper bounds.
+
+Weights: ``put_params`` holds the matmul weights and the embedding in the model's compute dtype
+(cast once per weight version; the learner's float32 master weights are not touched), or packed
+for the CPU matmul kernel. ``width_buckets`` (default:
 powers of two from ``num_slots / 8`` up, multiples of the mesh's data-axis size) are the slot counts a
 decode step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are
 read once per step whatever the width).
