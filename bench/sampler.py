@@ -61,7 +61,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.kernels import cpu_attention, cpu_matmul
+from areal_jax.kernels import choice, cpu_attention, cpu_matmul
 from areal_jax.models import ModelConfig, Transformer, save_hf
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
@@ -158,16 +158,18 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
   """Steady decode of ``slots`` slots at ``context`` positions: measured vs ideal step time, the
   hardware probed between the steps (``hw`` keeps the best figures seen). ``steps`` per call, 0:
   the engine's choice for the platform."""
-  eng = JaxRolloutEngine(model, num_slots=slots, max_len=context + 16 * 16 * (reps + 2),
-                         prefill_buckets=(16,), eos_token_ids=(), steps_per_call=steps)
+  steps = steps or choice.steps_per_call(choice.platform_of(None))
+  # the read bound: the positions these calls reach (the dense path reads all of it, as the floor)
+  kv_len = context + steps * (reps + 1) + 1
+  eng = JaxRolloutEngine(model, num_slots=slots, max_len=context + 16 * steps * (reps + 2),
+                         prefill_buckets=(16,), kv_buckets=(kv_len,), eos_token_ids=(),
+                         steps_per_call=steps)
   dev = eng.engine
-  steps = dev.config.steps_per_call
   state = dev.init_state()
   keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
   state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
                      end=[context + 16 * steps * (reps + 2)] * slots, keys=keys, temperature=1.0, top_k=0,
                      top_p=1.0, greedy=False, stop_ids=[])
-  kv_len = dev.kv_buckets[0]
   state, out = dev.generate(dev.params, state, kv_len)
   jax.block_until_ready(out)
   times = []
