@@ -24,7 +24,9 @@ platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``d
 ``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
 to its own position, one step per call; on GPU and TPU one dense read of the cache up to the kv
 bucket (or the Pallas GPU kernel, forced), 16 steps per call. One compiled ``generate`` serves every
-length; ``kv_buckets`` (default: just ``max_len``) only add static upper bounds.
+length; ``kv_buckets`` only add static upper bounds (default: just ``max_len`` where the attention
+reads each slot up to its own position; for the dense read, powers of two from 64 up to
+``max_len``, so a step reads the cache only up to the furthest slot's bucket).
 
 Weights: ``put_params`` holds the matmul weights and the embedding in the model's compute dtype
 (cast once per weight version; the learner's float32 master weights are not touched), or packed
@@ -73,7 +75,7 @@ class EngineConfig:
   num_slots: int = 8
   max_len: int = 512  # cache positions per slot: prompt + generated tokens never exceed it
   prefill_buckets: tuple[int, ...] | None = None  # default: 32, 64, ... up to max_len
-  kv_buckets: tuple[int, ...] | None = None  # static read bounds; default: (max_len,)
+  kv_buckets: tuple[int, ...] | None = None  # static read bounds; default: see the module doc
   width_buckets: tuple[int, ...] | None = None  # decode widths (slots); default: S/8, S/4, S/2, S
   steps_per_call: int = 0  # decode steps per generate call (per host sync); 0: per platform
   max_stop_ids: int = 8  # EOS + stop ids per slot
@@ -123,7 +125,9 @@ class DecodeEngine:
       self._pack = jax.jit(lambda params: cpu_matmul.pack_params(params, which),
                            out_shardings=self.param_shardings)
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
-    self.kv_buckets = _buckets(config.kv_buckets or (config.max_len,), config.max_len, 64)
+    dense = self.attention_impl in ("dense", "pallas_gpu")  # reads up to the bound, not per slot
+    self.kv_buckets = _buckets(config.kv_buckets or (None if dense else (config.max_len,)),
+                               config.max_len, 64)
     self.width_buckets = self._width_buckets()
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
     self.state_shardings = self._state_shardings()

@@ -215,8 +215,12 @@ def test_accelerator_paths_forced_on_cpu_match_the_reference(model, impl):
     np.testing.assert_allclose(lp, ref, atol=1e-4)
 
 
-def test_steps_per_call_default_comes_from_the_platform(model):
-  assert DecodeEngine(model, EngineConfig(num_slots=2, max_len=32)).config.steps_per_call == 1
+def test_defaults_come_from_the_platform_and_the_attention(model):
+  eng = DecodeEngine(model, EngineConfig(num_slots=2, max_len=300))
+  assert eng.config.steps_per_call == 1 and eng.kv_buckets == (300,)  # per-slot reads on CPU
+  dense = DecodeEngine(model, EngineConfig(num_slots=2, max_len=300, decode_attention="dense"))
+  assert dense.kv_buckets == (64, 128, 256, 300)  # the dense read stops at the furthest slot's
+  assert dense.kv_bucket(100) == 128
 
 
 def test_weights_are_held_in_the_compute_dtype():
