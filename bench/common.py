@@ -16,8 +16,8 @@ SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, 
                       n_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5, norm_eps=1e-5)
 # The recipes' models (configs/gsm8k.py), for the memory plan on abstract shapes (no weights).
 QWEN25_1P5B = ModelConfig(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, n_heads=12,
-                          n_kv_heads=2, head_dim=128, d_ff=8960, rope_theta=1e6, qkv_bias=True,
-                          tie_embeddings=True, dtype="bfloat16")
+                          n_kv_heads=2, head_dim=128, d_ff=8960, rope_theta=1e6, norm_eps=1e-6,
+                          qkv_bias=True, tie_embeddings=True, dtype="bfloat16")
 QWEN25_7B = ModelConfig(arch="qwen2", vocab_size=152064, d_model=3584, n_layers=28, n_heads=28,
                         n_kv_heads=4, head_dim=128, d_ff=18944, rope_theta=1e6, qkv_bias=True,
                         tie_embeddings=False, dtype="bfloat16")

@@ -1,5 +1,5 @@
 """Matmul throughput at decode shapes, XLA:CPU's against the packed-weight CPU kernel
-(``areal_jax/models/cpu_matmul.py``): what bounds the sampler's roofline fraction.
+(``areal_jax/kernels/cpu_matmul.py``): what bounds the sampler's roofline fraction.
 
   python bench/decode_matmul.py [--json PATH]
 
@@ -23,7 +23,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from areal_jax.models import cpu_matmul
+from areal_jax.kernels import cpu_matmul
 from areal_jax.models.transformer import linear
 from common import SMOLLM2, Hardware, best_time, machine
 

@@ -1,6 +1,6 @@
 """Rollout sampler throughput: continuous batching vs a static-batch baseline, and the decode roofline.
 
-  python bench/sampler.py [--quick] [--json PATH] [--peer vllm]
+  python bench/sampler.py [--quick] [--json PATH] [--peer vllm] [--model qwen2.5-1.5b]
 
 Workload: GRPO-style prompts with n samples each, every *sample* with its own long-tailed length
 (log-normal, EOS disabled so every sequence runs to its drawn length), many more sequences than
@@ -23,6 +23,17 @@ hardware figures (a 128 MiB sum, a 2048^3 float32 matmul) are the best seen in t
 probed at the start and again between the decode steps, and the step time is the best repetition:
 a probe slowed by machine load (the bench machines are shared) cannot lengthen the ideal step and
 so inflate the fraction.
+
+Floor: the same decode (same shapes, slots and context) as a plain-JAX dense decode loop
+(``bench/decode_floor.py``: weights stacked and read once per step, layers in a ``lax.scan``, dense
+KV cache, argmax, 16 steps per call; bfloat16 on accelerators, float32 on CPU): ``floor_step_ms``
+and ``floor_ratio`` (our step over the floor's). On CPU also with the CPU kernels switched off
+(``floor_ratio_kernels_off``: XLA's attention and matmuls, what an accelerator runs). On
+accelerators, ``hbm_roofline_frac``: (weight bytes in the compute dtype + KV bytes read) / the
+measured read bandwidth, over our step. ``--model`` picks the decode shape (random weights):
+``smollm2-135m`` (default: 64 slots, context 128) or ``qwen2.5-1.5b`` (128 slots, context 512; an
+accelerator's size). Off CPU the model computes in bfloat16 and the decode runs the engine's
+per-platform steps per call.
 
 ``--peer vllm``: the same workloads, at the same slot count (vLLM ``max_num_seqs``), through vLLM on
 this CPU (``areal_jax.vllm_rollout.VllmInProcessEngine``, float32, all cores), with the same weights
@@ -50,11 +61,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.models import ModelConfig, Transformer, cpu_attention, cpu_matmul, save_hf
+from areal_jax.kernels import choice, cpu_attention, cpu_matmul
+from areal_jax.models import ModelConfig, Transformer, save_hf
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
-from common import SMOLLM2, TINY, Hardware, machine
+import decode_floor
+from common import QWEN25_1P5B, SMOLLM2, TINY, Hardware, machine
 
 TINY_HD32 = dataclasses.replace(TINY, head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,6 +126,7 @@ def run_static(model, groups, slots, max_len, kv_buckets, steps):
   eng = JaxRolloutEngine(model, num_slots=slots, max_len=max_len, prefill_buckets=(32,),
                          kv_buckets=kv_buckets, eos_token_ids=(), steps_per_call=steps)
   dev = eng.engine
+  steps = dev.config.steps_per_call
   state = dev.warmup(dev.init_state())
   t0, tokens, calls, prefills = time.perf_counter(), 0, 0, 0
   samples = [(p, m) for p, lengths in groups for m in lengths]
@@ -140,18 +154,22 @@ def run_static(model, groups, slots, max_len, kv_buckets, steps):
           "decode_calls": calls, "slot_steps": calls * slots * steps, "prefills": prefills}
 
 
-def roofline(model, cfg, slots, context, hw: Hardware, steps=1, reps=3):
+def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
   """Steady decode of ``slots`` slots at ``context`` positions: measured vs ideal step time, the
-  hardware probed between the steps (``hw`` keeps the best figures seen)."""
+  hardware probed between the steps (``hw`` keeps the best figures seen). ``steps`` per call, 0:
+  the engine's choice for the platform."""
+  steps = steps or choice.steps_per_call(choice.platform_of(None))
+  # the read bound: the positions these calls reach (the dense path reads all of it, as the floor)
+  kv_len = context + steps * (reps + 1) + 1
   eng = JaxRolloutEngine(model, num_slots=slots, max_len=context + 16 * steps * (reps + 2),
-                         prefill_buckets=(16,), eos_token_ids=(), steps_per_call=steps)
+                         prefill_buckets=(16,), kv_buckets=(kv_len,), eos_token_ids=(),
+                         steps_per_call=steps)
   dev = eng.engine
   state = dev.init_state()
   keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
   state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
                      end=[context + 16 * steps * (reps + 2)] * slots, keys=keys, temperature=1.0, top_k=0,
                      top_p=1.0, greedy=False, stop_ids=[])
-  kv_len = dev.kv_buckets[0]
   state, out = dev.generate(dev.params, state, kv_len)
   jax.block_until_ready(out)
   times = []
@@ -167,9 +185,10 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=1, reps=3):
   n_params = cfg.num_params()
   # minus the norm scales; a tied embedding matrix is the LM head's weight: read once, multiplied once
   matmul_params = n_params - cfg.d_model * (2 * cfg.n_layers + 1)
-  kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4
+  itemsize = cfg.compute_dtype.itemsize  # weights and cache are held in the compute dtype
+  kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
   ctx = context + 1
-  bytes_step = n_params * 4 + slots * ctx * kv_per_token
+  bytes_step = n_params * itemsize + slots * ctx * kv_per_token
   flops_step = 2 * matmul_params * slots + slots * cfg.n_layers * 4 * ctx * cfg.n_heads * cfg.head_dim
   t_mem = bytes_step / (figures["read_GBps"] * 1e9)
   t_flop = flops_step / (figures["matmul_GFLOPps"] * 1e9)
@@ -178,7 +197,34 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=1, reps=3):
           "ideal_step_ms": ideal * 1e3, "bound": "compute" if t_flop > t_mem else "memory",
           "bytes_per_step_MB": bytes_step / 1e6, "gflop_per_step": flops_step / 1e9,
           "roofline_frac": ideal / step_s, "roofline_tok_per_s": slots / ideal,
+          "hbm_roofline_frac": t_mem / step_s, "steps_per_call": steps,
+          "decode_attention": dev.attention_impl, "decode_matmul": dev.matmul_impl,
           "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
+
+
+DECODE_SHAPES = {"smollm2-135m": (SMOLLM2, 64, 128), "qwen2.5-1.5b": (QWEN25_1P5B, 128, 512)}
+
+
+def decode_rows(name, quick, probe):
+  """Our decode step against the roofline and the floor loop, for the ``--model`` shape."""
+  cfg, slots, context = DECODE_SHAPES[name]
+  on_cpu = jax.default_backend() == "cpu"
+  if name == "smollm2-135m" and quick:
+    context = 64
+  cfg = dataclasses.replace(cfg, dtype="float32" if on_cpu else "bfloat16")
+  model, reps = make_model(cfg), 3 if quick else 5
+  out = {"roof": roofline(model, cfg, slots, context, probe, reps=reps)}
+  if on_cpu:
+    with cpu_attention.disabled():  # the same decode with XLA's attention instead of the CPU kernel
+      out["roof_xla"] = roofline(model, cfg, slots, context, probe, reps=reps)
+    with cpu_matmul.disabled():  # ... and with XLA's matmuls instead of the packed-weight kernel
+      out["roof_xla_mm"] = roofline(model, cfg, slots, context, probe, reps=reps)
+    with cpu_attention.disabled(), cpu_matmul.disabled():  # both: the accelerators' XLA path
+      out["roof_off"] = roofline(model, cfg, slots, context, probe, reps=reps)
+  floor = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype, reps=reps)
+  for r in out.values():
+    r.update(floor_step_ms=floor, floor_ratio=r["step_ms"] / floor)
+  return out
 
 
 def vllm_python(arg: str | None) -> str:
@@ -217,6 +263,8 @@ def main():
   ap.add_argument("--peer", choices=["vllm"], default=None,
                   help="also run the same workloads through this peer engine")
   ap.add_argument("--vllm-python", default=None, help="interpreter with vLLM (for --peer vllm)")
+  ap.add_argument("--model", choices=sorted(DECODE_SHAPES), default="smollm2-135m",
+                  help="shape of the decode roofline and floor measurement (random weights)")
   args = ap.parse_args()
   peer_python = vllm_python(args.vllm_python) if args.peer == "vllm" else None
   quick = args.quick
@@ -225,12 +273,14 @@ def main():
   hw = probe.figures()
   print(f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['devices']}); "
         f"read {hw['read_GBps']:.1f} GB/s, matmul {hw['matmul_GFLOPps']:.0f} GFLOP/s (f32)")
-  rows = []
+  rows, on_cpu = [], jax.default_backend() == "cpu"
   plans = [  # model, config, slots, prompts, samples per prompt, max_new, kv buckets, steps/call
       ("tiny", TINY, 16, 32 if quick else 128, 4, 200, None, 8),
       ("smollm2-135m", SMOLLM2, 16 if quick else 64, 16 if quick else 96, 4, 96 if quick else 200,
        None, 1),
   ]
+  if not on_cpu:  # accelerators: bfloat16 compute, the engine's steps per call
+    plans = [(n, dataclasses.replace(c, dtype="bfloat16"), *rest[:-1], 0) for n, c, *rest in plans]
   for name, cfg, slots, num_groups, n, max_new, kv_buckets, steps in plans:
     model = make_model(cfg)
     groups = workload(num_groups, n, cfg.vocab_size, max_new)
@@ -248,26 +298,33 @@ def main():
     s = next(r for r in rows if r["model"] == name and r["engine"] == "static")
     speed[name] = c["tok_per_s"] / s["tok_per_s"]
     print(f"{name:>13} speedup continuous / static: {speed[name]:.2f}x")
-  context = 64 if quick else 128
-  reps = 3 if quick else 5
-  roof = roofline(model, SMOLLM2, 64, context, probe, reps=reps)
-  with cpu_attention.disabled():  # the same decode with XLA's attention instead of the CPU kernel
-    roof_xla = roofline(model, SMOLLM2, 64, context, probe, reps=reps)
-  with cpu_matmul.disabled():  # ... and with XLA's matmuls instead of the packed-weight kernel
-    roof_xla_mm = roofline(model, SMOLLM2, 64, context, probe, reps=reps)
-  on_cpu = jax.default_backend() == "cpu"
+  dec = decode_rows(args.model, quick, probe)
+  roof = dec["roof"]
   kernel, mm_kernel = cpu_attention.available() and on_cpu, cpu_matmul.available() and on_cpu
-  for label, r in (("as shipped", roof), ("XLA attention", roof_xla), ("XLA matmuls", roof_xla_mm)):
-    print(f" smollm2-135m decode at 64 slots, context {r['context']}, {label}: "
-          f"{r['step_ms']:.0f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
-          f"{r['ideal_step_ms']:.0f} ms ({r['bound']}-bound: {r['gflop_per_step']:.1f} GFLOP, "
-          f"{r['bytes_per_step_MB']:.0f} MB) -> {100 * r['roofline_frac']:.0f}% of roofline")
+  labels = (("as shipped", "roof"), ("XLA attention", "roof_xla"), ("XLA matmuls", "roof_xla_mm"),
+            ("CPU kernels off", "roof_off"))
+  for label, r in ((label, dec[key]) for label, key in labels if key in dec):
+    print(f"{args.model:>13} decode at {r['slots']} slots, context {r['context']}, {label} "
+          f"({r['decode_attention']} attention, {r['decode_matmul']} matmuls, {r['steps_per_call']} "
+          f"steps/call): {r['step_ms']:.2f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
+          f"{r['ideal_step_ms']:.2f} ms ({r['bound']}-bound: {r['gflop_per_step']:.1f} GFLOP, "
+          f"{r['bytes_per_step_MB']:.0f} MB) -> {100 * r['roofline_frac']:.0f}% of roofline; "
+          f"floor loop {r['floor_step_ms']:.2f} ms/step, ratio {r['floor_ratio']:.2f}"
+          + ("" if on_cpu else f", {100 * r['hbm_roofline_frac']:.0f}% of the HBM roofline"))
+  roof_xla, roof_xla_mm = dec.get("roof_xla"), dec.get("roof_xla_mm")
   result = {"machine": info, "hardware": hw, "quick": quick,
             "speedup_vs_static": speed["smollm2-135m"], "speedup_vs_static_tiny": speed["tiny"],
             "roofline_frac": roof["roofline_frac"], "roofline": roof, "rows": rows,
             "cpu_attention_kernel": kernel, "roofline_xla_attention": roof_xla,
             "cpu_matmul_kernel": mm_kernel, "roofline_xla_matmul": roof_xla_mm,
+            "decode_model": args.model, "floor_step_ms": roof["floor_step_ms"],
+            "floor_ratio": roof["floor_ratio"],
             "load_avg": os.getloadavg(), "bench_s": time.perf_counter() - t_start}
+  if on_cpu:
+    result.update(roofline_kernels_off=dec["roof_off"],
+                  floor_ratio_kernels_off=dec["roof_off"]["floor_ratio"])
+  else:
+    result["hbm_roofline_frac"] = roof["hbm_roofline_frac"]
   if args.peer == "vllm":
     vs = {}
     for name, cfg, slots, num_groups, n, max_new, kv_buckets, steps in plans:

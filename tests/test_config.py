@@ -70,6 +70,17 @@ def test_several_errors_are_reported_together():
   assert "rollout.temperature" in str(e.value) and "rollout.backend='sglang'" in str(e.value)
 
 
+def test_decode_kernel_keys_are_checked():
+  c = config_lib.base_config()
+  config_lib.validate(c)  # "auto" and 0 steps per call (per platform) by default
+  c.rollout.decode_attention, c.rollout.decode_matmul, c.rollout.steps_per_call = "flash", "mkl", -1
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(c)
+  msg = str(e.value)
+  assert "rollout.decode_attention='flash'" in msg and "pallas_gpu" in msg
+  assert "rollout.decode_matmul='mkl'" in msg and "rollout.steps_per_call=-1" in msg
+
+
 def test_unknown_override_names_the_nearby_keys():
   spec = f"{CONFIGS[0]}:tiny"
   with pytest.raises(SystemExit) as e:

@@ -7,8 +7,8 @@ One set of weights, two entry points:
     values of L new tokens at positions ``start_B + [0, L)`` of a KV cache and attends to everything
     before them. Prefill is ``start_B = 0``; one decode step is ``L = 1``; re-prefilling generated
     tokens under new weights is any other start. ``kv_len`` (static) bounds how much of the cache is
-    read, so short sequences do not pay for the whole cache; a single-token step (decode) reads only
-    the cache chunks each group of rows needs (``decode_attention``).
+    read, so short sequences do not pay for the whole cache; a single-token step (decode) runs the
+    decode attention the kernels package picks for the platform (``decode_attention``).
 
 Every parameter carries logical axis names in its ``axes`` metadata; activations are constrained
 with logical names too (see ``areal_jax.sharding``). The model knows nothing of sampling or training.
@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.models import cpu_attention, cpu_matmul
+from areal_jax.kernels import attention as attention_kernels
+from areal_jax.kernels import cpu_matmul, xla_attention
 
 Cache = list[dict[str, jax.Array]]  # per layer: {"k": [B, T, Hkv, D], "v": [B, T, Hkv, D]}
 
@@ -199,94 +200,26 @@ def causal_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxLxL, block: int | N
   return jnp.concatenate(outs, axis=1)
 
 
-DECODE_CHUNK = 32  # cache positions per step of the decode attention loop
-DECODE_GROUP = 16  # rows per group of the decode attention loop (rows sorted by position)
+DECODE_CHUNK = xla_attention.CHUNK  # cache positions per step of the "xla" decode attention loop
+DECODE_GROUP = xla_attention.GROUP  # rows per group of that loop (rows sorted by position)
 
 
 def decode_attention(q_Bx1xHxD, k_BxTxKxD, v_BxTxKxD, pos_B, kv_len: int | None = None,
-                     chunk: int = DECODE_CHUNK, group: int = DECODE_GROUP):
-  """One query per row (a decode step) attending to cache positions ``0..pos_B[b]``.
+                     chunk: int = DECODE_CHUNK, group: int = DECODE_GROUP, impl: str | None = None):
+  """One query per row (a decode step) attending to cache positions ``0..pos_B[b]`` (never beyond
+  ``kv_len``); the cache may have more rows than the queries (rows ``[0, B)`` are read).
 
-  Online softmax over chunks of ``chunk`` positions in a ``fori_loop`` whose trip count is dynamic:
-  only the chunks up to the furthest row's position are read (never beyond ``kv_len``), straight
-  from the cache buffer. A chunk is small enough to stay in the CPU cache, so the KV cache is read
-  from memory once per step, without the copy a static ``cache[:, :kv_len]`` slice costs on XLA:CPU.
-
-  Rows are sorted by position and cut into groups of ``group``, each with its own loop, so short
-  rows stop at their own last chunk instead of the batch's furthest one (continuous batching mixes
-  new and old sequences: about 3x less attention time on a long-tailed mix). Chosen at run time,
-  when it skips at least a quarter of the chunks, and only when the rows are not split over devices
-  (a row gather across devices would move the cache).
-
-  On CPU this lowers to a C++ kernel instead when it is available (``cpu_attention``): the same
-  result, each row read only up to its own position, several times faster than these loops.
+  Which form runs is the kernels package's choice (``areal_jax.kernels.choice``): ``impl`` names
+  one, None takes the default backend's (on CPU the C++ kernel, each row read only up to its own
+  position; on GPU and TPU one dense read; ``chunk``/``group`` shape the ``"xla"`` form's loops).
   """
   b, _, h, d = q_Bx1xHxD.shape
-  kv = k_BxTxKxD.shape[2]  # the cache may have more rows than b: rows [0, b) are read
+  kv = k_BxTxKxD.shape[2]
   t = k_BxTxKxD.shape[1] if kv_len is None else min(kv_len, k_BxTxKxD.shape[1])
   q_BxKxGxD = q_Bx1xHxD.reshape(b, kv, h // kv, d).astype(jnp.float32) * (d**-0.5)
-  xla = functools.partial(_decode_xla, k_BxTxKxD=k_BxTxKxD, v_BxTxKxD=v_BxTxKxD, pos_B=pos_B, t=t,
-                          chunk=chunk, group=group)
-  if cpu_attention.usable(q_BxKxGxD, k_BxTxKxD):
-    cpu = lambda q: cpu_attention.decode_attention(q, k_BxTxKxD, v_BxTxKxD, pos_B, t)
-    out_BxKxGxD = jax.lax.platform_dependent(q_BxKxGxD, cpu=cpu, default=xla)
-  else:
-    out_BxKxGxD = xla(q_BxKxGxD)
+  out_BxKxGxD = attention_kernels.decode_attention(q_BxKxGxD, k_BxTxKxD, v_BxTxKxD, pos_B, t,
+                                                   impl, chunk, group)
   return out_BxKxGxD.reshape(b, 1, h, d).astype(v_BxTxKxD.dtype)
-
-
-def _decode_xla(q_BxKxGxD, k_BxTxKxD, v_BxTxKxD, pos_B, t: int, chunk: int, group: int):
-  """``decode_attention`` in XLA ops (queries pre-scaled): chunked rows, grouped by position."""
-  b = q_BxKxGxD.shape[0]
-  c = min(chunk, t)
-  attend = functools.partial(_decode_rows, k_BxTxKxD=k_BxTxKxD, v_BxTxKxD=v_BxTxKxD, t=t, c=c)
-  if b <= group or sharding.num_shards("cache_batch", b) > 1:
-    return attend(q_BxKxGxD, None, pos_B)
-  order_B = jnp.argsort(pos_B)
-
-  def grouped(q_BxKxGxD):
-    outs = [attend(q_BxKxGxD[rows_N], rows_N, pos_B[rows_N])
-            for rows_N in (order_B[i:i + group] for i in range(0, b, group))]
-    return jnp.zeros_like(q_BxKxGxD).at[order_B].set(jnp.concatenate(outs))
-
-  # groups pay off when they skip at least a quarter of the chunks (not when all rows are alike)
-  chunks_GxN = jnp.pad((jnp.minimum(pos_B[order_B], t - 1) + c) // c, (0, -b % group))
-  chunks_GxN = chunks_GxN.reshape(-1, group)  # per group of sorted rows (padded with zeros)
-  need, flat = jnp.sum(jnp.max(chunks_GxN, axis=1)), chunks_GxN.shape[0] * jnp.max(chunks_GxN)
-  return jax.lax.cond(4 * need <= 3 * flat, grouped,
-                      lambda q_BxKxGxD: attend(q_BxKxGxD, None, pos_B), q_BxKxGxD)
-
-
-def _decode_rows(q_NxKxGxD, rows_N, pos_N, k_BxTxKxD, v_BxTxKxD, t: int, c: int):
-  """``decode_attention`` of cache rows ``rows_N`` (None: rows ``[0, N)``), queries pre-scaled."""
-  n, kv, g, d = q_NxKxGxD.shape
-  n_chunks = (jnp.minimum(jnp.max(pos_N), t - 1) + c) // c
-
-  def read(cache, begin):
-    if rows_N is None:
-      return jax.lax.dynamic_slice(cache, (0, begin, 0, 0), (n, c, kv, d)).astype(jnp.float32)
-    return cache[rows_N[:, None], begin + jnp.arange(c)[None, :]].astype(jnp.float32)
-
-  def body(i, carry):
-    m_NxKxG, l_NxKxG, acc_NxKxGxD = carry
-    # when c does not divide t the last chunk overlaps its predecessor: positions < i * c are masked
-    begin = jnp.minimum(i * c, t - c)
-    k_NxCxKxD, v_NxCxKxD = read(k_BxTxKxD, begin), read(v_BxTxKxD, begin)
-    positions_C = begin + jnp.arange(c)
-    valid_NxC = (positions_C[None] <= pos_N[:, None]) & (positions_C[None] >= i * c)
-    s_NxKxGxC = jnp.einsum("nkgd,nckd->nkgc", q_NxKxGxD, k_NxCxKxD)
-    s_NxKxGxC = jnp.where(valid_NxC[:, None, None], s_NxKxGxC, -jnp.inf)
-    m_new = jnp.maximum(m_NxKxG, jnp.max(s_NxKxGxC, axis=-1))  # finite: position 0 is in chunk 0
-    alpha = jnp.exp(m_NxKxG - m_new)
-    p_NxKxGxC = jnp.exp(s_NxKxGxC - m_new[..., None])
-    l_NxKxG = l_NxKxG * alpha + jnp.sum(p_NxKxGxC, axis=-1)
-    pv = jnp.einsum("nkgc,nckd->nkgd", p_NxKxGxC, v_NxCxKxD)
-    return m_new, l_NxKxG, acc_NxKxGxD * alpha[..., None] + pv
-
-  init = (jnp.full((n, kv, g), -jnp.inf, jnp.float32), jnp.zeros((n, kv, g), jnp.float32),
-          jnp.zeros((n, kv, g, d), jnp.float32))
-  _, l_NxKxG, acc_NxKxGxD = jax.lax.fori_loop(0, n_chunks, body, init)
-  return acc_NxKxGxD / l_NxKxG[..., None]
 
 
 class Attention(nnx.Module):
@@ -400,11 +333,13 @@ class Transformer(nnx.Module):
       x = block(x, rope_BxLxF, lambda q, k, v: causal_attention(q, k, v, mask_BxLxL))
     return self._logits(x)
 
-  def extend(self, tokens_BxL, start_B, cache: Cache, kv_len: int | None = None):
+  def extend(self, tokens_BxL, start_B, cache: Cache, kv_len: int | None = None,
+             attention_impl: str | None = None):
     """Append L tokens per row at ``start_B`` to ``cache``; returns logits and the updated cache.
 
     The cache may have more rows than ``tokens_BxL``: row b of the tokens uses cache row b and rows
-    from B on are left as they are (a decode step over the first B slots of a bigger cache)."""
+    from B on are left as they are (a decode step over the first B slots of a bigger cache).
+    ``attention_impl``: the decode attention a single-token step runs (``decode_attention``)."""
     b, l = tokens_BxL.shape
     rows = cache[0]["k"].shape[0]
     positions_BxL = start_B[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
@@ -425,7 +360,8 @@ class Transformer(nnx.Module):
             full = layer_cache[name].at[jnp.arange(b)[:, None], positions_BxL].set(new)
           updated[name] = sharding.constrain(full, ("cache_batch", None, "cache_heads", None))
         if l == 1:  # decode: a dynamic loop over the needed cache chunks (no copy of the cache)
-          return decode_attention(q, updated["k"], updated["v"], start_B, t)
+          return decode_attention(q, updated["k"], updated["v"], start_B, t,
+                                  impl=attention_impl)
         return attention(q, updated["k"][:b, :t], updated["v"][:b, :t], mask_BxLxT)
 
       x = block(x, rope_BxLxF, attend)

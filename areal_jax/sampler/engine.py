@@ -19,10 +19,18 @@ comes out of ``generate``. Re-prefilling a sequence under new weights is the sam
 
 Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
 mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
-A decode step reads each slot's cache only up to its own position (``transformer.decode_attention``:
-on CPU a C++ kernel, elsewhere dynamic loops over cache chunks for groups of slots sorted by
-position), so one compiled ``generate`` serves every length;
-``kv_buckets`` (default: just ``max_len``) only add static upper bounds. ``width_buckets`` (default:
+Kernels: the decode attention, the matmuls' weight layout and the steps per call are picked per
+platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
+``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
+to its own position, one step per call; on GPU and TPU one dense read of the cache up to the kv
+bucket (or the Pallas GPU kernel, forced), 16 steps per call. One compiled ``generate`` serves every
+length; ``kv_buckets`` only add static upper bounds (default: just ``max_len`` where the attention
+reads each slot up to its own position; for the dense read, powers of two from 64 up to
+``max_len``, so a step reads the cache only up to the furthest slot's bucket).
+
+Weights: ``put_params`` holds the matmul weights and the embedding in the model's compute dtype
+(cast once per weight version; the learner's float32 master weights are not touched), or packed
+for the CPU matmul kernel. ``width_buckets`` (default:
 powers of two from ``num_slots / 8`` up, multiples of the mesh's data-axis size) are the slot counts a
 decode step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are
 read once per step whatever the width).
@@ -45,7 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
-from areal_jax.models import cpu_attention, cpu_matmul
+from areal_jax.kernels import choice, cpu_matmul
 from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
 from areal_jax.sampler import sampling
 
@@ -67,15 +75,17 @@ class EngineConfig:
   num_slots: int = 8
   max_len: int = 512  # cache positions per slot: prompt + generated tokens never exceed it
   prefill_buckets: tuple[int, ...] | None = None  # default: 32, 64, ... up to max_len
-  kv_buckets: tuple[int, ...] | None = None  # static read bounds; default: (max_len,)
+  kv_buckets: tuple[int, ...] | None = None  # static read bounds; default: see the module doc
   width_buckets: tuple[int, ...] | None = None  # decode widths (slots); default: S/8, S/4, S/2, S
-  steps_per_call: int = 1  # decode steps per generate call (per host sync)
+  steps_per_call: int = 0  # decode steps per generate call (per host sync); 0: per platform
   max_stop_ids: int = 8  # EOS + stop ids per slot
   max_prefill_batch: int = 8  # prompts per prefill call
   cache_dtype: str | None = None  # default: the model's compute dtype
+  decode_attention: str = "auto"  # kernels.choice.ATTENTION, or "auto" (per platform)
+  decode_matmul: str = "auto"  # kernels.choice.MATMUL, or "auto"
 
   def __post_init__(self):
-    if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 1 or \
+    if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 0 or \
         self.max_prefill_batch < 1:
       raise ValueError(f"invalid engine config {self}")
 
@@ -84,17 +94,29 @@ class DecodeEngine:
   """Jitted prefill / insert / generate over ``num_slots`` slots on ``mesh``."""
 
   def __init__(self, model: Transformer, config: EngineConfig, mesh: Mesh | None = None):
-    self.config = config
     self.model_cfg: ModelConfig = model.cfg
     self.mesh = mesh or sharding.make_mesh({}, jax.devices()[:1])
+    # the kernels (and steps per call) for this mesh's platform: ``kernels.choice``
+    platform = choice.platform_of(self.mesh)
+    self.attention_impl = choice.attention(platform, config.decode_attention)
+    self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
+    self.config = config = dataclasses.replace(
+        config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
     self.graphdef, state = nnx.split(model)
     param_state = nnx.state(model, nnx.Param)
     self.param_shardings = nnx.to_pure_dict(
         sharding.shardings_to_values(sharding.state_shardings(param_state, self.mesh)))
+    # Sampler weights live in the compute dtype: the matmul weights and the embedding are cast
+    # once per weight version in ``put_params`` (norm scales and biases stay float32; the model
+    # casts what it reads to the compute dtype anyway, so the results are the same).
+    dtype = jnp.dtype(self.model_cfg.compute_dtype)
+    self._cast = None if dtype == jnp.float32 else jax.jit(
+        lambda params: jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params),
+        out_shardings=self.param_shardings)
     # On one CPU device the matmul weights are packed for the CPU kernel (``cpu_matmul``), once
     # per weight version in ``put_params``.
     self._pack = None
-    if cpu_matmul.enabled(self.mesh, self.model_cfg.compute_dtype):
+    if self.matmul_impl == "cpu_packed":
       which = cpu_matmul.packable(nnx.to_pure_dict(param_state))
       self._unpacked_shardings = self.param_shardings
       self.param_shardings = jax.tree.map(
@@ -103,14 +125,16 @@ class DecodeEngine:
       self._pack = jax.jit(lambda params: cpu_matmul.pack_params(params, which),
                            out_shardings=self.param_shardings)
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
-    self.kv_buckets = _buckets(config.kv_buckets or (config.max_len,), config.max_len, 64)
+    dense = self.attention_impl in ("dense", "pallas_gpu")  # reads up to the bound, not per slot
+    self.kv_buckets = _buckets(config.kv_buckets or (None if dense else (config.max_len,)),
+                               config.max_len, 64)
     self.width_buckets = self._width_buckets()
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
     # choice of decode attention and of weight layout).
     self._fns = fns = _COMPILED.setdefault(
-        (self.graphdef, config, self.mesh, cpu_attention.is_disabled(), self._pack is not None), {})
+        (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
@@ -158,10 +182,12 @@ class DecodeEngine:
     }
 
   def put_params(self, params: dict) -> dict:
-    """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there), packing
-    the matmul weights when the engine does (``cpu_matmul``)."""
+    """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there), in the
+    compute dtype (the matmul weights and the embedding; the caller's arrays are left as they are),
+    packing the matmul weights when the engine does (``cpu_matmul``)."""
     if self._pack is None:
-      return jax.device_put(params, self.param_shardings)
+      placed = jax.device_put(params, self.param_shardings)
+      return placed if self._cast is None else self._cast(placed)
     return self._pack(jax.device_put(params, self._unpacked_shardings))
 
   def init_state(self) -> State:
@@ -322,10 +348,12 @@ class DecodeEngine:
 
   def _make_generate(self, kv_len: int, width: int):
     steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
+    impl = self.attention_impl
     out = self._named((None, "cache_batch"), (steps, width))
 
     def one_step(model, state):
-      logits_Sx1xV, cache = model.extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len)
+      logits_Sx1xV, cache = model.extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len,
+                                         attention_impl=impl)
       token_S, logprob_S = sampling.sample(
           logits_Sx1xV[:, 0], state["key"], state["pos"], state["temperature"], state["top_k"],
           state["top_p"], state["greedy"])

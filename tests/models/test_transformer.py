@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.models import cpu_attention, hf, init_cache, transformer
+from areal_jax.kernels import cpu_attention
+from areal_jax.models import hf, init_cache, transformer
 
 VOCAB = 300
 

@@ -7,9 +7,12 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 from jax._src import monitoring
 
 from areal_jax import sharding
+from areal_jax.models import ModelConfig, Transformer
 from areal_jax.sampler import sampling
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 
@@ -191,3 +194,57 @@ def test_discarded_engine_frees_its_params(model):
   again = DecodeEngine(model, config)  # reuses the compiled functions
   toks, _ = _decode(again, [1, 2, 3], 1, 4, greedy=True)
   assert toks == [_naive_greedy(model, [1, 2, 3], 4)]
+
+
+@pytest.mark.parametrize("impl", ["xla", "dense", "pallas_gpu"])
+def test_accelerator_paths_forced_on_cpu_match_the_reference(model, impl):
+  """The GPU/TPU path run on CPU: a forced decode attention (Pallas in interpret mode), XLA's
+  matmuls and 16 steps per call give the naive greedy tokens and the full forward's logprobs."""
+  eng = DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8, 32),
+                                         steps_per_call=16, decode_attention=impl,
+                                         decode_matmul="xla"))
+  assert eng.attention_impl == impl and eng.matmul_impl == "xla"
+  prompt = [5, 7, 9, 11, 3, 1, 2]
+  toks, _ = _decode(eng, prompt, 2, 20, slots=[1, 3], greedy=True)
+  assert toks[0] == toks[1] == _naive_greedy(model, prompt, 20)
+  toks, lps = _decode(eng, prompt, 2, 20, temperature=0.7, seed=3)
+  for t, lp in zip(toks, lps):
+    seq = jnp.asarray([prompt + t])
+    logp = jax.nn.log_softmax(model(seq)[0] / 0.7, axis=-1)
+    ref = logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(t)]
+    np.testing.assert_allclose(lp, ref, atol=1e-4)
+
+
+def test_defaults_come_from_the_platform_and_the_attention(model):
+  eng = DecodeEngine(model, EngineConfig(num_slots=2, max_len=300))
+  assert eng.config.steps_per_call == 1 and eng.kv_buckets == (300,)  # per-slot reads on CPU
+  dense = DecodeEngine(model, EngineConfig(num_slots=2, max_len=300, decode_attention="dense"))
+  assert dense.kv_buckets == (64, 128, 256, 300)  # the dense read stops at the furthest slot's
+  assert dense.kv_bucket(100) == 128
+
+
+def test_weights_are_held_in_the_compute_dtype():
+  """bfloat16 compute: the engine keeps matmul weights and the embedding in bfloat16 (cast once in
+  put_params; the caller's float32 arrays untouched), norms in float32, with the same results as
+  float32 weights cast inside every step."""
+  model = Transformer(ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  head_dim=16, d_ff=128, dtype="bfloat16"), nnx.Rngs(3))
+  eng = DecodeEngine(model, EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,)))
+  master = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  placed = eng.put_params(master)
+  assert placed["embed"].dtype == jnp.bfloat16 and master["embed"].dtype == jnp.float32
+  assert placed["layers"][0]["mlp"]["up"].dtype == jnp.bfloat16
+  assert placed["layers"][0]["attn_norm"]["scale"].dtype == jnp.float32
+  uncast = jax.device_put(master, eng.param_shardings)  # float32: the model casts in the step
+  outs = []
+  for params in (placed, uncast):
+    state = eng.init_state()
+    state = eng.insert(state, eng.prefill(params, [1, 2, 3]), [0, 1], token=[4] * 2, pos=[3] * 2,
+                       end=[32] * 2, keys=np.zeros((2, 2), np.uint32), temperature=1.0, top_k=0,
+                       top_p=1.0, greedy=False, stop_ids=[])
+    for _ in range(3):
+      state, out = eng.generate(params, state, 32)
+      outs.append(jax.device_get(out))
+  for a, b in zip(outs[:3], outs[3:]):
+    for x, y in zip(a, b):
+      np.testing.assert_array_equal(x, y)

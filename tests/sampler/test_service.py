@@ -104,8 +104,9 @@ def test_stop_tokens_eos_and_cache_full(model):
   assert eos.finish_reason == "eos" and eos.tokens == stopped.tokens
 
 
-def _swap_run(model, new_model, continuation):
-  eng = _engine(model, num_slots=4, continuation=continuation, eos_token_ids=())
+def _swap_run(model, new_model, continuation, steps_per_call):
+  eng = _engine(model, num_slots=4, continuation=continuation, eos_token_ids=(),
+                steps_per_call=steps_per_call)
   new_params = nnx.to_pure_dict(nnx.state(new_model, nnx.Param))
   eng.start()
   try:
@@ -127,14 +128,18 @@ def _swap_run(model, new_model, continuation):
   return samples
 
 
-@pytest.mark.parametrize("continuation", ["reprefill", "keep_cache"])
-def test_in_flight_weight_swap(model, other_model, continuation):
+@pytest.mark.parametrize("continuation,steps_per_call",
+                         [("reprefill", 1), ("keep_cache", 1), ("reprefill", 4), ("keep_cache", 4)])
+def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call):
+  """Exact continuation across a swap, also with several decode steps per call (the swap lands
+  between two calls: every token of a call comes from one version)."""
   new_model = other_model
   prompt, temperature = [3, 1, 4, 1, 5], 0.8
-  for s in _swap_run(model, new_model, continuation):
+  for s in _swap_run(model, new_model, continuation, steps_per_call):
     assert len(s.tokens) == 40
     j = s.versions.index(1)  # first token drawn by the new weights
     assert 0 < j < 40 and s.versions == [0] * j + [1] * (40 - j)
+    assert j % steps_per_call == 0
     np.testing.assert_allclose(s.logprobs[:j], _logprobs(model, prompt, s.tokens, temperature)[:j],
                                atol=1e-4)
     if continuation == "reprefill":

@@ -1,6 +1,6 @@
 """Building the CPU kernels: cached per source, compiler, jaxlib and CPU, published atomically."""
 
-from areal_jax.models import cpu_attention, cpu_ffi
+from areal_jax.kernels import cpu_attention, cpu_ffi
 
 
 def test_build_is_cached_and_atomic(monkeypatch, tmp_path):

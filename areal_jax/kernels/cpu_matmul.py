@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from areal_jax.models import cpu_ffi
+from areal_jax.kernels import cpu_ffi
 
 TARGET = "areal_packed_matmul"
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_matmul.cc")

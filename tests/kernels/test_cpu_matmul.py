@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.models import ModelConfig, Transformer, cpu_matmul
+from areal_jax.kernels import cpu_matmul
+from areal_jax.models import ModelConfig, Transformer
 from areal_jax.sampler import sampling
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 

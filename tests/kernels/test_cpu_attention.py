@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
-from areal_jax.models import cpu_attention, transformer
+from areal_jax.kernels import cpu_attention
+from areal_jax.models import transformer
 
 
 def _inputs(b, rows, t, kv, g, d, seed=0):

@@ -6,9 +6,9 @@ SmolLM2-135M's 30 layers of decode attention took ~100 ms of a ~210 ms step thro
 
 How: built on first use and registered as an FFI target (``cpu_ffi``).
 
-Where it runs: ``decode_attention`` (models/transformer.py) lowers to the kernel on CPU through
-``lax.platform_dependent`` and to its XLA form on other platforms. The kernel is skipped (the XLA
-form is used) when it cannot be built (a warning names the reason), for caches that are not float32,
+Where it runs: ``attention.decode_attention`` calls it when ``choice.attention`` picked ``"cpu"``
+(the default on CPU devices when it builds). The kernel is skipped (XLA's chunked form is used)
+when it cannot be built (a warning names the reason), for caches that are not float32,
 when ``AREAL_JAX_CPU_KERNELS=0`` and when traced inside ``disabled()``. Under a device mesh it runs
 per shard through ``shard_map``: slots over ``cache_batch``, heads over ``cache_heads``.
 """
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from areal_jax import sharding
-from areal_jax.models import cpu_ffi
+from areal_jax.kernels import cpu_ffi
 
 TARGET = "areal_decode_attention"
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_attention.cc")

@@ -1,0 +1,86 @@
+"""The one place that picks the sampler's decode kernels by backend.
+
+Decode attention (``ATTENTION``):
+  * ``"cpu"``: the C++ kernel (``cpu_attention``), each row read up to its own position. CPU only.
+  * ``"xla"``: online softmax over cache chunks in XLA loops, rows grouped by position
+    (``xla_attention.chunked``).
+  * ``"dense"``: one dense read of the cache up to the static bound, masked per row
+    (``xla_attention.dense``): what XLA on GPU and TPU fuses best.
+  * ``"pallas_gpu"``: ``jax.experimental.pallas.ops.gpu.decode_attention.gqa``, each row read up to
+    its own length (``pallas_attention``); runs in Pallas interpret mode on a CPU device (tests).
+
+Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version for the C++ kernel,
+``cpu_matmul``: one CPU device, float32, AVX-512) or ``"xla"``.
+
+``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms), on GPU
+and TPU ``"dense"`` and ``"xla"`` matmuls. The Pallas GPU kernel is not the default there: its
+``gqa`` entry point transposes the cache to ``[B, K, T, D]`` before every call, a copy of the whole
+cache per layer and step, where the dense read is one pass (neither measured on an accelerator
+here). A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION``
+/ ``$AREAL_JAX_DECODE_MATMUL`` when set; else the platform's default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from areal_jax.kernels import cpu_attention, cpu_matmul
+
+ATTENTION = ("cpu", "xla", "dense", "pallas_gpu")
+MATMUL = ("cpu_packed", "xla")
+ATTENTION_ENV = "AREAL_JAX_DECODE_ATTENTION"
+MATMUL_ENV = "AREAL_JAX_DECODE_MATMUL"
+_PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu"), "gpu": ("xla", "dense", "pallas_gpu"),
+              "tpu": ("xla", "dense")}
+
+
+def platform_of(mesh: Mesh | None) -> str:
+  """``"cpu"``, ``"gpu"`` or ``"tpu"`` (CUDA and ROCm are both ``"gpu"``) of a mesh's devices, or of
+  the default backend without a mesh."""
+  import jax  # noqa: PLC0415 (kept local: the module is imported by the model layer)
+
+  name = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
+def _requested(requested: str, env: str, valid: tuple[str, ...], what: str) -> str:
+  value = requested if requested != "auto" else os.environ.get(env, "auto") or "auto"
+  if value != "auto" and value not in valid:
+    source = f"${env}" if requested == "auto" else what
+    raise ValueError(f"{source}={value!r} is not one of {('auto',) + valid}")
+  return value
+
+
+def attention(platform: str, requested: str = "auto") -> str:
+  """The decode attention to run on ``platform`` (see the module docstring)."""
+  value = _requested(requested, ATTENTION_ENV, ATTENTION, "decode_attention")
+  if value == "auto":
+    if platform == "cpu":
+      return "cpu" if not cpu_attention.is_disabled() and cpu_attention.available() else "xla"
+    return "dense" if platform in ("gpu", "tpu") else "xla"
+  if value not in _PLATFORMS.get(platform, ("xla", "dense")):
+    raise ValueError(f"decode attention {value!r} cannot run on {platform!r} devices "
+                     f"(valid there: {_PLATFORMS.get(platform, ('xla', 'dense'))})")
+  return value
+
+
+def matmul(mesh: Mesh, compute_dtype, requested: str = "auto") -> str:
+  """The decode matmuls of an engine on ``mesh`` computing in ``compute_dtype``."""
+  value = _requested(requested, MATMUL_ENV, MATMUL, "decode_matmul")
+  packable = cpu_matmul.enabled(mesh, compute_dtype)
+  if value == "auto":
+    return "cpu_packed" if packable else "xla"
+  if value == "cpu_packed" and not packable:
+    raise ValueError("decode matmul 'cpu_packed' needs one CPU device with AVX-512, float32 compute "
+                     f"(model dtype {jnp.dtype(compute_dtype).name}) and the kernel built")
+  return value
+
+
+def steps_per_call(platform: str) -> int:
+  """Decode steps per jitted call (per host sync) when the config leaves it at 0: 1 on CPU, where
+  a step is long against the host's work and every extra step a finished slot idles costs a full
+  step; 16 on GPU and TPU, where a step is short enough for the host sync to show."""
+  return 1 if platform == "cpu" else 16

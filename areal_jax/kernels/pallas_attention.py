@@ -1,0 +1,45 @@
+"""Decode attention through the Pallas GPU kernel JAX ships
+(``jax.experimental.pallas.ops.gpu.decode_attention.gqa``): each (row, K/V head) reads its cache
+only up to its own length, split over ``k_splits`` blocks of positions combined at the end.
+
+On a CPU device the same kernel runs in Pallas interpret mode (slow; for tests of the GPU path).
+The kernel needs the static bound ``t`` cut into ``k_splits`` pieces of at least 16 positions,
+each a multiple of a power-of-two block; ``usable`` says whether some split fits, else the caller takes the
+dense form.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
+
+BLOCK_K = 128  # largest block of positions per kernel step
+
+
+def _split(t: int) -> tuple[int, int] | None:
+  """``(k_splits, block_k)`` for a bound of ``t`` positions, or None when none fits."""
+  for k_splits in (16, 8, 4, 2, 1):
+    piece = t // k_splits
+    if t % k_splits or piece < 16:
+      continue
+    for block_k in (BLOCK_K, 64, 32, 16):  # a power of two (Triton's blocks), dividing the piece
+      if block_k <= piece and piece % block_k == 0:
+        return k_splits, block_k
+  return None
+
+
+def usable(t: int) -> bool:
+  return _split(t) is not None
+
+
+def decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, interpret: bool = False):
+  """Pre-scaled queries ``[B, K, G, D]`` against cache rows ``[0, B)`` and positions
+  ``[0, pos_B[b]]``; float32 ``[B, K, G, D]``. ``interpret``: Pallas interpret mode (CPU)."""
+  b, kv, g, d = q_BxKxGxD.shape
+  k_splits, block_k = _split(t)
+  k_BxTxKxD, v_BxTxKxD = k_RxTxKxD[:b, :t], v_RxTxKxD[:b, :t]
+  q_BxHxD = q_BxKxGxD.reshape(b, kv * g, d).astype(k_BxTxKxD.dtype)
+  out_BxHxD = pallas_decode.gqa(q_BxHxD, k_BxTxKxD, v_BxTxKxD, kv_seq_len=pos_B + 1, sm_scale=1.0,
+                                block_h=16, block_k=block_k, k_splits=k_splits,
+                                interpret=interpret)
+  return out_BxHxD.reshape(b, kv, g, d).astype(jnp.float32)

@@ -1,0 +1,46 @@
+"""The one place that picks decode kernels: per platform, overridden by config or environment, with
+clear errors for choices a platform cannot run."""
+
+import jax
+import pytest
+
+from areal_jax import sharding
+from areal_jax.kernels import choice, cpu_attention
+
+
+def test_auto_picks_per_platform():
+  assert choice.attention("cpu") == ("cpu" if cpu_attention.available() else "xla")
+  assert choice.attention("gpu") == "dense" and choice.attention("tpu") == "dense"
+  with cpu_attention.disabled():
+    assert choice.attention("cpu") == "xla"
+  assert choice.steps_per_call("cpu") == 1
+  assert choice.steps_per_call("gpu") == choice.steps_per_call("tpu") == 16
+  assert choice.platform_of(sharding.make_mesh({}, jax.devices()[:1])) == "cpu"
+
+
+def test_config_beats_environment_beats_platform(monkeypatch):
+  monkeypatch.setenv(choice.ATTENTION_ENV, "pallas_gpu")
+  assert choice.attention("cpu") == "pallas_gpu" and choice.attention("gpu") == "pallas_gpu"
+  assert choice.attention("cpu", "dense") == "dense"
+  monkeypatch.setenv(choice.ATTENTION_ENV, "")
+  assert choice.attention("gpu") == "dense"
+
+
+def test_bad_choices_name_the_setting(monkeypatch):
+  with pytest.raises(ValueError, match="decode_attention='flash'"):
+    choice.attention("cpu", "flash")
+  monkeypatch.setenv(choice.ATTENTION_ENV, "flash")
+  with pytest.raises(ValueError, match=r"\$AREAL_JAX_DECODE_ATTENTION='flash'"):
+    choice.attention("cpu")
+  monkeypatch.delenv(choice.ATTENTION_ENV)
+  with pytest.raises(ValueError, match="'cpu' cannot run on 'gpu'"):
+    choice.attention("gpu", "cpu")
+  with pytest.raises(ValueError, match="'pallas_gpu' cannot run on 'tpu'"):
+    choice.attention("tpu", "pallas_gpu")
+  mesh8 = sharding.make_mesh({"data": 8}) if len(jax.devices()) >= 8 else None
+  if mesh8 is not None:
+    with pytest.raises(ValueError, match="cpu_packed"):
+      choice.matmul(mesh8, "float32", "cpu_packed")
+    assert choice.matmul(mesh8, "float32") == "xla"
+  with pytest.raises(ValueError, match="decode_matmul='mkl'"):
+    choice.matmul(sharding.make_mesh({}, jax.devices()[:1]), "float32", "mkl")
