@@ -44,6 +44,7 @@ def base_config() -> ConfigDict:
   c.task.system_prompt = ""
   c.task.instruction = "Please reason step by step, and put your final answer within \\boxed{}."
   c.task.use_chat_template = True
+  c.task.enable_thinking = True  # False: the chat template gets enable_thinking=False (Qwen3)
   c.task.difficulty = 1  # arithmetic task only: number of operations
   c.task.max_operand = 20  # arithmetic task only
   c.task.num_train = 10000  # arithmetic task only: size of the generated train split

