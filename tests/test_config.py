@@ -12,7 +12,7 @@ CONFIGS = sorted(str(p) for p in (ROOT / "configs").glob("*.py"))
 
 def presets(path):
   text = pathlib.Path(path).read_text()
-  return ["default"] + [p for p in ("tiny", "smollm", "demo") if f'"{p}"' in text]
+  return ["default"] + [p for p in ("tiny", "smollm", "demo", "qwen3", "qwen3_lora") if f'"{p}"' in text]
 
 
 @pytest.mark.parametrize("spec", [f"{p}:{s}" for p in CONFIGS for s in presets(p)])

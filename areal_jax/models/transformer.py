@@ -103,7 +103,11 @@ def linear(x_NxI, w, transpose_w: bool = False, out_dtype=None):
   """``x @ w`` (``w`` is ``[I, O]``), or ``x @ w.T`` with ``transpose_w`` (``w`` is ``[O, I]``, e.g.
   a tied embedding as the LM head), over the last axis of ``x``, returned as ``out_dtype`` (default:
   ``x``'s). A 3-D ``w`` is a weight the sampler packed for the CPU kernel (``cpu_matmul.pack``,
-  which already took ``transpose_w`` into account): inference only."""
+  which already took ``transpose_w`` into account): inference only. A ``w`` with ``apply_linear``
+  is a frozen weight with LoRA adapters (``lora.LoraWeight``, training only): its own forward."""
+  apply = getattr(w, "apply_linear", None)
+  if apply is not None:
+    return apply(x_NxI, out_dtype)
   if w.ndim == 3:
     return cpu_matmul.matmul(x_NxI, w).astype(out_dtype or x_NxI.dtype)
   return _dense(x_NxI, w, transpose_w, out_dtype)

@@ -21,6 +21,7 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
 from areal_jax import models, tasks
@@ -55,6 +56,8 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   engine = engines.build(config, model, tokenizer, sampler_mesh)
   if wrap_engine is not None:
     engine = wrap_engine(engine)
+  if learner.lora is not None:  # only the adapters are published (replicated on the sampler)
+    sampler_shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
   transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
                                    learner.params(), shardings=sampler_shardings)
   ckpt = Checkpointer(workdir, c_train.keep_checkpoints)

@@ -191,3 +191,27 @@ def test_discarded_engine_frees_its_params(model):
   again = DecodeEngine(model, config)  # reuses the compiled functions
   toks, _ = _decode(again, [1, 2, 3], 1, 4, greedy=True)
   assert toks == [_naive_greedy(model, [1, 2, 3], 4)]
+
+
+def test_lora_adapters_are_merged_once_per_version():
+  """``put_params(adapters)`` decodes exactly like the merged model (a Qwen3-shaped one here)."""
+  from flax import nnx
+
+  from areal_jax.models import ModelConfig, Transformer, lora
+  qwen3 = Transformer(ModelConfig(arch="qwen3", qk_norm=True, vocab_size=128, d_model=64),
+                      nnx.Rngs(3))
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0)
+  base = nnx.to_pure_dict(nnx.state(qwen3, nnx.Param))
+  ad = lora.init_adapters(base, lcfg, jax.random.key(0))
+  ad = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), ad)
+  cfg = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,))
+  eng = DecodeEngine(qwen3, cfg, lora=lcfg)
+  eng.params = eng.put_params(ad)
+  merged = lora.merged_model(qwen3, ad, lcfg)
+  prompt = [5, 7, 9, 11]
+  toks, _ = _decode(eng, prompt, 1, 8, greedy=True)
+  assert toks[0] == _naive_greedy(merged, prompt, 8)
+  assert toks[0] != _naive_greedy(qwen3, prompt, 8)  # the adapters change the answer
+  plain = DecodeEngine(merged, cfg)  # full weights still go in as they are
+  for x, y in zip(jax.tree.leaves(eng.params), jax.tree.leaves(plain.params)):
+    np.testing.assert_array_equal(x, y)
