@@ -23,6 +23,20 @@ attention masked between segments; short rows hardly do.
 ``--quick`` uses SmolLM2-135M layer shapes with 6 of the 30 layers (the 30-layer compile alone
 takes minutes on 2 cores) and a single timed step.
 
+LoRA rows (``-lora16``: ``actor.lora`` rank 16, alpha 32, on every attention and MLP projection)
+train adapters on the frozen base, side by side with full fine-tuning of the same shape and batch.
+Their MFU credits 4 x params per token (forward + activation gradients: no weight gradients).
+Per row also:
+  peak MiB     XLA's buffer plan of the gradient step (``memory_analysis`` of the compiled
+               accumulate: its arguments = trained params, frozen base, gradient accumulator and
+               micro-batch, plus its temporaries) + the optimizer state. A plan, not a measured RSS.
+  publish s    one weight version as the runtime publishes it: ``params()`` (LoRA: the adapters)
+               copied with ``jax.device_put`` to a second device (best of 3); ``pub MiB`` the bytes
+               moved; ``merge s`` the sampler's merge of the adapters into its base
+               (``DecodeEngine.put_params``' jitted merge, LoRA only); ``orbax s`` /
+               ``orbax MiB`` the same version saved with Orbax (``weights.transfer=orbax``) and
+               its size on disk. Run with 2+ devices (XLA_FLAGS) for a real copy between devices.
+
 The matmul throughput is measured on the spot (best of several square float32 matmuls on the same
 device), so MFU is relative to what this machine actually does, not a datasheet figure. Packing
 efficiency = real tokens / (rows used x row length) over many GSM8K-like batches; the step's
@@ -34,7 +48,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import os
+import tempfile
 import time
 
 import jax
@@ -46,7 +63,9 @@ from areal_jax import config as config_lib
 from areal_jax import sharding
 from areal_jax.learner import Learner, packing
 from areal_jax.models import ModelConfig, Transformer
+from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import Sample
+from areal_jax.runtime import weight_transfer
 from common import SMOLLM2, TINY, Hardware, machine
 
 def gsm8k_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,12 +111,13 @@ def packing_efficiency(batches: int, groups: int, n: int, row_len: int) -> float
 
 def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, peak: float,
                 micro_batch_tokens: int, max_seq_len: int = 768, lengths: str = "gsm8k",
-                warmup_groups: int | None = None) -> dict:
+                warmup_groups: int | None = None, lora_rank: int = 0) -> dict:
   """``warmup_groups``: prompt groups of the untimed compile step (default ``groups``); fewer
   save minutes on big models when they give the same micro-batch shape (checked: a compilation in a
   timed step is counted and reported)."""
   opts = config_lib.base_config().actor
   opts.micro_batch_tokens = micro_batch_tokens
+  opts.lora.rank, opts.lora.alpha = lora_rank, 2.0 * lora_rank
   mesh = sharding.make_mesh({}, jax.devices()[:1])
   model = Transformer(cfg, nnx.Rngs(0))
   learner = Learner(model, opts, mesh, temperature=1.0, max_seq_len=max_seq_len)
@@ -122,14 +142,67 @@ def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, pe
           f"not counted")
   busy_s = sum(times) - sum(compiles)
   tok_s = sum(tokens) / busy_s
-  p = learner.num_params
-  return dict(model=name, lengths=lengths, params=p, sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
+  p = learner.num_params if learner.frozen is None else _nbytes(learner.frozen, elements=True)
+  flops_per_token = (6 if learner.frozen is None else 4) * p
+  extra = dict(peak_mib=step_peak_bytes(learner, make_batch(rng, groups, n, cfg.vocab_size,
+                                                             lengths)) / 2**20,
+               **publish_figures(learner))
+  return dict(model=name, lengths=lengths, params=p, trained_params=learner.num_params,
+              lora_rank=lora_rank, flops_per_token=flops_per_token,
+              sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
               step_s=busy_s / len(times), compile_s=compile_s, tokens_per_s=tok_s,
-              mfu=6 * p * tok_s / peak,
+              mfu=flops_per_token * tok_s / peak, **extra,
               padding_efficiency=metrics["padding_efficiency"],
               packing_efficiency=metrics["packing_efficiency"], row_len=metrics["row_len"],
               micro_rows=metrics["micro_rows"], micro_batches=metrics["micro_batches"],
               compiles_timed=len(compiles), compile_s_timed=float(sum(compiles)))
+
+
+def _nbytes(tree, elements: bool = False) -> int:
+  return sum(int(np.prod(x.shape)) * (1 if elements else x.dtype.itemsize)
+             for x in jax.tree.leaves(tree))
+
+
+def step_peak_bytes(learner: Learner, batch) -> int:
+  """XLA's plan for the gradient step (see the module docstring) + the optimizer state."""
+  micro = learner._prepare(*batch)[0][0][0]  # pylint: disable=protected-access
+  fn = learner._acc_fn if "old_logp" in micro else learner._acc_self_fn  # pylint: disable=protected-access
+  compiled = fn.lower(learner.params(), learner._zeros_fn(), micro, np.float32(1),  # pylint: disable=protected-access
+                      *learner._frozen_args).compile()  # pylint: disable=protected-access
+  m = compiled.memory_analysis()
+  step = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+  return step + _nbytes(learner.state["opt"])
+
+
+def publish_figures(learner: Learner, reps: int = 3) -> dict:
+  """Seconds and bytes to publish one version to a second device (and with Orbax to disk)."""
+  devices = jax.devices()
+  target = jax.sharding.SingleDeviceSharding(devices[1 if len(devices) > 1 else 0])
+  params = learner.params()
+  shardings = jax.tree.map(lambda _: target, params)
+  transfer = weight_transfer.DevicePutTransfer(shardings)
+  merge = None
+  if learner.lora is not None:  # the sampler's merge, as DecodeEngine.put_params runs it
+    base = jax.device_put(learner.frozen, target)
+    merge = jax.jit(functools.partial(lora_lib.merge, lcfg=learner.lora))
+    jax.block_until_ready(merge(base, jax.device_put(params, target)))  # compile
+  times, merge_times = [], []
+  for v in range(reps):
+    t = time.perf_counter()
+    out = transfer.send(params, v)
+    times.append(time.perf_counter() - t)
+    if merge is not None:
+      t = time.perf_counter()
+      jax.block_until_ready(merge(base, out))
+      merge_times.append(time.perf_counter() - t)
+  with tempfile.TemporaryDirectory() as tmp:
+    publisher = weight_transfer.OrbaxPublisher(tmp, keep=1)
+    orbax_s = min(publisher.publish(params, v) for v in range(2))
+    publisher.close()
+    disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp) for f in fs)
+  return dict(publish_s=min(times), publish_mib=_nbytes(params) / 2**20,
+              merge_s=min(merge_times) if merge_times else 0.0, orbax_s=orbax_s,
+              orbax_mib=disk / 2**20)
 
 
 def main():
@@ -143,27 +216,33 @@ def main():
         f"load avg {info['load_avg']:.1f}")
   print(f"measured float32 matmul: {peak / 1e9:.1f} GFLOP/s")
   if args.quick:  # SmolLM2-135M layer shapes, 6 of its 30 layers (compiles in a fraction)
-    smol = ("smollm2-135m-6L", dataclasses.replace(SMOLLM2, n_layers=6), 2, 2, 1, 1536)
-    runs = [("tiny", TINY, 4, 4, 1, 8192), smol]
+    six = dataclasses.replace(SMOLLM2, n_layers=6)
+    runs = [("tiny", TINY, 4, 4, 1, 8192), ("smollm2-135m-6L", six, 2, 2, 1, 1536),
+            ("smollm2-135m-6L-lora16", six, 2, 2, 1, 1536, 768, "gsm8k", None, 16)]
   else:
     runs = [("tiny", TINY, 16, 4, 3, 8192), ("smollm2-135m", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2),
-            ("smollm2-135m-short", SMOLLM2, 4, 8, 2, 2048, 176, "short")]
+            ("smollm2-135m-lora16", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2, 16),
+            ("smollm2-135m-short", SMOLLM2, 4, 8, 2, 2048, 176, "short"),
+            ("smollm2-135m-short-lora16", SMOLLM2, 4, 8, 2, 2048, 176, "short", None, 16)]
   rows = [bench_model(*r[:5], peak, *r[5:]) for r in runs]
   # The machine is shared: keep the best matmul figure seen (MFU is then conservative).
   peak = hw.probe(5).figures()["matmul_GFLOPps"] * 1e9
   for r in rows:
-    r["mfu"] = 6 * r["params"] * r["tokens_per_s"] / peak
+    r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak
   pack = packing_efficiency(20 if args.quick else 100, 64, 4, 768)
   print(f"best measured float32 matmul: {peak / 1e9:.1f} GFLOP/s")
-  print(f"\n{'model':<16}{'params':>12}{'tokens/step':>13}{'step s':>9}{'tokens/s':>11}{'MFU':>8}"
-        f"{'pad eff':>9}{'compile s':>11}")
+  print(f"\n{'model':<26}{'trained':>12}{'tokens/step':>12}{'step s':>8}{'tokens/s':>10}{'MFU':>7}"
+        f"{'pad eff':>8}{'compile s':>10}{'peak MiB':>9}{'publish s':>10}{'pub MiB':>9}"
+        f"{'merge s':>8}{'orbax s':>8}{'orbax MiB':>10}")
   for r in rows:
-    print(f"{r['model']:<16}{r['params']:>12,}{r['tokens_per_step']:>13.0f}{r['step_s']:>9.2f}"
-          f"{r['tokens_per_s']:>11.0f}{r['mfu']:>8.1%}"
-          f"{r['padding_efficiency']:>9.1%}{r['compile_s']:>11.1f}")
+    print(f"{r['model']:<26}{r['trained_params']:>12,}{r['tokens_per_step']:>12.0f}"
+          f"{r['step_s']:>8.2f}{r['tokens_per_s']:>10.0f}{r['mfu']:>7.1%}"
+          f"{r['padding_efficiency']:>8.1%}{r['compile_s']:>10.1f}{r['peak_mib']:>9.0f}"
+          f"{r['publish_s']:>10.3f}{r['publish_mib']:>9.1f}{r['merge_s']:>8.3f}{r['orbax_s']:>8.2f}"
+          f"{r['orbax_mib']:>10.1f}")
   print(f"\npacking efficiency (GSM8K-like lengths, 64 x 4 sequences per batch, rows of 768): "
         f"{pack:.1%}")
-  smol = next(r for r in rows if r["model"].startswith("smollm2"))
+  smol = next(r for r in rows if r["model"].startswith("smollm2") and not r["lora_rank"])
   short = next((r for r in rows if r["model"] == "smollm2-135m-short"), None)
   result = dict(machine=info, matmul_flops=peak, mfu=smol["mfu"], packing_efficiency=pack,
                 mfu_short=short["mfu"] if short else None,
