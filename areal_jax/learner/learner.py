@@ -103,9 +103,10 @@ class Learner:
     self.lora = lora_lib.LoraConfig.from_config(opts.get("lora"))
     self.frozen, self.frozen_shardings = None, None
     if self.lora is not None:  # train adapters (replicated: they are small) on a frozen base
+      # eager casts: a base already in the compute dtype and placed is used as is, not copied
       self.frozen_shardings = self.param_shardings
-      self.frozen = jax.jit(functools.partial(lora_lib.frozen_base, dtype=self.cfg.compute_dtype),
-                            out_shardings=self.frozen_shardings)(params)
+      self.frozen = jax.device_put(lora_lib.frozen_base(params, self.cfg.compute_dtype),
+                                   self.frozen_shardings)
       adapters = lora_lib.init_adapters(self.frozen, self.lora, jax.random.key(0))
       self.param_shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), adapters)
       params = jax.device_put(adapters, self.param_shardings)

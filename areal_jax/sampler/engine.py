@@ -130,9 +130,10 @@ class DecodeEngine:
     self.lora, self._lora_base, self._merge = lora, None, None
     if lora is not None:
       shardings = self._unpacked_shardings if self._pack is not None else self.param_shardings
-      self._lora_base = jax.jit(
-          lambda p: lora_lib.frozen_base(p, self.model_cfg.compute_dtype),
-          out_shardings=shardings)(nnx.to_pure_dict(param_state))
+      # eager casts: a base already in the compute dtype on this mesh is shared, not copied
+      self._lora_base = jax.device_put(
+          lora_lib.frozen_base(nnx.to_pure_dict(param_state), self.model_cfg.compute_dtype),
+          shardings)
       self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
                             out_shardings=shardings)
     self.params = self.put_params(nnx.to_pure_dict(param_state))

@@ -58,3 +58,15 @@ def test_bfloat16_base_is_stored_in_the_compute_dtype():
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(learner.params()))
   metrics = learner.train_step(*batch(1))
   assert np.isfinite(metrics["loss"])
+
+
+def test_a_base_already_in_the_compute_dtype_is_shared_not_copied():
+  """What keeps a colocated LoRA run at one copy of the base (the runtime casts it at load)."""
+  m = model()
+  state = nnx.state(m, nnx.Param)
+  nnx.replace_by_pure_dict(state, lora.frozen_base(nnx.to_pure_dict(state), "bfloat16"))
+  nnx.update(m, state)
+  learner = Learner(m, _lora_actor(dtype="bfloat16"), mesh(), temperature=1.0)
+  gate = learner.frozen["layers"][1]["mlp"]["gate"]
+  assert gate.dtype == jnp.bfloat16
+  assert gate.unsafe_buffer_pointer() == m.layers[1].mlp.gate[...].unsafe_buffer_pointer()
