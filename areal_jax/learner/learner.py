@@ -155,8 +155,7 @@ class Learner:
     dtype; otherwise ``params()``)."""
     if self.lora is None:
       return self.params()
-    return jax.jit(functools.partial(lora_lib.merge, lcfg=self.lora),
-                   out_shardings=self.frozen_shardings)(self.frozen, self.params())
+    return self._merge_fn(self.frozen, self.params())
 
   def params(self) -> dict:
     """The current trained parameters (with LoRA: the adapters), an NNX pure dict on the learner
@@ -177,6 +176,9 @@ class Learner:
     # with LoRA every device function takes the frozen base as one more, last, argument
     fs = () if self.frozen is None else (self.frozen_shardings,)
     self._frozen_args = () if self.frozen is None else (self.frozen,)
+    if self.lora is not None:
+      self._merge_fn = jax.jit(functools.partial(lora_lib.merge, lcfg=self.lora),
+                               out_shardings=self.frozen_shardings)
     if kl:
       self._logp_fn = jax.jit(self._logprobs, in_shardings=(ps, batch_sh, ps, *fs),
                               out_shardings=(rs, rs))

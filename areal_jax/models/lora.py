@@ -19,6 +19,7 @@ backward never forms a full weight-sized gradient. Samplers use ``merge`` once p
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -168,7 +169,7 @@ class LoraWeight:
 def wrap(params: Mapping, adapters: Mapping, lcfg: LoraConfig, key: jax.Array | None = None) -> dict:
   """``params`` whose adapted leaves are ``LoraWeight``s (for the training forward). ``key``
   (optional) draws the dropout masks; without it there is no dropout."""
-  counter = iter(range(1 << 30))
+  counter = itertools.count()
 
   def lora_weight(w, ab):
     k = None if key is None or not lcfg.dropout else jax.random.fold_in(key, next(counter))
