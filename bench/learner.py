@@ -209,6 +209,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="reduced run (< 2 minutes)")
   ap.add_argument("--json", default=None, help="write results to this path")
+  ap.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
   args = ap.parse_args()
   info, hw = machine(), Hardware()
   peak = hw.probe(5).figures()["matmul_GFLOPps"] * 1e9
@@ -224,6 +225,12 @@ def main():
             ("smollm2-135m-lora16", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2, 16),
             ("smollm2-135m-short", SMOLLM2, 4, 8, 2, 2048, 176, "short"),
             ("smollm2-135m-short-lora16", SMOLLM2, 4, 8, 2, 2048, 176, "short", None, 16)]
+  if args.only:
+    names = [r[0] for r in runs]
+    unknown = sorted(set(args.only.split(",")) - set(names))
+    if unknown:
+      ap.error(f"--only: unknown rows {unknown}; rows of this run: {names}")
+    runs = [r for r in runs if r[0] in args.only.split(",")]
   rows = [bench_model(*r[:5], peak, *r[5:]) for r in runs]
   # The machine is shared: keep the best matmul figure seen (MFU is then conservative).
   peak = hw.probe(5).figures()["matmul_GFLOPps"] * 1e9
@@ -242,7 +249,8 @@ def main():
           f"{r['orbax_mib']:>10.1f}")
   print(f"\npacking efficiency (GSM8K-like lengths, 64 x 4 sequences per batch, rows of 768): "
         f"{pack:.1%}")
-  smol = next(r for r in rows if r["model"].startswith("smollm2") and not r["lora_rank"])
+  smol = next((r for r in rows if r["model"].startswith("smollm2") and not r["lora_rank"]),
+              {"mfu": None})
   short = next((r for r in rows if r["model"] == "smollm2-135m-short"), None)
   result = dict(machine=info, matmul_flops=peak, mfu=smol["mfu"], packing_efficiency=pack,
                 mfu_short=short["mfu"] if short else None,
