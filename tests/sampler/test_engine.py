@@ -248,3 +248,25 @@ def test_weights_are_held_in_the_compute_dtype():
   for a, b in zip(outs[:3], outs[3:]):
     for x, y in zip(a, b):
       np.testing.assert_array_equal(x, y)
+def test_lora_adapters_are_merged_once_per_version():
+  """``put_params(adapters)`` decodes exactly like the merged model (a Qwen3-shaped one here)."""
+  from flax import nnx
+
+  from areal_jax.models import ModelConfig, Transformer, lora
+  qwen3 = Transformer(ModelConfig(arch="qwen3", qk_norm=True, vocab_size=128, d_model=64),
+                      nnx.Rngs(3))
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0)
+  base = nnx.to_pure_dict(nnx.state(qwen3, nnx.Param))
+  ad = lora.init_adapters(base, lcfg, jax.random.key(0))
+  ad = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), ad)
+  cfg = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,))
+  eng = DecodeEngine(qwen3, cfg, lora=lcfg)
+  eng.params = eng.put_params(ad)
+  merged = lora.merged_model(qwen3, ad, lcfg)
+  prompt = [5, 7, 9, 11]
+  toks, _ = _decode(eng, prompt, 1, 8, greedy=True)
+  assert toks[0] == _naive_greedy(merged, prompt, 8)
+  assert toks[0] != _naive_greedy(qwen3, prompt, 8)  # the adapters change the answer
+  plain = DecodeEngine(merged, cfg)  # full weights still go in as they are
+  for x, y in zip(jax.tree.leaves(eng.params), jax.tree.leaves(plain.params)):
+    np.testing.assert_array_equal(x, y)
