@@ -21,6 +21,9 @@ QWEN25_1P5B = ModelConfig(arch="qwen2", vocab_size=151936, d_model=1536, n_layer
 QWEN25_7B = ModelConfig(arch="qwen2", vocab_size=152064, d_model=3584, n_layers=28, n_heads=28,
                         n_kv_heads=4, head_dim=128, d_ff=18944, rope_theta=1e6, qkv_bias=True,
                         tie_embeddings=False, dtype="bfloat16")
+QWEN3_1P7B = ModelConfig(arch="qwen3", vocab_size=151936, d_model=2048, n_layers=28, n_heads=16,
+                         n_kv_heads=8, head_dim=128, d_ff=6144, rope_theta=1e6, norm_eps=1e-6,
+                         qk_norm=True, tie_embeddings=True, dtype="bfloat16")
 TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=16, d_ff=128)
 

@@ -73,9 +73,10 @@ from areal_jax.models import ModelConfig, Transformer
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import Sample
 from areal_jax.runtime import weight_transfer
-from common import QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine
+from common import QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine
 
-RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, None))
+RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, None),
+           ("qwen3-1.7b", "qwen3_lora", QWEN3_1P7B, 16.0))
 
 def gsm8k_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
   prompt = rng.integers(60, 200, n)
@@ -219,21 +220,26 @@ def plan_recipes() -> list[dict]:
     learner = Learner.abstract(cfg, c.actor, mesh, max_seq_len=c.rollout.max_prompt_len +
                                c.rollout.max_new_tokens)
     t = time.perf_counter()
-    p = memory.plan(learner, int(c.mesh.memory_fraction * gib * memory.GIB))
+    try:
+      p, fits = memory.plan(learner, int(c.mesh.memory_fraction * gib * memory.GIB)), True
+    except MemoryError as e:  # report the configured micro-batch's plan and that it does not fit
+      print(f"{preset}: {e}")
+      p, fits = memory.plan(learner, None), False
     rows.append(dict(recipe=f"configs/gsm8k.py:{preset}", model=name, devices=dict(mesh.shape),
                      device_gib=gib, memory_fraction=c.mesh.memory_fraction,
                      micro_batch_tokens=p.micro_batch_tokens, row_len=p.row_len,
                      micro_rows=p.micro_rows, remat=c.actor.remat,
-                     logits_chunk=c.actor.logits_chunk, plan_s=time.perf_counter() - t,
+                     logits_chunk=c.actor.logits_chunk, plan_s=time.perf_counter() - t, fits=fits,
+                     lora_rank=c.actor.lora.rank,
                      **{f"{k}_gib": v / memory.GIB for k, v in p.parts.items()}))
-  print(f"{'recipe':<26}{'model':<14}{'mesh':>24}{'tokens':>8}{'params':>8}{'opt':>7}{'grads':>7}"
+  print(f"{'recipe':<30}{'model':<14}{'mesh':>24}{'tokens':>8}{'params':>8}{'opt':>7}{'grads':>7}"
         f"{'acc':>7}{'update':>8}{'peak GiB':>10}{'budget':>8}")
   for r in rows:
     mesh = ",".join(f"{k}={v}" for k, v in r["devices"].items())
-    print(f"{r['recipe']:<26}{r['model']:<14}{mesh:>24}{r['micro_rows'] * r['row_len']:>8}"
+    print(f"{r['recipe']:<30}{r['model']:<14}{mesh:>24}{r['micro_rows'] * r['row_len']:>8}"
           f"{r['params_gib']:>8.2f}{r['opt_gib']:>7.2f}{r['grads_gib']:>7.2f}"
           f"{r['accumulate_gib']:>7.2f}{r['update_gib']:>8.2f}{r['peak_gib']:>10.2f}"
-          f"{r['memory_fraction'] * r['device_gib']:>8.1f}")
+          f"{r['memory_fraction'] * r['device_gib']:>8.1f}{'' if r['fits'] else '  does not fit'}")
   return rows
 
 

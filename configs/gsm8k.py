@@ -44,15 +44,14 @@ Presets:
                  --config.model.source=$HOME/models/Qwen3-1.7B
              python -m areal_jax.export --config=configs/gsm8k.py:qwen3_lora \
                  --checkpoint=$HOME/runs/q3lora --output=$HOME/q3lora_adapter   # PEFT adapter dir
-           Memory on a 16 GiB chip, computed from the shapes (not measured; no accelerator here):
-             base weights, bfloat16, stored once, shared by learner and sampler   3.20 GiB
-             the sampler's merged copy (adapters merged once per version)         3.20 GiB
-             adapters 17.4M (float32 params, gradient accumulator, Adam moments)   0.26 GiB
-             KV cache: 16 slots x 1536 positions x 28 layers, bfloat16            2.63 GiB
-             total before the learner's activations                              9.29 GiB
-           leaving 6.7 GiB for the train step's activations and compiler temporaries, which are
-           not computed here (the learner-memory plan does that; with micro_batch_tokens=1024
-           the float32 logits over Qwen3's 151,936-token vocabulary are 0.58 GiB per copy).
+           Memory on a 16 GiB chip: the sampler's merged bf16 copy (3.20 GiB) and its KV cache (16
+           slots x 1536 positions x 28 layers, bf16: 2.63 GiB) stay resident, so the learner's plan
+           (areal_jax/learner/memory.py, frozen base included) gets mesh.memory_fraction=0.6 of the
+           chip and lowers actor.micro_batch_tokens until it fits. Planned on CPU it does NOT fit
+           (bench/learner.py --plan): 14.18 GiB for 1 x 3072 tokens, 11.85 GiB even at 16 tokens,
+           because XLA:CPU upcasts every bfloat16 matmul weight to float32 (the compiled program
+           holds float32 copies of the 3.2 GiB base; TPU and GPU multiply bfloat16 natively). The
+           plan on a 16 GiB accelerator is not measured (no accelerator was available).
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """
 
@@ -172,12 +171,15 @@ def get_config(preset: str = "default"):
     c.mesh.sampler.update(data=-1, fsdp=1, tensor=1)
     c.actor.lora.rank = 16
     c.actor.lora.alpha = 32.0
+    # One 16 GiB chip: the sampler's merged bf16 weights (3.20 GiB) and KV cache (2.63 GiB) stay
+    # resident beside the learner, whose plan (frozen base included) must fit the other 60%.
+    c.mesh.memory_fraction = 0.6
     c.actor.lr = 1e-4
     c.actor.weight_decay = 0.0
     c.actor.batch_size = 16
     c.rollout.n_samples = 4
     c.rollout.num_slots = 16
-    c.actor.micro_batch_tokens = 1024
+    c.actor.micro_batch_tokens = 4096
     c.train.epochs = 1
     c.train.total_steps = 7473 // 16
     c.train.checkpoint_every = 20
