@@ -19,6 +19,12 @@ comes out of ``generate``. Re-prefilling a sequence under new weights is the sam
 
 Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
 mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
+Layers: unrolled (``Transformer.extend``, a list of per-layer caches) or, with ``decode_layers``
+``"scan"`` (the default on GPU and TPU, ``kernels.choice.layers``), in one ``lax.scan``
+(``models/decode_scan``): the engine then holds the layers' weights stacked ``[n_layers, ...]``
+(built once per weight version in ``put_params``) and one stacked cache ``{"k", "v"}`` of
+``[n_layers, slots, max_len, kv_heads, head_dim]`` (prefixes ``[n_layers, 1, bucket, ...]``), so
+prefill and decode compile one layer body whatever the depth.
 Kernels: the decode attention, the matmuls' weight layout and the steps per call are picked per
 platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
 ``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -54,6 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
 from areal_jax.kernels import choice, cpu_matmul
+from areal_jax.models import decode_scan
 from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
 from areal_jax.sampler import sampling
 
@@ -83,6 +91,7 @@ class EngineConfig:
   cache_dtype: str | None = None  # default: the model's compute dtype
   decode_attention: str = "auto"  # kernels.choice.ATTENTION, or "auto" (per platform)
   decode_matmul: str = "auto"  # kernels.choice.MATMUL, or "auto"
+  decode_layers: str = "auto"  # kernels.choice.LAYERS ("scan" | "unrolled"), or "auto"
 
   def __post_init__(self):
     if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 0 or \
@@ -100,6 +109,9 @@ class DecodeEngine:
     platform = choice.platform_of(self.mesh)
     self.attention_impl = choice.attention(platform, config.decode_attention)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
+    self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers)
+    # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
+    self._scan = decode_scan.graphs(self.model_cfg) if self.layers_impl == "scan" else None
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
     self.graphdef, state = nnx.split(model)
@@ -110,9 +122,16 @@ class DecodeEngine:
     # once per weight version in ``put_params`` (norm scales and biases stay float32; the model
     # casts what it reads to the compute dtype anyway, so the results are the same).
     dtype = jnp.dtype(self.model_cfg.compute_dtype)
-    self._cast = None if dtype == jnp.float32 else jax.jit(
-        lambda params: jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params),
-        out_shardings=self.param_shardings)
+    cast = lambda params: params if dtype == jnp.float32 else jax.tree.map(
+        lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+    # ``param_shardings``: the per-layer dict callers pass to ``put_params``; ``held_shardings``:
+    # what the engine holds and its calls take (the layers stacked in scan mode)
+    self.held_shardings = self.param_shardings
+    if self._scan is not None:
+      self.held_shardings = decode_scan.stacked_shardings(self.param_shardings)
+    stack = decode_scan.stack_layers if self._scan is not None else lambda params: params
+    self._cast = None if dtype == jnp.float32 and self._scan is None else jax.jit(
+        lambda params: stack(cast(params)), out_shardings=self.held_shardings)
     # On one CPU device the matmul weights are packed for the CPU kernel (``cpu_matmul``), once
     # per weight version in ``put_params``.
     self._pack = None
@@ -124,6 +143,7 @@ class DecodeEngine:
           self.param_shardings, which)
       self._pack = jax.jit(lambda params: cpu_matmul.pack_params(params, which),
                            out_shardings=self.param_shardings)
+      self.held_shardings = self.param_shardings
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     dense = self.attention_impl in ("dense", "pallas_gpu")  # reads up to the bound, not per slot
     self.kv_buckets = _buckets(config.kv_buckets or (None if dense else (config.max_len,)),
@@ -134,7 +154,8 @@ class DecodeEngine:
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
     # choice of decode attention and of weight layout).
     self._fns = fns = _COMPILED.setdefault(
-        (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl), {})
+        (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl,
+         self.layers_impl), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
@@ -174,8 +195,10 @@ class DecodeEngine:
     kv_shape = (c.num_slots, c.max_len, cfg.n_kv_heads, cfg.head_dim)
     kv = self._named(("cache_batch", None, "cache_heads", None), kv_shape)
     vec = self._slot_sharding()
+    if self._scan is not None:
+      kv = self._named((None, "cache_batch", None, "cache_heads", None), (cfg.n_layers,) + kv_shape)
     return {
-        "cache": [{"k": kv, "v": kv} for _ in range(cfg.n_layers)],
+        "cache": {"k": kv, "v": kv} if self._scan else [{"k": kv, "v": kv} for _ in range(cfg.n_layers)],
         "tokens": vec, "pos": vec, "end": vec, "active": vec,
         "temperature": vec, "top_k": vec, "top_p": vec, "greedy": vec,
         "key": self._slot_sharding(2), "stop_ids": self._slot_sharding(c.max_stop_ids),
@@ -184,8 +207,9 @@ class DecodeEngine:
   def put_params(self, params: dict) -> dict:
     """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there), in the
     compute dtype (the matmul weights and the embedding; the caller's arrays are left as they are),
-    packing the matmul weights when the engine does (``cpu_matmul``)."""
-    if self._pack is None:
+    packing the matmul weights when the engine does (``cpu_matmul``) or stacking the layers' weights
+    when it runs them in a scan (``decode_scan.stack_layers``)."""
+    if self._pack is None:  # cast (and, with the layers in a scan, stacked) once per version
       placed = jax.device_put(params, self.param_shardings)
       return placed if self._cast is None else self._cast(placed)
     return self._pack(jax.device_put(params, self._unpacked_shardings))
@@ -194,9 +218,11 @@ class DecodeEngine:
     cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype
     s = c.num_slots
 
+    make_cache = decode_scan.init_cache if self._scan is not None else init_cache
+
     def make():
       return {
-          "cache": init_cache(cfg, s, c.max_len, cache_dtype),
+          "cache": make_cache(cfg, s, c.max_len, cache_dtype),
           "tokens": jnp.zeros((s,), jnp.int32), "pos": jnp.zeros((s,), jnp.int32),
           "end": jnp.zeros((s,), jnp.int32), "active": jnp.zeros((s,), jnp.bool_),
           "temperature": jnp.ones((s,), jnp.float32), "top_k": jnp.zeros((s,), jnp.int32),
@@ -219,7 +245,8 @@ class DecodeEngine:
     return self.prefill_buckets[i]
 
   def prefill(self, params: dict, tokens: list[int] | np.ndarray):
-    """KV prefix of ``tokens`` (list per layer of {"k","v"} ``[1, bucket, Hkv, D]``), or None if empty."""
+    """KV prefix of ``tokens`` (list per layer of {"k","v"} ``[1, bucket, Hkv, D]``; in scan mode one
+    {"k","v"} of ``[n_layers, 1, bucket, Hkv, D]``), or None if empty."""
     return self.prefill_batch(params, [tokens])[0]
 
   def prefill_batch(self, params: dict, token_lists: list) -> list:
@@ -252,6 +279,8 @@ class DecodeEngine:
   def _make_prefill(self, bucket: int, n: int):
     cfg, mesh, graphdef, cache_dtype = self.model_cfg, self.mesh, self.graphdef, self._cache_dtype
     prefix = self._named((None, None, "cache_heads", None), (1, bucket, cfg.n_kv_heads, cfg.head_dim))
+    if self._scan is not None:
+      return self._make_prefill_scanned(bucket, n)
 
     def fn(params, tokens_NxL):
       with sharding.use(mesh):
@@ -264,6 +293,21 @@ class DecodeEngine:
 
     layer_sh = [{"k": prefix, "v": prefix} for _ in range(cfg.n_layers)]
     return jax.jit(fn, in_shardings=(self.param_shardings, None), out_shardings=[layer_sh] * n)
+
+  def _make_prefill_scanned(self, bucket: int, n: int):
+    cfg, mesh, graph, cache_dtype = self.model_cfg, self.mesh, self._scan, self._cache_dtype
+    shape = (cfg.n_layers, 1, bucket, cfg.n_kv_heads, cfg.head_dim)
+    prefix = self._named((None, None, None, "cache_heads", None), shape)
+
+    def fn(params, tokens_NxL):
+      with sharding.use(mesh):
+        cache = decode_scan.init_cache(cfg, n, bucket, cache_dtype)
+        _, cache = decode_scan.extend(graph, params, tokens_NxL, jnp.zeros((n,), jnp.int32), cache,
+                                      kv_len=bucket)
+      return [{name: cache[name][:, i:i + 1] for name in ("k", "v")} for i in range(n)]
+
+    return jax.jit(fn, in_shardings=(self.held_shardings, None),
+                   out_shardings=[{"k": prefix, "v": prefix}] * n)
 
   # ---- insert ----------------------------------------------------------------------------------
 
@@ -294,7 +338,8 @@ class DecodeEngine:
     stops = np.full((n, m), -1, np.int32)
     stops[:, :len(stop_ids)] = stop_ids
     vals["stop_ids"] = stops
-    bucket = 0 if prefix is None else prefix[0]["k"].shape[1]
+    bucket = 0 if prefix is None else (
+        prefix["k"].shape[2] if self._scan is not None else prefix[0]["k"].shape[1])
     if (bucket, n) not in self._insert_fns:
       self._insert_fns[(bucket, n)] = self._make_insert(bucket)
     return self._insert_fns[(bucket, n)](state, prefix, slots_N, vals)
@@ -305,10 +350,16 @@ class DecodeEngine:
     return min(1 << max(k - 1, 0).bit_length(), self.config.num_slots)
 
   def _make_insert(self, bucket: int):
+    scan = self._scan is not None
 
     def fn(state, prefix, slots_N, vals):
       state = dict(state)
-      if prefix is not None:
+      if prefix is not None and scan:  # [n_layers, 1, bucket, ...] into [n_layers, slots, ...]
+        state["cache"] = {
+            name: state["cache"][name].at[:, slots_N, :bucket].set(
+                jnp.broadcast_to(prefix[name], (prefix[name].shape[0], slots_N.shape[0])
+                                 + prefix[name].shape[2:]), mode="drop") for name in ("k", "v")}
+      elif prefix is not None:
         state["cache"] = [
             {name: layer[name].at[slots_N, :bucket].set(
                 jnp.broadcast_to(pre[name], (slots_N.shape[0],) + pre[name].shape[1:]),
@@ -348,12 +399,12 @@ class DecodeEngine:
 
   def _make_generate(self, kv_len: int, width: int):
     steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
-    impl = self.attention_impl
+    impl, scan = self.attention_impl, self._scan
     out = self._named((None, "cache_batch"), (steps, width))
 
-    def one_step(model, state):
-      logits_Sx1xV, cache = model.extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len,
-                                         attention_impl=impl)
+    def one_step(extend, state):
+      logits_Sx1xV, cache = extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len,
+                                   attention_impl=impl)
       token_S, logprob_S = sampling.sample(
           logits_Sx1xV[:, 0], state["key"], state["pos"], state["temperature"], state["top_k"],
           state["top_p"], state["greedy"])
@@ -368,18 +419,22 @@ class DecodeEngine:
 
     def fn(params, full):
       with sharding.use(mesh):
-        model = nnx.merge(graphdef, params)
+        if scan is None:
+          extend = nnx.merge(graphdef, params).extend
+        else:  # the layers in a scan over the stacked weights and cache
+          extend = functools.partial(decode_scan.extend, scan, params)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
         state = {k: v if k == "cache" else v[:width] for k, v in full.items()}
         if steps == 1:
-          state, (t, lp, v) = one_step(model, state)
+          state, (t, lp, v) = one_step(extend, state)
           outputs = (t[None], lp[None], v[None])
         else:
-          state, outputs = jax.lax.scan(lambda st, _: one_step(model, st), state, None, length=steps)
+          state, outputs = jax.lax.scan(lambda st, _: one_step(extend, st), state, None,
+                                        length=steps)
         full = {k: v if k == "cache" else full[k].at[:width].set(v) for k, v in state.items()}
         return full, outputs
 
-    return jax.jit(fn, in_shardings=(self.param_shardings, self.state_shardings),
+    return jax.jit(fn, in_shardings=(self.held_shardings, self.state_shardings),
                    out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1)
 
   # ---- move ------------------------------------------------------------------------------------
@@ -398,13 +453,19 @@ class DecodeEngine:
     return self._move_fns[n](state, src_N, dst_N)
 
   def _make_move(self):
+    scan = self._scan is not None
 
     def fn(state, src_N, dst_N):
       def moved(x):
         return x.at[dst_N].set(x.at[src_N].get(mode="fill", fill_value=0), mode="drop")
 
-      state = {k: [{n: moved(a) for n, a in layer.items()} for layer in v] if k == "cache"
-               else moved(v) for k, v in state.items()}
+      def moved_cache(cache):  # slots are axis 1 of the stacked cache
+        if scan:
+          return {n: a.at[:, dst_N].set(a.at[:, src_N].get(mode="fill", fill_value=0), mode="drop")
+                  for n, a in cache.items()}
+        return [{n: moved(a) for n, a in layer.items()} for layer in cache]
+
+      state = {k: moved_cache(v) if k == "cache" else moved(v) for k, v in state.items()}
       state["active"] = state["active"].at[src_N].set(False, mode="drop")
       return state
 
