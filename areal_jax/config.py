@@ -49,6 +49,7 @@ def base_config() -> ConfigDict:
   c.task.system_prompt = ""
   c.task.instruction = "Please reason step by step, and put your final answer within \\boxed{}."
   c.task.use_chat_template = True
+  c.task.enable_thinking = True  # False: the chat template gets enable_thinking=False (Qwen3)
   c.task.difficulty = 1  # arithmetic task only: number of operations
   c.task.max_operand = 20  # arithmetic task only
   c.task.num_train = 10000  # arithmetic task only: size of the generated train split
@@ -117,6 +118,13 @@ def base_config() -> ConfigDict:
   c.actor.remat = "none"
   c.actor.scan_layers = False  # run the layers as one lax.scan (compile time flat in depth)
   c.actor.logits_chunk = 0  # tokens whose LM-head logits exist at once; 0: the whole micro-batch
+  # LoRA (rank 0: off, full fine-tuning). The base is frozen and stored in actor.dtype; only the
+  # adapters train, get optimizer state, are checkpointed and are published to the sampler.
+  c.actor.lora = ConfigDict()
+  c.actor.lora.rank = 0
+  c.actor.lora.alpha = 32.0  # scale = alpha / rank
+  c.actor.lora.dropout = 0.0  # on the adapters' input
+  c.actor.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
   c.train = ConfigDict()
   c.train.total_steps = 100
@@ -220,6 +228,12 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"rollout.n_samples={r.n_samples} exceeds rollout.num_slots={r.num_slots}")
   if a.dual_clip and a.dual_clip <= 1:
     errors.append(f"actor.dual_clip={a.dual_clip} must be > 1 (or 0 to disable)")
+  if a.lora.rank:
+    from areal_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
+    try:
+      lora_lib.LoraConfig.from_config(a.lora)
+    except ValueError as e:
+      errors.append(str(e))
   if r.max_prompt_len > max(r.prefill_buckets):
     errors.append(f"rollout.max_prompt_len={r.max_prompt_len} exceeds the largest "
                   f"rollout.prefill_buckets entry {max(r.prefill_buckets)}")

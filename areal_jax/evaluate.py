@@ -39,6 +39,7 @@ from flax import nnx
 
 from areal_jax import config as config_lib
 from areal_jax import models, tasks
+from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import engines, meshes, trainer, weight_transfer
 from areal_jax.runtime.controller import RolloutController
@@ -134,6 +135,28 @@ def restore_params(step_dir: str, model, mesh=None) -> None:
   nnx.update(model, params)
 
 
+def restore_adapters(step_dir: str, model, lcfg: lora_lib.LoraConfig) -> dict:
+  """The LoRA adapters (``Learner.state["params"]`` of a run with ``actor.lora``) of run checkpoint
+  ``step_dir``, on the first device, for the base ``model``."""
+  state_dir = os.path.join(step_dir, "state")
+  if not os.path.isdir(state_dir):
+    raise FileNotFoundError(f"{step_dir}: no 'state' item (is it a run checkpoint step?)")
+  base = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  shapes = jax.eval_shape(lambda: lora_lib.init_adapters(base, lcfg, jax.random.key(0)))
+  single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {"params": jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=single), shapes)}
+  try:
+    restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+  except (ValueError, KeyError) as e:
+    raise ValueError(f"{state_dir}: the checkpoint does not hold LoRA adapters of actor.lora "
+                     f"(rank {lcfg.rank}, targets {list(lcfg.targets)}) for config.model.source "
+                     f"(pass the run's config): {e}") from e
+  return restored["params"]
+
+
 def _fraction_text(value: Fraction | None) -> str | None:
   if value is None:
     return None
@@ -211,7 +234,10 @@ def evaluate(config, checkpoint: str = "", *, config_name: str = "", output: str
   say(f"loading {spec.kind} {spec.path}" + (f" (step {spec.step})" if spec.step is not None else ""))
   source = config.model.source if spec.kind == "run_checkpoint" else spec.path
   model, tokenizer = models.load(source, dtype=config.model.dtype, seed=config.seed)
-  if spec.kind == "run_checkpoint":
+  lcfg = lora_lib.LoraConfig.from_config(config.actor.lora)
+  if spec.kind == "run_checkpoint" and lcfg is not None:  # a LoRA run checkpoints its adapters
+    model = lora_lib.merged_model(model, restore_adapters(spec.path, model, lcfg), lcfg)
+  elif spec.kind == "run_checkpoint":
     restore_params(spec.path, model, sampler_mesh)
   task = tasks.get_task(config.task)
   load_s = time.time() - t_start

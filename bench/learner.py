@@ -1,6 +1,6 @@
 """Learner throughput: trained tokens/s, model-FLOPs utilization, and packing efficiency.
 
-  python bench/learner.py [--quick] [--json PATH]
+  python bench/learner.py [--quick] [--only ROWS] [--json PATH]
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan [--json PATH]
   python bench/learner.py --depth [--json PATH]
 
@@ -25,6 +25,17 @@ attention masked between segments; short rows hardly do.
 ``remat`` rows run the same workload with ``actor.remat`` (layers under one ``lax.scan``, the LM
 head 1024 tokens at a time); every row gives ``plan_peak_gib``, the memory plan's peak per device
 for its micro-batch shape (``areal_jax/learner/memory.py``: the compiled step's memory analysis).
+LoRA rows (``-lora16``: ``actor.lora`` rank 16, alpha 32, on every attention and MLP projection)
+train adapters on the frozen base, side by side with full fine-tuning of the same shape and batch.
+Their MFU credits 4 x params per token (forward + activation gradients: no weight gradients);
+``plan_peak_gib`` counts the frozen base (an argument of the step). Per row also:
+  publish s    one weight version as the runtime publishes it: ``params()`` (LoRA: the adapters)
+               copied with ``jax.device_put`` to a second device (best of 3); ``pub MiB`` the bytes
+               moved; ``merge s`` the sampler's merge of the adapters into its base
+               (``DecodeEngine.put_params``' jitted merge, LoRA only); ``orbax s`` /
+               ``orbax MiB`` the same version saved with Orbax (``weights.transfer=orbax``) and
+               its size on disk. Run with 2+ devices (XLA_FLAGS) for a real copy between devices.
+``--only ROWS`` runs the named rows only (comma-separated).
 ``--quick`` uses SmolLM2-135M layer shapes with 6 of the 30 layers (the 30-layer compile alone
 takes minutes on 2 cores) and a single timed step.
 
@@ -44,8 +55,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
+import tempfile
 import time
 
 import jax
@@ -57,7 +70,9 @@ from areal_jax import config as config_lib
 from areal_jax import sharding
 from areal_jax.learner import Learner, memory, packing
 from areal_jax.models import ModelConfig, Transformer
+from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import Sample
+from areal_jax.runtime import weight_transfer
 from common import QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine
 
 RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, None))
@@ -105,15 +120,18 @@ def packing_efficiency(batches: int, groups: int, n: int, row_len: int) -> float
 
 def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, peak: float,
                 micro_batch_tokens: int, max_seq_len: int = 768, lengths: str = "gsm8k",
-                warmup_groups: int | None = None, remat: str = "none") -> dict:
+                warmup_groups: int | None = None, remat: str = "none",
+                lora_rank: int = 0) -> dict:
   """``warmup_groups``: prompt groups of the untimed compile step (default ``groups``); fewer
   save minutes on big models when they give the same micro-batch shape (checked: a compilation in a
   timed step is counted and reported). ``remat`` other than "none": that policy with the layers
-  scanned and the LM head in chunks of 1024 tokens."""
+  scanned and the LM head in chunks of 1024 tokens. ``lora_rank`` > 0: LoRA adapters of that rank
+  (alpha 2 x rank) on a frozen base."""
   opts = config_lib.base_config().actor
   opts.micro_batch_tokens = micro_batch_tokens
   if remat != "none":
     opts.remat, opts.scan_layers, opts.logits_chunk = remat, True, 1024
+  opts.lora.rank, opts.lora.alpha = lora_rank, 2.0 * lora_rank
   mesh = sharding.make_mesh({}, jax.devices()[:1])
   model = Transformer(cfg, nnx.Rngs(0))
   learner = Learner(model, opts, mesh, temperature=1.0, max_seq_len=max_seq_len)
@@ -139,15 +157,54 @@ def bench_model(name: str, cfg: ModelConfig, groups: int, n: int, steps: int, pe
   plan = memory.step_peak(learner, metrics["row_len"], metrics["micro_rows"])
   busy_s = sum(times) - sum(compiles)
   tok_s = sum(tokens) / busy_s
-  p = learner.num_params
+  p = learner.num_params if learner.frozen is None else _nbytes(learner.frozen, elements=True)
+  flops_per_token = (6 if learner.frozen is None else 4) * p
   return dict(model=name, remat=remat, plan_peak_gib=plan["peak"] / memory.GIB, lengths=lengths,
-              params=p, sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
+              params=p, trained_params=learner.num_params, lora_rank=lora_rank,
+              flops_per_token=flops_per_token, **publish_figures(learner),
+              sequences=groups * n, tokens_per_step=float(np.mean(tokens)),
               step_s=busy_s / len(times), compile_s=compile_s, tokens_per_s=tok_s,
-              mfu=6 * p * tok_s / peak,
+              mfu=flops_per_token * tok_s / peak,
               padding_efficiency=metrics["padding_efficiency"],
               packing_efficiency=metrics["packing_efficiency"], row_len=metrics["row_len"],
               micro_rows=metrics["micro_rows"], micro_batches=metrics["micro_batches"],
               compiles_timed=len(compiles), compile_s_timed=float(sum(compiles)))
+
+
+def _nbytes(tree, elements: bool = False) -> int:
+  return sum(int(np.prod(x.shape)) * (1 if elements else x.dtype.itemsize)
+             for x in jax.tree.leaves(tree))
+
+
+def publish_figures(learner: Learner, reps: int = 3) -> dict:
+  """Seconds and bytes to publish one version to a second device (and with Orbax to disk)."""
+  devices = jax.devices()
+  target = jax.sharding.SingleDeviceSharding(devices[1 if len(devices) > 1 else 0])
+  params = learner.params()
+  shardings = jax.tree.map(lambda _: target, params)
+  transfer = weight_transfer.DevicePutTransfer(shardings)
+  merge = None
+  if learner.lora is not None:  # the sampler's merge, as DecodeEngine.put_params runs it
+    base = jax.device_put(learner.frozen, target)
+    merge = jax.jit(functools.partial(lora_lib.merge, lcfg=learner.lora))
+    jax.block_until_ready(merge(base, jax.device_put(params, target)))  # compile
+  times, merge_times = [], []
+  for v in range(reps):
+    t = time.perf_counter()
+    out = transfer.send(params, v)
+    times.append(time.perf_counter() - t)
+    if merge is not None:
+      t = time.perf_counter()
+      jax.block_until_ready(merge(base, out))
+      merge_times.append(time.perf_counter() - t)
+  with tempfile.TemporaryDirectory() as tmp:
+    publisher = weight_transfer.OrbaxPublisher(tmp, keep=1)
+    orbax_s = min(publisher.publish(params, v) for v in range(2))
+    publisher.close()
+    disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp) for f in fs)
+  return dict(publish_s=min(times), publish_mib=_nbytes(params) / 2**20,
+              merge_s=min(merge_times) if merge_times else 0.0, orbax_s=orbax_s,
+              orbax_mib=disk / 2**20)
 
 
 def plan_recipes() -> list[dict]:
@@ -209,6 +266,7 @@ def main():
   ap.add_argument("--json", default=None, help="write results to this path")
   ap.add_argument("--plan", action="store_true", help="only the recipes' memory plans")
   ap.add_argument("--depth", action="store_true", help="only compile time by depth")
+  ap.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
   args = ap.parse_args()
   if args.plan or args.depth:
     rows = plan_recipes() if args.plan else compile_depth()
@@ -223,29 +281,44 @@ def main():
         f"load avg {info['load_avg']:.1f}")
   print(f"measured float32 matmul: {peak / 1e9:.1f} GFLOP/s")
   if args.quick:  # SmolLM2-135M layer shapes, 6 of its 30 layers (compiles in a fraction)
-    smol = ("smollm2-135m-6L", dataclasses.replace(SMOLLM2, n_layers=6), 2, 2, 1, 1536)
-    runs = [("tiny", TINY, 4, 4, 1, 8192), smol, smol + (768, "gsm8k", None, "full"),
-            smol + (768, "gsm8k", None, "dots")]
+    six = dataclasses.replace(SMOLLM2, n_layers=6)
+    smol = ("smollm2-135m-6L", six, 2, 2, 1, 1536)
+    runs = [("tiny", TINY, 4, 4, 1, 8192), smol,
+            ("smollm2-135m-6L-full",) + smol[1:] + (768, "gsm8k", None, "full"),
+            ("smollm2-135m-6L-dots",) + smol[1:] + (768, "gsm8k", None, "dots"),
+            ("smollm2-135m-6L-lora16",) + smol[1:] + (768, "gsm8k", None, "none", 16)]
   else:
     runs = [("tiny", TINY, 16, 4, 3, 8192), ("smollm2-135m", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2),
-            ("smollm2-135m", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2, "full"),
-            ("smollm2-135m-short", SMOLLM2, 4, 8, 2, 2048, 176, "short")]
+            ("smollm2-135m-full", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2, "full"),
+            ("smollm2-135m-lora16", SMOLLM2, 16, 4, 1, 1536, 768, "gsm8k", 2, "none", 16),
+            ("smollm2-135m-short", SMOLLM2, 4, 8, 2, 2048, 176, "short"),
+            ("smollm2-135m-short-lora16", SMOLLM2, 4, 8, 2, 2048, 176, "short", None, "none", 16)]
+  if args.only:
+    names = [r[0] for r in runs]
+    unknown = sorted(set(args.only.split(",")) - set(names))
+    if unknown:
+      ap.error(f"--only: unknown rows {unknown}; rows of this run: {names}")
+    runs = [r for r in runs if r[0] in args.only.split(",")]
   rows = [bench_model(*r[:5], peak, *r[5:]) for r in runs]
   # The machine is shared: keep the best matmul figure seen (MFU is then conservative).
   peak = hw.probe(5).figures()["matmul_GFLOPps"] * 1e9
   for r in rows:
-    r["mfu"] = 6 * r["params"] * r["tokens_per_s"] / peak
+    r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak
   pack = packing_efficiency(20 if args.quick else 100, 64, 4, 768)
   print(f"best measured float32 matmul: {peak / 1e9:.1f} GFLOP/s")
-  print(f"\n{'model':<19}{'remat':>6}{'params':>12}{'tokens/step':>13}{'step s':>9}{'tokens/s':>11}"
-        f"{'MFU':>8}{'pad eff':>9}{'compile s':>11}{'plan GiB':>10}")
+  print(f"\n{'model':<26}{'remat':>6}{'trained':>12}{'tokens/step':>12}{'step s':>8}{'tokens/s':>10}"
+        f"{'MFU':>7}{'pad eff':>8}{'compile s':>10}{'plan GiB':>9}{'publish s':>10}{'pub MiB':>9}"
+        f"{'merge s':>8}{'orbax s':>8}{'orbax MiB':>10}")
   for r in rows:
-    print(f"{r['model']:<19}{r['remat']:>6}{r['params']:>12,}{r['tokens_per_step']:>13.0f}"
-          f"{r['step_s']:>9.2f}{r['tokens_per_s']:>11.0f}{r['mfu']:>8.1%}"
-          f"{r['padding_efficiency']:>9.1%}{r['compile_s']:>11.1f}{r['plan_peak_gib']:>10.3f}")
+    print(f"{r['model']:<26}{r['remat']:>6}{r['trained_params']:>12,}{r['tokens_per_step']:>12.0f}"
+          f"{r['step_s']:>8.2f}{r['tokens_per_s']:>10.0f}{r['mfu']:>7.1%}"
+          f"{r['padding_efficiency']:>8.1%}{r['compile_s']:>10.1f}{r['plan_peak_gib']:>9.3f}"
+          f"{r['publish_s']:>10.3f}{r['publish_mib']:>9.1f}{r['merge_s']:>8.3f}{r['orbax_s']:>8.2f}"
+          f"{r['orbax_mib']:>10.1f}")
   print(f"\npacking efficiency (GSM8K-like lengths, 64 x 4 sequences per batch, rows of 768): "
         f"{pack:.1%}")
-  smol = next(r for r in rows if r["model"].startswith("smollm2") and r["remat"] == "none")
+  smol = next((r for r in rows if r["model"].startswith("smollm2") and r["remat"] == "none"
+               and not r["lora_rank"]), {"mfu": None})
   short = next((r for r in rows if r["model"] == "smollm2-135m-short"), None)
   result = dict(machine=info, matmul_flops=peak, mfu=smol["mfu"], packing_efficiency=pack,
                 mfu_short=short["mfu"] if short else None,

@@ -12,7 +12,8 @@ CONFIGS = sorted(str(p) for p in (ROOT / "configs").glob("*.py"))
 
 def presets(path):
   text = pathlib.Path(path).read_text()
-  return ["default"] + [p for p in ("tiny", "smollm", "demo", "qwen7b") if f'"{p}"' in text]
+  return ["default"] + [p for p in ("tiny", "smollm", "demo", "qwen7b", "qwen3", "qwen3_lora")
+                        if f'"{p}"' in text]
 
 
 @pytest.mark.parametrize("spec", [f"{p}:{s}" for p in CONFIGS for s in presets(p)])

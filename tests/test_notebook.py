@@ -34,5 +34,9 @@ def test_quickstart_notebook_executes(monkeypatch):
   assert "step 4/4" in text  # trainer.run's progress lines
   assert "curves: " in text and "greedy pass@1 =" in text
   assert "'eval_accuracy'" in text  # the last step evaluated (train.eval_every=2)
+  # the LoRA section: a 2-step adapter run, exported as a PEFT dir and as merged weights
+  assert "step 2/2" in text
+  assert "adapter: ['adapter_config.json', 'adapter_model.safetensors']" in text
+  assert "merged: [" in text and "'r': 8" in text
   images = [o for o in outputs(nb, "display_data") if "image/png" in o.get("data", {})]
   assert images, "the curves cell displayed no PNG"

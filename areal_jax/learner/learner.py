@@ -20,6 +20,11 @@ not recompile (``compiles`` in the step's metrics counts it). The forward is
 chunks (``head.py``, ``actor.logits_chunk``); ``memory.py`` plans the step's device memory.
 An update whose loss or gradient is not finite is not applied: the parameters stay
 those of the last good update and ``train_step`` raises ``FloatingPointError`` naming the step.
+
+With ``actor.lora`` (rank > 0) the trained parameters are LoRA adapters (``models.lora``): the base
+weights are frozen, stored once in the compute dtype and passed to the device functions beside the
+adapters; ``params()``, the optimizer state and the checkpointed state hold only the adapters, so
+publishing a version moves only them. ``merged_params()`` gives the full merged weights.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from areal_jax.learner import compiles, head
 from areal_jax.learner import loss as loss_lib
 from areal_jax.learner import packing
 from areal_jax.models import Transformer, train_forward
+from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import Sample
 
 
@@ -90,7 +96,14 @@ class Learner:
                total_steps: int = 0, max_seq_len: int = 0):
     state = nnx.state(model, nnx.Param)
     self._setup(model.cfg, state, opts, mesh, temperature, rules, total_steps, max_seq_len)
-    params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
+    if self.lora is None:
+      params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
+    else:  # eager casts: a base already in the compute dtype and placed is used as is, not copied
+      base = jax.device_put(nnx.to_pure_dict(state), self.frozen_shardings)
+      self.frozen = jax.device_put(lora_lib.frozen_base(base, self.cfg.compute_dtype),
+                                   self.frozen_shardings)
+      params = jax.device_put(lora_lib.init_adapters(self.frozen, self.lora, jax.random.key(0)),
+                              self.param_shardings)
     opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt"])(params)
     put = lambda x: jax.device_put(jnp.asarray(x, jnp.int32), self.replicated)
     self._state = dict(params=params, opt=opt_state, step=put(0), version=put(0))
@@ -119,6 +132,16 @@ class Learner:
     self.param_shardings = nnx.to_pure_dict(sharding.state_shardings(state, mesh, rules))
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           nnx.to_pure_dict(state))
+    self.lora = lora_lib.LoraConfig.from_config(opts.get("lora"))
+    self.frozen, self.frozen_shardings = None, None
+    if self.lora is not None:  # train adapters (replicated: they are small) on a frozen base
+      self.frozen_shardings = self.param_shardings
+      frozen = jax.eval_shape(lambda p: lora_lib.frozen_base(p, self.cfg.compute_dtype), shapes)
+      # abstract until __init__ places the real base (``abstract()`` plans with these)
+      self.frozen = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                 frozen, self.frozen_shardings)
+      shapes = jax.eval_shape(lambda: lora_lib.init_adapters(frozen, self.lora, jax.random.key(0)))
+      self.param_shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), shapes)
     self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
     self.replicated = NamedSharding(mesh, P())
@@ -164,13 +187,26 @@ class Learner:
     """The policy version of the current parameters (train steps done)."""
     return int(self._state["version"])
 
+  def merged_params(self) -> dict:
+    """The full model parameters (with LoRA: the base with the adapters merged, in the compute
+    dtype; otherwise ``params()``)."""
+    if self.lora is None:
+      return self.params()
+    return self._merge_fn(self.frozen, self.params())
+
   def params(self) -> dict:
-    """The current parameters, an NNX pure dict on the learner mesh.
+    """The current trained parameters (with LoRA: the adapters), an NNX pure dict on the learner
+    mesh.
 
     The buffers are donated to the next ``train_step``: copy them (``device_put`` onto the sampler
     mesh, ``device_get``, or an Orbax save that completes) before training again.
     """
     return self._state["params"]
+
+  @property
+  def _frozen_args(self) -> tuple:
+    """The frozen base as the last argument of every device function (with LoRA), else ()."""
+    return () if self.frozen is None else (self.frozen,)
 
   # ---- device functions ------------------------------------------------------------------------
   def _build_fns(self):
@@ -179,26 +215,35 @@ class Learner:
     metric_sh = {k: rep for k in loss_lib.METRIC_SUMS + loss_lib.METRIC_MAXES}
     self._acc_shardings = dict(grads=ps, metrics=metric_sh)
     kl = bool(self.opts.kl_coef)
+    # with LoRA every device function takes the frozen base as one more, last, argument
+    fs = () if self.frozen is None else (self.frozen_shardings,)
+    if self.lora is not None:
+      self._merge_fn = jax.jit(functools.partial(lora_lib.merge, lcfg=self.lora),
+                               out_shardings=self.frozen_shardings)
     if kl:
-      self._logp_fn = jax.jit(self._logprobs, in_shardings=(ps, batch_sh, ps),
+      self._logp_fn = jax.jit(self._logprobs, in_shardings=(ps, batch_sh, ps, *fs),
                               out_shardings=(rs, rs))
     else:
-      self._logp_fn = jax.jit(self._logprobs, in_shardings=(ps, batch_sh), out_shardings=(rs, rs))
+      self._logp_fn = jax.jit(lambda p, b, *frozen: self._logprobs(p, b, None, *frozen),
+                              in_shardings=(ps, batch_sh, *fs), out_shardings=(rs, rs))
     train_sh = dict(batch_sh, old_logp=rs, **({"ref_logp": rs} if kl else {}))
     self._zeros_fn = jax.jit(self._zeros, out_shardings=self._acc_shardings)
     acc_jit = lambda self_prox, sh: jax.jit(
         functools.partial(self._accumulate, self_prox=self_prox), donate_argnums=(1,),
-        in_shardings=(ps, self._acc_shardings, sh, rep), out_shardings=self._acc_shardings)
+        in_shardings=(ps, self._acc_shardings, sh, rep, *fs), out_shardings=self._acc_shardings)
     self._acc_fn = acc_jit(False, train_sh)
     self._acc_self_fn = acc_jit(True, {k: v for k, v in train_sh.items() if k != "old_logp"})
     self._apply_fn = jax.jit(self._apply, donate_argnums=(0,),
                              in_shardings=(self.state_shardings, ps, rep),
                              out_shardings=(self.state_shardings, dict(grad_norm=rep, finite=rep)))
 
-  def _forward(self, params, b):
-    """``(logp_RxL, entropy_RxL)`` of the tokens of packed rows ``b`` under ``params``."""
+  def _forward(self, params, b, frozen=None, dropout_key=None):
+    """``(logp_RxL, entropy_RxL)`` of the tokens of packed rows ``b`` under ``params`` (with LoRA:
+    the adapters on the ``frozen`` base; ``dropout_key`` draws the adapters' dropout masks)."""
     opts = self.opts
     with sharding.use(self.mesh, self.rules):
+      if frozen is not None:
+        params = lora_lib.wrap(frozen, params, self.lora, dropout_key)
       model = nnx.merge(self.graphdef, params)
       h_RxLxE = train_forward.hidden(model, b["tokens"], b["positions"], b["segment_ids"],
                                      remat=opts.remat, scan=opts.scan_layers)
@@ -206,12 +251,12 @@ class Learner:
       return head.token_logprobs(h_RxLxE, w, transpose_w, b["tokens"], self.temperature,
                                  opts.logits_chunk)
 
-  def _logprobs(self, params, batch, ref_params=None):
+  def _logprobs(self, params, batch, ref_params=None, frozen=None):
     """Proximal logprobs and entropy of one micro-batch, or proximal and reference logprobs."""
-    prox, entropy = self._forward(params, batch)
+    prox, entropy = self._forward(params, batch, frozen)
     if ref_params is None:
       return prox, entropy
-    return prox, self._forward(ref_params, batch)[0]
+    return prox, self._forward(ref_params, batch, frozen)[0]
 
   def _zeros(self):
     shapes = self._abstract["params"]
@@ -219,15 +264,20 @@ class Learner:
     return dict(grads=grads, metrics={k: jnp.zeros((), jnp.float32) for k in
                                       loss_lib.METRIC_SUMS + loss_lib.METRIC_MAXES})
 
-  def _accumulate(self, params, acc, b, n_tokens, self_prox: bool):
+  def _accumulate(self, params, acc, b, n_tokens, frozen=None, *, self_prox: bool):
     """Adds the gradient and metric sums of micro-batch ``b`` to ``acc``.
 
     ``self_prox``: the proximal policy is ``params`` itself (the first update of a step), so its
     logprobs are this forward's, without gradient, instead of a separate recomputation.
     """
 
+    key = None
+    if self.lora is not None and self.lora.dropout:  # a fresh mask per micro-batch and position
+      key = jax.random.fold_in(jax.random.key(1),
+                               jnp.sum(b["tokens"] * (b["positions"] + 1)).astype(jnp.uint32))
+
     def loss_fn(p):
-      logp, entropy = self._forward(p, b)
+      logp, entropy = self._forward(p, b, frozen, key)
       old = jax.lax.stop_gradient(logp) if self_prox else b["old_logp"]
       loss, m = loss_lib.ppo_loss(logp, old, b["behav_logp"], b["adv"], b["mask"],
                                   b["segment_ids"], n_tokens, self.opts, ref_logp=b.get("ref_logp"))
@@ -298,7 +348,8 @@ class Learner:
         p = packing.pack(seqs, layout.row_len, rows=rows, num_rows=layout.micro_rows)
         real += p.real_tokens
         b = p.arrays()
-        old, ref = (self._logp_fn(self.params(), b, *([self.ref_params] if opts.kl_coef else []))
+        old, ref = (self._logp_fn(self.params(), b, *([self.ref_params] if opts.kl_coef else []),
+                                  *self._frozen_args)
                     if need_forward else (None, None))
         if opts.recompute_logprobs and not self_prox:
           b["old_logp"] = old
@@ -320,7 +371,7 @@ class Learner:
     acc = self._zeros_fn()
     for b in micro:
       fn = self._acc_fn if "old_logp" in b else self._acc_self_fn
-      acc = fn(self.params(), acc, b, n_tokens)
+      acc = fn(self.params(), acc, b, n_tokens, *self._frozen_args)
     return acc, int(n_tokens)
 
   def gradients(self, groups: Sequence[Sequence[Sample]], rewards) -> tuple[dict, dict]:

@@ -5,11 +5,12 @@ training state and a micro-batch as ``jax.ShapeDtypeStruct``s: no weights needed
 analysis gives, per device, the bytes of arguments, outputs (less those aliased to donated
 arguments) and temporaries. What else is resident while a function runs is added: the optimizer
 state during the gradient accumulation and the proximal forward, the frozen reference parameters
-(``kl_coef > 0``) throughout. The planned peak is the largest of the three functions:
+(``kl_coef > 0``) throughout, and with LoRA the frozen base (an argument of the accumulation and
+the forward, resident during the update). The planned peak is the largest of the three functions:
 
   accumulate = opt state + ref + args (params, gradient sums, micro-batch) + out - aliased + temp
   forward    = opt state + ref + args (params, micro-batch) + out + temp
-  update     = ref + args (training state, gradients) + out - aliased + temp
+  update     = ref + frozen base + args (training state, gradients) + out - aliased + temp
 
 The budget is ``mesh.memory_fraction`` x ``mesh.device_memory_gib`` (default: the memory the
 device reports; none on CPU, where nothing is checked unless ``device_memory_gib`` is set). The
@@ -95,7 +96,10 @@ def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None =
   n_tokens = jax.ShapeDtypeStruct((), jnp.float32, sharding=learner.replicated)
   params, opt_b = state["params"], _device_bytes(state["opt"])
   ref_b = _device_bytes(params) if opts.kl_coef else 0
-  parts = dict(params=_device_bytes(params), opt=opt_b, ref=ref_b, grads=_device_bytes(acc))
+  frozen = learner._frozen_args  # with LoRA: the frozen base, an argument of the step's functions
+  frozen_b = sum(_device_bytes(f) for f in frozen)
+  parts = dict(params=_device_bytes(params), opt=opt_b, ref=ref_b, grads=_device_bytes(acc),
+               frozen=frozen_b)
   peak_of = lambda c, resident: resident + c["args"] + c["out"] - c["alias"] + c["temp"]
   # The first update's proximal logprobs come from its own forward (no old_logp) unless a
   # separate forward runs (kl_coef, or more minibatches: then the other variant is planned too).
@@ -104,18 +108,18 @@ def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None =
   if not self_prox or opts.ppo_n_minibatches > 1:
     variants.append((learner._acc_fn, dict(batch, old_logp=rows(jnp.float32))))
   parts["accumulate"] = max(
-      peak_of(_cost(fn.lower(params, acc, b, n_tokens).compile()), opt_b + ref_b)
+      peak_of(_cost(fn.lower(params, acc, b, n_tokens, *frozen).compile()), opt_b + ref_b)
       for fn, b in variants)
   if not self_prox or opts.ppo_n_minibatches > 1 or opts.kl_coef:
     ref = [params] if opts.kl_coef else []
     plain = {f: batch[f] for f in packing.FIELDS}
-    parts["forward"] = peak_of(_cost(learner._logp_fn.lower(params, plain, *ref).compile()),
+    parts["forward"] = peak_of(_cost(learner._logp_fn.lower(params, plain, *ref, *frozen).compile()),
                                opt_b + (0 if opts.kl_coef else ref_b))
   if update_cost is None:
     grads = acc["grads"]
     loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=learner.replicated)
     update_cost = _cost(learner._apply_fn.lower(state, grads, loss).compile())
-  parts["update"] = peak_of(update_cost, ref_b)
+  parts["update"] = peak_of(update_cost, ref_b + frozen_b)
   parts["update_cost"] = update_cost
   parts["peak"] = max(parts[k] for k in ("accumulate", "forward", "update") if k in parts)
   return parts

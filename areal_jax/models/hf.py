@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories (Llama and Qwen2) <-> the NNX ``Transformer``.
+"""Hugging Face checkpoint directories (Llama, Qwen2, Qwen3 dense) <-> the NNX ``Transformer``.
 
 ``load_hf(path)`` reads ``config.json`` and ``model.safetensors`` (or the shards listed in
 ``model.safetensors.index.json``); ``save_hf(model, tokenizer, path)`` writes a directory that
@@ -30,8 +30,9 @@ from flax import nnx
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.models.transformer import ModelConfig, Transformer
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
 _ST_DTYPES = {
@@ -64,6 +65,9 @@ def param_names(cfg: ModelConfig) -> dict[Path, tuple[str, bool]]:
     if cfg.qkv_bias:
       for p in "qkv":
         names[layer + ("attn", f"{p}_bias")] = (f"{pre}.self_attn.{p}_proj.bias", False)
+    if cfg.qk_norm:
+      for p in "qk":
+        names[layer + ("attn", f"{p}_norm", "scale")] = (f"{pre}.self_attn.{p}_norm.weight", False)
     for p in ("gate", "up", "down"):
       names[layer + ("mlp", p)] = (f"{pre}.mlp.{p}_proj.weight", True)
   names[("final_norm", "scale")] = ("model.norm.weight", False)
@@ -93,7 +97,7 @@ def _ids(value) -> tuple[int, ...]:
 
 def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json",
                    dtype: str = "float32") -> ModelConfig:
-  """Maps a Hugging Face ``config.json`` dict (Llama or Qwen2) to a ``ModelConfig``."""
+  """Maps a Hugging Face ``config.json`` dict (Llama, Qwen2 or Qwen3) to a ``ModelConfig``."""
   archs = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type"), "")]
   arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
   if arch is None:
@@ -104,6 +108,8 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json",
     raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
   if arch == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
     raise CheckpointError(f"{source}: Llama with attention_bias/mlp_bias is not supported")
+  if arch == "qwen3" and hf.get("attention_bias"):
+    raise CheckpointError(f"{source}: Qwen3 with attention_bias=True is not supported")
   layer_types = set(hf.get("layer_types") or ()) - {"full_attention"}
   if hf.get("use_sliding_window") or layer_types:
     raise CheckpointError(f"{source}: sliding-window attention is not supported")
@@ -120,7 +126,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json",
         n_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or d // heads), d_ff=int(hf["intermediate_size"]),
         rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position=int(hf.get("max_position_embeddings", 4096)), dtype=dtype,
         bos_token_id=hf.get("bos_token_id"), eos_token_ids=_ids(hf.get("eos_token_id")))
@@ -149,6 +155,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
   else:
     out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+  if cfg.arch == "qwen3":
+    out.update(attention_bias=False)
   return out
 
 
@@ -348,7 +356,7 @@ def load_hf_config(path: str, dtype: str = "float32") -> ModelConfig:
 
 def load_hf(path: str | os.PathLike, *, dtype: str = "float32",
             seed: int = 0) -> tuple[Transformer, Tokenizer | None]:
-  """Loads a Hugging Face Llama / Qwen2 directory; the tokenizer is None without tokenizer.json.
+  """Loads a Hugging Face Llama / Qwen2 / Qwen3 directory; the tokenizer is None without tokenizer.json.
 
   ``seed`` is unused (every parameter comes from the files).
   """

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Qwen2 and Llama families) in Flax NNX.
+"""Decoder-only transformer (Llama, Qwen2 and Qwen3 dense families) in Flax NNX.
 
 One set of weights, two entry points:
   * ``model(tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV``: the full causal forward
@@ -31,11 +31,14 @@ from areal_jax.kernels import cpu_matmul, xla_attention
 Cache = list[dict[str, jax.Array]]  # per layer: {"k": [B, T, Hkv, D], "v": [B, T, Hkv, D]}
 
 
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture hyper-parameters (names follow the Hugging Face config where they exist)."""
 
-  arch: str = "llama"  # "llama" | "qwen2"
+  arch: str = "llama"  # "llama" | "qwen2" | "qwen3"
   vocab_size: int = 256
   d_model: int = 64
   n_layers: int = 2
@@ -46,6 +49,7 @@ class ModelConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
   qkv_bias: bool = False  # True for Qwen2
+  qk_norm: bool = False  # True for Qwen3: RMSNorm over head_dim on each query and key head, pre-rope
   tie_embeddings: bool = True
   max_position: int = 4096
   dtype: str = "float32"  # compute dtype; parameters stay float32
@@ -53,8 +57,8 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if self.arch not in ("llama", "qwen2"):
-      raise ValueError(f"unknown architecture {self.arch!r}: expected 'llama' or 'qwen2'")
+    if self.arch not in ARCHS:
+      raise ValueError(f"unknown architecture {self.arch!r}: expected one of {ARCHS}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
@@ -65,7 +69,7 @@ class ModelConfig:
   def num_params(self) -> int:
     d, f, h, kv, hd = self.d_model, self.d_ff, self.n_heads, self.n_kv_heads, self.head_dim
     attn = d * h * hd * 2 + d * kv * hd * 2 + (h * hd + 2 * kv * hd if self.qkv_bias else 0)
-    per_layer = attn + 3 * d * f + 2 * d
+    per_layer = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
     embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.n_layers * per_layer + embed + d
 
@@ -100,7 +104,11 @@ def linear(x_NxI, w, transpose_w: bool = False, out_dtype=None):
   """``x @ w`` (``w`` is ``[I, O]``), or ``x @ w.T`` with ``transpose_w`` (``w`` is ``[O, I]``, e.g.
   a tied embedding as the LM head), over the last axis of ``x``, returned as ``out_dtype`` (default:
   ``x``'s). A 3-D ``w`` is a weight the sampler packed for the CPU kernel (``cpu_matmul.pack``,
-  which already took ``transpose_w`` into account): inference only."""
+  which already took ``transpose_w`` into account): inference only. A ``w`` with ``apply_linear``
+  is a frozen weight with LoRA adapters (``lora.LoraWeight``, training only): its own forward."""
+  apply = getattr(w, "apply_linear", None)
+  if apply is not None:
+    return apply(x_NxI, out_dtype)
   if w.ndim == 3:
     return cpu_matmul.matmul(x_NxI, w).astype(out_dtype or x_NxI.dtype)
   return _dense(x_NxI, w, transpose_w, out_dtype)
@@ -235,6 +243,9 @@ class Attention(nnx.Module):
       self.q_bias = _zeros((h * hd,), ("heads",))
       self.k_bias = _zeros((kv * hd,), ("kv_heads",))
       self.v_bias = _zeros((kv * hd,), ("kv_heads",))
+    if cfg.qk_norm:  # Qwen3: one scale over head_dim, shared by all query (key) heads
+      self.q_norm = RMSNorm(hd, cfg.norm_eps)
+      self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
   def project_qkv(self, x_BxLxE, rope_BxLxF):
     cfg, dt = self.cfg, self.cfg.compute_dtype
@@ -246,8 +257,10 @@ class Attention(nnx.Module):
         y = y + getattr(self, name + "_bias")[...].astype(dt)
       return y.reshape(b, l, heads, cfg.head_dim)
 
-    q = rope(proj("q", cfg.n_heads), rope_BxLxF)
-    k = rope(proj("k", cfg.n_kv_heads), rope_BxLxF)
+    q, k = proj("q", cfg.n_heads), proj("k", cfg.n_kv_heads)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rope(q, rope_BxLxF), rope(k, rope_BxLxF)
     v = proj("v", cfg.n_kv_heads)
     q = sharding.constrain(q, ("batch", "length", "act_heads", None))
     return q, k, v
@@ -291,7 +304,7 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Qwen2 / Llama decoder. ``model(tokens_BxL) -> logits_BxLxV``."""
+  """Llama / Qwen2 / Qwen3 decoder. ``model(tokens_BxL) -> logits_BxLxV``."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg

@@ -1,12 +1,22 @@
-"""Builds the rollout engine named by ``rollout.backend`` on the sampler mesh."""
+"""Builds the rollout engine named by ``rollout.backend`` on the sampler mesh.
+
+With LoRA (``actor.lora.rank > 0``) the learner publishes adapters only. The JAX sampler merges
+them into its own copy of the base weights once per version; the vLLM backend gets merged weights
+from ``MergingEngine`` (a host-side merge before each reload; vLLM's own LoRA path is not wired).
+"""
 
 from __future__ import annotations
 
+import jax
+from flax import nnx
+
+from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import RolloutEngine
 
 
 def build(config, model, tokenizer, sampler_mesh) -> RolloutEngine:
   r = config.rollout
+  lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
   if r.backend == "jax":
     from areal_jax.sampler.service import JaxRolloutEngine
 
@@ -15,9 +25,27 @@ def build(config, model, tokenizer, sampler_mesh) -> RolloutEngine:
         max_len=max(r.prefill_buckets) + r.max_new_tokens, prefill_buckets=tuple(r.prefill_buckets),
         continuation=r.continuation, eos_token_ids=tuple(tokenizer.eos_token_ids),
         steps_per_call=r.steps_per_call, decode_attention=r.decode_attention,
-        decode_matmul=r.decode_matmul, decode_layers=r.decode_layers)
+        decode_matmul=r.decode_matmul, decode_layers=r.decode_layers, lora=lora)
   if r.backend == "vllm":  # optional: needs vLLM (make install-vllm), raises a clear error without
     from areal_jax.vllm_rollout.factory import build as build_vllm
 
-    return build_vllm(config, model, tokenizer, sampler_mesh)
+    engine = build_vllm(config, model, tokenizer, sampler_mesh)
+    return engine if lora is None else MergingEngine(engine, model, lora)
   raise ValueError(f"rollout.backend={r.backend!r} is not one of ('jax', 'vllm')")
+
+
+class MergingEngine:
+  """Wraps an engine that needs full weights: ``update_params`` with LoRA adapters hands it the
+  base weights (those of ``model``) with the adapters merged; everything else passes through."""
+
+  def __init__(self, engine, model, lora: lora_lib.LoraConfig):
+    self.engine, self.lora = engine, lora
+    self.base = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+  def update_params(self, params, version: int) -> None:
+    if lora_lib.is_adapters(params):
+      params = lora_lib.merge(self.base, jax.device_get(params), self.lora)
+    self.engine.update_params(params, version)
+
+  def __getattr__(self, name):
+    return getattr(self.engine, name)

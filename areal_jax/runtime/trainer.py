@@ -22,11 +22,14 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
 from areal_jax import models, tasks
 from areal_jax import learner as learner_lib
 from areal_jax.learner import memory
+from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import checkpoint, engines, meshes, plots, weight_transfer
 from areal_jax.runtime.checkpoint import Checkpointer
@@ -49,6 +52,10 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   learner_mesh, sampler_mesh = meshes.build(config.mesh)
 
   model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+  if lora_lib.LoraConfig.from_config(c_act.lora) is not None:
+    # LoRA: the frozen base is stored once in the compute dtype; the learner and (colocated, same
+    # dtype) the sampler use these very arrays instead of copies.
+    _cast_params(model, c_act.dtype)
   task = tasks.get_task(config.task)
   sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
   learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature,
@@ -62,6 +69,8 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   engine = engines.build(config, model, tokenizer, sampler_mesh)
   if wrap_engine is not None:
     engine = wrap_engine(engine)
+  if learner.lora is not None:  # only the adapters are published (replicated on the sampler)
+    sampler_shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
   transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
                                    learner.params(), shardings=sampler_shardings)
   if not c_train.resume:  # a fresh start keeps the previous run's records aside, never deletes them
@@ -227,6 +236,12 @@ def _save(ckpt, learner, controller, staleness, version, totals, t_start) -> Non
   totals = dict(totals, wall_time_s=totals["wall_time_s"] + time.time() - t_start)
   meta = dict(version=version, totals=totals, staleness=staleness.state_dict(), **snap)
   ckpt.save(version, learner.state, meta)
+
+
+def _cast_params(model, dtype: str) -> None:
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, lora_lib.frozen_base(nnx.to_pure_dict(state), dtype))
+  nnx.update(model, state)
 
 
 def _write_config(config, workdir: str) -> None:

@@ -41,6 +41,10 @@ powers of two from ``num_slots / 8`` up, multiples of the mesh's data-axis size)
 decode step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are
 read once per step whatever the width).
 
+With ``lora`` (a ``models.lora.LoraConfig``) the engine keeps the base weights it was built with
+(in the compute dtype) and ``put_params`` also accepts LoRA adapters (what the learner publishes):
+it merges them into the base once per weight version, so decoding runs at full-model speed.
+
 Compiled functions are shared by engines of the same model structure, config and mesh; they close
 over static structure only (graph definition, shapes, shardings), never over an engine or its
 parameters, so a discarded engine's weights are freed.
@@ -62,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from areal_jax import sharding
 from areal_jax.kernels import choice, cpu_matmul
 from areal_jax.models import decode_scan
+from areal_jax.models import lora as lora_lib
 from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
 from areal_jax.sampler import sampling
 
@@ -102,7 +107,8 @@ class EngineConfig:
 class DecodeEngine:
   """Jitted prefill / insert / generate over ``num_slots`` slots on ``mesh``."""
 
-  def __init__(self, model: Transformer, config: EngineConfig, mesh: Mesh | None = None):
+  def __init__(self, model: Transformer, config: EngineConfig, mesh: Mesh | None = None,
+               lora: lora_lib.LoraConfig | None = None):
     self.model_cfg: ModelConfig = model.cfg
     self.mesh = mesh or sharding.make_mesh({}, jax.devices()[:1])
     # the kernels (and steps per call) for this mesh's platform: ``kernels.choice``
@@ -166,6 +172,15 @@ class DecodeEngine:
         in_shardings=(self.state_shardings, self._slot_sharding()),
         out_shardings=self.state_shardings, donate_argnums=0)
     fns["deactivate"] = self._deactivate
+    self.lora, self._lora_base, self._merge = lora, None, None
+    if lora is not None:
+      shardings = self._unpacked_shardings if self._pack is not None else self.param_shardings
+      # eager casts: a base already in the compute dtype on this mesh is shared, not copied
+      self._lora_base = jax.device_put(
+          lora_lib.frozen_base(nnx.to_pure_dict(param_state), self.model_cfg.compute_dtype),
+          shardings)
+      self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
+                            out_shardings=shardings)
     self.params = self.put_params(nnx.to_pure_dict(param_state))
 
   def _width_buckets(self) -> tuple[int, ...]:
@@ -208,7 +223,10 @@ class DecodeEngine:
     """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there), in the
     compute dtype (the matmul weights and the embedding; the caller's arrays are left as they are),
     packing the matmul weights when the engine does (``cpu_matmul``) or stacking the layers' weights
-    when it runs them in a scan (``decode_scan.stack_layers``)."""
+    when it runs them in a scan (``decode_scan.stack_layers``). With ``lora``, ``params`` may be
+    LoRA adapters instead: they are merged into the base weights first."""
+    if self._merge is not None and lora_lib.is_adapters(params):
+      params = self._merge(self._lora_base, params)
     if self._pack is None:  # cast (and, with the layers in a scan, stacked) once per version
       placed = jax.device_put(params, self.param_shardings)
       return placed if self._cast is None else self._cast(placed)

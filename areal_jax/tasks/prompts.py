@@ -3,7 +3,10 @@
 The user message is the question followed, on a new line, by the instruction (by default: reason
 step by step and put the final answer in ``\\boxed{}``); an optional system message comes first.
 With ``use_chat_template`` the messages go through the tokenizer's chat template with the generation
-prompt appended; without it (base models) they are joined by blank lines.
+prompt appended; without it (base models) they are joined by blank lines. ``enable_thinking=False``
+is passed to the template as ``enable_thinking=False`` (Qwen3's template then opens the answer with an
+empty ``<think></think>`` block, so the model answers without a reasoning trace); templates that do
+not read that variable ignore it.
 
 The tokenizer is duck-typed: ``apply_chat_template(messages, add_generation_prompt=True) -> str`` and
 ``encode(text) -> list[int]`` are all that is used.
@@ -23,6 +26,7 @@ class PromptFormat:
   system_prompt: str = ""
   instruction: str = DEFAULT_INSTRUCTION
   use_chat_template: bool = True
+  enable_thinking: bool = True
 
   def messages(self, question: str) -> list[dict]:
     """``[{"role": "system", ...}?, {"role": "user", "content": question + instruction}]``."""
@@ -45,7 +49,8 @@ class PromptFormat:
       raise ValueError(f"task.use_chat_template=True needs a tokenizer with apply_chat_template(); "
                        f"got {type(tokenizer).__name__}. Pass the model's tokenizer or set "
                        f"task.use_chat_template=False")
-    out = apply(msgs, add_generation_prompt=True)
+    extra = {} if self.enable_thinking else {"enable_thinking": False}
+    out = apply(msgs, add_generation_prompt=True, **extra)
     if not isinstance(out, str):
       raise TypeError(f"{type(tokenizer).__name__}.apply_chat_template must return the prompt text "
                       f"(str), got {type(out).__name__}")

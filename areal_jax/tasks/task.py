@@ -48,7 +48,8 @@ class Task:
     s = self.settings
     self.prompt_format = prompts.PromptFormat(system_prompt=s["system_prompt"],
                                               instruction=s["instruction"],
-                                              use_chat_template=bool(s["use_chat_template"]))
+                                              use_chat_template=bool(s["use_chat_template"]),
+                                              enable_thinking=bool(s["enable_thinking"]))
     self._rows: dict[str, data.Rows] = {}
 
   def __getstate__(self):

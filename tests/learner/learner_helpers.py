@@ -60,7 +60,8 @@ def token_logps(learner, samples):
   rows = [list(s.prompt_tokens) + list(s.tokens) for s in samples]
   width = max(map(len, rows))
   toks = jnp.asarray([r + [0] * (width - len(r)) for r in rows], jnp.int32)
-  lp = np.asarray(_logsoftmax(learner.graphdef, learner.params(), toks, learner.temperature))
+  lp = np.asarray(_logsoftmax(learner.graphdef, learner.merged_params(), toks,
+                              learner.temperature))
   return [[float(lp[i, t - 1, r[t]]) for t in range(len(s.prompt_tokens), len(r))]
           for i, (s, r) in enumerate(zip(samples, rows))]
 

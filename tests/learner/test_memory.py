@@ -61,6 +61,20 @@ def test_planner_keeps_lowers_or_stops():
     assert key in str(e.value)
 
 
+def test_lora_plan_counts_the_frozen_base_and_adapter_state_only():
+  full = memory.plan(small_learner(), None).parts
+  # the same shapes with rank-4 adapters on every projection
+  opts = actor(micro_batch_tokens=4096)
+  opts.lora.rank, opts.lora.alpha = 4, 8.0
+  cfg = dataclasses.replace(CFG, vocab_size=512, d_model=64, d_ff=256)
+  lora = memory.plan(Learner.abstract(cfg, opts, fsdp(2), max_seq_len=256), None).parts
+  assert lora["frozen"] == full["params"]  # float32 compute: the base as the model holds it
+  assert full["frozen"] == 0
+  assert lora["params"] < full["params"] / 3  # the adapters (replicated) are what trains
+  assert 0 <= lora["opt"] - 2 * lora["params"] < 64 and 0 <= lora["grads"] - lora["params"] < 64
+  assert lora["peak"] >= lora["frozen"] + lora["params"] + lora["opt"] + lora["grads"]
+
+
 def test_no_budget_no_check_on_cpu():
   assert memory.device_budget(config_lib.base_config().mesh, jax.devices()[:1]) is None
   mesh_cfg = config_lib.base_config().mesh

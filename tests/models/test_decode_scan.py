@@ -20,17 +20,20 @@ def _params(model):
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("impl", ["xla", "dense", "pallas_gpu"])
 def test_scanned_extend_equals_unrolled(arch, impl):
   """Prefill then three decode steps (slots at different positions, a cache with spare rows):
   logits and every cache entry equal the unrolled model's."""
-  cfg = dataclasses.replace(CFG, arch=arch, qkv_bias=arch == "qwen2",
+  cfg = dataclasses.replace(CFG, arch=arch, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
                             tie_embeddings=arch == "llama")
   model = Transformer(cfg, nnx.Rngs(1))
   if cfg.qkv_bias:  # nonzero biases
     for layer in model.layers:
       layer.attn.k_bias[...] = jnp.linspace(-0.5, 0.5, layer.attn.k_bias.shape[0])
+  if cfg.qk_norm:  # non-trivial per-layer norm scales
+    for i, layer in enumerate(model.layers):
+      layer.attn.k_norm.scale[...] = jnp.linspace(0.5, 1.5 + i, cfg.head_dim)
   graph, stacked = decode_scan.graphs(cfg), decode_scan.stack_layers(_params(model))
   scanned = jax.jit(lambda p, t, s, c, kv: decode_scan.extend(graph, p, t, s, c, 32, impl)
                     if t.shape[1] == 1 else decode_scan.extend(graph, p, t, s, c, 16))

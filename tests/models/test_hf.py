@@ -51,7 +51,9 @@ def test_sharded_files_round_trip(hf_checkpoint, tmp_path):
   assert len(files) > 2 and all(os.path.exists(out_path.parent / f) for f in files)
   assert index["metadata"]["total_size"] == sum(v.nbytes for v in _params(model).values())
   loaded, _ = hf.load_hf(out)
-  assert loaded.cfg.arch == arch
+  assert loaded.cfg == model.cfg and loaded.cfg.arch == arch
+  for name, value in _params(model).items():
+    np.testing.assert_array_equal(_params(loaded)[name], value, err_msg=name)
   tokens = TOKENS % 300
   np.testing.assert_array_equal(np.asarray(forward(loaded, tokens)),
                                 np.asarray(forward(model, tokens)))
@@ -186,5 +188,12 @@ def test_config_mapping_reads_rope_parameters_and_defaults():
       "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "eos_token_id": [3, 4]})
   assert (cfg.arch, cfg.qkv_bias, cfg.n_kv_heads, cfg.head_dim) == ("qwen2", True, 4, 8)
   assert cfg.rope_theta == 1e6 and cfg.eos_token_ids == (3, 4) and not cfg.tie_embeddings
+  qwen3 = hf.config_from_hf({
+      "architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 32,
+      "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+      "intermediate_size": 8, "tie_word_embeddings": True})
+  assert (qwen3.arch, qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == ("qwen3", False, True, 16)
+  with pytest.raises(hf.CheckpointError, match=r"config\.json.*Qwen3 with attention_bias"):
+    hf.config_from_hf({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True})
   with pytest.raises(hf.CheckpointError, match="rope scaling 'llama3'"):
     hf.config_from_hf({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3"}})

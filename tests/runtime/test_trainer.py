@@ -144,3 +144,43 @@ def test_a_learner_that_cannot_fit_stops_before_the_first_step(tmp_path):
   with pytest.raises(MemoryError, match="actor.micro_batch_tokens.*actor.remat.*mesh.learner"):
     trainer.run(c, str(tmp_path))
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+@pytest.mark.slow
+def test_lora_run_publishes_and_checkpoints_adapters_then_exports(tmp_path):
+  """actor.lora: the Orbax weight versions and the run checkpoint hold adapters only; resuming
+  continues from them; the export writes a PEFT adapter dir (and merged weights) of the latest."""
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from areal_jax import export, models
+  from areal_jax.evaluate import restore_adapters
+  from areal_jax.models import lora
+  from areal_jax.runtime import trainer
+
+  c = tiny_config(**{"actor.lora.rank": 4, "actor.lora.alpha": 8.0, "actor.lora.dropout": 0.1,
+                     "train.total_steps": 2, "train.checkpoint_every": 1,
+                     "weights.transfer": "orbax", "weights.keep": 1, "rollout.max_new_tokens": 16})
+  trainer.run(c, str(tmp_path))
+  steps = lambda: [r["step"] for r in metrics_lib.read(str(tmp_path / "metrics.jsonl"))]
+  assert steps() == [1, 2]
+  published = [p for p in (tmp_path / "weights" / "2").rglob("*") if p.is_file()]
+  base, _ = models.load("tiny")
+  full_bytes = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(base, nnx.Param)))
+  # float32 x 2 layers x rank 4 x (q, o: 64 + 64; k, v: 64 + 32; gate, up, down: 64 + 128)
+  adapter_bytes = 4 * 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
+  assert adapter_bytes < sum(p.stat().st_size for p in published) < full_bytes / 2
+
+  config_lib.override(c, "train.total_steps", 3)  # resume from the adapters of version 2
+  trainer.run(c, str(tmp_path))
+  assert steps() == [1, 2, 3]
+  lcfg = lora.LoraConfig.from_config(c.actor.lora)
+  adapters = restore_adapters(str(tmp_path / "checkpoints" / "3"), base, lcfg)
+  assert np.abs(np.asarray(adapters["layers"][0]["mlp"]["down"]["b"])).max() > 0
+  paths = export.export(c, str(tmp_path), str(tmp_path / "peft"), str(tmp_path / "merged"))
+  back, lcfg2 = lora.load_peft(paths["adapter"], nnx.to_pure_dict(nnx.state(base, nnx.Param)))
+  assert lcfg2.rank == 4 and lcfg2.scale == 2.0
+  for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(adapters)):
+    np.testing.assert_array_equal(x, y)
+  merged, _ = models.load(paths["merged"])
+  expected = lora.merged_model(base, adapters, lcfg)
+  np.testing.assert_array_equal(merged.layers[1].attn.q[...], expected.layers[1].attn.q[...])

@@ -287,3 +287,30 @@ def test_layers_in_a_scan_on_a_four_device_mesh(model):
   prompt = [9, 8, 7, 6]
   toks, _ = _decode(eng, prompt, 3, 12, slots=[0, 3, 6], greedy=True)
   assert toks == [_naive_greedy(model, prompt, 12)] * 3
+
+
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_lora_adapters_are_merged_once_per_version(layers):
+  """``put_params(adapters)`` decodes exactly like the merged model (a Qwen3-shaped one here), also
+  with the layers in a scan (merged, then stacked)."""
+  from flax import nnx
+
+  from areal_jax.models import ModelConfig, Transformer, lora
+  qwen3 = Transformer(ModelConfig(arch="qwen3", qk_norm=True, vocab_size=128, d_model=64),
+                      nnx.Rngs(3))
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0)
+  base = nnx.to_pure_dict(nnx.state(qwen3, nnx.Param))
+  ad = lora.init_adapters(base, lcfg, jax.random.key(0))
+  ad = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), ad)
+  cfg = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,), decode_layers=layers,
+                     decode_matmul="xla" if layers == "scan" else "auto")
+  eng = DecodeEngine(qwen3, cfg, lora=lcfg)
+  eng.params = eng.put_params(ad)
+  merged = lora.merged_model(qwen3, ad, lcfg)
+  prompt = [5, 7, 9, 11]
+  toks, _ = _decode(eng, prompt, 1, 8, greedy=True)
+  assert toks[0] == _naive_greedy(merged, prompt, 8)
+  assert toks[0] != _naive_greedy(qwen3, prompt, 8)  # the adapters change the answer
+  plain = DecodeEngine(merged, cfg)  # full weights still go in as they are
+  for x, y in zip(jax.tree.leaves(eng.params), jax.tree.leaves(plain.params)):
+    np.testing.assert_array_equal(x, y)

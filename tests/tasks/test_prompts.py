@@ -87,3 +87,19 @@ def test_config_tree_and_errors():
     get_task({"name": "math"})
   with pytest.raises(ValueError, match="unknown split"):
     task.examples("validation")
+
+
+def test_thinking_off_reaches_the_chat_template():
+  """``task.enable_thinking=False`` renders Qwen3's empty think block; other templates ignore it."""
+  from areal_jax.models import byte_tokenizer
+  qwen3_like = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% if enable_thinking is defined and enable_thinking is false %}"
+                "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+  tok = byte_tokenizer()
+  tok.chat_template = qwen3_like
+  off = get_task({"enable_thinking": False}).prompt_text(EXAMPLE, tok)
+  on = get_task(None).prompt_text(EXAMPLE, tok)
+  assert off == on + "<think>\n\n</think>\n\n"
+  tok.chat_template = qwen3_like.replace("enable_thinking", "other_flag")
+  assert get_task({"enable_thinking": False}).prompt_text(EXAMPLE, tok) == on
