@@ -94,7 +94,8 @@ def main():
   for layers, r in steps.items():
     print(f"SmolLM2-135M decode at {slots} slots, context {context}, layers {layers} "
           f"({r['decode_attention']} attention, {r['decode_matmul']} matmuls, 16 steps/call): "
-          f"{r['step_ms']:.1f} ms/step (floor loop {floor:.1f} ms, ratio {r['step_ms'] / floor:.2f})")
+          f"{r['step_ms']:.1f} ms/step (floor loop {floor:.1f} ms, "
+          f"ratio {r['step_ms'] / floor:.2f})")
   result = {"machine": info, "quick": args.quick, "backend": jax.default_backend(),
             "compile_s": {str(n): c for n, c in compiles.items()},
             "step_ms": {k: r["step_ms"] for k, r in steps.items()}, "floor_step_ms": floor,

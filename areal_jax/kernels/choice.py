@@ -17,13 +17,14 @@ weights and a stacked cache, ``models/decode_scan``: compile time flat in depth)
 (``Transformer.extend``, one traced body per layer, per-layer caches). ``"scan"`` needs XLA matmuls
 (the CPU kernel's packed weights are per layer).
 
-``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms), on GPU
-and TPU ``"dense"`` and ``"xla"`` matmuls; the layers unrolled on CPU (XLA:CPU compiles the
-unrolled step into faster code, and the C++ kernels are per layer), in a scan on GPU and TPU. The Pallas GPU kernel is not the default there: its
-``gqa`` entry point transposes the cache to ``[B, K, T, D]`` before every call, a copy of the whole
-cache per layer and step, where the dense read is one pass (neither measured on an accelerator
-here). A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION``
-/ ``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` when set; else the platform's default.
+``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
+layers unrolled (the C++ matmul kernel's packed weights are per layer; forced on CPU the scanned
+step measured no faster), on GPU and TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
+The Pallas GPU kernel is not the default there: its ``gqa`` entry point transposes the cache to
+``[B, K, T, D]`` before every call, a copy of the whole cache per layer and step, where the dense
+read is one pass (neither measured on an accelerator here). A request other than ``"auto"`` (an
+engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` / ``$AREAL_JAX_DECODE_MATMUL`` /
+``$AREAL_JAX_DECODE_LAYERS`` when set; else the platform's default.
 """
 
 from __future__ import annotations

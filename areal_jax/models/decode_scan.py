@@ -3,10 +3,11 @@
 The model's parameters stay an ``nnx.List`` of ``Block``s; this module works on a *stacked view* of
 them (``stack_layers``: every per-layer leaf stacked to ``[n_layers, ...]``, built once per weight
 version by the caller) and a stacked KV cache (``init_cache``: ``{"k", "v"}`` each
-``[n_layers, rows, max_len, kv_heads, head_dim]``). ``extend`` traces one ``Block`` and scans it over
-the layers, so the traced and compiled program has one layer body whatever the depth (the unrolled
-``Transformer.extend`` has one per layer). The cache rides in the scan's carry and each layer
-writes its new keys and values into it with a scatter, in place: no per-layer copy of the cache.
+``[n_layers, rows, max_len, kv_heads, head_dim]``). ``extend`` traces one ``Block`` and scans it
+over the layers, so the traced and compiled program has one layer body whatever the depth (the
+unrolled ``Transformer.extend`` has one per layer). The cache rides in the scan's carry and each
+layer scatters its new keys and values into it in place (the compiled decode call holds no copy
+of the whole stacked cache); a layer then reads its rows up to the read bound.
 
 Same results as ``Transformer.extend`` (same ops per layer); knows nothing of sampling or training.
 """

@@ -17,14 +17,12 @@ decode step feeds the last prompt token, so every generated token (and its logpr
 comes out of ``generate``. Re-prefilling a sequence under new weights is the same: prefill
 ``prompt + generated[:-1]`` and feed the last generated token.
 
-Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
-mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
-Layers: unrolled (``Transformer.extend``, a list of per-layer caches) or, with ``decode_layers``
-``"scan"`` (the default on GPU and TPU, ``kernels.choice.layers``), in one ``lax.scan``
-(``models/decode_scan``): the engine then holds the layers' weights stacked ``[n_layers, ...]``
-(built once per weight version in ``put_params``) and one stacked cache ``{"k", "v"}`` of
-``[n_layers, slots, max_len, kv_heads, head_dim]`` (prefixes ``[n_layers, 1, bucket, ...]``), so
-prefill and decode compile one layer body whatever the depth.
+Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer (``slot_cache``), slots
+sharded over the mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like
+the slots. With ``decode_layers`` ``"scan"`` (the default on GPU and TPU, ``kernels.choice.layers``)
+the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode compile one layer
+body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
+once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, ...]``.
 Kernels: the decode attention, the matmuls' weight layout and the steps per call are picked per
 platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
 ``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
@@ -67,8 +65,8 @@ from areal_jax import sharding
 from areal_jax.kernels import choice, cpu_matmul
 from areal_jax.models import decode_scan
 from areal_jax.models import lora as lora_lib
-from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
-from areal_jax.sampler import sampling
+from areal_jax.models.transformer import ModelConfig, Transformer
+from areal_jax.sampler import sampling, slot_cache
 
 State = dict[str, Any]
 _COMPILED: dict[tuple, dict[str, Any]] = {}
@@ -118,6 +116,7 @@ class DecodeEngine:
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers)
     # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
     self._scan = decode_scan.graphs(self.model_cfg) if self.layers_impl == "scan" else None
+    self._stacked = self._scan is not None  # the cache's layout (``slot_cache``)
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
     self.graphdef, state = nnx.split(model)
@@ -207,13 +206,9 @@ class DecodeEngine:
 
   def _state_shardings(self):
     cfg, c = self.model_cfg, self.config
-    kv_shape = (c.num_slots, c.max_len, cfg.n_kv_heads, cfg.head_dim)
-    kv = self._named(("cache_batch", None, "cache_heads", None), kv_shape)
     vec = self._slot_sharding()
-    if self._scan is not None:
-      kv = self._named((None, "cache_batch", None, "cache_heads", None), (cfg.n_layers,) + kv_shape)
     return {
-        "cache": {"k": kv, "v": kv} if self._scan else [{"k": kv, "v": kv} for _ in range(cfg.n_layers)],
+        "cache": slot_cache.shardings(self._named, cfg, c.num_slots, c.max_len, self._stacked),
         "tokens": vec, "pos": vec, "end": vec, "active": vec,
         "temperature": vec, "top_k": vec, "top_p": vec, "greedy": vec,
         "key": self._slot_sharding(2), "stop_ids": self._slot_sharding(c.max_stop_ids),
@@ -234,13 +229,11 @@ class DecodeEngine:
 
   def init_state(self) -> State:
     cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype
-    s = c.num_slots
-
-    make_cache = decode_scan.init_cache if self._scan is not None else init_cache
+    s, stacked = c.num_slots, self._stacked
 
     def make():
       return {
-          "cache": make_cache(cfg, s, c.max_len, cache_dtype),
+          "cache": slot_cache.make(cfg, s, c.max_len, cache_dtype, stacked),
           "tokens": jnp.zeros((s,), jnp.int32), "pos": jnp.zeros((s,), jnp.int32),
           "end": jnp.zeros((s,), jnp.int32), "active": jnp.zeros((s,), jnp.bool_),
           "temperature": jnp.ones((s,), jnp.float32), "top_k": jnp.zeros((s,), jnp.int32),
@@ -296,36 +289,21 @@ class DecodeEngine:
 
   def _make_prefill(self, bucket: int, n: int):
     cfg, mesh, graphdef, cache_dtype = self.model_cfg, self.mesh, self.graphdef, self._cache_dtype
-    prefix = self._named((None, None, "cache_heads", None), (1, bucket, cfg.n_kv_heads, cfg.head_dim))
-    if self._scan is not None:
-      return self._make_prefill_scanned(bucket, n)
+    graph, stacked = self._scan, self._stacked
 
     def fn(params, tokens_NxL):
       with sharding.use(mesh):
-        model = nnx.merge(graphdef, params)
-        cache = init_cache(cfg, n, bucket, cache_dtype)
-        _, cache = model.extend(tokens_NxL, jnp.zeros((n,), jnp.int32), cache, kv_len=bucket)
+        cache = slot_cache.make(cfg, n, bucket, cache_dtype, stacked)
+        start = jnp.zeros((n,), jnp.int32)
+        if stacked:  # the layers in a scan over the stacked weights
+          _, cache = decode_scan.extend(graph, params, tokens_NxL, start, cache, kv_len=bucket)
+        else:
+          _, cache = nnx.merge(graphdef, params).extend(tokens_NxL, start, cache, kv_len=bucket)
       # one prefix per prompt, as separate buffers
-      return [[{name: layer[name][i:i + 1] for name in ("k", "v")} for layer in cache]
-              for i in range(n)]
+      return [slot_cache.row(cache, i, stacked) for i in range(n)]
 
-    layer_sh = [{"k": prefix, "v": prefix} for _ in range(cfg.n_layers)]
-    return jax.jit(fn, in_shardings=(self.param_shardings, None), out_shardings=[layer_sh] * n)
-
-  def _make_prefill_scanned(self, bucket: int, n: int):
-    cfg, mesh, graph, cache_dtype = self.model_cfg, self.mesh, self._scan, self._cache_dtype
-    shape = (cfg.n_layers, 1, bucket, cfg.n_kv_heads, cfg.head_dim)
-    prefix = self._named((None, None, None, "cache_heads", None), shape)
-
-    def fn(params, tokens_NxL):
-      with sharding.use(mesh):
-        cache = decode_scan.init_cache(cfg, n, bucket, cache_dtype)
-        _, cache = decode_scan.extend(graph, params, tokens_NxL, jnp.zeros((n,), jnp.int32), cache,
-                                      kv_len=bucket)
-      return [{name: cache[name][:, i:i + 1] for name in ("k", "v")} for i in range(n)]
-
-    return jax.jit(fn, in_shardings=(self.held_shardings, None),
-                   out_shardings=[{"k": prefix, "v": prefix}] * n)
+    prefix = slot_cache.shardings(self._named, cfg, 1, bucket, stacked, prefix=True)
+    return jax.jit(fn, in_shardings=(self.held_shardings, None), out_shardings=[prefix] * n)
 
   # ---- insert ----------------------------------------------------------------------------------
 
@@ -356,8 +334,7 @@ class DecodeEngine:
     stops = np.full((n, m), -1, np.int32)
     stops[:, :len(stop_ids)] = stop_ids
     vals["stop_ids"] = stops
-    bucket = 0 if prefix is None else (
-        prefix["k"].shape[2] if self._scan is not None else prefix[0]["k"].shape[1])
+    bucket = 0 if prefix is None else slot_cache.prefix_len(prefix, self._stacked)
     if (bucket, n) not in self._insert_fns:
       self._insert_fns[(bucket, n)] = self._make_insert(bucket)
     return self._insert_fns[(bucket, n)](state, prefix, slots_N, vals)
@@ -368,21 +345,12 @@ class DecodeEngine:
     return min(1 << max(k - 1, 0).bit_length(), self.config.num_slots)
 
   def _make_insert(self, bucket: int):
-    scan = self._scan is not None
+    stacked = self._stacked
 
     def fn(state, prefix, slots_N, vals):
       state = dict(state)
-      if prefix is not None and scan:  # [n_layers, 1, bucket, ...] into [n_layers, slots, ...]
-        state["cache"] = {
-            name: state["cache"][name].at[:, slots_N, :bucket].set(
-                jnp.broadcast_to(prefix[name], (prefix[name].shape[0], slots_N.shape[0])
-                                 + prefix[name].shape[2:]), mode="drop") for name in ("k", "v")}
-      elif prefix is not None:
-        state["cache"] = [
-            {name: layer[name].at[slots_N, :bucket].set(
-                jnp.broadcast_to(pre[name], (slots_N.shape[0],) + pre[name].shape[1:]),
-                mode="drop") for name in ("k", "v")}
-            for layer, pre in zip(state["cache"], prefix)]
+      if prefix is not None:
+        state["cache"] = slot_cache.write_prefix(state["cache"], prefix, slots_N, bucket, stacked)
       for name, value in vals.items():
         state[name] = state[name].at[slots_N].set(value, mode="drop")
       state["active"] = state["active"].at[slots_N].set(True, mode="drop")
@@ -471,19 +439,14 @@ class DecodeEngine:
     return self._move_fns[n](state, src_N, dst_N)
 
   def _make_move(self):
-    scan = self._scan is not None
+    stacked = self._stacked
 
     def fn(state, src_N, dst_N):
       def moved(x):
         return x.at[dst_N].set(x.at[src_N].get(mode="fill", fill_value=0), mode="drop")
 
-      def moved_cache(cache):  # slots are axis 1 of the stacked cache
-        if scan:
-          return {n: a.at[:, dst_N].set(a.at[:, src_N].get(mode="fill", fill_value=0), mode="drop")
-                  for n, a in cache.items()}
-        return [{n: moved(a) for n, a in layer.items()} for layer in cache]
-
-      state = {k: moved_cache(v) if k == "cache" else moved(v) for k, v in state.items()}
+      state = {k: slot_cache.move(v, src_N, dst_N, stacked) if k == "cache" else moved(v)
+               for k, v in state.items()}
       state["active"] = state["active"].at[src_N].set(False, mode="drop")
       return state
 

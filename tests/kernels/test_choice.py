@@ -52,7 +52,8 @@ def test_decode_layers_per_platform_config_and_environment(monkeypatch):
   assert choice.layers("gpu", "xla") == choice.layers("tpu", "xla") == "scan"
   assert choice.layers("cpu", "xla", "scan") == "scan"
   monkeypatch.setenv(choice.LAYERS_ENV, "scan")
-  assert choice.layers("cpu", "xla") == "scan" and choice.layers("gpu", "xla", "unrolled") == "unrolled"
+  assert choice.layers("cpu", "xla") == "scan"
+  assert choice.layers("gpu", "xla", "unrolled") == "unrolled"
   with pytest.raises(ValueError, match="needs XLA matmuls"):
     choice.layers("cpu", "cpu_packed")
   monkeypatch.setenv(choice.LAYERS_ENV, "loop")
