@@ -18,8 +18,8 @@ weights and a stacked cache, ``models/decode_scan``: compile time flat in depth)
 (the CPU kernel's packed weights are per layer).
 
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
-layers unrolled (the C++ matmul kernel's packed weights are per layer; forced on CPU the scanned
-step measured no faster), on GPU and TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
+layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
+step measured no faster on CPU), on GPU and TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
 The Pallas GPU kernel is not the default there: its ``gqa`` entry point transposes the cache to
 ``[B, K, T, D]`` before every call, a copy of the whole cache per layer and step, where the dense
 read is one pass (neither measured on an accelerator here). A request other than ``"auto"`` (an
