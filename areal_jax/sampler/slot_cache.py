@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 
 from areal_jax.models import decode_scan
