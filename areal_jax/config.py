@@ -73,6 +73,7 @@ def base_config() -> ConfigDict:
   c.rollout.steps_per_call = 0  # decode steps per jitted call (host sync); 0: 1 on CPU, 16 on GPU/TPU
   c.rollout.decode_attention = "auto"  # "auto" | "cpu" | "xla" | "dense" | "pallas_gpu" (kernels/choice.py)
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla"
+  c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan on GPU/TPU)
   c.rollout.filter_uniform_groups = True  # drop groups whose rewards are all equal
   c.rollout.reward_timeout_s = 5.0
   c.rollout.reward_workers = 2
@@ -193,6 +194,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   from areal_jax.kernels import choice as kernel_choice  # noqa: PLC0415 (imports jax)
   choices["rollout.decode_attention"] = (r.decode_attention, ("auto",) + kernel_choice.ATTENTION)
   choices["rollout.decode_matmul"] = (r.decode_matmul, ("auto",) + kernel_choice.MATMUL)
+  choices["rollout.decode_layers"] = (r.decode_layers, ("auto",) + kernel_choice.LAYERS)
   for key, (value, valid) in choices.items():
     if value not in valid:
       errors.append(f"{key}={value!r} is not one of {valid}")
@@ -208,6 +210,9 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"mesh.memory_fraction={m.memory_fraction} must be in (0, 1]")
   if r.max_head_offpolicyness < 0:
     errors.append(f"rollout.max_head_offpolicyness={r.max_head_offpolicyness} must be >= 0")
+  if r.decode_layers == "scan" and r.decode_matmul == "cpu_packed":
+    errors.append("rollout.decode_layers='scan' needs rollout.decode_matmul='xla' or 'auto' (the "
+                  "CPU kernel's packed weights are per layer)")
   if r.steps_per_call < 0:
     errors.append(f"rollout.steps_per_call={r.steps_per_call} must be >= 0 (0: per platform)")
   if r.max_concurrent_rollouts < 0:

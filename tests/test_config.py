@@ -80,6 +80,15 @@ def test_decode_kernel_keys_are_checked():
   msg = str(e.value)
   assert "rollout.decode_attention='flash'" in msg and "pallas_gpu" in msg
   assert "rollout.decode_matmul='mkl'" in msg and "rollout.steps_per_call=-1" in msg
+  c = config_lib.base_config()
+  c.rollout.decode_layers = "loop"
+  with pytest.raises(ValueError, match="rollout.decode_layers='loop'"):
+    config_lib.validate(c)
+  c.rollout.decode_layers, c.rollout.decode_matmul = "scan", "cpu_packed"
+  with pytest.raises(ValueError, match="decode_layers='scan' needs rollout.decode_matmul"):
+    config_lib.validate(c)
+  c.rollout.decode_matmul = "xla"
+  config_lib.validate(c)
 
 
 def test_unknown_override_names_the_nearby_keys():

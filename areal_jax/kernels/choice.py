@@ -12,12 +12,19 @@ Decode attention (``ATTENTION``):
 Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version for the C++ kernel,
 ``cpu_matmul``: one CPU device, float32, AVX-512) or ``"xla"``.
 
-``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms), on GPU
-and TPU ``"dense"`` and ``"xla"`` matmuls. The Pallas GPU kernel is not the default there: its
-``gqa`` entry point transposes the cache to ``[B, K, T, D]`` before every call, a copy of the whole
-cache per layer and step, where the dense read is one pass (neither measured on an accelerator
-here). A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION``
-/ ``$AREAL_JAX_DECODE_MATMUL`` when set; else the platform's default.
+Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
+weights and a stacked cache, ``models/decode_scan``: compile time flat in depth) or ``"unrolled"``
+(``Transformer.extend``, one traced body per layer, per-layer caches). ``"scan"`` needs XLA matmuls
+(the CPU kernel's packed weights are per layer).
+
+``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
+layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
+step measured no faster on CPU), on GPU and TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
+The Pallas GPU kernel is not the default there: its ``gqa`` entry point transposes the cache to
+``[B, K, T, D]`` before every call, a copy of the whole cache per layer and step, where the dense
+read is one pass (neither measured on an accelerator here). A request other than ``"auto"`` (an
+engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` / ``$AREAL_JAX_DECODE_MATMUL`` /
+``$AREAL_JAX_DECODE_LAYERS`` when set; else the platform's default.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from areal_jax.kernels import cpu_attention, cpu_matmul
 
 ATTENTION = ("cpu", "xla", "dense", "pallas_gpu")
 MATMUL = ("cpu_packed", "xla")
+LAYERS = ("scan", "unrolled")
 ATTENTION_ENV = "AREAL_JAX_DECODE_ATTENTION"
 MATMUL_ENV = "AREAL_JAX_DECODE_MATMUL"
+LAYERS_ENV = "AREAL_JAX_DECODE_LAYERS"
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu"), "gpu": ("xla", "dense", "pallas_gpu"),
               "tpu": ("xla", "dense")}
 
@@ -76,6 +85,17 @@ def matmul(mesh: Mesh, compute_dtype, requested: str = "auto") -> str:
   if value == "cpu_packed" and not packable:
     raise ValueError("decode matmul 'cpu_packed' needs one CPU device with AVX-512, float32 compute "
                      f"(model dtype {jnp.dtype(compute_dtype).name}) and the kernel built")
+  return value
+
+
+def layers(platform: str, matmul_impl: str, requested: str = "auto") -> str:
+  """How a decode step runs the layers (``LAYERS``) on ``platform`` with ``matmul_impl`` matmuls."""
+  value = _requested(requested, LAYERS_ENV, LAYERS, "decode_layers")
+  if value == "auto":
+    return "unrolled" if platform == "cpu" or matmul_impl == "cpu_packed" else "scan"
+  if value == "scan" and matmul_impl == "cpu_packed":
+    raise ValueError("decode_layers 'scan' needs XLA matmuls (decode_matmul='xla'): the CPU "
+                     "kernel's packed weights are per layer")
   return value
 
 

@@ -17,8 +17,12 @@ decode step feeds the last prompt token, so every generated token (and its logpr
 comes out of ``generate``. Re-prefilling a sequence under new weights is the same: prefill
 ``prompt + generated[:-1]`` and feed the last generated token.
 
-Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer, slots sharded over the
-mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like the slots.
+Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer (``slot_cache``), slots
+sharded over the mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like
+the slots. With ``decode_layers`` ``"scan"`` (the default on GPU and TPU, ``kernels.choice.layers``)
+the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode compile one layer
+body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
+once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, ...]``.
 Kernels: the decode attention, the matmuls' weight layout and the steps per call are picked per
 platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
 ``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -58,9 +63,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
 from areal_jax.kernels import choice, cpu_matmul
+from areal_jax.models import decode_scan
 from areal_jax.models import lora as lora_lib
-from areal_jax.models.transformer import ModelConfig, Transformer, init_cache
-from areal_jax.sampler import sampling
+from areal_jax.models.transformer import ModelConfig, Transformer
+from areal_jax.sampler import sampling, slot_cache
 
 State = dict[str, Any]
 _COMPILED: dict[tuple, dict[str, Any]] = {}
@@ -88,6 +94,7 @@ class EngineConfig:
   cache_dtype: str | None = None  # default: the model's compute dtype
   decode_attention: str = "auto"  # kernels.choice.ATTENTION, or "auto" (per platform)
   decode_matmul: str = "auto"  # kernels.choice.MATMUL, or "auto"
+  decode_layers: str = "auto"  # kernels.choice.LAYERS ("scan" | "unrolled"), or "auto"
 
   def __post_init__(self):
     if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 0 or \
@@ -106,6 +113,10 @@ class DecodeEngine:
     platform = choice.platform_of(self.mesh)
     self.attention_impl = choice.attention(platform, config.decode_attention)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
+    self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers)
+    # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
+    self._scan = decode_scan.graphs(self.model_cfg) if self.layers_impl == "scan" else None
+    self._stacked = self._scan is not None  # the cache's layout (``slot_cache``)
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
     self.graphdef, state = nnx.split(model)
@@ -116,9 +127,16 @@ class DecodeEngine:
     # once per weight version in ``put_params`` (norm scales and biases stay float32; the model
     # casts what it reads to the compute dtype anyway, so the results are the same).
     dtype = jnp.dtype(self.model_cfg.compute_dtype)
-    self._cast = None if dtype == jnp.float32 else jax.jit(
-        lambda params: jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params),
-        out_shardings=self.param_shardings)
+    cast = lambda params: params if dtype == jnp.float32 else jax.tree.map(
+        lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+    # ``param_shardings``: the per-layer dict callers pass to ``put_params``; ``held_shardings``:
+    # what the engine holds and its calls take (the layers stacked in scan mode)
+    self.held_shardings = self.param_shardings
+    if self._scan is not None:
+      self.held_shardings = decode_scan.stacked_shardings(self.param_shardings)
+    stack = decode_scan.stack_layers if self._scan is not None else lambda params: params
+    self._cast = None if dtype == jnp.float32 and self._scan is None else jax.jit(
+        lambda params: stack(cast(params)), out_shardings=self.held_shardings)
     # On one CPU device the matmul weights are packed for the CPU kernel (``cpu_matmul``), once
     # per weight version in ``put_params``.
     self._pack = None
@@ -130,6 +148,7 @@ class DecodeEngine:
           self.param_shardings, which)
       self._pack = jax.jit(lambda params: cpu_matmul.pack_params(params, which),
                            out_shardings=self.param_shardings)
+      self.held_shardings = self.param_shardings
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     dense = self.attention_impl in ("dense", "pallas_gpu")  # reads up to the bound, not per slot
     self.kv_buckets = _buckets(config.kv_buckets or (None if dense else (config.max_len,)),
@@ -140,7 +159,8 @@ class DecodeEngine:
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
     # choice of decode attention and of weight layout).
     self._fns = fns = _COMPILED.setdefault(
-        (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl), {})
+        (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl,
+         self.layers_impl), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
@@ -186,11 +206,9 @@ class DecodeEngine:
 
   def _state_shardings(self):
     cfg, c = self.model_cfg, self.config
-    kv_shape = (c.num_slots, c.max_len, cfg.n_kv_heads, cfg.head_dim)
-    kv = self._named(("cache_batch", None, "cache_heads", None), kv_shape)
     vec = self._slot_sharding()
     return {
-        "cache": [{"k": kv, "v": kv} for _ in range(cfg.n_layers)],
+        "cache": slot_cache.shardings(self._named, cfg, c.num_slots, c.max_len, self._stacked),
         "tokens": vec, "pos": vec, "end": vec, "active": vec,
         "temperature": vec, "top_k": vec, "top_p": vec, "greedy": vec,
         "key": self._slot_sharding(2), "stop_ids": self._slot_sharding(c.max_stop_ids),
@@ -199,22 +217,23 @@ class DecodeEngine:
   def put_params(self, params: dict) -> dict:
     """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there), in the
     compute dtype (the matmul weights and the embedding; the caller's arrays are left as they are),
-    packing the matmul weights when the engine does (``cpu_matmul``). With ``lora``, ``params`` may
-    be LoRA adapters instead: they are merged into the base weights first."""
+    packing the matmul weights when the engine does (``cpu_matmul``) or stacking the layers' weights
+    when it runs them in a scan (``decode_scan.stack_layers``). With ``lora``, ``params`` may be
+    LoRA adapters instead: they are merged into the base weights first."""
     if self._merge is not None and lora_lib.is_adapters(params):
       params = self._merge(self._lora_base, params)
-    if self._pack is None:
+    if self._pack is None:  # cast (and, with the layers in a scan, stacked) once per version
       placed = jax.device_put(params, self.param_shardings)
       return placed if self._cast is None else self._cast(placed)
     return self._pack(jax.device_put(params, self._unpacked_shardings))
 
   def init_state(self) -> State:
     cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype
-    s = c.num_slots
+    s, stacked = c.num_slots, self._stacked
 
     def make():
       return {
-          "cache": init_cache(cfg, s, c.max_len, cache_dtype),
+          "cache": slot_cache.make(cfg, s, c.max_len, cache_dtype, stacked),
           "tokens": jnp.zeros((s,), jnp.int32), "pos": jnp.zeros((s,), jnp.int32),
           "end": jnp.zeros((s,), jnp.int32), "active": jnp.zeros((s,), jnp.bool_),
           "temperature": jnp.ones((s,), jnp.float32), "top_k": jnp.zeros((s,), jnp.int32),
@@ -237,7 +256,8 @@ class DecodeEngine:
     return self.prefill_buckets[i]
 
   def prefill(self, params: dict, tokens: list[int] | np.ndarray):
-    """KV prefix of ``tokens`` (list per layer of {"k","v"} ``[1, bucket, Hkv, D]``), or None if empty."""
+    """KV prefix of ``tokens`` (list per layer of {"k","v"} ``[1, bucket, Hkv, D]``; in scan mode one
+    {"k","v"} of ``[n_layers, 1, bucket, Hkv, D]``), or None if empty."""
     return self.prefill_batch(params, [tokens])[0]
 
   def prefill_batch(self, params: dict, token_lists: list) -> list:
@@ -269,19 +289,21 @@ class DecodeEngine:
 
   def _make_prefill(self, bucket: int, n: int):
     cfg, mesh, graphdef, cache_dtype = self.model_cfg, self.mesh, self.graphdef, self._cache_dtype
-    prefix = self._named((None, None, "cache_heads", None), (1, bucket, cfg.n_kv_heads, cfg.head_dim))
+    graph, stacked = self._scan, self._stacked
 
     def fn(params, tokens_NxL):
       with sharding.use(mesh):
-        model = nnx.merge(graphdef, params)
-        cache = init_cache(cfg, n, bucket, cache_dtype)
-        _, cache = model.extend(tokens_NxL, jnp.zeros((n,), jnp.int32), cache, kv_len=bucket)
+        cache = slot_cache.make(cfg, n, bucket, cache_dtype, stacked)
+        start = jnp.zeros((n,), jnp.int32)
+        if stacked:  # the layers in a scan over the stacked weights
+          _, cache = decode_scan.extend(graph, params, tokens_NxL, start, cache, kv_len=bucket)
+        else:
+          _, cache = nnx.merge(graphdef, params).extend(tokens_NxL, start, cache, kv_len=bucket)
       # one prefix per prompt, as separate buffers
-      return [[{name: layer[name][i:i + 1] for name in ("k", "v")} for layer in cache]
-              for i in range(n)]
+      return [slot_cache.row(cache, i, stacked) for i in range(n)]
 
-    layer_sh = [{"k": prefix, "v": prefix} for _ in range(cfg.n_layers)]
-    return jax.jit(fn, in_shardings=(self.param_shardings, None), out_shardings=[layer_sh] * n)
+    prefix = slot_cache.shardings(self._named, cfg, 1, bucket, stacked, prefix=True)
+    return jax.jit(fn, in_shardings=(self.held_shardings, None), out_shardings=[prefix] * n)
 
   # ---- insert ----------------------------------------------------------------------------------
 
@@ -312,7 +334,7 @@ class DecodeEngine:
     stops = np.full((n, m), -1, np.int32)
     stops[:, :len(stop_ids)] = stop_ids
     vals["stop_ids"] = stops
-    bucket = 0 if prefix is None else prefix[0]["k"].shape[1]
+    bucket = 0 if prefix is None else slot_cache.prefix_len(prefix, self._stacked)
     if (bucket, n) not in self._insert_fns:
       self._insert_fns[(bucket, n)] = self._make_insert(bucket)
     return self._insert_fns[(bucket, n)](state, prefix, slots_N, vals)
@@ -323,15 +345,12 @@ class DecodeEngine:
     return min(1 << max(k - 1, 0).bit_length(), self.config.num_slots)
 
   def _make_insert(self, bucket: int):
+    stacked = self._stacked
 
     def fn(state, prefix, slots_N, vals):
       state = dict(state)
       if prefix is not None:
-        state["cache"] = [
-            {name: layer[name].at[slots_N, :bucket].set(
-                jnp.broadcast_to(pre[name], (slots_N.shape[0],) + pre[name].shape[1:]),
-                mode="drop") for name in ("k", "v")}
-            for layer, pre in zip(state["cache"], prefix)]
+        state["cache"] = slot_cache.write_prefix(state["cache"], prefix, slots_N, bucket, stacked)
       for name, value in vals.items():
         state[name] = state[name].at[slots_N].set(value, mode="drop")
       state["active"] = state["active"].at[slots_N].set(True, mode="drop")
@@ -366,12 +385,12 @@ class DecodeEngine:
 
   def _make_generate(self, kv_len: int, width: int):
     steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
-    impl = self.attention_impl
+    impl, scan = self.attention_impl, self._scan
     out = self._named((None, "cache_batch"), (steps, width))
 
-    def one_step(model, state):
-      logits_Sx1xV, cache = model.extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len,
-                                         attention_impl=impl)
+    def one_step(extend, state):
+      logits_Sx1xV, cache = extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len,
+                                   attention_impl=impl)
       token_S, logprob_S = sampling.sample(
           logits_Sx1xV[:, 0], state["key"], state["pos"], state["temperature"], state["top_k"],
           state["top_p"], state["greedy"])
@@ -386,18 +405,22 @@ class DecodeEngine:
 
     def fn(params, full):
       with sharding.use(mesh):
-        model = nnx.merge(graphdef, params)
+        if scan is None:
+          extend = nnx.merge(graphdef, params).extend
+        else:  # the layers in a scan over the stacked weights and cache
+          extend = functools.partial(decode_scan.extend, scan, params)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
         state = {k: v if k == "cache" else v[:width] for k, v in full.items()}
         if steps == 1:
-          state, (t, lp, v) = one_step(model, state)
+          state, (t, lp, v) = one_step(extend, state)
           outputs = (t[None], lp[None], v[None])
         else:
-          state, outputs = jax.lax.scan(lambda st, _: one_step(model, st), state, None, length=steps)
+          state, outputs = jax.lax.scan(lambda st, _: one_step(extend, st), state, None,
+                                        length=steps)
         full = {k: v if k == "cache" else full[k].at[:width].set(v) for k, v in state.items()}
         return full, outputs
 
-    return jax.jit(fn, in_shardings=(self.param_shardings, self.state_shardings),
+    return jax.jit(fn, in_shardings=(self.held_shardings, self.state_shardings),
                    out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1)
 
   # ---- move ------------------------------------------------------------------------------------
@@ -416,13 +439,14 @@ class DecodeEngine:
     return self._move_fns[n](state, src_N, dst_N)
 
   def _make_move(self):
+    stacked = self._stacked
 
     def fn(state, src_N, dst_N):
       def moved(x):
         return x.at[dst_N].set(x.at[src_N].get(mode="fill", fill_value=0), mode="drop")
 
-      state = {k: [{n: moved(a) for n, a in layer.items()} for layer in v] if k == "cache"
-               else moved(v) for k, v in state.items()}
+      state = {k: slot_cache.move(v, src_N, dst_N, stacked) if k == "cache" else moved(v)
+               for k, v in state.items()}
       state["active"] = state["active"].at[src_N].set(False, mode="drop")
       return state
 

@@ -44,3 +44,20 @@ def test_bad_choices_name_the_setting(monkeypatch):
     assert choice.matmul(mesh8, "float32") == "xla"
   with pytest.raises(ValueError, match="decode_matmul='mkl'"):
     choice.matmul(sharding.make_mesh({}, jax.devices()[:1]), "float32", "mkl")
+
+
+def test_decode_layers_per_platform_config_and_environment(monkeypatch):
+  monkeypatch.delenv(choice.LAYERS_ENV, raising=False)
+  assert choice.layers("cpu", "xla") == choice.layers("cpu", "cpu_packed") == "unrolled"
+  assert choice.layers("gpu", "xla") == choice.layers("tpu", "xla") == "scan"
+  assert choice.layers("cpu", "xla", "scan") == "scan"
+  monkeypatch.setenv(choice.LAYERS_ENV, "scan")
+  assert choice.layers("cpu", "xla") == "scan"
+  assert choice.layers("gpu", "xla", "unrolled") == "unrolled"
+  with pytest.raises(ValueError, match="needs XLA matmuls"):
+    choice.layers("cpu", "cpu_packed")
+  monkeypatch.setenv(choice.LAYERS_ENV, "loop")
+  with pytest.raises(ValueError, match=r"\$AREAL_JAX_DECODE_LAYERS='loop'"):
+    choice.layers("gpu", "xla")
+  with pytest.raises(ValueError, match="decode_layers='loop'"):
+    choice.layers("gpu", "xla", "loop")

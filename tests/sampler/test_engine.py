@@ -131,10 +131,12 @@ def test_batched_prefill_equals_one_prompt_at_a_time(model):
                                    atol=1e-5)
 
 
-def test_moved_sequences_continue_exactly_at_a_narrower_width(model):
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_moved_sequences_continue_exactly_at_a_narrower_width(model, layers):
   """Sequences moved down mid-decode and advanced at a smaller width draw the same tokens with the
   same logprobs as if they had stayed; a live slot beyond the width is left untouched."""
-  eng = DecodeEngine(model, EngineConfig(num_slots=8, max_len=64))
+  eng = DecodeEngine(model, EngineConfig(num_slots=8, max_len=64, decode_layers=layers,
+                                         decode_matmul="xla" if layers == "scan" else "auto"))
   assert eng.width_buckets == (1, 2, 4, 8)
   prompt, n, steps = [4, 8, 15, 16, 23], 3, 20
   ref_toks, ref_lps = _decode(eng, prompt, n, steps, slots=[5, 6, 7], temperature=0.8, seed=3)
@@ -248,8 +250,49 @@ def test_weights_are_held_in_the_compute_dtype():
   for a, b in zip(outs[:3], outs[3:]):
     for x, y in zip(a, b):
       np.testing.assert_array_equal(x, y)
-def test_lora_adapters_are_merged_once_per_version():
-  """``put_params(adapters)`` decodes exactly like the merged model (a Qwen3-shaped one here)."""
+
+
+@pytest.mark.parametrize("impl,steps", [("dense", 1), ("dense", 3), ("dense", 16), ("xla", 4),
+                                        ("pallas_gpu", 16)])
+def test_layers_in_a_scan_match_the_reference(model, impl, steps):
+  """The layers in a scan (stacked weights and cache, forced on CPU): the naive greedy tokens and
+  the full forward's logprobs, over several steps per call."""
+  eng = DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8, 32),
+                                         steps_per_call=steps, decode_attention=impl,
+                                         decode_matmul="xla", decode_layers="scan"))
+  assert eng.layers_impl == "scan" and eng.attention_impl == impl
+  n_layers = model.cfg.n_layers
+  assert eng.params["layers"]["mlp"]["up"].shape == (n_layers,) + model.layers[0].mlp.up.shape
+  assert eng.init_state()["cache"]["k"].shape == (n_layers, 4, 64, 2, 16)
+  prompt = [5, 7, 9, 11, 3, 1, 2]
+  toks, _ = _decode(eng, prompt, 2, 20, slots=[1, 3], greedy=True)
+  assert toks[0] == toks[1] == _naive_greedy(model, prompt, 20)
+  toks, lps = _decode(eng, prompt, 3, 20, temperature=0.7, seed=3)
+  for t, lp in zip(toks, lps):
+    seq = jnp.asarray([prompt + t])
+    logp = jax.nn.log_softmax(model(seq)[0] / 0.7, axis=-1)
+    ref = logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(t)]
+    np.testing.assert_allclose(lp, ref, atol=1e-4)
+
+
+def test_layers_in_a_scan_on_a_four_device_mesh(model):
+  """Stacked cache with slots over the data axis (axis 1), stacked weights placed per layer's
+  sharding; greedy decoding still equals the naive loop."""
+  mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:8])
+  eng = DecodeEngine(model, EngineConfig(num_slots=8, max_len=64, steps_per_call=2,
+                                         decode_attention="dense", decode_matmul="xla",
+                                         decode_layers="scan"), mesh)
+  cache = eng.init_state()["cache"]["k"]
+  assert cache.sharding.spec[1] == "data" and len(cache.sharding.device_set) == 4
+  prompt = [9, 8, 7, 6]
+  toks, _ = _decode(eng, prompt, 3, 12, slots=[0, 3, 6], greedy=True)
+  assert toks == [_naive_greedy(model, prompt, 12)] * 3
+
+
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_lora_adapters_are_merged_once_per_version(layers):
+  """``put_params(adapters)`` decodes exactly like the merged model (a Qwen3-shaped one here), also
+  with the layers in a scan (merged, then stacked)."""
   from flax import nnx
 
   from areal_jax.models import ModelConfig, Transformer, lora
@@ -259,7 +302,8 @@ def test_lora_adapters_are_merged_once_per_version():
   base = nnx.to_pure_dict(nnx.state(qwen3, nnx.Param))
   ad = lora.init_adapters(base, lcfg, jax.random.key(0))
   ad = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), ad)
-  cfg = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,))
+  cfg = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,), decode_layers=layers,
+                     decode_matmul="xla" if layers == "scan" else "auto")
   eng = DecodeEngine(qwen3, cfg, lora=lcfg)
   eng.params = eng.put_params(ad)
   merged = lora.merged_model(qwen3, ad, lcfg)

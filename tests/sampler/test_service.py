@@ -104,9 +104,9 @@ def test_stop_tokens_eos_and_cache_full(model):
   assert eos.finish_reason == "eos" and eos.tokens == stopped.tokens
 
 
-def _swap_run(model, new_model, continuation, steps_per_call):
+def _swap_run(model, new_model, continuation, steps_per_call, **kw):
   eng = _engine(model, num_slots=4, continuation=continuation, eos_token_ids=(),
-                steps_per_call=steps_per_call)
+                steps_per_call=steps_per_call, **kw)
   new_params = nnx.to_pure_dict(nnx.state(new_model, nnx.Param))
   eng.start()
   try:
@@ -128,14 +128,19 @@ def _swap_run(model, new_model, continuation, steps_per_call):
   return samples
 
 
-@pytest.mark.parametrize("continuation,steps_per_call",
-                         [("reprefill", 1), ("keep_cache", 1), ("reprefill", 4), ("keep_cache", 4)])
-def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call):
+@pytest.mark.parametrize("continuation,steps_per_call,layers",
+                         [("reprefill", 1, "unrolled"), ("keep_cache", 1, "unrolled"),
+                          ("reprefill", 4, "unrolled"), ("keep_cache", 4, "unrolled"),
+                          ("reprefill", 4, "scan"), ("keep_cache", 3, "scan")])
+def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call, layers):
   """Exact continuation across a swap, also with several decode steps per call (the swap lands
-  between two calls: every token of a call comes from one version)."""
+  between two calls: every token of a call comes from one version) and with the layers in a scan
+  (the new version's weights stacked in put_params, the stacked cache kept or re-prefilled)."""
   new_model = other_model
   prompt, temperature = [3, 1, 4, 1, 5], 0.8
-  for s in _swap_run(model, new_model, continuation, steps_per_call):
+  kw = {"decode_layers": "scan", "decode_attention": "dense", "decode_matmul": "xla"} \
+      if layers == "scan" else {}
+  for s in _swap_run(model, new_model, continuation, steps_per_call, **kw):
     assert len(s.tokens) == 40
     j = s.versions.index(1)  # first token drawn by the new weights
     assert 0 < j < 40 and s.versions == [0] * j + [1] * (40 - j)

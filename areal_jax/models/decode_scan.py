@@ -1,0 +1,111 @@
+"""``Transformer.extend`` with the layers in one ``lax.scan``: compile time flat in depth.
+
+The model's parameters stay an ``nnx.List`` of ``Block``s; this module works on a *stacked view* of
+them (``stack_layers``: every per-layer leaf stacked to ``[n_layers, ...]``, built once per weight
+version by the caller) and a stacked KV cache (``init_cache``: ``{"k", "v"}`` each
+``[n_layers, rows, max_len, kv_heads, head_dim]``). ``extend`` traces one ``Block`` and scans it
+over the layers, so the traced and compiled program has one layer body whatever the depth (the
+unrolled ``Transformer.extend`` has one per layer). The cache rides in the scan's carry and each
+layer scatters its new keys and values into it in place (the compiled decode call holds no copy
+of the whole stacked cache); a layer then reads its rows up to the read bound.
+
+Same results as ``Transformer.extend`` (same ops per layer); knows nothing of sampling or training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax import sharding
+from areal_jax.models.transformer import (Block, ModelConfig, Transformer, attention,
+                                          decode_attention, rope_tables)
+
+StackedCache = dict[str, jax.Array]  # {"k", "v"}: [n_layers, rows, T, Hkv, D]
+_CACHE_AXES = (None, "cache_batch", None, "cache_heads", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Graphs:
+  """Static structure for ``extend``: the model without its layers (embedding, final norm, head)
+  and one layer."""
+
+  shell: Any
+  block: Any
+
+
+def graphs(cfg: ModelConfig) -> Graphs:
+  """Graph definitions of ``cfg``'s model without layers and of one ``Block`` (no weights made)."""
+  shell = nnx.eval_shape(lambda: Transformer(dataclasses.replace(cfg, n_layers=0), nnx.Rngs(0)))
+  block = nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0)))
+  return Graphs(nnx.graphdef(shell), nnx.graphdef(block))
+
+
+def stack_layers(params: dict) -> dict:
+  """A pure parameter dict with ``params["layers"]`` (one dict per layer) replaced by one dict of
+  ``[n_layers, ...]`` arrays."""
+  layers = params["layers"]
+  per_layer = [layers[i] for i in sorted(layers)] if isinstance(layers, dict) else list(layers)
+  return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)}
+
+
+def stacked_shardings(shardings: dict) -> dict:
+  """``stack_layers``' shardings from the per-layer ones: layer 0's, unsplit over the new axis."""
+  layers = shardings["layers"]
+  first = layers[min(layers)] if isinstance(layers, dict) else layers[0]
+  return {**shardings, "layers": jax.tree.map(
+      lambda sh: jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(None, *sh.spec)),
+      first)}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> StackedCache:
+  """An empty stacked KV cache of ``batch`` rows and ``max_len`` positions."""
+  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  dtype = dtype or cfg.compute_dtype
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache,
+           kv_len: int | None = None, attention_impl: str | None = None):
+  """``Transformer.extend`` over stacked parameters (``stack_layers``) and a stacked cache: appends
+  L tokens per row at ``start_B``; returns ``(logits_BxLxV, cache)``. The cache may have more rows
+  than the tokens (rows from B on are left as they are)."""
+  b, l = tokens_BxL.shape
+  t = cache["k"].shape[2] if kv_len is None else kv_len
+  model = nnx.merge(graph.shell, {k: v for k, v in params.items() if k != "layers"})
+  cfg = model.cfg  # n_layers is 0 there: the depth is the cache's
+  positions_BxL = start_B[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
+  mask_BxLxT = jnp.arange(t)[None, None, :] <= positions_BxL[:, :, None]
+  rope_BxLxF = rope_tables(positions_BxL, cfg.head_dim, cfg.rope_theta)
+  rows_Bx1 = jnp.arange(b)[:, None]
+
+  def layer(carry, xs):
+    x, k_all, v_all = carry
+    i, weights = xs
+    block = nnx.merge(graph.block, weights)
+    written = {}
+
+    def attend(q, k, v):
+      for name, full, new in (("k", k_all, k), ("v", v_all, v)):
+        full = full.at[i, rows_Bx1, positions_BxL].set(new.astype(full.dtype))
+        written[name] = sharding.constrain(full, _CACHE_AXES)
+      # this layer's cache, rows [0, b) and positions [0, t): what either attention reads
+      k_BxTxKxD, v_BxTxKxD = (
+          jax.lax.dynamic_slice(written[n], (i, 0, 0, 0, 0), (1, b, t) + k.shape[2:])[0]
+          for n in ("k", "v"))
+      if l == 1:
+        return decode_attention(q, k_BxTxKxD, v_BxTxKxD, start_B, t, impl=attention_impl)
+      return attention(q, k_BxTxKxD, v_BxTxKxD, mask_BxLxT)
+
+    x = block(x, rope_BxLxF, attend)
+    return (x, written["k"], written["v"]), None
+
+  x = model._embed(tokens_BxL)  # the model's own embedding and head
+  layer_ids = jnp.arange(cache["k"].shape[0])
+  (x, k_all, v_all), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
+                                      (layer_ids, params["layers"]))
+  return model._logits(x), {"k": k_all, "v": v_all}

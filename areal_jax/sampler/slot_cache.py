@@ -1,0 +1,77 @@
+"""The sampler's KV cache over decode slots, in the two layouts the engine runs:
+
+  * per layer (``stacked=False``: the layers unrolled, ``Transformer.extend``): a list of
+    ``{"k", "v"}`` of ``[slots, max_len, kv_heads, head_dim]``; a prefix is such a list of
+    ``[1, bucket, kv_heads, head_dim]``;
+  * stacked (``stacked=True``: the layers in a scan, ``models/decode_scan``): one ``{"k", "v"}`` of
+    ``[n_layers, slots, max_len, kv_heads, head_dim]``; a prefix ``[n_layers, 1, bucket, ...]``.
+
+Slots are sharded over the mesh's data axis and heads over its tensor axis. Pure functions for the
+engine's jitted calls; a slot index equal to the slot count is dropped (padding rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from areal_jax.models import decode_scan
+from areal_jax.models.transformer import ModelConfig, init_cache
+
+_AXES = ("cache_batch", None, "cache_heads", None)
+
+
+def make(cfg: ModelConfig, slots: int, max_len: int, dtype: Any, stacked: bool):
+  """An empty cache of ``slots`` rows."""
+  return (decode_scan.init_cache if stacked else init_cache)(cfg, slots, max_len, dtype)
+
+
+def shardings(named: Callable, cfg: ModelConfig, slots: int, max_len: int, stacked: bool,
+              prefix: bool = False):
+  """The cache's shardings (a prefix's with ``prefix``: one row, not split over slots);
+  ``named(logical_axes, shape) -> NamedSharding``."""
+  shape = (slots, max_len, cfg.n_kv_heads, cfg.head_dim)
+  axes = (None,) + _AXES[1:] if prefix else _AXES
+  if stacked:
+    kv = named((None,) + axes, (cfg.n_layers,) + shape)
+    return {"k": kv, "v": kv}
+  kv = named(axes, shape)
+  return [{"k": kv, "v": kv} for _ in range(cfg.n_layers)]
+
+
+def row(cache, i: int, stacked: bool):
+  """Row ``i`` of a cache as a prefix (one row, its own buffers)."""
+  if stacked:
+    return {name: x[:, i:i + 1] for name, x in cache.items()}
+  return [{name: layer[name][i:i + 1] for name in ("k", "v")} for layer in cache]
+
+
+def prefix_len(prefix, stacked: bool) -> int:
+  """Positions a prefix holds (its prefill bucket)."""
+  return prefix["k"].shape[2] if stacked else prefix[0]["k"].shape[1]
+
+
+def write_prefix(cache, prefix, slots_N, bucket: int, stacked: bool):
+  """``cache`` with ``prefix`` copied into positions ``[0, bucket)`` of each slot in ``slots_N``."""
+  n = slots_N.shape[0]
+  if stacked:
+    return {name: cache[name].at[:, slots_N, :bucket].set(
+        jnp.broadcast_to(pre, (pre.shape[0], n) + pre.shape[2:]), mode="drop")
+            for name, pre in prefix.items()}
+  return [{name: layer[name].at[slots_N, :bucket].set(
+      jnp.broadcast_to(pre[name], (n,) + pre[name].shape[1:]), mode="drop") for name in ("k", "v")}
+          for layer, pre in zip(cache, prefix)]
+
+
+def move(cache, src_N, dst_N, stacked: bool):
+  """``cache`` with slots ``src_N`` copied to slots ``dst_N`` (rows whole)."""
+
+  def moved(x, axis):
+    at = (slice(None),) * axis
+    got = x.at[at + (src_N,)].get(mode="fill", fill_value=0)
+    return x.at[at + (dst_N,)].set(got, mode="drop")
+
+  if stacked:
+    return {name: moved(x, 1) for name, x in cache.items()}
+  return [{name: moved(x, 0) for name, x in layer.items()} for layer in cache]
