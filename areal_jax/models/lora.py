@@ -122,8 +122,7 @@ def merge(params: Mapping, adapters: Mapping, lcfg: LoraConfig) -> dict:
 def frozen_base(params: Mapping, dtype) -> dict:
   """The frozen base weights stored in ``dtype`` (the compute dtype): every parameter with two or
   more dimensions; norm scales stay float32."""
-  dtype = jnp.dtype(dtype)
-  return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+  return transformer.cast_weights(params, dtype)
 
 
 @jax.tree_util.register_dataclass

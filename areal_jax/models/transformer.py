@@ -387,6 +387,13 @@ def _write_rows(cache_BxTxKxD, new_BxLxKxD, start_B):
   return jax.vmap(write)(cache_BxTxKxD, new_BxLxKxD, start_B)
 
 
+def cast_weights(params, dtype):
+  """A pure parameter dict with its matmul weights and embedding (every leaf of two or more
+  dimensions) in ``dtype`` (the compute dtype); norm scales and biases stay as they are."""
+  dtype = jnp.dtype(dtype)
+  return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
   """An empty KV cache of ``batch`` rows and ``max_len`` positions."""
   shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)

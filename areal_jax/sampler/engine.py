@@ -65,7 +65,7 @@ from areal_jax import sharding
 from areal_jax.kernels import choice, cpu_matmul
 from areal_jax.models import decode_scan
 from areal_jax.models import lora as lora_lib
-from areal_jax.models.transformer import ModelConfig, Transformer
+from areal_jax.models.transformer import ModelConfig, Transformer, cast_weights
 from areal_jax.sampler import sampling, slot_cache
 
 State = dict[str, Any]
@@ -116,7 +116,6 @@ class DecodeEngine:
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers)
     # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
     self._scan = decode_scan.graphs(self.model_cfg) if self.layers_impl == "scan" else None
-    self._stacked = self._scan is not None  # the cache's layout (``slot_cache``)
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
     self.graphdef, state = nnx.split(model)
@@ -127,8 +126,7 @@ class DecodeEngine:
     # once per weight version in ``put_params`` (norm scales and biases stay float32; the model
     # casts what it reads to the compute dtype anyway, so the results are the same).
     dtype = jnp.dtype(self.model_cfg.compute_dtype)
-    cast = lambda params: params if dtype == jnp.float32 else jax.tree.map(
-        lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+    cast = lambda params: params if dtype == jnp.float32 else cast_weights(params, dtype)
     # ``param_shardings``: the per-layer dict callers pass to ``put_params``; ``held_shardings``:
     # what the engine holds and its calls take (the layers stacked in scan mode)
     self.held_shardings = self.param_shardings
@@ -181,6 +179,11 @@ class DecodeEngine:
       self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
                             out_shardings=shardings)
     self.params = self.put_params(nnx.to_pure_dict(param_state))
+
+  @property
+  def _stacked(self) -> bool:
+    """Whether the layers run in a scan: the weights and the cache are held stacked."""
+    return self._scan is not None
 
   def _width_buckets(self) -> tuple[int, ...]:
     s, requested = self.config.num_slots, self.config.width_buckets
