@@ -5,7 +5,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from areal_jax.models.tokenizer import TemplateError, Tokenizer, byte_tokenizer
+from areal_jax.models.tokenizer import BYTE_SPECIALS, TemplateError, Tokenizer, byte_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "4"}, {"role": "user", "content": "Thanks"}]
@@ -32,7 +32,8 @@ def test_byte_tokenizer_ids_are_bytes_then_specials(tok):
 def test_byte_tokenizer_round_trips_any_text(text):
   tok = byte_tokenizer()
   ids = tok.encode(text)
-  assert len(ids) == len(text.encode("utf-8"))
+  if not any(s in text for s in BYTE_SPECIALS):  # Hypothesis also draws the source's literals
+    assert len(ids) == len(text.encode("utf-8"))
   assert tok.decode(ids, skip_special_tokens=False) == text
 
 
