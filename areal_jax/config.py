@@ -77,6 +77,12 @@ def base_config() -> ConfigDict:
   c.rollout.filter_uniform_groups = True  # drop groups whose rewards are all equal
   c.rollout.reward_timeout_s = 5.0
   c.rollout.reward_workers = 2
+  c.rollout.workers = 1  # runtime.mode="ray": rollout worker processes (Ray actors)
+  # The episode each prompt group runs (areal_jax/workflows/): "single_turn" (GRPO as before) |
+  # "multi_turn" (feedback "wrong, try again" up to rollout.max_turns) | "tool" (a calculator tool).
+  c.rollout.workflow = "single_turn"
+  c.rollout.max_turns = 1
+  c.rollout.turn_discount = 1.0  # reward x discount^(turns - 1)
   c.rollout.vllm = ConfigDict()  # rollout.backend="vllm" only (see areal_jax/vllm_rollout/factory.py)
   c.rollout.vllm.mode = "inprocess"  # "inprocess" | "server" (OpenAI-compatible, on 127.0.0.1)
   c.rollout.vllm.server_url = ""  # attach to a running server instead of starting one
@@ -142,6 +148,20 @@ def base_config() -> ConfigDict:
   c.weights.transfer = "device_put"  # "device_put" (one process) | "orbax"
   c.weights.path = ""  # "" = <workdir>/weights; any Orbax/etils path (e.g. gs://bucket/run)
   c.weights.keep = 2
+
+  # Processes (issue 20): "local" runs everything in this process; "ray" runs rollout.workers
+  # rollout worker actors and runtime.learner_processes learner processes on a Ray cluster.
+  c.runtime = ConfigDict()
+  c.runtime.mode = "local"  # "local" | "ray"
+  c.runtime.ray_address = ""  # "": start a local Ray cluster; "auto" or host:port: join one
+  c.runtime.learner_processes = 1  # >1: one learner process per host, joined by jax.distributed
+  c.runtime.max_learner_restarts = 3  # a dead learner process group restarts from its checkpoint
+
+  # Learning from serving (issue 21): python -m areal_jax.serve (see configs/serve_arithmetic.py).
+  c.serve = ConfigDict()
+  c.serve.host = "127.0.0.1"
+  c.serve.port = 8000
+  c.serve.max_staleness = 4  # judged turns older than this many versions are counted, not trained
   return c
 
 
@@ -183,6 +203,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "actor.dtype": (a.dtype, ("float32", "bfloat16")),
       "rollout.backend": (r.backend, ("jax", "vllm")),
       "rollout.continuation": (r.continuation, ("keep_cache", "reprefill")),
+      "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool")),
+      "runtime.mode": (config.runtime.mode, ("local", "ray")),
       "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
       "actor.behav_imp_weight_level": (a.behav_imp_weight_level, ("token", "sequence")),
       "actor.adv_norm": (a.adv_norm, ("group", "group_mean", "rloo", "none")),
