@@ -1,8 +1,9 @@
 """Builds the rollout engine named by ``rollout.backend`` on the sampler mesh.
 
 With LoRA (``actor.lora.rank > 0``) the learner publishes adapters only. The JAX sampler merges
-them into its own copy of the base weights once per version; the vLLM backend gets merged weights
-from ``MergingEngine`` (a host-side merge before each reload; vLLM's own LoRA path is not wired).
+them into its own copy of the base weights once per version; the in-process vLLM engine loads them
+with vLLM's own LoRA support (a PEFT directory per version); the vLLM server engine gets merged
+weights from ``MergingEngine`` (a host-side merge before each reload).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def build(config, model, tokenizer, sampler_mesh) -> RolloutEngine:
     from areal_jax.vllm_rollout.factory import build as build_vllm
 
     engine = build_vllm(config, model, tokenizer, sampler_mesh)
-    return engine if lora is None else MergingEngine(engine, model, lora)
+    native = getattr(engine, "lora", None) is not None  # vLLM applies the adapters itself
+    return engine if lora is None or native else MergingEngine(engine, model, lora)
   raise ValueError(f"rollout.backend={r.backend!r} is not one of ('jax', 'vllm')")
 
 

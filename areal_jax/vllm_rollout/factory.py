@@ -10,7 +10,9 @@ Settings, all optional, under ``rollout.vllm`` (defaults when the block or a key
 
 Shared with the JAX backend: ``rollout.num_slots`` (vLLM's ``max_num_seqs``),
 ``rollout.max_prompt_len + rollout.max_new_tokens`` (``max_model_len``), ``weights.keep``, ``seed``.
-vLLM runs on the host CPU with its own threads; the sampler mesh is not used.
+vLLM runs on the host CPU with its own threads; the sampler mesh is not used. With LoRA
+(``actor.lora.rank > 0``) the in-process engine loads the published adapters through vLLM's LoRA
+support; the server engine gets merged weights (``runtime/engines.py``'s ``MergingEngine``).
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def build(config, model, tokenizer, sampler_mesh=None):
       num_threads=int(_option(config, "num_threads", 0)) or None,
       keep_weights=max(2, int(config.weights.keep)), seed=int(config.seed))
   if mode == "inprocess":
+    from areal_jax.models import lora as lora_lib
     from areal_jax.vllm_rollout.inprocess import VllmInProcessEngine
-    return VllmInProcessEngine(model, tokenizer, **common)
+    lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
+    return VllmInProcessEngine(model, tokenizer, lora=lora, **common)
   from areal_jax.vllm_rollout.server import VllmServerEngine
   return VllmServerEngine(model, tokenizer, server_url=_option(config, "server_url", "") or None,
                           **common)

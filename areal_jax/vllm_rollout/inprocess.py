@@ -10,6 +10,12 @@ goes on meanwhile); then, between two steps, the loop aborts every unfinished re
 partial tokens and logprobs), runs ``reload_weights`` on the worker (see ``worker_ext.py``), resets
 the prefix cache (always: cached prompt blocks hold keys and values of the old weights) and
 resubmits each sequence as prompt + partial output with the remaining budget.
+
+LoRA (``lora`` given): vLLM runs with its own LoRA support. ``update_params`` with adapters (what a
+LoRA learner publishes) writes them as a PEFT adapter directory (a few MB instead of the whole
+model) and, between two steps, every request from then on (the interrupted ones resubmitted) runs
+with that adapter as a ``LoRARequest``; the base weights are never reloaded. Full weights still go
+through ``reload_weights`` (e.g. the first version of a run that starts from merged weights).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import threading
 import time
 from typing import Any
 
+from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import GroupRequest
 from areal_jax.vllm_rollout import env as env_lib
 from areal_jax.vllm_rollout.base import Group, Seq, VllmEngineBase
@@ -47,12 +54,15 @@ class VllmInProcessEngine(VllmEngineBase):
     seed: vLLM's engine seed. per_request_seeds: seed each request (see ``base.py``: off because
       of a vLLM CPU bug with chunked prefill).
     engine_kwargs: extra ``vllm.EngineArgs`` fields.
+    lora: the adapters' ``LoraConfig`` when the policy is published as LoRA adapters (vLLM's
+      ``enable_lora``; ``max_lora_rank`` is the smallest rank vLLM offers that holds ``lora.rank``).
   """
 
   def __init__(self, model, tokenizer, *, workdir: str | None = None, num_slots: int = 8,
                max_model_len: int = 512, kv_cache_gib: float = 1.0, keep_weights: int = 2,
                num_threads: int | None = None, seed: int = 0, version: int = 0,
-               per_request_seeds: bool = False, engine_kwargs: dict[str, Any] | None = None):
+               per_request_seeds: bool = False, engine_kwargs: dict[str, Any] | None = None,
+               lora: lora_lib.LoraConfig | None = None):
     env_lib.require_vllm()
     super().__init__(vocab_size=model.cfg.vocab_size,
                      eos_token_ids=tuple(getattr(tokenizer, "eos_token_ids", None)
@@ -64,7 +74,10 @@ class VllmInProcessEngine(VllmEngineBase):
     self._env = env_lib.vllm_env(os.path.join(self.workdir, "cache"), kv_cache_gib, num_threads)
     self._engine_kwargs = dict(seed=seed, **(engine_kwargs or {}))
     self.per_request_seeds = per_request_seeds
+    self.lora = lora
+    self._lora_request = None  # the adapter every new request runs with (None: the base weights)
     self._loaded = self.weights.write(model, version)
+    self._base = self._loaded  # the full weights vLLM runs (adapters, if any, on top)
     self.weights.mark_in_use(self._loaded)
     self._llm = None
     self._lock = threading.Condition()
@@ -85,6 +98,9 @@ class VllmInProcessEngine(VllmEngineBase):
     from vllm.v1.engine.llm_engine import LLMEngine
 
     t0 = time.time()
+    if self.lora is not None:
+      self._engine_kwargs.update(enable_lora=True, max_loras=1,
+                                 max_lora_rank=vllm_lora_rank(self.lora.rank))
     args = EngineArgs(
         model=self._loaded, dtype="float32", max_model_len=self.max_model_len,
         max_num_seqs=self.num_slots, enforce_eager=True, distributed_executor_backend="uni",
@@ -142,7 +158,10 @@ class VllmInProcessEngine(VllmEngineBase):
       self._lock.notify_all()
 
   def update_params(self, params: Any, version: int) -> None:
-    path = self.weights.write(params, version)
+    if self.lora is not None and lora_lib.is_adapters(params):
+      path = self.weights.write_adapters(params, self.lora, version)
+    else:
+      path = self.weights.write(params, version)
     with self._lock:
       previous = self._pending[0] if self._pending else None
       self._pending = (path, int(version))
@@ -197,7 +216,8 @@ class VllmInProcessEngine(VllmEngineBase):
     rid = seq.next_request_id()
     params = SamplingParams(**seq.attempt_fields(self.per_request_seeds), detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
-    self._llm.add_request(rid, {"prompt_token_ids": seq.prompt}, params)
+    self._llm.add_request(rid, {"prompt_token_ids": seq.prompt}, params,
+                          lora_request=self._lora_request)
     self._running[rid] = seq
 
   def _add_new(self) -> None:
@@ -263,10 +283,22 @@ class VllmInProcessEngine(VllmEngineBase):
     path, version = pending
     t0 = time.time()
     interrupted = self._abort_running()
-    self._llm.collective_rpc("load_policy_weights", kwargs={"weights_path": path})
+    if self.weights.is_adapter_dir(path):
+      self._use_adapter(path, version)
+    else:
+      self._use_adapter(None, version)
+      self._llm.collective_rpc("load_policy_weights", kwargs={"weights_path": path})
     if not self._llm.reset_prefix_cache():
       raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
-    self.weights.mark_in_use(path, previous=self._loaded if self._loaded != path else None)
+    # The base weights' directory stays while adapters run on it (it is what vLLM's model is).
+    released = {self._loaded, self._base} - {path}
+    if self.weights.is_adapter_dir(path):
+      released.discard(self._base)
+    else:
+      self._base = path
+    for old in released:
+      self.weights.mark_in_use(None, previous=old)
+    self.weights.mark_in_use(path)
     self._loaded, self._version = path, version
     for seq in interrupted:
       if seq.remaining > 0:
@@ -276,6 +308,17 @@ class VllmInProcessEngine(VllmEngineBase):
     self.stats["swaps"] += 1
     self.stats["resubmitted"] += len(interrupted)
     self.stats["swap_s"] += time.time() - t0
+
+  def _use_adapter(self, path: str | None, version: int) -> None:
+    """Makes new requests run with the adapter in ``path`` (None: the base weights alone)."""
+    from vllm.lora.request import LoRARequest
+
+    old, self._lora_request = self._lora_request, None
+    if path is not None:  # ids must be positive and unique per adapter: the version + 1
+      self._lora_request = LoRARequest(f"policy-v{version}", int(version) + 1, path)
+      self._llm.add_lora(self._lora_request)
+    if old is not None:
+      self._llm.remove_lora(old.lora_int_id)
 
   def _fail_all(self, message: str) -> None:
     try:
@@ -290,3 +333,14 @@ class VllmInProcessEngine(VllmEngineBase):
       while self._new:
         group, _ = self._new.popleft()
         self.emit_group(group, "error", message)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+  """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank``."""
+  for r in VLLM_LORA_RANKS:
+    if rank <= r:
+      return r
+  raise ValueError(f"actor.lora.rank={rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")

@@ -1,5 +1,7 @@
 """Policy weights for vLLM: versioned Hugging Face safetensors directories.
 
+``WeightDirs.write_adapters(adapters, lcfg, version)`` writes LoRA adapters as a PEFT directory
+``<root>/v<version>`` instead (``adapter_config.json`` marks it), for vLLM's LoRA support.
 ``WeightDirs.write(params, version)`` puts the parameters into the model's structure and writes
 ``<root>/v<version>`` with ``areal_jax.models.save_hf`` (atomic: a directory appears only once
 complete; sharded arrays are gathered from whatever mesh holds them). vLLM then reloads from that
@@ -16,6 +18,7 @@ from typing import Any
 
 from flax import nnx
 
+from areal_jax.models import lora as lora_lib
 from areal_jax.models import save_hf
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -60,6 +63,21 @@ class WeightDirs:
     path = save_hf(model, self.tokenizer, self.path(version))
     self.prune()
     return path
+
+  def write_adapters(self, adapters: Any, lcfg: lora_lib.LoraConfig, version: int) -> str:
+    """Writes LoRA ``adapters`` as the PEFT directory of ``version`` (atomic); returns its path."""
+    path = self.path(version)
+    tmp = f"{path}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    lora_lib.save_peft(adapters, lcfg, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    self.prune()
+    return path
+
+  @staticmethod
+  def is_adapter_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, lora_lib.ADAPTER_CONFIG))
 
   def mark_in_use(self, path: str | None, previous: str | None = None) -> None:
     """Protects ``path`` from pruning (and releases ``previous``): vLLM is using it."""
