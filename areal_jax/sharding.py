@@ -123,6 +123,16 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping | None = None):
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def global_rows(arrays: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict:
+  """Host arrays (the same on every process) as arguments for a jitted function sharded by
+  ``sharding``: unchanged when the mesh is this process's alone (jit places numpy itself); when it
+  spans several processes (``jax.distributed``), global arrays built from this process's slices."""
+  if sharding.is_fully_addressable:
+    return dict(arrays)
+  return {k: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx])
+          for k, x in arrays.items()}
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping | None = None) -> nnx.Module:
   """Places every parameter of ``model`` on ``mesh`` according to its logical axes (in place)."""
   graphdef, state = nnx.split(model)

@@ -347,7 +347,7 @@ class Learner:
       for rows in mbs:
         p = packing.pack(seqs, layout.row_len, rows=rows, num_rows=layout.micro_rows)
         real += p.real_tokens
-        b = p.arrays()
+        b = sharding.global_rows(p.arrays(), self.row_sharding)
         old, ref = (self._logp_fn(self.params(), b, *([self.ref_params] if opts.kl_coef else []),
                                   *self._frozen_args)
                     if need_forward else (None, None))
