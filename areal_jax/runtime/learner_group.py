@@ -139,7 +139,7 @@ class LearnerGroup:
           continue
         while not conn.poll(1.0):
           self._check_alive()
-        _, pid_index, _, _ = conn.recv()
+        _, pid_index, _ = conn.recv()
         conns[pid_index] = conn
     finally:
       listener.close()

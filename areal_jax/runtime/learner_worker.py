@@ -32,6 +32,7 @@ class _Worker:
     from areal_jax import models
     from areal_jax.learner import memory
     from areal_jax.runtime import checkpoint, distributed, weight_transfer
+    from jax.experimental import multihost_utils
 
     c_roll, c_act = config.rollout, config.actor
     mesh = distributed.learner_mesh(config.mesh)
@@ -40,6 +41,9 @@ class _Worker:
         model, c_act, mesh, temperature=c_roll.temperature, total_steps=config.train.total_steps,
         max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
     memory.fit(self.learner, config.mesh)
+    # every process must run the same program: a host with less memory must not plan alone
+    multihost_utils.assert_equal(c_act.micro_batch_tokens, "actor.micro_batch_tokens differs between "
+                                 "learner processes (their devices report different memory)")
     # The driver already moved old checkpoints aside when train.resume=False.
     self.ckpt = checkpoint.Checkpointer(workdir, config.train.keep_checkpoints, resume=True)
     path = config.weights.path or os.path.join(workdir, "weights")
@@ -79,12 +83,12 @@ class _Worker:
 
 
 def serve(conn, process_id: int, num_processes: int, coordinator: str) -> None:
+  conn.send(("hello", process_id, os.getpid()))  # before joining: the driver accepts the others
   from areal_jax.runtime import distributed  # noqa: PLC0415 (imports jax)
 
   distributed.initialize(coordinator, num_processes, process_id)
   import jax  # noqa: PLC0415
 
-  conn.send(("hello", process_id, os.getpid(), jax.local_device_count()))
   worker = None
   while True:
     try:
