@@ -151,6 +151,10 @@ class LearnerGroup:
         self._died(i, f"exited with status {p.returncode}")
 
   def _died(self, i: int, why: str):
+    try:  # a broken connection is usually a dead process: name its exit status
+      why = f"exited with status {self._procs[i].wait(timeout=2)}"
+    except subprocess.TimeoutExpired:
+      pass
     self.kill()
     log = os.path.join(self.workdir, "learner_logs", f"process_{i}.log")
     tail = ""
