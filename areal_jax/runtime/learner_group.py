@@ -10,11 +10,18 @@ processes through Orbax, with the driver's meta) and ``transfer(...)`` (each ver
 the group as an Orbax weights version, ``weights.transfer="orbax"``, and restored by the driver
 straight onto the sampler mesh: the driver never gathers the full weights).
 
-Processes: the driver listens on 127.0.0.1 (authenticated ``multiprocessing.connection``) and
-starts the workers (``learner_worker.py``) with ``subprocess``, each with ``mesh.learner_devices /
-learner_processes`` devices of its own (fake CPU devices on a CPU host, ``JAX_LOCAL_DEVICE_IDS``
-otherwise); their logs go to ``<workdir>/learner_logs/process_<i>.log`` and their pids to
-``<workdir>/learner_processes.json``.
+Processes: the driver listens (authenticated ``multiprocessing.connection``) for the workers
+(``learner_worker.py``). By default it listens on 127.0.0.1 and starts them itself with
+``subprocess``, each with ``mesh.learner_devices / learner_processes`` devices of its own (fake CPU
+devices on a CPU host, ``JAX_LOCAL_DEVICE_IDS`` otherwise); their logs go to
+``<workdir>/learner_logs/process_<i>.log`` and their pids to ``<workdir>/learner_processes.json``.
+With ``runtime.learner_address="host:port"`` (several hosts) it listens there and waits for the
+workers the cluster's launcher starts, one per host, with the same ``AREAL_JAX_LEARNER_AUTHKEY``:
+
+  python -m areal_jax.runtime.learner_worker --driver=<driver host:port> \
+      --coordinator=<host of process 0>:<free port> --process_id=<i> --num_processes=<N>
+
+(in a loop, so that a restarted driver finds them again: a worker exits when its driver goes).
 
 Faults: when a worker exits or its connection breaks during a call, the whole group is killed and
 :class:`LearnerProcessDied` is raised; the training process then exits with
@@ -66,6 +73,8 @@ def check_config(config) -> int:
     if config.mesh.learner_devices % n:
       errors.append(f"mesh.learner_devices={config.mesh.learner_devices} is not divisible by "
                     f"runtime.learner_processes={n}")
+    if config.runtime.learner_address:
+      _host_port(config.runtime.learner_address)
     if config.actor.lora.rank:
       errors.append(f"runtime.learner_processes={n} does not support actor.lora yet (set "
                     "actor.lora.rank=0 or runtime.learner_processes=1)")
@@ -100,15 +109,29 @@ class LearnerGroup:
 
   # ---- processes ---------------------------------------------------------------------------------
   def _start(self, config, timeout_s: float) -> None:
-    key = secrets.token_bytes(16)
-    listener = Listener(("127.0.0.1", 0), authkey=key)
+    logs = os.path.join(self.workdir, "learner_logs")
+    address = config.runtime.learner_address
+    if address:  # the processes are started on their hosts by someone else
+      key = os.environ.get(learner_worker.AUTHKEY_ENV, "")
+      if not key:
+        raise ValueError(f"runtime.learner_address={address!r} needs {learner_worker.AUTHKEY_ENV} "
+                         "(hex; the same for the driver and every learner process)")
+      host, port = _host_port(address)
+      listener = Listener((host, port), authkey=bytes.fromhex(key))
+      print(f"waiting for {self.n} learner processes to connect to {address}", flush=True)
+    else:
+      key = secrets.token_bytes(16).hex()
+      listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(key))
+      self._spawn(config, listener.address, key, logs)
+    self._accept(listener, timeout_s, logs)
+
+  def _spawn(self, config, address, key: str, logs: str) -> None:
     coordinator = f"127.0.0.1:{distributed.free_port()}"
     per = config.mesh.learner_devices // self.n
-    logs = os.path.join(self.workdir, "learner_logs")
     os.makedirs(logs, exist_ok=True)
-    host, port = listener.address
+    host, port = address
     for i in range(self.n):
-      env = dict(os.environ, **{learner_worker.AUTHKEY_ENV: key.hex()})
+      env = dict(os.environ, **{learner_worker.AUTHKEY_ENV: key})
       if jax.default_backend() == "cpu":
         env.update(distributed.local_device_count_env(per))
       else:
@@ -123,7 +146,9 @@ class LearnerGroup:
     with open(tmp, "w", encoding="utf-8") as f:
       json.dump(pids, f)
     os.replace(tmp, os.path.join(self.workdir, "learner_processes.json"))
-    # Accept the N connections (each says hello with its process id) while watching the processes.
+
+  def _accept(self, listener, timeout_s: float, logs: str) -> None:
+    """The N connections (each says hello with its process id first), watching the processes."""
     conns: dict[int, object] = {}
     listener._listener._socket.settimeout(1.0)  # pylint: disable=protected-access
     deadline = time.time() + timeout_s
@@ -140,6 +165,10 @@ class LearnerGroup:
         while not conn.poll(1.0):
           self._check_alive()
         _, pid_index, _ = conn.recv()
+        if not 0 <= pid_index < self.n or pid_index in conns:
+          conn.close()
+          raise ValueError(f"a learner process connected as process {pid_index}: expected each "
+                           f"of 0..{self.n - 1} once (runtime.learner_processes={self.n})")
         conns[pid_index] = conn
     finally:
       listener.close()
@@ -152,7 +181,8 @@ class LearnerGroup:
 
   def _died(self, i: int, why: str):
     try:  # a broken connection is usually a dead process: name its exit status
-      why = f"exited with status {self._procs[i].wait(timeout=2)}"
+      if i < len(self._procs):
+        why = f"exited with status {self._procs[i].wait(timeout=2)}"
     except subprocess.TimeoutExpired:
       pass
     self.kill()
@@ -247,6 +277,13 @@ class LearnerGroup:
     shardings = weight_transfer.target_shardings(model, sampler_mesh)
     return GroupTransfer(self, weight_transfer.OrbaxReceiver(
         path, weight_transfer.abstract_params(model, shardings)))
+
+
+def _host_port(address: str) -> tuple[str, int]:
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"runtime.learner_address={address!r} is not host:port")
+  return host, int(port)
 
 
 class GroupCheckpointer:

@@ -19,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Client
 
@@ -120,13 +121,23 @@ def main(argv=None) -> None:
   p.add_argument("--coordinator", required=True, help="host:port of process 0's coordinator")
   p.add_argument("--process_id", type=int, required=True)
   p.add_argument("--num_processes", type=int, required=True)
+  p.add_argument("--connect_timeout_s", type=float, default=600.0)
   a = p.parse_args(argv)
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   key = os.environ.get(AUTHKEY_ENV)
   if not key:
     sys.exit(f"error: {AUTHKEY_ENV} is not set (the driver's key for the learner connection)")
   host, port = a.driver.rsplit(":", 1)
-  with Client((host, int(port)), authkey=bytes.fromhex(key)) as conn:
+  deadline = time.time() + a.connect_timeout_s
+  while True:  # the driver may not listen yet (it is starting, or restarting)
+    try:
+      conn = Client((host, int(port)), authkey=bytes.fromhex(key))
+      break
+    except ConnectionRefusedError:
+      if time.time() > deadline:
+        sys.exit(f"error: no driver listens on {a.driver} after {a.connect_timeout_s:.0f} s")
+      time.sleep(1.0)
+  with conn:
     serve(conn, a.process_id, a.num_processes, a.coordinator)
 
 

@@ -39,6 +39,72 @@ def test_group_config_is_checked():
       learner_group.check_config(bad)
 
 
+# A stand-in learner process speaking the driver's protocol (no JAX): replies to train_step with
+# its process id as the loss, fails or dies when the batch says so.
+FAKE_WORKER = """
+import os, sys
+from multiprocessing.connection import Client
+from areal_jax.runtime import learner_worker
+pid, address = int(sys.argv[1]), sys.argv[2]
+host, port = address.rsplit(":", 1)
+import time
+for _ in range(100):
+  try:
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[learner_worker.AUTHKEY_ENV]))
+    break
+  except ConnectionRefusedError:
+    time.sleep(0.1)
+conn.send(("hello", pid, os.getpid()))
+while True:
+  try:
+    cmd, args = conn.recv()
+  except EOFError:
+    sys.exit(0)
+  if cmd == "init":
+    conn.send(("ok", dict(version=5, num_params=7, devices=4)))
+  elif cmd == "train_step" and args[0] == "die" and pid == 1:
+    os._exit(3)
+  elif cmd == "train_step" and args[0] == "fail" and pid == 1:
+    conn.send(("error", "FloatingPointError", "non-finite loss"))
+  elif cmd == "train_step":
+    conn.send(("ok", dict(loss=float(pid))))
+  else:
+    conn.send(("ok", None))
+"""
+
+
+def test_group_protocol_with_external_processes(tmp_path, monkeypatch):
+  """runtime.learner_address: the driver waits for processes started elsewhere; process 0's
+  metrics come back, a worker's error is raised under its type naming the process, and a
+  dead worker stops the group with LearnerProcessDied."""
+  from areal_jax.runtime import distributed, learner_worker
+  from areal_jax.runtime.errors import LearnerProcessDied
+
+  monkeypatch.setenv(learner_worker.AUTHKEY_ENV, "ab" * 16)
+  address = f"127.0.0.1:{distributed.free_port()}"
+  c = config_lib.load(TINY)
+  for k, v in dict(GROUP, **{"runtime.learner_address": address}).items():
+    config_lib.override(c, k, v)
+  procs = [subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(i), address],
+                            stderr=subprocess.PIPE) for i in (1, 0)]
+  try:
+    group = learner_group.LearnerGroup(c, str(tmp_path), start_timeout_s=60)
+    assert group.version == 5 and group.num_params == 7
+    assert group.train_step("batch", []) == {"loss": 0.0} and group.version == 6
+    with pytest.raises(FloatingPointError, match="learner process 1: .*non-finite loss"):
+      group.train_step("fail", [])
+    with pytest.raises(LearnerProcessDied, match="learner process 1 closed its connection"):
+      group.train_step("die", [])
+    with pytest.raises(RuntimeError, match="closed"):
+      group.train_step("batch", [])
+    assert [p.wait(timeout=30) for p in procs] == [3, 0]  # process 0 exits when the driver goes
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
 def _alive(pid):
   try:
     with open(f"/proc/{pid}/stat") as f:
