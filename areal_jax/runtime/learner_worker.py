@@ -23,7 +23,7 @@ import time
 import traceback
 from multiprocessing.connection import Client
 
-AUTHKEY_ENV = "AREAL_JAX_LEARNER_AUTHKEY"
+from areal_jax.runtime.process_group import AUTHKEY_ENV
 
 
 class _Worker:
