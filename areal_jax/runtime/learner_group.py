@@ -98,30 +98,31 @@ class LearnerGroup:
               f"--coordinator={coordinator}", f"--process_id={i}",
               f"--num_processes={self.n}"], env
 
-    self._procs = process_group.ProcessGroup(
+    self.processes = process_group.ProcessGroup(
         self.n, os.path.join(self.workdir, "learner_logs"), spawn, config.runtime.learner_address,
         start_timeout_s)
     try:
-      info = self._call("init", config, self.workdir)
+      info = self.call("init", config, self.workdir)
     except BaseException:
-      self._procs.kill()
+      self.processes.kill()
       raise
     self._version = info["version"]
     self.num_params = info["num_params"]
 
-  def _call(self, cmd: str, *args):
-    return self._procs.call(cmd, *args)
+  def call(self, cmd: str, *args):
+    """Runs ``cmd`` on every process (``learner_worker._Worker``); process 0's value."""
+    return self.processes.call(cmd, *args)
 
   def kill(self) -> None:
-    self._procs.kill()
+    self.processes.kill()
 
   def close(self) -> None:
     """Flushes pending publishes and shuts the group down (kills what does not exit)."""
-    self._procs.close()
+    self.processes.close()
 
   # ---- what the trainer uses of a Learner ---------------------------------------------------------
   def train_step(self, groups, rewards) -> dict:
-    metrics = self._call("train_step", groups, rewards)
+    metrics = self.call("train_step", groups, rewards)
     self._version += 1
     return metrics
 
@@ -159,15 +160,15 @@ class GroupCheckpointer:
     self.directory = os.path.join(group.workdir, "checkpoints")
 
   def latest_step(self) -> int | None:
-    return self.group._call("latest_step")  # pylint: disable=protected-access
+    return self.group.call("latest_step")
 
   def save(self, step: int, state, meta: dict) -> None:
     self.group.load_state(state)  # checks that it is the group's own state
-    self.group._call("save", step, meta)  # pylint: disable=protected-access
+    self.group.call("save", step, meta)
 
   def restore_latest(self, abstract_state=None):
     del abstract_state  # the processes restore onto their own mesh
-    found = self.group._call("restore")  # pylint: disable=protected-access
+    found = self.group.call("restore")
     if found is None:
       return None
     step, meta = found
@@ -194,9 +195,9 @@ class GroupTransfer:
     if not isinstance(params, RemoteParams) or params.group is not self.group:
       raise TypeError("GroupTransfer.send publishes the group's own parameters (group.params())")
     t0 = time.perf_counter()
-    self.group._call("publish", version)  # pylint: disable=protected-access
+    self.group.call("publish", version)
     self.last_publish_s = time.perf_counter() - t0
-    self.group._call("wait_published")  # pylint: disable=protected-access
+    self.group.call("wait_published")
     out = self.receiver.fetch(version)
     self.last_fetch_s = self.receiver.last_fetch_s
     return out

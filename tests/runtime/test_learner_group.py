@@ -68,6 +68,8 @@ while True:
     conn.send(("error", "FloatingPointError", "non-finite loss"))
   elif cmd == "train_step":
     conn.send(("ok", dict(loss=float(pid))))
+  elif cmd == "restore":
+    conn.send(("ok", (4, dict(version=4))))
   else:
     conn.send(("ok", None))
 """
@@ -91,6 +93,13 @@ def test_group_protocol_with_external_processes(tmp_path, monkeypatch):
     group = learner_group.LearnerGroup(c, str(tmp_path), start_timeout_s=60)
     assert group.version == 5 and group.num_params == 7
     assert group.train_step("batch", []) == {"loss": 0.0} and group.version == 6
+    ckpt = group.checkpointer()
+    ckpt.save(6, group.state, dict(version=6))
+    with pytest.raises(TypeError, match="restores its own state"):
+      ckpt.save(6, {"params": {}}, dict(version=6))  # only the group's own state is saved
+    assert ckpt.restore_latest(None) == (4, learner_group.REMOTE_STATE, dict(version=4))
+    assert group.version == 4
+    group.load_state(learner_group.REMOTE_STATE)
     with pytest.raises(FloatingPointError, match="learner process 1: .*non-finite loss"):
       group.train_step("fail", [])
     with pytest.raises(LearnerProcessDied, match="learner process 1 closed its connection"):
