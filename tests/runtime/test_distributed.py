@@ -43,9 +43,8 @@ def test_two_processes_train_the_same_parameters_as_one(tmp_path):
   diff = max(float(np.max(np.abs(got[k] - w))) for k, w in want.items())
   print(f"2 processes vs 1: max |param difference| after one step = {diff:.3g}")
   for k, w in want.items():
-    # Adam normalizes each update by the gradient's own scale: where a gradient is ~0, summation
-    # order (it differs between the layouts) can move a parameter by a fraction of lr (1e-3).
-    np.testing.assert_allclose(got[k], w, rtol=1e-5, atol=1e-4, err_msg=k)
+    # the same 4-device layout: only the collectives' implementation differs (measured: 3e-8)
+    np.testing.assert_allclose(got[k], w, rtol=1e-5, atol=1e-6, err_msg=k)
   with open(out + ".json") as f:
     m2 = json.load(f)
   for k in ("loss", "grad_norm", "entropy", "approx_kl", "tokens"):
