@@ -6,6 +6,11 @@
 Rerunning the same command resumes from the latest usable checkpoint in --workdir (damaged ones are
 moved aside); expected faults (no usable checkpoint, a failed save) print a short message without a
 traceback unless --verbosity=1.
+With --config.runtime.learner_processes=N (> 1) the learner runs as N processes joined by
+jax.distributed (weights.transfer=orbax) under a supervisor that restarts the run from its last
+checkpoint when a learner process dies (runtime.max_learner_restarts; areal_jax/runtime/supervisor.py):
+  python launch.py --config=configs/gsm8k.py:tiny --workdir=/tmp/run --config.weights.transfer=orbax \
+      --config.runtime.learner_processes=2 --config.mesh.learner_devices=2
 The same run can be started from Python: ``areal_jax.runtime.trainer.run(config, workdir)``.
 """
 
@@ -30,12 +35,22 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:  # Orbax logs every save and restore at INFO
     logging.set_verbosity(logging.WARNING)
+  from areal_jax.runtime import supervisor  # no JAX import
+
+  config = _CONFIG.value
+  if config.runtime.learner_processes > 1 and not supervisor.is_child():
+    # A learner group: a supervisor reruns the training process (which resumes from its last
+    # checkpoint) when a learner process dies, up to runtime.max_learner_restarts times.
+    sys.exit(supervisor.supervise([sys.executable, *sys.argv], config.runtime.max_learner_restarts))
   from areal_jax.runtime import trainer  # imports JAX after flags are parsed
   from areal_jax.models import CheckpointError
-  from areal_jax.runtime.errors import RunDirError
+  from areal_jax.runtime.errors import RESTART_EXIT_CODE, LearnerProcessDied, RunDirError
 
   try:
-    trainer.run(_CONFIG.value, _WORKDIR.value)
+    trainer.run(config, _WORKDIR.value)
+  except LearnerProcessDied as e:  # the group is already stopped; the supervisor restarts the run
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(RESTART_EXIT_CODE)
   except (RunDirError, CheckpointError) as e:  # expected faults (run directory, model files): the
     # message says what to do
     if flags.FLAGS.verbosity >= 1:

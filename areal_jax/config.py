@@ -156,6 +156,9 @@ def base_config() -> ConfigDict:
   c.runtime.ray_address = ""  # "": start a local Ray cluster; "auto" or host:port: join one
   c.runtime.learner_processes = 1  # >1: one learner process per host, joined by jax.distributed
   c.runtime.max_learner_restarts = 3  # a dead learner process group restarts from its checkpoint
+  # "": the driver starts the runtime.learner_processes learner processes on its own host;
+  # "host:port": it listens there for learner processes started on their hosts (learner_worker.py)
+  c.runtime.learner_address = ""
 
   # Learning from serving (issue 21): python -m areal_jax.serve (see configs/serve_arithmetic.py).
   c.serve = ConfigDict()

@@ -123,6 +123,33 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping | None = None):
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def put(tree, shardings):
+  """``jax.device_put(tree, shardings)``, also when the shardings span several processes
+  (``jax.distributed``): there each process builds its own shards of a global array from the host
+  value (the same on every process); an array already global is resharded by a jitted copy."""
+  leaves = jax.tree.leaves(shardings)
+  if all(s.is_fully_addressable for s in leaves):
+    return jax.device_put(tree, shardings)
+
+  def one(x, s):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return x if x.sharding.is_equivalent_to(s, x.ndim) else jax.jit(lambda a: a, out_shardings=s)(x)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+  return jax.tree.map(one, tree, shardings)
+
+
+def global_rows(arrays: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict:
+  """Host arrays (the same on every process) as arguments for a jitted function sharded by
+  ``sharding``: unchanged when the mesh is this process's alone (jit places numpy itself); when it
+  spans several processes (``jax.distributed``), global arrays built from this process's slices."""
+  if sharding.is_fully_addressable:
+    return dict(arrays)
+  return {k: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx])
+          for k, x in arrays.items()}
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping | None = None) -> nnx.Module:
   """Places every parameter of ``model`` on ``mesh`` according to its logical axes (in place)."""
   graphdef, state = nnx.split(model)

@@ -97,15 +97,15 @@ class Learner:
     state = nnx.state(model, nnx.Param)
     self._setup(model.cfg, state, opts, mesh, temperature, rules, total_steps, max_seq_len)
     if self.lora is None:
-      params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
+      params = sharding.put(nnx.to_pure_dict(state), self.param_shardings)
     else:  # eager casts: a base already in the compute dtype and placed is used as is, not copied
-      base = jax.device_put(nnx.to_pure_dict(state), self.frozen_shardings)
-      self.frozen = jax.device_put(lora_lib.frozen_base(base, self.cfg.compute_dtype),
-                                   self.frozen_shardings)
-      params = jax.device_put(lora_lib.init_adapters(self.frozen, self.lora, jax.random.key(0)),
-                              self.param_shardings)
+      base = sharding.put(nnx.to_pure_dict(state), self.frozen_shardings)
+      self.frozen = sharding.put(lora_lib.frozen_base(base, self.cfg.compute_dtype),
+                                 self.frozen_shardings)
+      params = sharding.put(lora_lib.init_adapters(self.frozen, self.lora, jax.random.key(0)),
+                            self.param_shardings)
     opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt"])(params)
-    put = lambda x: jax.device_put(jnp.asarray(x, jnp.int32), self.replicated)
+    put = lambda x: sharding.put(np.int32(x), self.replicated)
     self._state = dict(params=params, opt=opt_state, step=put(0), version=put(0))
     self.ref_params = jax.tree.map(jnp.copy, params) if opts.kl_coef else None
 
@@ -179,7 +179,7 @@ class Learner:
     state = dict(state)
     if "version" not in state:
       state["version"] = np.int32(int(state["step"]) // self.opts.ppo_n_minibatches)
-    self._state = jax.device_put(state, self.state_shardings)
+    self._state = sharding.put(state, self.state_shardings)
     self._check_finite_params()
 
   @property
@@ -347,7 +347,7 @@ class Learner:
       for rows in mbs:
         p = packing.pack(seqs, layout.row_len, rows=rows, num_rows=layout.micro_rows)
         real += p.real_tokens
-        b = p.arrays()
+        b = sharding.global_rows(p.arrays(), self.row_sharding)
         old, ref = (self._logp_fn(self.params(), b, *([self.ref_params] if opts.kl_coef else []),
                                   *self._frozen_args)
                     if need_forward else (None, None))
@@ -415,7 +415,7 @@ class Learner:
           maxes[key] = max(maxes.get(key, -np.inf), float(v))
         else:
           sums[key] = sums.get(key, 0.0) + float(v) / len(minibatches)
-    self._state["version"] = jax.device_put(jnp.asarray(version + 1, jnp.int32), self.replicated)
+    self._state["version"] = sharding.put(np.int32(version + 1), self.replicated)
     return dict(sums, **maxes, **stats, gen_tokens=gen_tokens, updates=len(minibatches),
                 compiles=compiles.count() - compiled, train_s=time.perf_counter() - t0)
 

@@ -173,7 +173,9 @@ def plan(learner, budget_bytes: int | None) -> Plan:
 def fit(learner, mesh_config) -> Plan | None:
   """Plans the learner against the budget of ``mesh_config`` (``device_budget``); lowers
   ``learner.opts.micro_batch_tokens`` to the plan's when it had to. None when there is no budget."""
-  budget = device_budget(mesh_config, list(learner.mesh.devices.flat))
+  # this process's devices (with jax.distributed only those report their memory)
+  budget = device_budget(mesh_config, [d for d in learner.mesh.devices.flat
+                                       if d.process_index == jax.process_index()])
   if budget is None:
     return None
   p = plan(learner, budget)

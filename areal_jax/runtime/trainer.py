@@ -31,7 +31,7 @@ from areal_jax import learner as learner_lib
 from areal_jax.learner import memory
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import checkpoint, engines, meshes, plots, weight_transfer
+from areal_jax.runtime import checkpoint, engines, learner_group, meshes, plots, weight_transfer
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -58,10 +58,14 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
     _cast_params(model, c_act.dtype)
   task = tasks.get_task(config.task)
   sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
-  learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature,
-                                total_steps=c_train.total_steps,
-                                max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
-  plan = memory.fit(learner, config.mesh)  # may lower actor.micro_batch_tokens; None: no budget
+  group = learner_group.check_config(config) > 1  # the learner in its own processes
+  if group:  # (learner_group.py; the driver's learner mesh stays unused)
+    learner = learner_group.LearnerGroup(config, workdir)
+  else:
+    learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature,
+                                  total_steps=c_train.total_steps,
+                                  max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
+  plan = None if group else memory.fit(learner, config.mesh)  # may lower micro_batch_tokens
   if plan is not None:
     print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
           f"{plan.budget_bytes / 2**30:.2f} GiB (actor.micro_batch_tokens="
@@ -71,13 +75,19 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
     engine = wrap_engine(engine)
   if learner.lora is not None:  # only the adapters are published (replicated on the sampler)
     sampler_shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
-  transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
-                                   learner.params(), shardings=sampler_shardings)
+  if group:
+    transfer = learner.transfer(config.weights, model, sampler_mesh)
+  else:
+    transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
+                                     learner.params(), shardings=sampler_shardings)
   if not c_train.resume:  # a fresh start keeps the previous run's records aside, never deletes them
     tag = f".old-{checkpoint.utc_tag()}"
     for name in ("metrics.jsonl", "trajectories"):
       checkpoint.move_aside(os.path.join(workdir, name), tag)
-  ckpt = Checkpointer(workdir, c_train.keep_checkpoints, resume=c_train.resume)
+  if group:
+    ckpt = learner.checkpointer()  # closing it stops the group
+  else:
+    ckpt = Checkpointer(workdir, c_train.keep_checkpoints, resume=c_train.resume)
 
   # Resume from the newest usable checkpoint (damaged ones are moved aside): learner state, policy
   # version, data position and unfinished groups; the metrics rows and trajectory dumps written

@@ -197,14 +197,15 @@ class OrbaxPublisher:
                          f"finalized ({COMMIT_FILE} missing)")
     self._latest = version
     self.last_save_s = time.perf_counter() - started
-    for old in list_versions(self.path)[:-self.keep]:
-      _remove(self.path / str(old))
+    if jax.process_index() == 0:  # in a learner group (jax.distributed) one process deletes
+      for old in list_versions(self.path)[:-self.keep]:
+        _remove(self.path / str(old))
     return time.perf_counter() - t0
 
   def _start(self, first_version: int) -> None:
     """First publish of this process: clears leftovers of a crashed run, then opens the writer."""
     self.path.mkdir(parents=True, exist_ok=True)
-    for child in list(self.path.iterdir()):
+    for child in list(self.path.iterdir()) if jax.process_index() == 0 else ():
       stale_tmp = bool(_TMP_NAME.match(child.name))
       # A resumed run republishes from its checkpoint's version: newer versions (and unfinished
       # directories) belong to the crashed timeline and must not be served.
@@ -212,6 +213,9 @@ class OrbaxPublisher:
                                         or not (child / COMMIT_FILE).exists())
       if stale_tmp or stale:
         _remove(child)
+    if jax.process_count() > 1:  # the others wait for process 0's cleanup
+      from jax.experimental import multihost_utils  # noqa: PLC0415
+      multihost_utils.sync_global_devices(f"areal_jax publisher start {first_version}")
     existing = list_versions(self.path)
     self._latest = existing[-1] if existing else None
     import orbax.checkpoint as ocp  # heavy import, only when Orbax is used

@@ -1,0 +1,206 @@
+"""The learner as a group of ``runtime.learner_processes`` processes joined by ``jax.distributed``.
+
+The driver (the training process: rollout controller, staleness queue, sampler) keeps everything
+that decides *what* is trained; the group only executes. ``LearnerGroup`` duck-types what
+``trainer.run`` uses of ``Learner``: ``train_step(groups, rewards)`` (every process runs it on the
+same batch; process 0's metrics come back), ``version``, ``state`` / ``load_state`` (a token: the
+state stays in the group), ``params()`` (a token for ``transfer``), and gives the two objects the
+trainer builds around a learner: ``checkpointer()`` (the run checkpoint, saved and restored by all
+processes through Orbax, with the driver's meta) and ``transfer(...)`` (each version published by
+the group as an Orbax weights version, ``weights.transfer="orbax"``, and restored by the driver
+straight onto the sampler mesh: the driver never gathers the full weights).
+
+Processes: the driver listens (authenticated ``multiprocessing.connection``) for the workers
+(``learner_worker.py``). By default it listens on 127.0.0.1 and starts them itself with
+``subprocess``, each with ``mesh.learner_devices / learner_processes`` devices of its own (fake CPU
+devices on a CPU host, ``JAX_LOCAL_DEVICE_IDS`` otherwise); their logs go to
+``<workdir>/learner_logs/process_<i>.log`` and their pids to ``<workdir>/learner_processes.json``.
+With ``runtime.learner_address="host:port"`` (several hosts) it listens there and waits for the
+workers the cluster's launcher starts, one per host, with the same ``AREAL_JAX_LEARNER_AUTHKEY``:
+
+  python -m areal_jax.runtime.learner_worker --driver=<driver host:port> \
+      --coordinator=<host of process 0>:<free port> --process_id=<i> --num_processes=<N>
+
+(in a loop, so that a restarted driver finds them again: a worker exits when its driver goes).
+
+Faults: when a worker exits or its connection breaks during a call, the whole group is killed and
+:class:`LearnerProcessDied` is raised; the training process then exits with
+``RESTART_EXIT_CODE`` and the supervisor (``supervisor.py``) reruns it, resuming from the last
+checkpoint (see launch.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+
+from areal_jax.runtime import checkpoint, distributed, process_group, weight_transfer
+REMOTE_STATE = "<learner state held by the learner group>"
+
+
+class RemoteParams:
+  """``LearnerGroup.params()``: names the group's current parameters without holding them."""
+
+  def __init__(self, group: "LearnerGroup"):
+    self.group = group
+
+
+def check_config(config) -> int:
+  """The number of learner processes, after checking the keys a group depends on."""
+  n = int(config.runtime.learner_processes)
+  errors = []
+  if n < 1:
+    errors.append(f"runtime.learner_processes={n} must be >= 1")
+  elif n > 1:
+    if config.weights.transfer != "orbax":
+      errors.append(f"runtime.learner_processes={n} needs weights.transfer='orbax' (the group "
+                    f"publishes Orbax versions), got {config.weights.transfer!r}")
+    if config.mesh.colocated:
+      errors.append(f"runtime.learner_processes={n} needs mesh.colocated=False (the learner's "
+                    "devices belong to its processes)")
+    if config.mesh.learner_devices % n:
+      errors.append(f"mesh.learner_devices={config.mesh.learner_devices} is not divisible by "
+                    f"runtime.learner_processes={n}")
+    if config.runtime.learner_address:
+      process_group.host_port(config.runtime.learner_address)
+    if config.actor.lora.rank:
+      errors.append(f"runtime.learner_processes={n} does not support actor.lora yet (set "
+                    "actor.lora.rank=0 or runtime.learner_processes=1)")
+  if errors:
+    raise ValueError("; ".join(errors))
+  return n
+
+
+class LearnerGroup:
+  """Starts the group and builds its ``Learner``; see the module docstring."""
+
+  def __init__(self, config, workdir: str, start_timeout_s: float = 300.0):
+    self.n = check_config(config)
+    self.workdir = os.path.abspath(workdir)
+    self.lora = None
+    ckpt_dir = os.path.join(self.workdir, "checkpoints")
+    if not config.train.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+      old = checkpoint.move_aside(ckpt_dir, f".old-{checkpoint.utc_tag()}")
+      print(f"train.resume=False: the previous checkpoints were moved to {old}", flush=True)
+    coordinator = f"127.0.0.1:{distributed.free_port()}"
+    per = config.mesh.learner_devices // self.n
+
+    def spawn(i, driver, key):
+      env = dict(os.environ, **{process_group.AUTHKEY_ENV: key})
+      if jax.default_backend() == "cpu":
+        env.update(distributed.local_device_count_env(per))
+      else:
+        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(d) for d in range(i * per, (i + 1) * per))
+      return [sys.executable, "-m", "areal_jax.runtime.learner_worker", f"--driver={driver}",
+              f"--coordinator={coordinator}", f"--process_id={i}",
+              f"--num_processes={self.n}"], env
+
+    self.processes = process_group.ProcessGroup(
+        self.n, os.path.join(self.workdir, "learner_logs"), spawn, config.runtime.learner_address,
+        start_timeout_s)
+    try:
+      info = self.call("init", config, self.workdir)
+    except BaseException:
+      self.processes.kill()
+      raise
+    self._version = info["version"]
+    self.num_params = info["num_params"]
+
+  def call(self, cmd: str, *args):
+    """Runs ``cmd`` on every process (``learner_worker._Worker``); process 0's value."""
+    return self.processes.call(cmd, *args)
+
+  def kill(self) -> None:
+    self.processes.kill()
+
+  def close(self) -> None:
+    """Flushes pending publishes and shuts the group down (kills what does not exit)."""
+    self.processes.close()
+
+  # ---- what the trainer uses of a Learner ---------------------------------------------------------
+  def train_step(self, groups, rewards) -> dict:
+    metrics = self.call("train_step", groups, rewards)
+    self._version += 1
+    return metrics
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  @property
+  def state(self):
+    return REMOTE_STATE
+
+  def load_state(self, state) -> None:
+    if state is not REMOTE_STATE:
+      raise TypeError("LearnerGroup.load_state: the group restores its own state "
+                      "(checkpointer().restore_latest)")
+
+  def params(self) -> RemoteParams:
+    return RemoteParams(self)
+
+  def checkpointer(self) -> "GroupCheckpointer":
+    return GroupCheckpointer(self)
+
+  def transfer(self, weights, model, sampler_mesh) -> "GroupTransfer":
+    path = weights.path or os.path.join(self.workdir, "weights")
+    shardings = weight_transfer.target_shardings(model, sampler_mesh)
+    return GroupTransfer(self, weight_transfer.OrbaxReceiver(
+        path, weight_transfer.abstract_params(model, shardings)))
+
+
+class GroupCheckpointer:
+  """The run checkpoint (``checkpoint.Checkpointer``'s interface) written by the group's processes."""
+
+  def __init__(self, group: LearnerGroup):
+    self.group = group
+    self.directory = os.path.join(group.workdir, "checkpoints")
+
+  def latest_step(self) -> int | None:
+    return self.group.call("latest_step")
+
+  def save(self, step: int, state, meta: dict) -> None:
+    self.group.load_state(state)  # checks that it is the group's own state
+    self.group.call("save", step, meta)
+
+  def restore_latest(self, abstract_state=None):
+    del abstract_state  # the processes restore onto their own mesh
+    found = self.group.call("restore")
+    if found is None:
+      return None
+    step, meta = found
+    self.group._version = int(step)  # pylint: disable=protected-access
+    return step, REMOTE_STATE, meta
+
+  def close(self) -> None:
+    self.group.close()
+
+
+class GroupTransfer:
+  """``weights.transfer="orbax"`` across processes: the group writes, the driver reads."""
+
+  mode = "orbax"
+  colocated = False
+
+  def __init__(self, group: LearnerGroup, receiver: weight_transfer.OrbaxReceiver):
+    self.group, self.receiver = group, receiver
+    self.last_publish_s = self.last_fetch_s = 0.0
+
+  def send(self, params: RemoteParams, version: int) -> dict:
+    """Publishes ``version`` from the group (each process blocked only for its device-to-host
+    copy, then for the write to finish), and restores it onto the sampler mesh."""
+    if not isinstance(params, RemoteParams) or params.group is not self.group:
+      raise TypeError("GroupTransfer.send publishes the group's own parameters (group.params())")
+    t0 = time.perf_counter()
+    self.group.call("publish", version)
+    self.last_publish_s = time.perf_counter() - t0
+    self.group.call("wait_published")
+    out = self.receiver.fetch(version)
+    self.last_fetch_s = self.receiver.last_fetch_s
+    return out
+
+  def close(self) -> None:
+    self.receiver.close()
