@@ -56,6 +56,11 @@ class Sample:
   finished_s: float = 0.0
   error: str | None = None
   metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Multi-turn trajectories (areal_jax/workflows/): 1 on the policy's own tokens, 0 on tokens the
+  # environment inserted (user feedback, tool results, chat-template turn markers), which are
+  # context only: they carry logprob 0.0 and the policy version of the turn before them, so
+  # ``min(versions)`` is still the version of the oldest policy token. None: every token is 1.
+  loss_mask: list[int] | None = None
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
