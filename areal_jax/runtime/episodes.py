@@ -42,7 +42,9 @@ class TurnClient:
     with self._lock:
       rid = next(self._ids)
       self._waiting[rid] = future
-    self.engine.submit(GroupRequest(rid, list(prompt_tokens), 1, params, {"kind": self.kind}))
+    # "continue": the JAX sampler keeps the finished turn's KV for the next turn's prompt
+    self.engine.submit(GroupRequest(rid, list(prompt_tokens), 1, params,
+                                    {"kind": self.kind, "continue": True}))
     while True:
       try:
         return future.result(timeout=0.1)
