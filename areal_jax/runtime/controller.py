@@ -52,7 +52,6 @@ class _Running:
   admit_version: int
   samples: list[Sample] = dataclasses.field(default_factory=list)
   rewards: list[float] = dataclasses.field(default_factory=list)  # episodes: scored as they end
-  reward_failures: int = 0
 
 
 class RolloutController:
@@ -82,12 +81,11 @@ class RolloutController:
     self._thread = threading.Thread(target=self._loop, name="rollout-controller", daemon=True)
     # Episodic workflows (None: the grouped single-turn path).
     self.workflow = None if isinstance(workflow, (workflows_lib.SingleTurn, type(None))) else workflow
-    if self.workflow is not None:
-      self._turns = episodes.TurnClient(engine, self._stop)
-      self._ctx = workflows_lib.Context(task, tokenizer, self._episode_reward, max_prompt_len)
-      workers = max(4, n_samples * max(1, getattr(staleness, "max_concurrent", 1)))
-      self._episodes = ThreadPoolExecutor(workers, thread_name_prefix="episode")
-      self._eval_episodes = ThreadPoolExecutor(max(4, n_samples), thread_name_prefix="eval-episode")
+    if self.workflow is not None:  # a thread per episode of every group that may run at once
+      ctx = workflows_lib.Context(task, tokenizer, self._episode_reward, max_prompt_len)
+      workers = n_samples * max(1, getattr(staleness, "max_concurrent", 1))
+      self._episodes = episodes.EpisodeRunner(self.workflow, ctx, engine, self._stop, workers,
+                                              on_error=self._fail)
     self.stats = dict(gen_tokens=0, groups_accepted=0, groups_rejected=0, reward_failures=0,
                       prompts_too_long=0, engine_errors=0, idle_s=0.0)
     self._data_exhausted = False
@@ -100,9 +98,8 @@ class RolloutController:
     self._stop.set()
     self._thread.join(timeout=30)
     self._scorer.shutdown(wait=False, cancel_futures=True)
-    if self.workflow is not None:  # waiting episodes see the stop within 0.1 s and end
-      self._episodes.shutdown(wait=True, cancel_futures=True)
-      self._eval_episodes.shutdown(wait=True, cancel_futures=True)
+    if self.workflow is not None:
+      self._episodes.shutdown()
 
   def check(self) -> None:
     """Re-raises an error of the controller thread in the caller's thread."""
@@ -200,7 +197,7 @@ class RolloutController:
     with self._lock:
       self.stats["gen_tokens"] += len(sample.tokens)
       if sample.metadata.get("kind") == "turn":
-        self._turns.deliver(sample)
+        self._episodes.turns.deliver(sample)
         return
       if sample.metadata.get("kind") == "eval":
         self._evals[sample.group_id].samples.append(sample)
@@ -226,7 +223,6 @@ class RolloutController:
     for gid in done:
       with self._lock:
         group = self._scoring.pop(gid).result()
-      with self._lock:
         self.stats["reward_failures"] += group.reward_failures
         errors = [s for s in group.samples if s.finish_reason == "error"]
         self.stats["engine_errors"] += bool(errors)
@@ -246,22 +242,11 @@ class RolloutController:
         self.stats["reward_failures"] += failed
     return rewards[0]
 
-  def _play(self, gid: int, index: int, example: dict, params: SamplingParams,
-            kind: str) -> workflows_lib.Episode | None:
-    """One episode; None when the controller stopped during it. Other errors stop the run."""
-    try:
-      ep = self.workflow.run(example, self._ctx, self._turns, params)
-    except episodes.Stopped:
-      return None
-    except BaseException as e:  # surfaced to the trainer by check()
-      self._error = self._error or e
-      return None
-    ep.sample.group_id, ep.sample.index = gid, index
-    ep.sample.metadata.update(kind=kind, turns=ep.turns, end=ep.end)
-    return ep
+  def _fail(self, error: BaseException) -> None:
+    self._error = self._error or error
 
   def _train_episode(self, gid: int, index: int, example: dict, params: SamplingParams) -> None:
-    ep = self._play(gid, index, example, params, "train")
+    ep = self._episodes.play(gid, index, example, params, "train")
     if ep is None:
       return
     with self._lock:
@@ -287,32 +272,10 @@ class RolloutController:
     for example in examples:
       with self._lock:
         self._next_eval_id -= 1
-        gid = self._next_eval_id
-      jobs.append([self._eval_episodes.submit(
-          self._play, gid, i, example,
-          dataclasses.replace(params, seed=episodes.episode_seed(self.seed, gid, i)), "eval")
-          for i in range(k)])
-    reported = 0
-    while True:
-      done = sum(all(f.done() for f in fs) for fs in jobs)
-      if done == len(jobs):
-        break
-      if progress is not None and done > reported:
-        reported = done
-        progress(done, len(jobs))
-      self.check()
-      time.sleep(0.01)
-    self.check()
-    if progress is not None:
-      progress(len(jobs), len(jobs))
-    groups = []
-    for example, fs in zip(examples, jobs):
-      eps = [f.result() for f in fs]
-      if any(ep is None for ep in eps):
-        raise RuntimeError("evaluation stopped: the rollout controller was stopped")
-      groups.append(Group(eps[0].sample.group_id, example, [ep.sample for ep in eps],
-                          [float(ep.correct) for ep in eps], -1))
-    return groups
+        jobs.append((self._next_eval_id, example))
+    played = self._episodes.evaluate(jobs, k, params, self.seed, self.check, progress)
+    return [Group(gid, example, [ep.sample for ep in eps], [float(ep.correct) for ep in eps], -1)
+            for (gid, example), eps in zip(jobs, played)]
 
   # ---- evaluation ------------------------------------------------------------------------------
   def evaluate(self, examples: list[dict], k: int, params: SamplingParams,

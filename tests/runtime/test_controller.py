@@ -105,7 +105,7 @@ def test_multi_turn_groups_are_whole_episodes_with_discounted_rewards():
     if "try again" not in TOK.decode(r.prompt_tokens):
       seeds.setdefault(tuple(r.prompt_tokens), set()).add(r.params.seed)
   assert all(len(seeds[p]) == c for p, c in first.items())
-  assert not [t for t in threading.enumerate() if t.name.startswith("episode")]
+  assert not [t for t in threading.enumerate() if t.name.startswith(("episode", "eval-episode"))]
 
 
 def test_single_turn_keeps_one_grouped_request_per_prompt():
