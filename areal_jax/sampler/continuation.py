@@ -4,9 +4,12 @@ A multi-turn episode's next prompt is the previous turn's prompt, its generated 
 inserted tokens (feedback, a tool result). When a request asks for it (``metadata["continue"]``),
 the sampler copies the finished sequence's cache row out of its slot (``keep``): it holds the KV of
 ``prompt + generated[:-1]`` (the last generated token was sampled, never fed). A later request
-whose ``prompt[:-1]`` starts with those tokens takes the row (``take``) and runs only the rest
-(the last generated token and the inserted ones) through the model on top of it, one ``extend``
-call of a padded chunk, instead of prefilling the whole conversation.
+whose ``prompt[:-1]`` shares a long enough start with those tokens (at least half of it) takes the
+row (``take``) and runs only the rest (for the next turn: the last generated token and the inserted
+ones) through the model on top of it, one ``extend`` call of a padded chunk, instead of prefilling
+the whole conversation. The shared start need not be the whole kept sequence: a tool call cuts a
+turn short, and the KV of the positions before the cut is still that of the new prompt (positions
+past it are overwritten before anything attends to them). The row sharing the longest start wins.
 
 A row is kept only if the whole sequence, prompt KV included, came from the weights in use, and
 every weight swap drops all kept rows, so a continuation gives the tokens and logprobs of a full
@@ -33,6 +36,15 @@ MIN_CHUNK = 16
 def chunk_bucket(n: int) -> int:
   """Padded length of an ``n``-token continuation chunk: a power of two, at least ``MIN_CHUNK``."""
   return max(MIN_CHUNK, 1 << max(n - 1, 0).bit_length())
+
+
+def _common_prefix(a, b) -> int:
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
 
 
 class Continuations:
@@ -64,28 +76,32 @@ class Continuations:
       self._rows.popitem(last=False)
       self.stats["dropped"] += 1
 
-  def match(self, tokens: list[int]) -> tuple[int, ...] | None:
-    """The longest kept key that ``tokens`` start with, or None."""
-    best = None
+  def match(self, tokens: list[int]) -> tuple[tuple[int, ...] | None, int]:
+    """``(key, shared)``: the kept key sharing the longest start with ``tokens`` and the length of
+    that start, if at least half of ``tokens``; else ``(None, 0)``."""
+    best, shared = None, 0
     for key in self._rows:
-      if len(key) <= len(tokens) and (best is None or len(key) > len(best)) \
-          and tuple(tokens[:len(key)]) == key:
-        best = key
-    return best
+      n = _common_prefix(key, tokens)
+      if n > shared:
+        best, shared = key, n
+    if best is None or 2 * shared < len(tokens):
+      return None, 0
+    return best, shared
 
   def take(self, params, tokens: list[int]):
     """A KV prefix of ``tokens`` (as ``DecodeEngine.prefill`` gives, but ``max_len`` long) built on
     a kept row, which is used up; None when no kept row fits (prefill as usual then)."""
-    key = self.match(tokens)
+    key, shared = self.match(tokens)
     if key is None:
       return None
     row = self._rows.pop(key)
-    rest = [int(t) for t in tokens[len(key):]]
+    rest = [int(t) for t in tokens[shared:]]
     if not rest:
       self.stats["continued"] += 1
+      self.stats["tokens_saved"] += shared
       return row
     bucket = chunk_bucket(len(rest))
-    if len(key) + bucket > self.engine.config.max_len:
+    if shared + bucket > self.engine.config.max_len:
       self.stats["too_long"] += 1
       return None
     if bucket not in self._fns:
@@ -93,8 +109,8 @@ class Continuations:
     chunk = np.zeros((1, bucket), np.int32)
     chunk[0, :len(rest)] = rest
     self.stats["continued"] += 1
-    self.stats["tokens_saved"] += len(key)
-    return self._fns[bucket](params, row, chunk, np.full((1,), len(key), np.int32))
+    self.stats["tokens_saved"] += shared
+    return self._fns[bucket](params, row, chunk, np.full((1,), shared, np.int32))
 
   # ---- device functions ------------------------------------------------------------------------
   def _row_shardings(self):

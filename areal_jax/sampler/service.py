@@ -18,8 +18,9 @@ one prompt submitted as separate requests (e.g. ``n=1`` with per-sample budgets)
 the prompts of the groups admitted in one round are prefilled together (``prefill_batch``).
 
 Multi-turn continuation (``continuation.py``): a request with ``metadata["continue"]`` keeps its
-finished sequences' KV rows; a later request whose prompt extends one of them (the next turn of the
-conversation) prefills only the new tokens on top of it instead of the whole history.
+finished sequences' KV rows; a later request whose prompt shares most of its start with one (the
+next turn of the conversation, or a turn cut at a tool call and continued) runs only the tokens
+after the shared start on top of it instead of prefilling the whole history.
 
 Weight swaps (``update_params``) take effect between two decode calls without draining sequences.
 Continuation modes:
@@ -401,7 +402,7 @@ class JaxRolloutEngine(RolloutEngine):
       return
     try:  # (prompts that continue a kept sequence extend it instead, in _start_group)
       self._prefill_many([list(g.request.prompt_tokens[:-1]) for g, _ in admitted
-                          if self._continued.match(list(g.request.prompt_tokens[:-1])) is None])
+                          if self._continued.match(list(g.request.prompt_tokens[:-1]))[0] is None])
     except Exception:  # let each group fail (or not) on its own below
       log.exception("batched prefill failed")
     for group, slots in admitted:

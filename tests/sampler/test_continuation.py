@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import continuation
@@ -32,15 +33,18 @@ def test_continued_turn_equals_full_reprefill(model, other_model, layers):
     first = _one(engine, GroupRequest(1, prompt, 1, SamplingParams(greedy=True, max_new_tokens=9),
                                       {"continue": True}))
     follow = prompt + first.tokens + [7, 8, 9, 10, 11]  # the environment's tokens
-    for gid, params in ((2, SamplingParams(greedy=True, max_new_tokens=12)),
-                        (4, SamplingParams(temperature=1.0, max_new_tokens=12, seed=5))):
-      meta = {"continue": True}
-      if gid == 4:  # keep the first turn again, then continue it with sampling
-        _one(engine, GroupRequest(3, prompt, 1, SamplingParams(greedy=True, max_new_tokens=9), meta))
-      continued = _one(engine, GroupRequest(gid, follow, 1, params))
+    cut = prompt + first.tokens[:4] + [7, 8, 9]  # a turn cut short (a tool call), then a result
+    cases = [(2, follow, SamplingParams(greedy=True, max_new_tokens=12)),
+             (4, follow, SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)),
+             (6, cut, SamplingParams(greedy=True, max_new_tokens=12))]
+    for gid, tokens, params in cases:
+      if gid > 2:  # keep the first turn again
+        _one(engine, GroupRequest(gid - 1, prompt, 1, SamplingParams(greedy=True, max_new_tokens=9),
+                                  {"continue": True}))
+      continued = _one(engine, GroupRequest(gid, tokens, 1, params))
       assert engine.stats["continued"] == gid // 2
       assert len(engine._continued) == 0  # a kept row is used once
-      full = _one(engine, GroupRequest(gid + 10, follow, 1, params))  # nothing kept: prefilled
+      full = _one(engine, GroupRequest(gid + 10, tokens, 1, params))  # nothing kept: prefilled
       assert engine.stats["continued"] == gid // 2
       assert continued.tokens == full.tokens
       np.testing.assert_allclose(continued.logprobs, full.logprobs, rtol=1e-4, atol=1e-5)
@@ -48,13 +52,17 @@ def test_continued_turn_equals_full_reprefill(model, other_model, layers):
     _one(engine, GroupRequest(20, prompt, 1, SamplingParams(greedy=True, max_new_tokens=9),
                               {"continue": True}))
     assert len(engine._continued) == 1
-    from flax import nnx
     engine.update_params(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)), 1)
     _one(engine, GroupRequest(21, follow, 1, SamplingParams(greedy=True, max_new_tokens=4)))
-    assert engine.stats["continued"] == 2 and len(engine._continued) == 0
+    assert engine.stats["continued"] == 3 and len(engine._continued) == 0
   finally:
     engine.stop()
 
 
-def test_chunk_bucket():
+def test_chunk_bucket_and_match():
   assert [continuation.chunk_bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+  kept = continuation.Continuations.__new__(continuation.Continuations)
+  kept._rows = {(1, 2, 3, 4): None, (1, 2, 9): None, (5, 6): None}
+  assert kept.match([1, 2, 3, 4, 7, 7]) == ((1, 2, 3, 4), 4)
+  assert kept.match([1, 2, 3, 8]) == ((1, 2, 3, 4), 3)
+  assert kept.match([1, 2, 7, 7, 7, 7]) == (None, 0)  # shares less than half
