@@ -37,7 +37,9 @@ class GroupRequest:
   prompt_tokens: list[int]
   n: int
   params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through to samples
+  # Passed through to samples. ``"continue": True`` asks an engine that can (the JAX sampler) to
+  # keep the finished sequences' KV cache for a follow-up request that extends the conversation.
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -164,6 +164,7 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
           groups_accepted=totals["groups_accepted"], groups_rejected=totals["groups_rejected"],
           staleness_mean=float(np.mean(staleness_s)) if staleness_s else 0.0,
           staleness_max=int(max(staleness_s, default=0)),
+          turns_mean=float(np.mean([s.metadata.get("turns", 1) for g in batch for s in g.samples])),
           behav_weight_max=metrics.get("behav_weight_max"), clip_frac=metrics.get("clip_frac"),
           loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
           gen_tokens_per_s=delta["gen_tokens"] / max(period, 1e-9),

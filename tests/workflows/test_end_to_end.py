@@ -27,7 +27,7 @@ def test_multi_turn_tiny_run(tmp_path):
                      "train.checkpoint_every": 2}.items():
     config_lib.override(c, key, value)
   row = trainer.run(c, str(tmp_path))
-  assert row["step"] == 2 and row["staleness_max"] <= 1
+  assert row["step"] == 2 and row["staleness_max"] <= 1 and 1 <= row["turns_mean"] <= 2
   rows = []
   for path in sorted(glob.glob(os.path.join(tmp_path, "trajectories", "step_*.jsonl"))):
     with open(path) as f:
