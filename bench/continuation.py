@@ -12,9 +12,9 @@ whole conversation every turn. Each mode runs the workload twice and the second 
 is timed; the turns' tokens must be identical in both modes. Reported: seconds for turns 2 + 3 of
 all conversations, and how many prompts were continued or prefilled in full.
 
-Measured 2026-11-25 on 2 shared cores (Intel Xeon, load average 24 to 31 from other jobs, so
-noisy): default sizes 55.3 s re-prefilling vs 13.5 s continuing (4.1x), ``--quick`` 12.1 s vs
-6.3 s (1.9x); the same tokens in both modes.
+Measured 2026-11-25 on 2 cores shared with other jobs (Intel Xeon; noisy): default sizes 32.9 s
+re-prefilling vs 11.6 s continuing (2.8x, load average 13); an earlier run at load 31 gave 55.3 s
+vs 13.5 s (4.1x), ``--quick`` 12.1 s vs 6.3 s (1.9x, load 24). The same tokens in both modes.
 """
 
 from __future__ import annotations
