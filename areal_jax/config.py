@@ -246,6 +246,10 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"rollout.temperature={r.temperature} must be > 0 (use top_k=1 for greedy)")
   if not 0 < r.top_p <= 1:
     errors.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+  if r.max_turns < 1:
+    errors.append(f"rollout.max_turns={r.max_turns} must be >= 1")
+  if not 0 < r.turn_discount <= 1:
+    errors.append(f"rollout.turn_discount={r.turn_discount} must be in (0, 1]")
   if a.batch_size % a.ppo_n_minibatches:
     errors.append(f"actor.batch_size={a.batch_size} is not divisible by "
                   f"actor.ppo_n_minibatches={a.ppo_n_minibatches}")

@@ -38,7 +38,7 @@ from etils import epath
 from flax import nnx
 
 from areal_jax import config as config_lib
-from areal_jax import models, tasks
+from areal_jax import models, tasks, workflows
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import engines, meshes, trainer, weight_transfer
@@ -247,7 +247,8 @@ def evaluate(config, checkpoint: str = "", *, config_name: str = "", output: str
   controller = RolloutController(
       engine, task, tokenizer, StalenessController(1, 0), iter(()), rewards, n_samples=1,
       params=SamplingParams(max_new_tokens=c_roll.max_new_tokens), max_prompt_len=c_roll.max_prompt_len,
-      filter_uniform_groups=False, seed=config.seed)
+      filter_uniform_groups=False, seed=config.seed,
+      workflow=workflows.get(c_roll.workflow, config))  # multi-turn configs: episodes, as in training
   controller.pause_admission()  # no training data: evaluation groups only
   n = len(task.test_examples(c_train.eval_size))
   say(f"evaluating on {n} {task.name} test examples: greedy pass@1"

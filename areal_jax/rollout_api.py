@@ -37,7 +37,9 @@ class GroupRequest:
   prompt_tokens: list[int]
   n: int
   params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through to samples
+  # Passed through to samples. ``"continue": True`` asks an engine that can (the JAX sampler) to
+  # keep the finished sequences' KV cache for a follow-up request that extends the conversation.
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -56,6 +58,11 @@ class Sample:
   finished_s: float = 0.0
   error: str | None = None
   metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Multi-turn trajectories (areal_jax/workflows/): 1 on the policy's own tokens, 0 on tokens the
+  # environment inserted (user feedback, tool results, chat-template turn markers), which are
+  # context only: they carry logprob 0.0 and the policy version of the turn before them, so
+  # ``min(versions)`` is still the version of the oldest policy token. None: every token is 1.
+  loss_mask: list[int] | None = None
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

