@@ -68,7 +68,8 @@ def build_app(ctx: ServeContext) -> Starlette:
 
   async def health(_: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "policy_version": ctx.dispatcher.engine.version,
-                         "inflight": ctx.dispatcher.inflight(), **ctx.status()})
+                         "inflight": ctx.dispatcher.inflight(),
+                         "finished": dict(ctx.dispatcher.finished), **ctx.status()})
 
   async def chat(request: Request):
     try:
@@ -167,7 +168,11 @@ class _Turn:
                  logprobs=s.logprobs, versions=s.versions,
                  completion_text=self.ctx.tokenizer.decode(s.tokens),
                  finish_reason=s.finish_reason, temperature=self.temperature) for s in samples]
-    return await asyncio.to_thread(self.ctx.store.add_turns, self.session, rows)
+    try:
+      return await asyncio.to_thread(self.ctx.store.add_turns, self.session, rows)
+    except Exception as e:  # pylint: disable=broad-except  (never acknowledge an unrecorded turn)
+      raise ApiError(500, f"could not record the turn: {type(e).__name__}: {e}", None,
+                     "store_failed", "server_error") from e
 
   def extra(self, ids: list[int], index: int, samples: list[Sample]) -> dict:
     versions = [v for s in samples for v in s.versions]
@@ -186,11 +191,11 @@ async def _stream(ctx: ServeContext, turn: _Turn, group_id: int, queue: asyncio.
   finals: dict[int, Sample] = {}
   done = False
 
-  def delta(i: int, new_tokens: list[int]) -> str | None:
+  def delta(i: int, new_tokens: list[int], final: bool = False) -> str | None:
     tokens[i].extend(new_tokens)
     text = ctx.tokenizer.decode(tokens[i])
-    if text.endswith("\ufffd") or len(text) <= len(sent[i]):  # an incomplete UTF-8 character
-      return None
+    if (text.endswith("\ufffd") and not final) or len(text) <= len(sent[i]):
+      return None  # wait for the rest of a UTF-8 character (at the end: it is what was generated)
     piece, sent[i] = text[len(sent[i]):], text
     return _sse(protocol.chunk_body(turn.rid, model, created, i, {"content": piece}))
 
@@ -205,7 +210,7 @@ async def _stream(ctx: ServeContext, turn: _Turn, group_id: int, queue: asyncio.
       else:
         s = item[1]
         finals[s.index] = s
-        out = delta(s.index, s.tokens[len(tokens[s.index]):]) if s.finish_reason not in (
+        out = delta(s.index, s.tokens[len(tokens[s.index]):], final=True) if s.finish_reason not in (
             "error", "abort") else None
       if out:
         yield out
@@ -216,7 +221,12 @@ async def _stream(ctx: ServeContext, turn: _Turn, group_id: int, queue: asyncio.
       done = True
       yield _sse(e.body())
       return
-    ids, index = await turn.record(ordered)
+    try:
+      ids, index = await turn.record(ordered)
+    except ApiError as e:
+      done = True
+      yield _sse(e.body())
+      return
     done = True
     for s in ordered:
       lp = protocol.logprobs_content(ctx.tokenizer, s.tokens, s.logprobs) if turn.req.logprobs else None

@@ -11,6 +11,7 @@ the authority on the tokens; a consumer streams ``sample.tokens`` beyond what it
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue as queue_lib
@@ -54,6 +55,7 @@ class Dispatcher:
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
+    self.finished = collections.Counter()  # samples out of the engine, by finish reason
     self.streams_tokens = tap_tokens(engine, self._on_tokens)
 
   def start(self) -> None:
@@ -126,4 +128,5 @@ class Dispatcher:
   def _poll_loop(self) -> None:
     while not self._stop.is_set():
       for sample in self.engine.poll(0.05):
+        self.finished[sample.finish_reason] += 1
         self._route(sample.group_id, ("done", sample))

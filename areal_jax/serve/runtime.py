@@ -57,8 +57,10 @@ class ServeRuntime:
       shardings = weight_transfer.target_shardings(model, sampler_mesh)
       if learner.lora is not None:  # adapters only, replicated on the sampler
         shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
-      transfer = weight_transfer.build(config.weights, self.workdir, learner_mesh, sampler_mesh,
-                                       learner.params(), shardings=shardings)
+      self._new_transfer = lambda: weight_transfer.build(
+          config.weights, self.workdir, learner_mesh, sampler_mesh, learner.params(),
+          shardings=shardings)
+      transfer = self._new_transfer()
       ckpt = Checkpointer(self.workdir, config.train.keep_checkpoints, resume=config.train.resume)
       self.trainer = TrainerLoop(config, self.workdir, self.store, learner, transfer, self.engine, ckpt)
       self.trainer.restore()
@@ -162,8 +164,10 @@ class ServeRuntime:
     if self.trainer is None:
       return
     self.trainer.stop(checkpoint=checkpoint)
-    self.trainer.restore()
-    self.trainer.publish()
+    version = self.trainer.restore()
+    if version != self.engine.version:  # steps after the checkpoint were lost: serve it again
+      self.trainer.transfer = self._new_transfer()  # (their versions will be published anew)
+      self.trainer.publish()
     self.trainer.start()
 
   def status(self) -> dict:
