@@ -165,6 +165,7 @@ def base_config() -> ConfigDict:
   c.serve.model_name = "areal-jax-policy"  # the one id /v1/models lists; requests must name it
   c.serve.db_path = ""  # the turn store (SQLite); "": <workdir>/turns.sqlite
   c.serve.max_candidates = 8  # the largest ``n`` one request may ask for
+  c.serve.warmup = True  # compile every decode bucket before accepting requests (no compile stalls)
   c.serve.train = True  # False: serve and record (and judge) only, no trainer loop
   c.serve.baseline_decay = 0.9  # EMA of past scores: the baseline of single-candidate turns
   # The judge loop: "rule" (the user's next message says right / wrong), "model" (serve.judge_prompt

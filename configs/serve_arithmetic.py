@@ -54,6 +54,7 @@ def get_config(preset: str = "default"):
     c.rollout.num_slots = 8
     c.train.checkpoint_every = 2
     c.train.eval_size = 8
+    c.serve.warmup = False  # tests: compile on first use
     c.serve.sim_users = 2
     c.serve.sim_duration_s = 20.0
   return lock(c)

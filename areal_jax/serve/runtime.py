@@ -120,6 +120,10 @@ class ServeRuntime:
     return self._port
 
   def start(self, timeout: float = 120.0) -> None:
+    if self.config.serve.warmup and hasattr(self.engine, "warmup"):
+      t0 = time.time()
+      self.engine.warmup()
+      print(f"engine warm-up (every decode bucket compiled): {time.time() - t0:.0f} s", flush=True)
     self.dispatcher.start()
     uv_config = uvicorn.Config(self.app, host=self.config.serve.host, port=self._port,
                                log_level="warning", lifespan="off", timeout_graceful_shutdown=10)
