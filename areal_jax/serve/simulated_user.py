@@ -25,11 +25,6 @@ from ml_collections import config_flags
 
 from areal_jax import tasks
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Serving config file.")
-_BASE_URL = flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "The server's /v1 URL.")
-_DURATION = flags.DEFINE_float("duration_s", None, "Seconds to run (default serve.sim_duration_s).")
-_LOG = flags.DEFINE_string("log", "", "Append one JSON line per conversation here.")
-
 POSITIVE = ("right", "correct, thanks", "yes, that's right")
 NEGATIVE = ("that's wrong", "no, that's wrong", "incorrect")
 
@@ -98,16 +93,25 @@ class SimulatedUsers:
     return self.results
 
 
+def _define_flags():  # only when run as a program (the demo imports this module beside its own flags)
+  config_flags.DEFINE_config_file("config", None, "Serving config file.")
+  flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "The server's /v1 URL.")
+  flags.DEFINE_float("duration_s", None, "Seconds to run (default serve.sim_duration_s).")
+  flags.DEFINE_string("log", "", "Append one JSON line per conversation here.")
+  flags.mark_flags_as_required(["config"])
+
+
 def main(argv) -> None:
   del argv
-  config = _CONFIG.value
-  users = SimulatedUsers(config, _BASE_URL.value, _LOG.value)
-  results = users.run(_DURATION.value or config.serve.sim_duration_s)
+  f = flags.FLAGS
+  config = f.config
+  users = SimulatedUsers(config, f.base_url, f.log)
+  results = users.run(f.duration_s or config.serve.sim_duration_s)
   right = sum(r["right"] for r in results)
   print(f"{len(results)} conversations, {right} answered right, {users.errors} failed requests",
         flush=True)
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config"])
+  _define_flags()
   app.run(main)
