@@ -133,8 +133,7 @@ def main():
       _clients(rt, config, args.clients, min(phase_s, 10.0), max_tokens)  # compile and warm up
       phases = {"idle": _clients(rt, config, args.clients, phase_s, max_tokens)}
 
-      rows = [r for r in rt.store._rows("SELECT * FROM turns WHERE completion_tokens != '[]' "  # pylint: disable=protected-access
-                                         "ORDER BY id LIMIT ?", (config.actor.batch_size,))]
+      rows = rt.store.first(config.actor.batch_size)
       learner = rt.trainer.learner
       batch = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
                        r["versions"], "eos")] for r in rows]

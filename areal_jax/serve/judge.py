@@ -101,15 +101,12 @@ class ModelJudge:
 
 
 def _continued_with(turn: dict, next_turn: dict) -> bool:
-  """Whether the next request continues from this candidate (always so for a single candidate)."""
-  if turn["candidate"] == 0 and next_turn is not None and not _has_siblings(turn):
+  """Whether the next request continues from this candidate: always for a lone candidate; among
+  ``n > 1``, the one whose text is the next request's last assistant message."""
+  if not turn["_siblings"]:
     return True
   said = last_message(next_turn["messages"], "assistant")
   return said is not None and said.strip() == turn["completion_text"].strip()
-
-
-def _has_siblings(turn: dict) -> bool:
-  return bool(turn.get("_siblings"))
 
 
 class JudgeLoop:

@@ -107,17 +107,22 @@ class TurnStore:
   # ---- reading ---------------------------------------------------------------------------------
 
   def _rows(self, sql: str, args: tuple = ()) -> list[dict]:
-    with self._conn() as conn:
-      cur = conn.execute(sql, args)
-      names = [d[0] for d in cur.description]
-      out = []
-      for values in cur.fetchall():
-        row = dict(zip(names, values))
-        for k in _JSON:
-          if k in row:
-            row[k] = json.loads(row[k])
-        out.append(row)
+    # a read is one autocommit statement: in WAL mode it sees the last commit and takes no lock
+    cur = self._raw().execute(sql, args)
+    names = [d[0] for d in cur.description]
+    out = []
+    for values in cur.fetchall():
+      row = dict(zip(names, values))
+      for k in _JSON:
+        if k in row:
+          row[k] = json.loads(row[k])
+      out.append(row)
     return out
+
+  def first(self, limit: int) -> list[dict]:
+    """The oldest ``limit`` rows with a completion (benchmarks, audits)."""
+    return self._rows("SELECT * FROM turns WHERE completion_tokens != '[]' ORDER BY id LIMIT ?",
+                      (limit,))
 
   def get(self, turn_id: int) -> dict | None:
     rows = self._rows("SELECT * FROM turns WHERE id = ?", (turn_id,))
@@ -143,11 +148,11 @@ class TurnStore:
                       "ORDER BY id LIMIT ?", (limit,))
 
   def counts(self) -> dict[str, int]:
-    with self._conn() as conn:
-      out = {"turns": conn.execute("SELECT COUNT(*) FROM turns").fetchone()[0]}
-      for col in ("judge_status", "train_status"):
-        for value, n in conn.execute(f"SELECT {col}, COUNT(*) FROM turns GROUP BY {col}"):
-          out[f"{col}.{value}"] = n
+    conn = self._raw()
+    out = {"turns": conn.execute("SELECT COUNT(*) FROM turns").fetchone()[0]}
+    for col in ("judge_status", "train_status"):
+      for value, n in conn.execute(f"SELECT {col}, COUNT(*) FROM turns GROUP BY {col}"):
+        out[f"{col}.{value}"] = n
     return out
 
   # ---- judge and trainer -----------------------------------------------------------------------
@@ -173,13 +178,6 @@ class TurnStore:
       cur = conn.execute("UPDATE turns SET train_status = 'new', trained_version = NULL "
                          "WHERE trained_version > ?", (int(version),))
       return cur.rowcount
-
-  def rewards_since(self, t0: float) -> list[tuple[float, float, int]]:
-    """``(judged time, score, first token version)`` of judged rows, for curves."""
-    with self._conn() as conn:
-      return [(t, s, json.loads(v)[0] if v != "[]" else 0) for t, s, v in conn.execute(
-          "SELECT judged_s, score, versions FROM turns WHERE judge_status = 'judged' AND "
-          "judged_s >= ? ORDER BY judged_s", (t0,))]
 
 
 class _Tx:
