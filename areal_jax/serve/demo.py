@@ -93,10 +93,16 @@ def main(argv) -> None:
     duration = _DURATION.value or config.serve.sim_duration_s
     print(f"simulated users talking to the server for {duration:.0f} s", flush=True)
     results = users.run(duration)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
-      health = json.load(r)
+    try:
+      with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        health = json.load(r)
+    except OSError as e:  # the server died (e.g. killed for memory): evaluate what it checkpointed
+      health = {"error": f"the server did not answer /health ({e}); exit status {server.poll()}, "
+                         f"see {workdir}/server.log"}
+      print(health["error"], file=sys.stderr, flush=True)
   finally:
-    server.send_signal(signal.SIGTERM)
+    if server.poll() is None:
+      server.send_signal(signal.SIGTERM)
     server.wait(timeout=900)
     log.close()
   print(f"{len(results)} conversations ({users.errors} failed requests); server status: "
