@@ -35,6 +35,10 @@ def get_config(preset: str = "default"):
   c.actor.batch_size = 8  # judged turns per train step
   c.actor.ppo_n_minibatches = 1
   c.actor.lr = 1e-5
+  # The learner trains while the sampler serves, in one process: chunk the LM head (exact gradients)
+  # so a step's logits stay small (a first 15-minute run was killed for memory at 10 GB RSS on a
+  # 24 GiB machine shared with other jobs; the effect of this setting on the peak is not measured).
+  c.actor.logits_chunk = 1024
   # A conversation's second turn (question, answer, "right") must fit the prompt budget.
   c.rollout.max_prompt_len = 192
   c.rollout.prefill_buckets = (96, 192)

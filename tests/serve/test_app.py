@@ -161,10 +161,9 @@ def test_judge_and_trainer_learn_and_can_die_without_stopping_serving(rt, client
 
   users = SimulatedUsers(rt.config, rt.url)
   deadline = time.time() + 120
-  while rt.trainer.learner.version < 1 and time.time() < deadline:
+  while rt.engine.version < 1 and time.time() < deadline:  # trained, then published
     users.run(2.0)
-  assert rt.trainer.learner.version >= 1 and users.errors == 0
-  assert rt.engine.version == rt.trainer.learner.version  # published between decode steps
+  assert rt.engine.version >= 1 and users.errors == 0
   assert _health(rt)["turns"]["train_status.trained"] >= rt.config.actor.batch_size
 
   # A trainer crash mid-step (and a killed judge) leave serving up.
