@@ -155,6 +155,18 @@ def test_a_turn_that_cannot_be_recorded_is_not_acknowledged(rt, monkeypatch):
   assert resp.status_code == 500 and resp.json()["error"]["code"] == "store_failed"
 
 
+def test_in_process_model_judge_asks_the_served_policy_unrecorded(rt):
+  from areal_jax.serve import judge as judge_lib
+
+  before = rt.store.counts()["turns"]
+  asked = []
+  complete = rt._judge_completer()  # pylint: disable=protected-access  (serve.judge_url = "")
+  judge = judge_lib.ModelJudge(lambda m: asked.append(complete(m)) or asked[-1], "{question} {answer}")
+  judge(dict(messages=Q, completion_text="5"), None)  # the tiny model's score: whatever it says
+  assert len(asked) == 1 and isinstance(asked[0], str)
+  assert rt.store.counts()["turns"] == before
+
+
 @pytest.mark.slow
 def test_judge_and_trainer_learn_and_can_die_without_stopping_serving(rt, client, monkeypatch):
   from areal_jax.serve.simulated_user import SimulatedUsers
