@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export PYTHONHASHSEED = 0
 
-.PHONY: install test test-fast demo bench clean install-vllm test-vllm
+.PHONY: install test test-fast demo serve-demo bench clean install-vllm test-vllm
 
 $(PYBIN):
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -62,6 +62,13 @@ demo: install
 	$(PYBIN) -m areal_jax.evaluate --config=configs/arithmetic.py --checkpoint=$(DEMO) \
 	  --output=$(DEMO)/eval_after.json
 	@$(PYBIN) -c "import json; b, a = (json.load(open('$(DEMO)/eval_' + w + '.json'))['pass@1'] for w in ('before', 'after')); print(f'held-out greedy pass@1: {b:.3f} before -> {a:.3f} after ({100 * (a - b):+.1f} points); curves: $(DEMO)/curves.png')"
+
+# Learning from serving: the server on SmolLM2-135M, simulated users talking to it through the openai
+# client for serve.sim_duration_s (20 min), judge + trainer learning from their conversations alone;
+# held-out pass@1 by the standalone evaluator before and on kept checkpoints, a curve PNG.
+SERVE_DEMO := runs/serve_demo
+serve-demo: install
+	$(PYBIN) -m areal_jax.serve.demo --config=configs/serve_arithmetic.py --workdir=$(SERVE_DEMO)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

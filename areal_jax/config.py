@@ -165,6 +165,26 @@ def base_config() -> ConfigDict:
   c.serve.host = "127.0.0.1"
   c.serve.port = 8000
   c.serve.max_staleness = 4  # judged turns older than this many versions are counted, not trained
+  c.serve.model_name = "areal-jax-policy"  # the one id /v1/models lists; requests must name it
+  c.serve.db_path = ""  # the turn store (SQLite); "": <workdir>/turns.sqlite
+  c.serve.max_candidates = 8  # the largest ``n`` one request may ask for
+  c.serve.warmup = True  # compile every decode bucket before accepting requests (no compile stalls)
+  c.serve.train = True  # False: serve and record (and judge) only, no trainer loop
+  c.serve.baseline_decay = 0.9  # EMA of past scores: the baseline of single-candidate turns
+  # The judge loop: "rule" (the user's next message says right / wrong), "model" (serve.judge_prompt
+  # sent to serve.judge_url, or to this server's own policy in process when ""), "none".
+  c.serve.judge = "rule"
+  c.serve.judge_prompt = ("Question: {question}\nAnswer: {answer}\nThe user replied: {reply}\n"
+                          "Rate how good the answer was from 0 to 10. Reply with the score only.")
+  c.serve.judge_url = ""  # an OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1)
+  c.serve.judge_model = ""  # model name at serve.judge_url
+  c.serve.judge_scale = 10.0  # the judge's scores lie in [0, judge_scale]
+  c.serve.judge_interval_s = 0.5
+  c.serve.judge_timeout_s = 300.0  # a turn with no next state after this long is not trained
+  # The simulated user (areal_jax/serve/simulated_user.py, make serve-demo).
+  c.serve.sim_users = 4  # concurrent conversations
+  c.serve.sim_duration_s = 1200.0
+  c.serve.sim_feedback_tokens = 4  # max_tokens of the reply turn ("right" / "that's wrong")
   return c
 
 
@@ -208,6 +228,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "rollout.continuation": (r.continuation, ("keep_cache", "reprefill")),
       "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool")),
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
+      "serve.judge": (config.serve.judge, ("rule", "model", "none")),
       "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
       "actor.behav_imp_weight_level": (a.behav_imp_weight_level, ("token", "sequence")),
       "actor.adv_norm": (a.adv_norm, ("group", "group_mean", "rloo", "none")),
@@ -227,6 +248,10 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
               "rollout.max_new_tokens": r.max_new_tokens, "rollout.num_slots": r.num_slots,
               "actor.ppo_n_minibatches": a.ppo_n_minibatches, "train.total_steps": config.train.total_steps}
   errors += [f"{k}={v} must be >= 1" for k, v in positive.items() if v < 1]
+  if not 0 <= config.serve.baseline_decay < 1:
+    errors.append(f"serve.baseline_decay={config.serve.baseline_decay} must be in [0, 1)")
+  if config.serve.max_staleness < 0:
+    errors.append(f"serve.max_staleness={config.serve.max_staleness} must be >= 0")
   if a.logits_chunk < 0:
     errors.append(f"actor.logits_chunk={a.logits_chunk} must be >= 0 (0: no chunking)")
   if m.device_memory_gib < 0:

@@ -1,0 +1,45 @@
+r"""Serves the policy over an OpenAI-compatible API and learns from the conversations.
+
+  python -m areal_jax.serve --config=configs/serve_arithmetic.py --workdir=runs/serve
+  python -m areal_jax.serve --config=configs/serve_arithmetic.py:tiny --workdir=/tmp/serve_tiny \
+      --config.serve.port=8001
+
+Runs until SIGINT/SIGTERM; then the trainer checkpoints and everything stops. Restarting with the
+same workdir resumes: turns from ``<workdir>/turns.sqlite``, the policy from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from areal_jax import config as config_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Serving config file (preset after ':').")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where the turn store, checkpoints and metrics live.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv) -> None:
+  del argv
+  from areal_jax.serve.runtime import ServeRuntime  # pylint: disable=import-outside-toplevel
+
+  logging.set_verbosity(logging.INFO)
+  runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value)
+  done = threading.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: done.set())
+  runtime.start()
+  while not done.wait(1.0):
+    pass
+  print("stopping: the trainer checkpoints, then the server and the engine stop", flush=True)
+  runtime.stop()
+
+
+if __name__ == "__main__":
+  config_lib.check_overrides(sys.argv)
+  app.run(main)

@@ -1,0 +1,132 @@
+"""Bridges the rollout engine (its own thread) and the asyncio server: one route per request.
+
+``Dispatcher.submit`` (on the event loop) gives a request a group id and an ``asyncio.Queue``; a
+poller thread drains ``engine.poll`` and puts each finished ``Sample`` on its request's queue as
+``("done", sample)``. With the JAX engine, tokens also stream while they are generated:
+``tap_tokens`` wraps the engine's per-call result processing so every call's new tokens go out as
+``("tokens", index, token_ids)``. They may arrive after the final sample of their sequence, which is
+the authority on the tokens; a consumer streams ``sample.tokens`` beyond what it already sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import queue as queue_lib
+import threading
+from collections.abc import Callable
+
+from areal_jax.rollout_api import GroupRequest, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def tap_tokens(engine, on_tokens: Callable[[int, int, list[int]], None]) -> bool:
+  """Makes ``engine`` report new tokens as ``on_tokens(group_id, index, tokens)`` after each decode
+  call; False (no streaming of partial results) when the engine has no per-call hook."""
+  process = getattr(engine, "_process", None)
+  if process is None or not hasattr(engine, "_slots"):
+    return False
+
+  def tapped(item):
+    snapshot = [s for s in item[1] if s is not None]
+    before = [len(s.tokens) for s in snapshot]
+    process(item)
+    for seq, n in zip(snapshot, before):
+      if len(seq.tokens) > n:
+        try:
+          on_tokens(seq.group.request.group_id, seq.index, seq.tokens[n:])
+        except Exception:  # pylint: disable=broad-except  (a consumer's bug never stops decoding)
+          log.exception("token listener failed")
+
+  engine._process = tapped  # pylint: disable=protected-access
+  return True
+
+
+class Dispatcher:
+  """Owns the engine's start/stop and routes its output to per-request asyncio queues."""
+
+  def __init__(self, engine: RolloutEngine):
+    self.engine = engine
+    self._ids = itertools.count(1)
+    self._routes: dict[int, Callable] = {}  # group id -> put(item), callable from any thread
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self.finished = collections.Counter()  # samples out of the engine, by finish reason
+    self.streams_tokens = tap_tokens(engine, self._on_tokens)
+
+  def start(self) -> None:
+    self.engine.start()
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._poll_loop, name="serve-dispatch", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    self.engine.stop()  # aborts what is in flight; deliver those samples too
+    for sample in self.engine.poll(0.0):
+      self._route(sample.group_id, ("done", sample))
+
+  def submit(self, prompt_tokens: list[int], n: int, params: SamplingParams,
+             metadata: dict | None = None) -> tuple[int, asyncio.Queue]:
+    """Queues a request from the running event loop; returns its group id and output queue."""
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    group_id = self._submit(lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+                            prompt_tokens, n, params, metadata)
+    return group_id, queue
+
+  def generate(self, prompt_tokens: list[int], params: SamplingParams, timeout: float = 600.0):
+    """Blocking, from any thread but the event loop's: one sample (not recorded anywhere)."""
+    out: queue_lib.Queue = queue_lib.Queue()
+    group_id = self._submit(out.put, prompt_tokens, 1, params, None)
+    try:
+      while True:
+        item = out.get(timeout=timeout)
+        if item[0] == "done":
+          return item[1]
+    finally:
+      self.release(group_id)
+
+  def _submit(self, put, prompt_tokens, n, params, metadata) -> int:
+    group_id = next(self._ids)
+    with self._lock:
+      self._routes[group_id] = put
+    self.engine.submit(GroupRequest(group_id, list(prompt_tokens), n, params, dict(metadata or {})))
+    return group_id
+
+  def release(self, group_id: int, abort: bool = False) -> None:
+    """Forgets a request's route (its consumer is done); ``abort`` also ends it in the engine."""
+    with self._lock:
+      self._routes.pop(group_id, None)
+    if abort:
+      self.engine.abort(group_id)
+
+  def inflight(self) -> int:
+    with self._lock:
+      return len(self._routes)
+
+  def _on_tokens(self, group_id: int, index: int, tokens: list[int]) -> None:
+    self._route(group_id, ("tokens", index, list(tokens)))
+
+  def _route(self, group_id: int, item) -> None:
+    with self._lock:
+      put = self._routes.get(group_id)
+    if put is None:
+      return
+    try:
+      put(item)
+    except RuntimeError:  # the loop closed (server shutting down)
+      pass
+
+  def _poll_loop(self) -> None:
+    while not self._stop.is_set():
+      for sample in self.engine.poll(0.05):
+        self.finished[sample.finish_reason] += 1
+        self._route(sample.group_id, ("done", sample))

@@ -1,0 +1,183 @@
+"""The four loops of learning from serving, built from a config and started side by side.
+
+  serving  - uvicorn (a thread) running the Starlette app; the rollout engine decodes in its own
+             thread and applies new weights between decode steps;
+  recording- inside serving: each turn is committed to the store before its response ends;
+  judging  - ``JudgeLoop`` (a thread) scores turns from their next state;
+  training - ``TrainerLoop`` (a thread) trains on judged turns and publishes versions.
+None waits on another: the judge and trainer only meet serving through the store (SQLite, WAL) and
+``engine.update_params``. Each can be stopped, killed or restarted on its own (``restart_judge``,
+``restart_trainer``), resuming from the store and the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import jax
+import uvicorn
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from areal_jax import config as config_lib
+from areal_jax import learner as learner_lib
+from areal_jax import models
+from areal_jax.rollout_api import SamplingParams
+from areal_jax.runtime import engines, meshes, weight_transfer
+from areal_jax.runtime.checkpoint import Checkpointer
+from areal_jax.serve import judge as judge_lib
+from areal_jax.serve.app import ServeContext, build_app
+from areal_jax.serve.dispatch import Dispatcher
+from areal_jax.serve.store import TurnStore
+from areal_jax.serve.trainer_loop import TrainerLoop
+
+log = logging.getLogger(__name__)
+
+
+class ServeRuntime:
+  """``start()`` brings up the four loops, ``stop()`` ends them (trainer checkpoints first)."""
+
+  def __init__(self, config, workdir: str, port: int | None = None):
+    config_lib.validate(config, jax.device_count())
+    self.config, self.workdir = config, os.path.abspath(workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    c_roll, s = config.rollout, config.serve
+    learner_mesh, sampler_mesh = meshes.build(config.mesh)
+    model, self.tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+    self.store = TurnStore(s.db_path or os.path.join(self.workdir, "turns.sqlite"))
+    self.engine = engines.build(config, model, self.tokenizer, sampler_mesh)
+    self.dispatcher = Dispatcher(self.engine)
+    self.trainer = None
+    if s.train:
+      learner = learner_lib.Learner(model, config.actor, learner_mesh, temperature=c_roll.temperature,
+                                    total_steps=config.train.total_steps,
+                                    max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
+      shardings = weight_transfer.target_shardings(model, sampler_mesh)
+      if learner.lora is not None:  # adapters only, replicated on the sampler
+        shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
+      self._new_transfer = lambda: weight_transfer.build(
+          config.weights, self.workdir, learner_mesh, sampler_mesh, learner.params(),
+          shardings=shardings)
+      transfer = self._new_transfer()
+      ckpt = Checkpointer(self.workdir, config.train.keep_checkpoints, resume=config.train.resume)
+      self.trainer = TrainerLoop(config, self.workdir, self.store, learner, transfer, self.engine, ckpt)
+      self.trainer.restore()
+      self.trainer.publish()  # serve the restored version from the first request
+    self.judge = self._build_judge()
+    chat_kwargs = {} if config.task.enable_thinking else {"enable_thinking": False}
+    self.context = ServeContext(
+        tokenizer=self.tokenizer, dispatcher=self.dispatcher, store=self.store,
+        model_name=s.model_name, max_prompt_len=c_roll.max_prompt_len,
+        max_new_tokens=c_roll.max_new_tokens, temperature=c_roll.temperature,
+        max_candidates=min(s.max_candidates, c_roll.num_slots), chat_kwargs=chat_kwargs,
+        status=self.status)
+    self.app = build_app(self.context)
+    self._port = s.port if port is None else port
+    self._server: uvicorn.Server | None = None
+    self._server_thread: threading.Thread | None = None
+
+  def _build_judge(self):
+    s = self.config.serve
+    if s.judge == "none":
+      return None
+    if s.judge == "rule":
+      judge = judge_lib.RuleJudge()
+    else:
+      judge = judge_lib.ModelJudge(self._judge_completer(), s.judge_prompt, s.judge_scale)
+    return judge_lib.JudgeLoop(self.store, judge, s.judge_interval_s, s.judge_timeout_s)
+
+  def _judge_completer(self):
+    s = self.config.serve
+    if s.judge_url:
+      import openai  # pylint: disable=import-outside-toplevel
+
+      client = openai.OpenAI(base_url=s.judge_url, api_key=os.environ.get("OPENAI_API_KEY", "none"))
+
+      def complete(messages):
+        out = client.chat.completions.create(model=s.judge_model, messages=messages,
+                                             temperature=0, max_tokens=16)
+        return out.choices[0].message.content or ""
+      return complete
+
+    def complete_here(messages):  # this server's own policy, greedy, not recorded
+      sample = self.dispatcher.generate(self.context.encode(messages),
+                                        SamplingParams(greedy=True, max_new_tokens=16))
+      return self.tokenizer.decode(sample.tokens)
+    return complete_here
+
+  # ---- lifecycle --------------------------------------------------------------------------------
+
+  @property
+  def url(self) -> str:
+    return f"http://{self.config.serve.host}:{self.port}/v1"
+
+  @property
+  def port(self) -> int:
+    if self._server is not None and self._server.servers:
+      return self._server.servers[0].sockets[0].getsockname()[1]
+    return self._port
+
+  def start(self, timeout: float = 120.0) -> None:
+    if self.config.serve.warmup and hasattr(self.engine, "warmup"):
+      t0 = time.time()
+      self.engine.warmup()
+      print(f"engine warm-up (every decode bucket compiled): {time.time() - t0:.0f} s", flush=True)
+    self.dispatcher.start()
+    uv_config = uvicorn.Config(self.app, host=self.config.serve.host, port=self._port,
+                               log_level="warning", lifespan="off", timeout_graceful_shutdown=10)
+    self._server = uvicorn.Server(uv_config)
+    self._server_thread = threading.Thread(target=self._server.run, name="serve-http", daemon=True)
+    self._server_thread.start()
+    deadline = time.time() + timeout
+    while not self._server.started:
+      if not self._server_thread.is_alive() or time.time() > deadline:
+        raise RuntimeError(f"the HTTP server did not start on {self.config.serve.host}:{self._port}")
+      time.sleep(0.05)
+    if self.judge is not None:
+      self.judge.start()
+    if self.trainer is not None:
+      self.trainer.start()
+    print(f"serving {self.config.serve.model_name} (policy version {self.engine.version}) at "
+          f"{self.url}; turns in {self.store.path}", flush=True)
+
+  def stop(self) -> None:
+    """Judge and trainer first (the trainer checkpoints), then HTTP, then the engine."""
+    if self.judge is not None:
+      self.judge.stop()
+    if self.trainer is not None:
+      self.trainer.stop()
+    if self._server is not None:
+      self._server.should_exit = True
+      self._server_thread.join(timeout=30)
+    self.dispatcher.stop()
+    if self.trainer is not None:
+      self.trainer.ckpt.close()
+    self.store.close()
+
+  def restart_judge(self) -> None:
+    if self.judge is not None:
+      self.judge.stop()
+      self.judge = self._build_judge()
+      self.judge.start()
+
+  def restart_trainer(self, checkpoint: bool = True) -> None:
+    """Stops (``checkpoint=False``: kills) the trainer, then resumes it from the newest checkpoint
+    and the store, republishing that version."""
+    if self.trainer is None:
+      return
+    self.trainer.stop(checkpoint=checkpoint)
+    version = self.trainer.restore()
+    if version != self.engine.version:  # steps after the checkpoint were lost: serve it again
+      self.trainer.transfer = self._new_transfer()  # (their versions will be published anew)
+      self.trainer.publish()
+    self.trainer.start()
+
+  def status(self) -> dict:
+    out = {"turns": self.store.counts()}
+    for name in ("judge", "trainer"):
+      loop = getattr(self, name, None)
+      if loop is not None:
+        out[name] = {"alive": loop.alive, "error": loop.error, **loop.stats}
+    return out

@@ -1,0 +1,117 @@
+r"""Simulated users: ask arithmetic questions through the official ``openai`` client, say whether
+the answer was right, as a person would.
+
+  python -m areal_jax.serve.simulated_user --config=configs/serve_arithmetic.py \
+      --base_url=http://127.0.0.1:8000/v1 --duration_s=600
+
+Each conversation is one session (its id in the ``X-Session-Id`` header and the ``user`` field):
+the user asks a question drawn from the task's *train* split (the held-out test split is never
+sent) in the task's prompt format, checks the answer with the task's reward, and replies "right" or
+"that's wrong" in the same session (a short turn, ``serve.sim_feedback_tokens``); that reply is
+the next state the judge scores the answer from. ``serve.sim_users`` conversations run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+import uuid
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from areal_jax import tasks
+
+POSITIVE = ("right", "correct, thanks", "yes, that's right")
+NEGATIVE = ("that's wrong", "no, that's wrong", "incorrect")
+
+
+class SimulatedUsers:
+  """``run(duration_s)``: ``config.serve.sim_users`` threads holding conversations until then."""
+
+  def __init__(self, config, base_url: str, log_path: str = "", seed: int = 1):
+    import openai  # pylint: disable=import-outside-toplevel
+
+    self.config, self.base_url = config, base_url
+    self.task = tasks.get_task(config.task)
+    self.examples = self.task.examples("train")
+    self.client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=2, timeout=600)
+    self.rng = random.Random(seed)
+    self._lock = threading.Lock()
+    self._log = open(log_path, "a", encoding="utf-8") if log_path else None
+    self.results: list[dict] = []
+    self.errors = 0
+
+  def converse(self) -> dict:
+    with self._lock:
+      example = self.rng.choice(self.examples)
+    session = f"sim-{uuid.uuid4().hex[:12]}"
+    messages = self.task.prompt_messages(example)
+    model = self.config.serve.model_name
+    t0 = time.time()
+    answer = self.client.chat.completions.create(
+        model=model, messages=messages, user=session, extra_headers={"X-Session-Id": session})
+    text = answer.choices[0].message.content or ""
+    right = self.task.reward(text, example) > 0.5
+    reply = self.rng.choice(POSITIVE if right else NEGATIVE)
+    self.client.chat.completions.create(
+        model=model, user=session, extra_headers={"X-Session-Id": session},
+        messages=messages + [{"role": "assistant", "content": text}, {"role": "user", "content": reply}],
+        max_tokens=self.config.serve.sim_feedback_tokens)
+    out = dict(time_s=time.time(), session=session, example_id=example.get("id"), right=right,
+               latency_s=time.time() - t0, version=getattr(answer, "policy_versions", None))
+    with self._lock:
+      self.results.append(out)
+      if self._log is not None:
+        self._log.write(json.dumps(out) + "\n")
+        self._log.flush()
+    return out
+
+  def _worker(self, deadline: float) -> None:
+    while time.time() < deadline:
+      try:
+        self.converse()
+      except Exception as e:  # pylint: disable=broad-except  (a failed request: count, go on)
+        with self._lock:
+          self.errors += 1
+        print(f"simulated user: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        time.sleep(1.0)
+
+  def run(self, duration_s: float) -> list[dict]:
+    deadline = time.time() + duration_s
+    threads = [threading.Thread(target=self._worker, args=(deadline,), daemon=True)
+               for _ in range(self.config.serve.sim_users)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    if self._log is not None:
+      self._log.close()
+    return self.results
+
+
+def _define_flags():  # only when run as a program (the demo imports this module beside its own flags)
+  config_flags.DEFINE_config_file("config", None, "Serving config file.")
+  flags.DEFINE_string("base_url", "http://127.0.0.1:8000/v1", "The server's /v1 URL.")
+  flags.DEFINE_float("duration_s", None, "Seconds to run (default serve.sim_duration_s).")
+  flags.DEFINE_string("log", "", "Append one JSON line per conversation here.")
+  flags.mark_flags_as_required(["config"])
+
+
+def main(argv) -> None:
+  del argv
+  f = flags.FLAGS
+  config = f.config
+  users = SimulatedUsers(config, f.base_url, f.log)
+  results = users.run(f.duration_s or config.serve.sim_duration_s)
+  right = sum(r["right"] for r in results)
+  print(f"{len(results)} conversations, {right} answered right, {users.errors} failed requests",
+        flush=True)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)

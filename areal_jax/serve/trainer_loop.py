@@ -1,0 +1,205 @@
+"""The trainer loop: judged turns in, new policy versions out to the serving engine.
+
+Each step takes the oldest ``actor.batch_size`` judged, untrained turns from the store:
+  * a turn whose oldest token is more than ``serve.max_staleness`` versions behind is marked
+    ``stale`` (counted, never trained); so is one sampled at another temperature than the learner's
+    (``rollout.temperature``: its behaviour logprobs follow another distribution) or greedily;
+  * advantages: candidates of one request judged together (the server sampled ``n > 1``) use their
+    mean score as the baseline (GRPO-style, ``score - mean``); a single candidate (users send each
+    prompt once) uses a running baseline, the exponential moving average of past scores
+    (``serve.baseline_decay``). Each turn goes to ``Learner.train_step`` as a group of one with its
+    advantage as the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is unchanged;
+  * the rows are marked ``trained`` with the new version, the version is published to the engine
+    (applied between decode steps) and, every ``train.checkpoint_every`` steps, checkpointed
+    (learner state + the baseline; the store position is the version itself).
+Restart: the newest checkpoint V is restored and the marks of steps after V are rolled back
+(``TurnStore.rollback_after``), so the lost steps are redone on the same turns and nothing is
+trained twice. Killing the loop mid-step never touches serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from areal_jax.rollout_api import Sample
+from areal_jax.serve.store import TurnStore
+
+log = logging.getLogger(__name__)
+METRICS_FILE = "serve_metrics.jsonl"
+
+
+def advantages(rows: list[dict], baseline: float | None, decay: float) -> tuple[list[float], float]:
+  """Per-row advantages (see the module docstring) and the updated running baseline."""
+  scores = [float(r["score"]) for r in rows]
+  if baseline is None:
+    baseline = float(np.mean(scores))
+  by_request: dict[str, list[int]] = {}
+  for i, r in enumerate(rows):
+    by_request.setdefault(r["request_id"], []).append(i)
+  adv = [0.0] * len(rows)
+  for members in by_request.values():
+    if len(members) > 1:
+      mean = float(np.mean([scores[i] for i in members]))
+      for i in members:
+        adv[i] = scores[i] - mean
+    else:
+      adv[members[0]] = scores[members[0]] - baseline
+  for s in scores:  # the running baseline follows the scores in arrival order
+    baseline = decay * baseline + (1.0 - decay) * s
+  return adv, baseline
+
+
+class TrainerLoop:
+  """Owns the learner's train steps in a thread; ``start`` restores, ``stop`` checkpoints."""
+
+  def __init__(self, config, workdir: str, store: TurnStore, learner, transfer, engine, ckpt):
+    self.config, self.workdir, self.store = config, workdir, store
+    self.learner, self.transfer, self.engine, self.ckpt = learner, transfer, engine, ckpt
+    if config.actor.adv_norm != "none":
+      raise ValueError(f"serving trains with actor.adv_norm='none' (the trainer loop computes the "
+                       f"advantages), got {config.actor.adv_norm!r}")
+    self.batch_size = config.actor.batch_size
+    self.baseline: float | None = None
+    self.stats = dict(trained=0, stale=0, off_policy_temperature=0, steps=0)
+    self.error: str | None = None
+    self._stop = threading.Event()
+    self._killed = False
+    self._thread: threading.Thread | None = None
+    self._t0 = time.time()
+
+  @property
+  def version(self) -> int:
+    return self.learner.version
+
+  @property
+  def alive(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def restore(self) -> int:
+    """Loads the newest checkpoint (if any), rolls the store back to it; returns the version."""
+    version, meta = 0, {}
+    found = self.ckpt.restore_latest(self.learner.state)
+    if found is not None:
+      version, state, meta = found
+      self.learner.load_state(state)
+    self.baseline = meta.get("totals", {}).get("baseline")
+    for k in self.stats:
+      self.stats[k] = meta.get("totals", {}).get(k, 0)
+    undone = self.store.rollback_after(version)
+    if found is not None or undone:
+      log.info("trainer resumed at version %d (%d turns to retrain)", version, undone)
+    self._truncate_metrics(version)
+    return version
+
+  def publish(self) -> None:
+    v = self.learner.version
+    self.engine.update_params(self.transfer.send(self.learner.params(), v), v)
+
+  def start(self) -> None:
+    self._stop.clear()
+    self._killed = False
+    self._thread = threading.Thread(target=self._run, name="serve-trainer", daemon=True)
+    self._thread.start()
+
+  def stop(self, checkpoint: bool = True) -> None:
+    """Stops after the current step; ``checkpoint=False`` is a kill (no final checkpoint)."""
+    self._killed = not checkpoint
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        if not self.step():
+          self._stop.wait(0.2)
+      if not self._killed and self.learner.version > (self.ckpt.latest_step() or 0):
+        self.save()
+    except Exception as e:  # pylint: disable=broad-except  (the loop dies; serving does not)
+      log.exception("trainer loop failed")
+      self.error = f"{type(e).__name__}: {e}"
+    finally:
+      self.store.close()
+
+  def step(self) -> bool:
+    """One train step if a batch of judged turns is ready; False when there is none yet."""
+    version = self.learner.version
+    rows, skip = [], {}
+    for row in self.store.trainable(4 * self.batch_size + 64):
+      reason = self._skip_reason(row, version)
+      if reason:
+        skip.setdefault(reason, []).append(row["id"])
+      elif len(rows) < self.batch_size:
+        rows.append(row)
+    for reason, ids in skip.items():
+      self.store.mark(ids, "stale", version + 1)
+      self.stats["stale" if reason == "stale" else "off_policy_temperature"] += len(ids)
+    if len(rows) < self.batch_size or self._stop.is_set():
+      return False
+    t0 = time.time()
+    adv, baseline = advantages(rows, self.baseline, self.config.serve.baseline_decay)
+    samples = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
+                       r["versions"], r["finish_reason"])] for r in rows]
+    metrics = self.learner.train_step(samples, [[a] for a in adv])
+    new = version + 1
+    self.store.mark([r["id"] for r in rows], "trained", new)
+    self.baseline = baseline
+    self.stats["trained"] += len(rows)
+    self.stats["steps"] += 1
+    train_s = time.time() - t0
+    t1 = time.time()
+    self.publish()
+    publish_s = time.time() - t1
+    if new % self.config.train.checkpoint_every == 0:
+      self.save()
+    lag = [version - min(r["versions"]) for r in rows]
+    self._write_metrics(dict(
+        version=new, time_s=time.time(), score_mean=float(np.mean([r["score"] for r in rows])),
+        baseline=baseline, staleness_mean=float(np.mean(lag)), staleness_max=int(max(lag)),
+        train_s=train_s, publish_s=publish_s, loss=metrics.get("loss"),
+        clip_frac=metrics.get("clip_frac"), behav_weight_max=metrics.get("behav_weight_max"),
+        **self.stats))
+    return True
+
+  def _skip_reason(self, row: dict, version: int) -> str | None:
+    if not row["versions"] or version - min(row["versions"]) > self.config.serve.max_staleness:
+      return "stale"
+    if abs(row["temperature"] - self.config.rollout.temperature) > 1e-6:
+      return "temperature"
+    return None
+
+  def save(self) -> None:
+    v = self.learner.version
+    totals = dict(self.stats, baseline=self.baseline)
+    # The keys a run checkpoint must carry (runtime/checkpoint.REQUIRED_META); serving has no data
+    # iterator or pending groups: the store is the data position.
+    meta = dict(version=v, data_state={"source": "turn_store"}, next_group_id=0, pending=[],
+                staleness={}, totals=totals)
+    self.ckpt.save(v, self.learner.state, meta)
+
+  def _metrics_path(self) -> str:
+    return os.path.join(self.workdir, METRICS_FILE)
+
+  def _write_metrics(self, row: dict) -> None:
+    with open(self._metrics_path(), "a", encoding="utf-8") as f:
+      f.write(json.dumps(row) + "\n")
+    log.info("trained version %d: score %.3f baseline %.3f (%.1fs)", row["version"],
+             row["score_mean"], row["baseline"], row["train_s"])
+
+  def _truncate_metrics(self, version: int) -> None:
+    """Drops metric rows of steps after ``version`` (redone after a restart); atomic."""
+    path = self._metrics_path()
+    if not os.path.exists(path):
+      return
+    with open(path, encoding="utf-8") as f:
+      rows = [line for line in f if line.strip() and json.loads(line).get("version", 0) <= version]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      f.writelines(rows)
+    os.replace(path + ".tmp", path)

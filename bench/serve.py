@@ -1,0 +1,181 @@
+"""Serving latency while idle, while the learner trains, and across weight swaps, in one run.
+
+  python bench/serve.py [--quick] [--json PATH] [--phase-s S] [--clients K]
+
+The server (``areal_jax.serve``, configs/serve_arithmetic.py: SmolLM2-135M; ``--quick``: the tiny
+random model) runs in this process on its loopback port; ``--clients`` threads send arithmetic
+questions through the official ``openai`` client, non-streaming, each request ``--max-tokens``
+completion tokens at most, back to back, for ``--phase-s`` seconds per phase:
+  * ``idle``: serving only (the judge and trainer loops stopped);
+  * ``training``: the learner runs train steps back to back on turns recorded in the idle phase
+    (the real ``Learner.train_step`` of the trainer loop, one warm-up step compiled before);
+  * ``weight_swap``: a new policy version is published to the engine every ``--swap-every-s``
+    seconds (``engine.update_params``, applied between decode steps), no training.
+Per phase: requests, ``latency_p50_ms``, ``latency_p99_ms`` (request sent -> response parsed),
+completion ``tokens_per_s`` (all clients together) and, for the other phases, the ratios of p50 /
+p99 to idle's (the goal: p99 while training within 1.5x of idle). Training and swap counts show
+the phase did what it says. The machine and its load average are printed and stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from common import machine  # noqa: E402
+
+from areal_jax import config as config_lib  # noqa: E402
+from areal_jax import tasks  # noqa: E402
+from areal_jax.rollout_api import Sample  # noqa: E402
+from areal_jax.serve.runtime import ServeRuntime  # noqa: E402
+
+
+def _clients(rt, config, n_clients: int, duration_s: float, max_tokens: int) -> dict:
+  import openai  # pylint: disable=import-outside-toplevel
+
+  task = tasks.get_task(config.task)
+  examples = task.examples("train")
+  client = openai.OpenAI(base_url=rt.url, api_key="none", max_retries=0, timeout=600)
+  lat, toks, errors = [], [], [0]
+  lock = threading.Lock()
+  deadline = time.time() + duration_s
+
+  def work(k: int):
+    i = k
+    while time.time() < deadline:
+      ex = examples[i % len(examples)]
+      i += n_clients
+      t0 = time.perf_counter()
+      try:
+        r = client.chat.completions.create(model=config.serve.model_name, max_tokens=max_tokens,
+                                           messages=task.prompt_messages(ex))
+      except Exception:  # pylint: disable=broad-except
+        with lock:
+          errors[0] += 1
+        continue
+      with lock:
+        lat.append(time.perf_counter() - t0)
+        toks.append(r.usage.completion_tokens)
+
+  t_start = time.time()
+  threads = [threading.Thread(target=work, args=(k,)) for k in range(n_clients)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  wall = time.time() - t_start
+  ms = np.asarray(lat) * 1e3
+  return dict(requests=len(lat), errors=errors[0], wall_s=wall,
+              latency_p50_ms=float(np.percentile(ms, 50)) if len(ms) else None,
+              latency_p99_ms=float(np.percentile(ms, 99)) if len(ms) else None,
+              latency_max_ms=float(ms.max()) if len(ms) else None,
+              tokens_per_s=float(sum(toks) / wall))
+
+
+class _Background:
+  """Runs ``fn`` back to back in a thread until ``stop()``; counts the calls."""
+
+  def __init__(self, fn, pause_s: float = 0.0):
+    self.fn, self.pause_s, self.calls, self._stop = fn, pause_s, 0, threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _run(self):
+    while not self._stop.is_set():
+      self.fn()
+      self.calls += 1
+      self._stop.wait(self.pause_s)
+
+  def stop(self) -> int:
+    self._stop.set()
+    self._thread.join()
+    return self.calls
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="the tiny model, short phases")
+  ap.add_argument("--json", default=None, help="write results to this path")
+  ap.add_argument("--phase-s", type=float, default=None, help="seconds per phase")
+  ap.add_argument("--clients", type=int, default=4)
+  ap.add_argument("--max-tokens", type=int, default=None)
+  ap.add_argument("--swap-every-s", type=float, default=2.0)
+  args = ap.parse_args()
+  preset = "tiny" if args.quick else "default"
+  phase_s = args.phase_s or (15.0 if args.quick else 60.0)
+  max_tokens = args.max_tokens or (16 if args.quick else 32)
+  config = config_lib.load(f"configs/serve_arithmetic.py:{preset}")
+  config.unlock()
+  config.serve.port = 0
+  config.serve.warmup = True  # every decode bucket compiled before the first request
+  config.lock()
+  info = machine()
+  print(f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['devices']}); "
+        f"load average {info['load_avg']:.1f}; model {config.model.source}, {args.clients} clients, "
+        f"max_tokens {max_tokens}, {phase_s:.0f} s per phase", flush=True)
+  t_start = time.time()
+  with tempfile.TemporaryDirectory() as workdir:
+    rt = ServeRuntime(config, workdir)
+    rt.start()
+    rt.judge.stop()
+    rt.trainer.stop(checkpoint=False)
+    try:
+      _clients(rt, config, args.clients, min(phase_s, 10.0), max_tokens)  # compile and warm up
+      phases = {"idle": _clients(rt, config, args.clients, phase_s, max_tokens)}
+
+      rows = rt.store.first(config.actor.batch_size)
+      learner = rt.trainer.learner
+      batch = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
+                       r["versions"], "eos")] for r in rows]
+      advantages = [[(-1.0) ** i] for i in range(len(batch))]
+      learner.train_step(batch, advantages)  # compiles
+      steps = _Background(lambda: learner.train_step(batch, advantages))
+      phases["training"] = _clients(rt, config, args.clients, phase_s, max_tokens)
+      phases["training"]["train_steps"] = steps.stop()
+
+      version = [rt.engine.version]
+
+      def swap():
+        version[0] += 1
+        rt.engine.update_params(learner.params(), version[0])
+      swap_before = rt.engine.stats["swaps"]
+      swaps = _Background(swap, pause_s=args.swap_every_s)
+      phases["weight_swap"] = _clients(rt, config, args.clients, phase_s, max_tokens)
+      swaps.stop()
+      phases["weight_swap"]["swaps_applied"] = rt.engine.stats["swaps"] - swap_before
+    finally:
+      rt.stop()
+  idle = phases["idle"]
+  print(f"{'phase':>12} {'requests':>8} {'errors':>6} {'p50 ms':>9} {'p99 ms':>9} {'tok/s':>7} "
+        f"{'p50/idle':>8} {'p99/idle':>8}  notes")
+  for name, p in phases.items():
+    if idle["latency_p50_ms"] and p["latency_p50_ms"]:
+      p["p50_vs_idle"] = p["latency_p50_ms"] / idle["latency_p50_ms"]
+      p["p99_vs_idle"] = p["latency_p99_ms"] / idle["latency_p99_ms"]
+    note = ", ".join(f"{k}={p[k]}" for k in ("train_steps", "swaps_applied") if k in p)
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    print(f"{name:>12} {p['requests']:>8} {p['errors']:>6} {fmt(p['latency_p50_ms'], '9.0f')} "
+          f"{fmt(p['latency_p99_ms'], '9.0f')} {p['tokens_per_s']:>7.1f} "
+          f"{fmt(p.get('p50_vs_idle'), '8.2f')} {fmt(p.get('p99_vs_idle'), '8.2f')}  {note}")
+  info["load_avg_end"] = os.getloadavg()[0]
+  result = dict(machine=info, model=config.model.source, clients=args.clients, max_tokens=max_tokens,
+                phase_s=phase_s, phases=phases, wall_s=time.time() - t_start)
+  print(f"bench took {result['wall_s']:.0f} s; load average {info['load_avg_end']:.1f} at the end")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+  main()
