@@ -156,6 +156,11 @@ def base_config() -> ConfigDict:
   c.runtime.ray_address = ""  # "": start a local Ray cluster; "auto" or host:port: join one
   c.runtime.learner_processes = 1  # >1: one learner process per host, joined by jax.distributed
   c.runtime.max_learner_restarts = 3  # a dead learner process group restarts from its checkpoint
+  # Rollout workers (runtime.mode="ray", areal_jax/runtime/ray_rollout.py):
+  c.runtime.max_worker_restarts = 3  # a killed worker restarts and redoes its groups; -1: always
+  c.runtime.worker_devices = "cpu"  # "cpu": pinned cores + mesh.sampler_devices fake devices each |
+  # "gpu" | "tpu": mesh.sampler_devices chips per worker, assigned by Ray
+  c.runtime.learner_cores = 0  # CPU: cores kept for the learner (the driver); 0: an equal share
 
   # Learning from serving (issue 21): python -m areal_jax.serve (see configs/serve_arithmetic.py).
   c.serve = ConfigDict()
@@ -205,6 +210,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "rollout.continuation": (r.continuation, ("keep_cache", "reprefill")),
       "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool")),
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
+      "runtime.worker_devices": (config.runtime.worker_devices, ("cpu", "gpu", "tpu")),
       "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
       "actor.behav_imp_weight_level": (a.behav_imp_weight_level, ("token", "sequence")),
       "actor.adv_norm": (a.adv_norm, ("group", "group_mean", "rloo", "none")),
@@ -259,6 +265,15 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if r.max_prompt_len > max(r.prefill_buckets):
     errors.append(f"rollout.max_prompt_len={r.max_prompt_len} exceeds the largest "
                   f"rollout.prefill_buckets entry {max(r.prefill_buckets)}")
+  if config.runtime.mode == "ray":
+    if r.workers < 1:
+      errors.append(f"rollout.workers={r.workers} must be >= 1 with runtime.mode='ray'")
+    if m.colocated:
+      errors.append("runtime.mode='ray' runs rollout workers in processes of their own: "
+                    "set mesh.colocated=False")
+    if a.lora.rank:
+      errors.append("runtime.mode='ray' does not publish LoRA adapters to rollout workers yet: "
+                    "use actor.lora.rank=0 or runtime.mode='local'")
   if n_devices is not None:
     errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots)
   if errors:

@@ -31,7 +31,7 @@ from areal_jax import learner as learner_lib
 from areal_jax.learner import memory
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import checkpoint, engines, meshes, plots, weight_transfer
+from areal_jax.runtime import checkpoint, engines, meshes, plots, ray_rollout, weight_transfer
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -43,8 +43,16 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   """Trains until ``train.total_steps`` policy versions exist; resumes from ``workdir``.
 
   ``wrap_engine`` (optional) wraps the rollout engine, e.g. to shape a benchmark workload.
-  Returns the last step's metrics.
+  With ``runtime.mode="ray"`` the rollout engines run in Ray actors (``ray_rollout``) on a cluster
+  joined (or started) for the duration of the run. Returns the last step's metrics.
   """
+  with ray_rollout.session(config.runtime):
+    return _run(config, workdir, wrap_engine)
+
+
+def _run(config, workdir: str, wrap_engine=None) -> dict:
+  if config.runtime.mode == "ray":  # pin the learner before JAX starts its threads
+    engine, transfer = ray_rollout.build(config, workdir)
   config_lib.validate(config, jax.device_count())
   os.makedirs(workdir, exist_ok=True)
   _write_config(config, workdir)
@@ -66,13 +74,14 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
     print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
           f"{plan.budget_bytes / 2**30:.2f} GiB (actor.micro_batch_tokens="
           f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
-  engine = engines.build(config, model, tokenizer, sampler_mesh)
+  if config.runtime.mode == "local":
+    engine = engines.build(config, model, tokenizer, sampler_mesh)
+    if learner.lora is not None:  # only the adapters are published (replicated on the sampler)
+      sampler_shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
+    transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
+                                     learner.params(), shardings=sampler_shardings)
   if wrap_engine is not None:
     engine = wrap_engine(engine)
-  if learner.lora is not None:  # only the adapters are published (replicated on the sampler)
-    sampler_shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
-  transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
-                                   learner.params(), shardings=sampler_shardings)
   if not c_train.resume:  # a fresh start keeps the previous run's records aside, never deletes them
     tag = f".old-{checkpoint.utc_tag()}"
     for name in ("metrics.jsonl", "trajectories"):
