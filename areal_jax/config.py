@@ -275,19 +275,25 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       errors.append("runtime.mode='ray' does not publish LoRA adapters to rollout workers yet: "
                     "use actor.lora.rank=0 or runtime.mode='local'")
   if n_devices is not None:
-    errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots)
+    errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots,
+                           remote_sampler=config.runtime.mode == "ray")
   if errors:
     raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
 
-def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int) -> list[str]:
+def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int,
+                 remote_sampler: bool = False) -> list[str]:
+  """``remote_sampler``: rollout workers bring their own devices; ``n_devices`` are the learner's."""
   errors = []
+  if remote_sampler and m.learner_devices > n_devices:
+    return [f"mesh.learner_devices={m.learner_devices} exceeds the {n_devices} devices of the "
+            "learner's process"]
   learner_n = m.learner_devices
   sampler_n = m.learner_devices if m.colocated else m.sampler_devices
   if m.colocated and m.learner_devices > n_devices:
     return [f"mesh.learner_devices={m.learner_devices} (colocated: both meshes) exceeds the "
             f"{n_devices} available devices"]
-  if not m.colocated and m.learner_devices + m.sampler_devices > n_devices:
+  if not m.colocated and not remote_sampler and m.learner_devices + m.sampler_devices > n_devices:
     return [f"mesh.learner_devices={m.learner_devices} + mesh.sampler_devices={m.sampler_devices} "
             f"needs {m.learner_devices + m.sampler_devices} devices, but only {n_devices} exist"]
   for name, n in (("learner", learner_n), ("sampler", sampler_n)):

@@ -57,7 +57,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
   os.makedirs(workdir, exist_ok=True)
   _write_config(config, workdir)
   c_roll, c_act, c_train = config.rollout, config.actor, config.train
-  learner_mesh, sampler_mesh = meshes.build(config.mesh)
+  learner_mesh, sampler_mesh = meshes.build(config.mesh, remote_sampler=config.runtime.mode == "ray")
 
   model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
   if lora_lib.LoraConfig.from_config(c_act.lora) is not None:
@@ -65,7 +65,8 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
     # dtype) the sampler use these very arrays instead of copies.
     _cast_params(model, c_act.dtype)
   task = tasks.get_task(config.task)
-  sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
+  if sampler_mesh is not None:  # local mode (in ray mode the workers derive their own)
+    sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
   learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature,
                                 total_steps=c_train.total_steps,
                                 max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
