@@ -6,6 +6,9 @@
 Rerunning the same command resumes from the latest usable checkpoint in --workdir (damaged ones are
 moved aside); expected faults (no usable checkpoint, a failed save) print a short message without a
 traceback unless --verbosity=1.
+With --config.runtime.mode=ray the rollout engines run in Ray actors (rollout.workers of them): a
+local Ray cluster is started for the run (stopped at its end) unless --config.runtime.ray_address
+names one to join; see launch/README.md for GPU hosts and TPU pod slices.
 The same run can be started from Python: ``areal_jax.runtime.trainer.run(config, workdir)``.
 """
 

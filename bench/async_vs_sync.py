@@ -2,6 +2,14 @@ r"""Asynchronous vs synchronous RL: the same run at several staleness bounds, si
 
   python bench/async_vs_sync.py --json /tmp/async.json            # eta in {0, 1, 2, 4, 8}
   python bench/async_vs_sync.py --quick                           # a few minutes
+  python bench/async_vs_sync.py --mode=ray --json /tmp/async_ray.json   # + /tmp/async_ray.png
+
+``--mode=local`` (default): one process, learner and sampler on one fake device each but the same
+cores. ``--mode=ray``: the learner (this process) pinned to core 0 and one rollout worker process
+(a Ray actor, ``runtime.mode=ray``) pinned to the other core(s), weights through Orbax; the same
+hardware for every eta. Expected runtime of the ray mode with the defaults on an idle 2-core
+machine: about 5-8 minutes (estimated from ``--mode=ray --quick``, 2 etas x 8 steps, which took
+about 3 minutes at a load average of 4-12 from other jobs); ``--quick`` about 2-3 minutes.
 
 Every run trains the same config for the same number of steps; only
 ``rollout.max_head_offpolicyness`` (eta) changes, and eta = 0 is synchronous RL. Generation lengths
@@ -9,7 +17,12 @@ are long-tailed, as with reasoning models: each sample's token budget is drawn f
 distribution (seeded by group and sample), so a synchronous batch waits for its longest sequence
 while an asynchronous sampler keeps its slots busy. Reported per eta: wall time per step, effective
 trained tokens/s, learner wait and sampler idle fractions, final reward, and the throughput ratio
-against eta = 0 (JSON: top-level ``speedup`` and ``final_reward``, keyed by eta as a string).
+against eta = 0 (JSON: top-level ``speedup``, ``final_reward``, ``staleness_max``,
+``gen_busy_frac`` and ``learner_busy_frac``, keyed by eta as a string). ``learner_busy_frac``: the
+share of the timed wall time spent in train steps (compilation excluded); ``gen_busy_frac`` (ray
+mode only; None in local mode, where the two sides share cores): the rollout worker's CPU seconds
+over the same wall time (its compilations included). ``--png`` (default: next to ``--json``)
+draws the reward of each trained batch per step and over wall time, one line per eta.
 
 The default workload is the tiny model on the synthetic arithmetic task (prompts of ~200 byte
 tokens) with generation budgets log-normal around 96 tokens, capped at 512: like reasoning RL, the

@@ -197,11 +197,12 @@ class RayRolloutEngine(RolloutEngine):
   def stop(self) -> None:
     """Stops every worker (unfinished groups are dropped) and closes the weights publisher."""
     with self._lock:
+      stops = [w.actor.stop.remote() for w in self.workers if w.live]
+      try:
+        self.ray.get(stops, timeout=30)
+      except Exception:  # pylint: disable=broad-except  (dead or stuck: killed below)
+        pass
       for w in self.workers:
-        try:
-          self.ray.get(w.actor.stop.remote(), timeout=30)
-        except Exception:  # pylint: disable=broad-except  (dead or restarting: killed below)
-          pass
         self.ray.kill(w.actor, no_restart=True)
         w.live = False
     if self.announcer is not None:
@@ -237,7 +238,7 @@ class RayRolloutEngine(RolloutEngine):
                            sum(w.stats.get("cpu_s", 0.0) for w in self.workers)))
 
   def poll(self, timeout: float | None = 0.0) -> list[Sample]:
-    deadline = time.time() + (timeout or 0.0)
+    deadline = float("inf") if timeout is None else time.time() + timeout
     out = []
     while True:
       with self._lock:
@@ -247,7 +248,7 @@ class RayRolloutEngine(RolloutEngine):
             refs[w.ready_ref] = (i, "ready")
           elif w.poll_ref is not None:
             refs[w.poll_ref] = (i, "poll")
-      left = max(0.0, deadline - time.time())
+      left = min(1.0, max(0.0, deadline - time.time()))
       ready, _ = self.ray.wait(list(refs), num_returns=1, timeout=left) if refs else ([], [])
       if refs:  # everything else that is done by now too
         ready = self.ray.wait(list(refs), num_returns=len(refs), timeout=0)[0] or ready
