@@ -168,12 +168,15 @@ class RayRolloutEngine(RolloutEngine):
     kind, n_dev = config.runtime.worker_devices, config.mesh.sampler_devices
     resources = {} if kind == "cpu" else ({"num_gpus": n_dev} if kind == "gpu"
                                           else {"resources": {"TPU": n_dev}})
+    # The workers import this very checkout (the driver may run from a clone that is not the
+    # installed one): its root goes first on their PYTHONPATH.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                     if p and p != root])
     actor_cls = ray.remote(ray_worker.RolloutWorker).options(
         max_restarts=self.max_restarts, max_task_retries=0, max_concurrency=8, num_cpus=0,
-        **resources)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    self.workers = [_Worker(actor_cls.remote(config, weights_path, cores, (root,)))
-                    for cores in worker_cores]
+        runtime_env={"env_vars": {"PYTHONPATH": path}}, **resources)
+    self.workers = [_Worker(actor_cls.remote(config, weights_path, cores)) for cores in worker_cores]
     self._groups: dict[int, _Group] = {}
     self._lock = threading.RLock()
     self._version = 0

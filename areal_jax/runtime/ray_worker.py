@@ -48,11 +48,8 @@ def cpu_seconds() -> float:
 class RolloutWorker:
   """Actor body: ``submit`` / ``poll`` / ``abort`` / ``pause`` / ``resume`` / ``version`` / ``notify``."""
 
-  def __init__(self, config, weights_path: str, cores=None, sys_path=()):
+  def __init__(self, config, weights_path: str, cores=None):
     self.started = time.time()
-    for p in reversed(sys_path):  # the driver's checkout, so both run the same code
-      if p not in sys.path:
-        sys.path.insert(0, p)
     if cores:
       pin_process(cores)
     devices = config.runtime.worker_devices
