@@ -27,63 +27,15 @@ Ray for ``mesh.sampler_devices`` chips.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
-import tempfile
 import threading
 import time
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample
 from areal_jax.runtime import ray_worker
-
-
-# ---- the cluster -------------------------------------------------------------------------------
-def plan_cores(n_workers: int, learner_cores: int = 0, available=None):
-  """``(learner_cores, [worker_cores, ...])`` over the cores this process may use, or ``None`` when
-  there are too few to give every side at least one core of its own."""
-  cores = sorted(os.sched_getaffinity(0) if available is None else available)
-  if learner_cores < 0:
-    raise ValueError(f"runtime.learner_cores={learner_cores} must be >= 0 (0: an equal share)")
-  share = (len(cores) // (n_workers + 1) if learner_cores == 0
-           else (len(cores) - learner_cores) // max(n_workers, 1))
-  if share < 1:
-    return None
-  n_learner = len(cores) - n_workers * share
-  workers = [cores[n_learner + i * share:n_learner + (i + 1) * share] for i in range(n_workers)]
-  return cores[:n_learner], workers
-
-
-@contextlib.contextmanager
-def session(runtime):
-  """Connects to Ray for the duration of a run in ray mode (a no-op in local mode).
-
-  ``runtime.ray_address`` "" starts a local cluster (no dashboard, a temporary directory); otherwise
-  it joins that cluster. Ray is shut down on the way out, error or not; the process affinity (which
-  ``build`` narrows to the learner's cores) is restored.
-  """
-  if runtime.mode != "ray":
-    yield
-    return
-  import ray  # pylint: disable=import-outside-toplevel
-
-  affinity = os.sched_getaffinity(0)
-  started = not ray.is_initialized()
-  tmp = None
-  if started:
-    if runtime.ray_address:
-      ray.init(address=runtime.ray_address, log_to_driver=True)
-    else:
-      tmp = tempfile.mkdtemp(prefix="ray_")
-      ray.init(num_cpus=len(affinity), include_dashboard=False, _temp_dir=tmp,
-               object_store_memory=256 * 2**20, log_to_driver=True)
-  try:
-    yield
-  finally:
-    if started:
-      ray.shutdown()
-    ray_worker.pin_process(affinity)
+from areal_jax.runtime.ray_cluster import plan_cores
 
 
 class OrbaxAnnouncer:

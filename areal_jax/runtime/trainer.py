@@ -31,7 +31,7 @@ from areal_jax import learner as learner_lib
 from areal_jax.learner import memory
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import checkpoint, engines, meshes, plots, ray_rollout, weight_transfer
+from areal_jax.runtime import checkpoint, engines, meshes, plots, ray_cluster, ray_rollout, weight_transfer
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -46,7 +46,7 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   With ``runtime.mode="ray"`` the rollout engines run in Ray actors (``ray_rollout``) on a cluster
   joined (or started) for the duration of the run. Returns the last step's metrics.
   """
-  with ray_rollout.session(config.runtime):
+  with ray_cluster.session(config.runtime):
     return _run(config, workdir, wrap_engine)
 
 

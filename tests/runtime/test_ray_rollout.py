@@ -16,19 +16,19 @@ import pytest
 
 from areal_jax import config as config_lib
 from areal_jax.runtime import metrics as metrics_lib
-from areal_jax.runtime import ray_rollout
+from areal_jax.runtime import ray_cluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = f"{ROOT}/configs/gsm8k.py:tiny"
 
 
 def test_plan_cores_gives_each_side_cores_of_its_own():
-  assert ray_rollout.plan_cores(1, available=[0, 1]) == ([0], [[1]])
-  learner, workers = ray_rollout.plan_cores(3, available=range(16))
+  assert ray_cluster.plan_cores(1, available=[0, 1]) == ([0], [[1]])
+  learner, workers = ray_cluster.plan_cores(3, available=range(16))
   assert learner == [0, 1, 2, 3] and workers == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
-  learner, workers = ray_rollout.plan_cores(2, learner_cores=6, available=range(16))
+  learner, workers = ray_cluster.plan_cores(2, learner_cores=6, available=range(16))
   assert learner == list(range(6)) and workers == [[6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
-  assert ray_rollout.plan_cores(2, available=[0, 1]) is None  # 3 sides, 2 cores: no pinning
+  assert ray_cluster.plan_cores(2, available=[0, 1]) is None  # 3 sides, 2 cores: no pinning
   all_cores = sorted(learner + [c for w in workers for c in w])
   assert all_cores == list(range(16))
 
@@ -44,7 +44,7 @@ def test_ray_mode_rejects_colocated_meshes_and_lora():
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def local_ray(tmp_path_factory):
   ray = pytest.importorskip("ray")
   tmp = tmp_path_factory.mktemp("ray")
   ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), object_store_memory=128 * 2**20,
@@ -81,7 +81,7 @@ class _Recorder:
 
 @pytest.mark.slow
 def test_a_sigkilled_rollout_worker_restarts_and_no_group_is_lost_or_trained_twice(
-    ray_cluster, tmp_path):
+    local_ray, tmp_path):
   from areal_jax.runtime import trainer
 
   steps, eta, batch, n = 5, 1, 2, 4
