@@ -47,10 +47,48 @@ def test_ray_mode_rejects_colocated_meshes_and_lora():
 def local_ray(tmp_path_factory):
   ray = pytest.importorskip("ray")
   tmp = tmp_path_factory.mktemp("ray")
+  before = _descendants()
   ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), object_store_memory=128 * 2**20,
            log_to_driver=False)
   yield ray
   ray.shutdown()
+  deadline = time.time() + 20  # every process the cluster started is gone
+  while _leftovers(before, str(tmp)) and time.time() < deadline:
+    time.sleep(0.2)
+  left = _leftovers(before, str(tmp))
+  assert not left, {p: _processes().get(p) for p in left}
+
+
+def _processes() -> dict[int, tuple[int, bytes]]:
+  """pid -> (parent pid, command line) of every process now."""
+  out = {}
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/stat", "rb") as f:
+        ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        out[int(pid)] = (ppid, f.read())
+    except (OSError, IndexError, ValueError):  # ended meanwhile
+      pass
+  return out
+
+
+def _descendants(procs=None) -> set[int]:
+  procs = _processes() if procs is None else procs
+  found, frontier = set(), {os.getpid()}
+  while frontier:
+    frontier = {p for p, (ppid, _) in procs.items() if ppid in frontier} - found
+    found |= frontier
+  return found
+
+
+def _leftovers(before: set[int], tmp: str) -> set[int]:
+  """Processes this test module started (children, or naming the cluster's temp dir) still alive."""
+  procs = _processes()
+  named = {p for p, (_, cmd) in procs.items() if tmp.encode() in cmd}
+  # multiprocessing's resource tracker (started by the reward pool) lives as long as this process
+  tracker = {p for p, (_, cmd) in procs.items() if b"multiprocessing.resource_tracker" in cmd}
+  return ((_descendants(procs) - before) | named) - tracker
 
 
 def _dumps(workdir):
