@@ -21,7 +21,8 @@ against eta = 0 (JSON: top-level ``speedup``, ``final_reward``, ``staleness_max`
 ``gen_busy_frac`` and ``learner_busy_frac``, keyed by eta as a string). ``learner_busy_frac``: the
 share of the timed wall time spent in train steps (compilation excluded); ``gen_busy_frac`` (ray
 mode only; None in local mode, where the two sides share cores): the rollout worker's CPU seconds
-over the same wall time (its compilations included). ``--png`` (default: next to ``--json``)
+over the same wall time (its compilations included); ``weights_load_s_per_step`` (ray mode): the
+worker's seconds reading each new version from Orbax (taken from its generation core). ``--png`` (default: next to ``--json``)
 draws the reward of each trained batch per step and over wall time, one line per eta.
 
 The default workload is the tiny model on the synthetic arithmetic task (prompts of ~200 byte
@@ -148,12 +149,14 @@ def run_one(eta: int, args) -> dict:
   wall = raw_wall - compile_s  # steady state: a compiled shape is never compiled again
   tokens = sum(r["learner/tokens"] for r in timed)
   train_s = sum(r["learner/tokens"] / r["train_tokens_per_s"] for r in timed if r["train_tokens_per_s"])
-  busy = dict(learner_busy_frac=max(0.0, train_s - compile_s) / wall, gen_busy_frac=None)
-  history = getattr(engines[0], "history", None)  # ray mode: (version, time, workers' CPU s)
+  busy = dict(learner_busy_frac=max(0.0, train_s - compile_s) / wall, gen_busy_frac=None,
+              weights_load_s_per_step=None)
+  history = getattr(engines[0], "history", None)  # ray mode: (version, time, CPU s, load s)
   if history:
-    at = {v: (t, cpu) for v, t, cpu in history}
-    (t0, cpu0), (t1, cpu1) = at[skip], at[len(rows)]
+    at = {h[0]: h[1:] for h in history}
+    (t0, cpu0, load0), (t1, cpu1, load1) = at[skip], at[len(rows)]
     busy["gen_busy_frac"] = (cpu1 - cpu0) / (t1 - t0)
+    busy["weights_load_s_per_step"] = (load1 - load0) / len(timed)
   return dict(
       **busy, curve=[dict(step=r["step"], reward=r["reward_mean"], wall_s=r["wall_time_s"],
                           staleness_max=r["staleness_max"]) for r in rows],
@@ -225,7 +228,8 @@ def main():
              final_reward={str(r["eta"]): r["final_reward"] for r in rows},
              staleness_max={str(r["eta"]): r["staleness_max"] for r in rows},
              gen_busy_frac={str(r["eta"]): r["gen_busy_frac"] for r in rows},
-             learner_busy_frac={str(r["eta"]): r["learner_busy_frac"] for r in rows})
+             learner_busy_frac={str(r["eta"]): r["learner_busy_frac"] for r in rows},
+             weights_load_s_per_step={str(r["eta"]): r["weights_load_s_per_step"] for r in rows})
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=2)

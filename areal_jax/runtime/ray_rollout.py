@@ -134,20 +134,23 @@ class RayRolloutEngine(RolloutEngine):
     self._version = 0
     self.announcer = None
     self.resubmitted: list[int] = []  # group ids redone after a worker died (for audits and tests)
-    self.history: list[tuple[int, float, float]] = []  # (version, time, workers' cpu_s) per update
+    # (version, time, workers' CPU seconds, workers' seconds reading weights) at each update
+    self.history: list[tuple[int, float, float, float]] = []
 
   # ---- lifecycle ---------------------------------------------------------------------------------
-  def start(self, timeout: float = 600.0) -> None:
-    """Waits until every worker has built its engine (a worker that fails to start raises here)."""
-    infos = self.ray.get([w.actor.info.remote() for w in self.workers], timeout=timeout)
-    with self._lock:
-      for w, info in zip(self.workers, infos):
-        w.live, w.stats = True, dict(info)
-        w.actor.notify.remote(self._version)
-        w.poll_ref = w.actor.poll.remote(self.poll_s)
-      for g in self._groups.values():
-        if not g.sent:
-          self._send(g)
+  def start(self) -> None:
+    """Waits until every worker has built its engine. A worker killed meanwhile (e.g. by Ray's
+    memory monitor) is waited for through its restart; one that cannot start raises here."""
+    now = time.time()
+    for w in self.workers:
+      w.died_s, w.probe_failures = now, 0
+      w.ready_ref = w.actor.info.remote()
+    while True:
+      refs = {w.ready_ref: i for i, w in enumerate(self.workers) if w.ready_ref is not None}
+      if not refs:
+        return
+      for ref in self.ray.wait(list(refs), num_returns=1, timeout=1.0)[0]:
+        self._on_ready(refs[ref], "ready", ref)
 
   def stop(self) -> None:
     """Stops every worker (unfinished groups are dropped) and closes the weights publisher."""
@@ -190,7 +193,8 @@ class RayRolloutEngine(RolloutEngine):
         if w.live:
           w.actor.notify.remote(self._version)
       self.history.append((self._version, time.time(),
-                           sum(w.stats.get("cpu_s", 0.0) for w in self.workers)))
+                           sum(w.stats.get("cpu_s", 0.0) for w in self.workers),
+                           sum(w.stats.get("load_s", 0.0) for w in self.workers)))
 
   def poll(self, timeout: float | None = 0.0) -> list[Sample]:
     deadline = float("inf") if timeout is None else time.time() + timeout
@@ -242,7 +246,9 @@ class RayRolloutEngine(RolloutEngine):
     w = self.workers[i]
     try:
       value = self.ray.get(ref)
-    except self.ray.exceptions.RayActorError as e:
+    except self.ray.exceptions.RayTaskError:  # the worker raised: a bug, not a lost process
+      raise
+    except self.ray.exceptions.RayError as e:  # the process died (SIGKILL, Ray's OOM killer, ...)
       if kind == "ready":  # still restarting: ask again shortly
         self._on_probe_failure(i, e)
       else:
@@ -296,7 +302,10 @@ class RayRolloutEngine(RolloutEngine):
     w.probe_failures += 1
     dead = isinstance(error, self.ray.exceptions.ActorDiedError) and w.probe_failures >= 3
     if dead or time.time() - w.died_s > self.restart_timeout_s:
-      raise RuntimeError(f"rollout worker {i} did not come back after dying ({w.restarts} restarts, "
-                         f"runtime.max_worker_restarts={self.max_restarts})") from error
+      cause = (str(error).strip().splitlines() or [type(error).__name__])[-1][:400]
+      what = "could not start" if w.restarts == 0 else (
+          f"did not come back after dying ({w.restarts} restarts, "
+          f"runtime.max_worker_restarts={self.max_restarts})")
+      raise RuntimeError(f"rollout worker {i} {what}: {cause}") from error
     time.sleep(0.1)
     w.ready_ref = w.actor.info.remote()

@@ -82,9 +82,11 @@ class RolloutWorker:
     self._held = []  # (request, min_version): waiting for the engine to run min_version
     self._stopping = False
     self.load_s = 0.0
-    found = self.receiver.fetch_newer(None)
-    if found is not None:
-      self.engine.update_params(found[1], found[0])
+    # The version the engine runs, once read from the publish directory (None: its own initial
+    # weights, never used for a request). Nothing is read before the driver announces a version: a
+    # resumed run republishes from its checkpoint and a directory may still hold newer versions of
+    # the abandoned timeline until then.
+    self._loaded: int | None = None
     self.engine.start()
     self._loader = threading.Thread(target=self._load_loop, name="weights-loader", daemon=True)
     self._loader.start()
@@ -92,12 +94,12 @@ class RolloutWorker:
   # ---- the driver's calls ----------------------------------------------------------------------
   def info(self) -> dict:
     """Process id, devices, version: also the driver's "ready" probe after a restart."""
-    return dict(pid=os.getpid(), version=self.engine.version, cores=sorted(os.sched_getaffinity(0)),
+    return dict(pid=os.getpid(), version=self._loaded, cores=sorted(os.sched_getaffinity(0)),
                 devices=[str(d) for d in self.jax.devices()], started=self.started)
 
   def submit(self, request, min_version: int = 0) -> None:
     with self._lock:
-      if self.engine.version >= min_version:
+      if self._loaded is not None and self._loaded >= min_version:
         self.engine.submit(request)
       else:
         self._held.append((request, min_version))
@@ -108,7 +110,7 @@ class RolloutWorker:
     """``(samples, stats)``: finished samples, and the worker's counters for the driver's metrics."""
     samples = self.engine.poll(timeout)
     return samples, dict(cpu_s=cpu_seconds(), wall_s=time.time() - self.started,
-                         version=self.engine.version, load_s=self.load_s)
+                         version=self._loaded, load_s=self.load_s)
 
   def notify(self, version: int) -> None:
     """A new version is published (or about to be finalized): load it between decode steps."""
@@ -130,8 +132,8 @@ class RolloutWorker:
   def resume(self) -> None:
     self.engine.resume()
 
-  def version(self) -> int:
-    return self.engine.version
+  def version(self) -> int | None:
+    return self._loaded
 
   def stop(self) -> None:
     with self._lock:
@@ -145,22 +147,23 @@ class RolloutWorker:
   def _load_loop(self) -> None:
     while True:
       with self._lock:
-        while not self._stopping and self.engine.version >= self._target:
+        while not self._stopping and self._target <= (-1 if self._loaded is None else self._loaded):
           self._lock.wait(timeout=1.0)
         if self._stopping:
           return
       t0 = time.perf_counter()
-      found = self.receiver.fetch_newer(self.engine.version)
+      found = self.receiver.fetch_newer(self._loaded)
       if found is None:  # announced but not finalized yet (the learner publishes asynchronously)
         time.sleep(0.01)
         continue
       version, params = found
       self.engine.update_params(params, version)
       self.load_s += time.perf_counter() - t0
-      while self.engine.version < version and not self._stopping:  # swapped between decode steps
+      while self.engine.version != version and not self._stopping:  # swapped between decode steps
         time.sleep(0.002)
       with self._lock:
-        ready = [(r, v) for r, v in self._held if v <= self.engine.version]
-        self._held = [(r, v) for r, v in self._held if v > self.engine.version]
+        self._loaded = version
+        ready = [(r, v) for r, v in self._held if v <= version]
+        self._held = [(r, v) for r, v in self._held if v > version]
         for request, _ in ready:
           self.engine.submit(request)

@@ -48,10 +48,14 @@ def local_ray(tmp_path_factory):
   ray = pytest.importorskip("ray")
   tmp = tmp_path_factory.mktemp("ray")
   before = _descendants()
+  # This test kills a worker itself; Ray's memory monitor killing one more on a crowded machine
+  # would make the run's course (not its guarantees) unpredictable.
+  os.environ["RAY_memory_monitor_refresh_ms"] = "0"
   ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), object_store_memory=128 * 2**20,
            log_to_driver=False)
   yield ray
   ray.shutdown()
+  os.environ.pop("RAY_memory_monitor_refresh_ms", None)
   deadline = time.time() + 20  # every process the cluster started is gone
   while _leftovers(before, str(tmp)) and time.time() < deadline:
     time.sleep(0.2)
