@@ -8,10 +8,10 @@ The body of the actor is a plain class, ``RolloutWorker``; ``ray_rollout`` wraps
      chips Ray assigned to it instead);
   2. builds the model and the rollout engine named by ``rollout.backend`` (``engines.build``) on a
      mesh of its own devices;
-  3. loads the newest weights version published under the Orbax directory, if any.
+  3. waits for the driver to announce a weights version (``notify``; also right after a restart).
 
-A loader thread reads newer versions (``OrbaxReceiver.fetch_newer``) when the driver announces one
-(``notify``) and hands them to the engine, which swaps them between two decode steps; in-flight
+A loader thread reads the newest published version (``OrbaxReceiver.fetch_newer``) whenever the
+driver has announced one newer than the engine's (``notify``) and hands them to the engine, which swaps them between two decode steps; in-flight
 sequences continue and their tokens keep per-token versions (partial rollouts). A request submitted
 with ``min_version`` waits in the worker until its engine runs that version, so no token of a group
 is older than the version the driver announced when it sent the group (the staleness bound).
@@ -154,7 +154,7 @@ class RolloutWorker:
       t0 = time.perf_counter()
       found = self.receiver.fetch_newer(self._loaded)
       if found is None:  # announced but not finalized yet (the learner publishes asynchronously)
-        time.sleep(0.01)
+        time.sleep(0.02)
         continue
       version, params = found
       self.engine.update_params(params, version)

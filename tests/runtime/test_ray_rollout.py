@@ -163,6 +163,7 @@ def test_a_sigkilled_rollout_worker_restarts_and_no_group_is_lost_or_trained_twi
     by_group.setdefault(s["group_id"], []).append(s)
     assert s["staleness"] == s["trained_at_version"] - min(s["versions"])
     assert 0 <= s["staleness"] <= eta, s  # every token's version within the bound
+    assert s["versions"] == sorted(s["versions"])  # one attempt: versions never go back
   assert len(by_group) == steps * batch
   for gid, group in by_group.items():  # trained once, all n samples of one attempt
     assert sorted(s["index"] for s in group) == list(range(n)), gid
