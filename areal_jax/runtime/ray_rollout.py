@@ -120,6 +120,7 @@ class RayRolloutEngine(RolloutEngine):
     kind, n_dev = config.runtime.worker_devices, config.mesh.sampler_devices
     resources = {} if kind == "cpu" else ({"num_gpus": n_dev} if kind == "gpu"
                                           else {"resources": {"TPU": n_dev}})
+    self.resources = resources
     # The workers import this very checkout (the driver may run from a clone that is not the
     # installed one): its root goes first on their PYTHONPATH.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -149,6 +150,11 @@ class RayRolloutEngine(RolloutEngine):
       refs = {w.ready_ref: i for i, w in enumerate(self.workers) if w.ready_ref is not None}
       if not refs:
         return
+      if time.time() - now > self.restart_timeout_s:
+        raise RuntimeError(
+            f"rollout workers {sorted(refs.values())} did not start within "
+            f"{self.restart_timeout_s:.0f} s: does the Ray cluster have what each asks for "
+            f"({self.resources or 'CPU only'}; runtime.worker_devices, mesh.sampler_devices)?")
       for ref in self.ray.wait(list(refs), num_returns=1, timeout=1.0)[0]:
         self._on_ready(refs[ref], "ready", ref)
 

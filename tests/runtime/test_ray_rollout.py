@@ -16,7 +16,7 @@ import pytest
 
 from areal_jax import config as config_lib
 from areal_jax.runtime import metrics as metrics_lib
-from areal_jax.runtime import ray_cluster
+from areal_jax.runtime import ray_cluster, ray_rollout
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = f"{ROOT}/configs/gsm8k.py:tiny"
@@ -173,3 +173,15 @@ def test_a_sigkilled_rollout_worker_restarts_and_no_group_is_lost_or_trained_twi
   due = {g for g, v in record.submitted.items() if v + eta <= steps - 1}
   assert due <= set(by_group)
   assert set(killed["holding"]) & due
+
+
+def test_a_worker_the_cluster_cannot_place_fails_start_with_a_clear_message(local_ray, tmp_path):
+  c = config_lib.load(TINY)
+  config_lib.override(c, "runtime.worker_devices", "gpu")  # the test cluster has no GPU
+  engine = ray_rollout.RayRolloutEngine(c, str(tmp_path / "weights"), [None])
+  engine.restart_timeout_s = 2.0
+  try:
+    with pytest.raises(RuntimeError, match=r"did not start within 2 s.*num_gpus"):
+      engine.start()
+  finally:
+    engine.stop()
