@@ -199,7 +199,10 @@ def main():
     rows = [run_one(eta, args) for eta in etas]
   finally:
     if args.mode == "ray":
-      ray.shutdown()
+      try:
+        ray.shutdown()
+      except Exception as e:  # pylint: disable=broad-except  (the measurements are already taken)
+        print(f"warning: ray.shutdown failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
   base = next(r for r in rows if r["eta"] == 0)["trained_tokens_per_s"] if 0 in etas else None
   raw_base = next(r for r in rows if r["eta"] == 0)["raw_trained_tokens_per_s"] if 0 in etas else None
   for r in rows:
