@@ -7,9 +7,8 @@ r"""Asynchronous vs synchronous RL: the same run at several staleness bounds, si
 ``--mode=local`` (default): one process, learner and sampler on one fake device each but the same
 cores. ``--mode=ray``: the learner (this process) pinned to core 0 and one rollout worker process
 (a Ray actor, ``runtime.mode=ray``) pinned to the other core(s), weights through Orbax; the same
-hardware for every eta. Expected runtime of the ray mode with the defaults on an idle 2-core
-machine: about 5-8 minutes (estimated from ``--mode=ray --quick``, 2 etas x 8 steps, which took
-about 3 minutes at a load average of 4-12 from other jobs); ``--quick`` about 2-3 minutes.
+hardware for every eta. Expected runtime of the ray mode with the defaults: about 5-6 minutes on
+2 cores (measured: 5 min 30 s at a load average of 3-8 from other jobs); ``--quick`` 2-3 minutes.
 
 Every run trains the same config for the same number of steps; only
 ``rollout.max_head_offpolicyness`` (eta) changes, and eta = 0 is synchronous RL. Generation lengths
@@ -43,6 +42,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 
@@ -191,10 +191,12 @@ def main():
   if args.quick:
     args.etas, args.steps, args.warmup = "0,4", 8, 2
   etas = [int(e) for e in args.etas.split(",")]
+  ray_tmp = None
   if args.mode == "ray":  # one local cluster for every eta (the runs join it)
     import ray  # pylint: disable=import-outside-toplevel
-    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray_"), object_store_memory=256 * 2**20)
+    ray_tmp = tempfile.mkdtemp(prefix="ray_")
+    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, _temp_dir=ray_tmp,
+             object_store_memory=256 * 2**20)
   try:
     rows = [run_one(eta, args) for eta in etas]
   finally:
@@ -203,6 +205,7 @@ def main():
         ray.shutdown()
       except Exception as e:  # pylint: disable=broad-except  (the measurements are already taken)
         print(f"warning: ray.shutdown failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+      shutil.rmtree(ray_tmp, ignore_errors=True)
   base = next(r for r in rows if r["eta"] == 0)["trained_tokens_per_s"] if 0 in etas else None
   raw_base = next(r for r in rows if r["eta"] == 0)["raw_trained_tokens_per_s"] if 0 in etas else None
   for r in rows:
