@@ -11,6 +11,9 @@ jax.distributed (weights.transfer=orbax) under a supervisor that restarts the ru
 checkpoint when a learner process dies (runtime.max_learner_restarts; areal_jax/runtime/supervisor.py):
   python launch.py --config=configs/gsm8k.py:tiny --workdir=/tmp/run --config.weights.transfer=orbax \
       --config.runtime.learner_processes=2 --config.mesh.learner_devices=2
+With --config.runtime.mode=ray the rollout engines run in Ray actors (rollout.workers of them): a
+local Ray cluster is started for the run (stopped at its end) unless --config.runtime.ray_address
+names one to join; see launch/README.md for GPU hosts and TPU pod slices.
 The same run can be started from Python: ``areal_jax.runtime.trainer.run(config, workdir)``.
 """
 

@@ -159,6 +159,11 @@ def base_config() -> ConfigDict:
   # "": the driver starts the runtime.learner_processes learner processes on its own host;
   # "host:port": it listens there for learner processes started on their hosts (learner_worker.py)
   c.runtime.learner_address = ""
+  # Rollout workers (runtime.mode="ray", areal_jax/runtime/ray_rollout.py):
+  c.runtime.max_worker_restarts = 3  # a killed worker restarts and redoes its groups; -1: always
+  c.runtime.worker_devices = "cpu"  # "cpu": pinned cores + mesh.sampler_devices fake devices each |
+  # "gpu" | "tpu": mesh.sampler_devices chips per worker, assigned by Ray
+  c.runtime.learner_cores = 0  # CPU: cores kept for the learner (the driver); 0: an equal share
 
   # Learning from serving (issue 21): python -m areal_jax.serve (see configs/serve_arithmetic.py).
   c.serve = ConfigDict()
@@ -229,6 +234,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool")),
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
       "serve.judge": (config.serve.judge, ("rule", "model", "none")),
+      "runtime.worker_devices": (config.runtime.worker_devices, ("cpu", "gpu", "tpu")),
       "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
       "actor.behav_imp_weight_level": (a.behav_imp_weight_level, ("token", "sequence")),
       "actor.adv_norm": (a.adv_norm, ("group", "group_mean", "rloo", "none")),
@@ -291,20 +297,35 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if r.max_prompt_len > max(r.prefill_buckets):
     errors.append(f"rollout.max_prompt_len={r.max_prompt_len} exceeds the largest "
                   f"rollout.prefill_buckets entry {max(r.prefill_buckets)}")
+  if config.runtime.mode == "ray":
+    if r.workers < 1:
+      errors.append(f"rollout.workers={r.workers} must be >= 1 with runtime.mode='ray'")
+    if m.colocated:
+      errors.append("runtime.mode='ray' runs rollout workers in processes of their own: "
+                    "set mesh.colocated=False")
+    if a.lora.rank:
+      errors.append("runtime.mode='ray' does not publish LoRA adapters to rollout workers yet: "
+                    "use actor.lora.rank=0 or runtime.mode='local'")
   if n_devices is not None:
-    errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots)
+    errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots,
+                           remote_sampler=config.runtime.mode == "ray")
   if errors:
     raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
 
-def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int) -> list[str]:
+def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int,
+                 remote_sampler: bool = False) -> list[str]:
+  """``remote_sampler``: rollout workers bring their own devices; ``n_devices`` are the learner's."""
   errors = []
+  if remote_sampler and m.learner_devices > n_devices:
+    return [f"mesh.learner_devices={m.learner_devices} exceeds the {n_devices} devices of the "
+            "learner's process"]
   learner_n = m.learner_devices
   sampler_n = m.learner_devices if m.colocated else m.sampler_devices
   if m.colocated and m.learner_devices > n_devices:
     return [f"mesh.learner_devices={m.learner_devices} (colocated: both meshes) exceeds the "
             f"{n_devices} available devices"]
-  if not m.colocated and m.learner_devices + m.sampler_devices > n_devices:
+  if not m.colocated and not remote_sampler and m.learner_devices + m.sampler_devices > n_devices:
     return [f"mesh.learner_devices={m.learner_devices} + mesh.sampler_devices={m.sampler_devices} "
             f"needs {m.learner_devices + m.sampler_devices} devices, but only {n_devices} exist"]
   for name, n in (("learner", learner_n), ("sampler", sampler_n)):

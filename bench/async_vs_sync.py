@@ -2,6 +2,13 @@ r"""Asynchronous vs synchronous RL: the same run at several staleness bounds, si
 
   python bench/async_vs_sync.py --json /tmp/async.json            # eta in {0, 1, 2, 4, 8}
   python bench/async_vs_sync.py --quick                           # a few minutes
+  python bench/async_vs_sync.py --mode=ray --json /tmp/async_ray.json   # + /tmp/async_ray.png
+
+``--mode=local`` (default): one process, learner and sampler on one fake device each but the same
+cores. ``--mode=ray``: the learner (this process) pinned to core 0 and one rollout worker process
+(a Ray actor, ``runtime.mode=ray``) pinned to the other core(s), weights through Orbax; the same
+hardware for every eta. Expected runtime of the ray mode with the defaults: about 5-6 minutes on
+2 cores (measured: 5 min 30 s at a load average of 3-8 from other jobs); ``--quick`` 2-3 minutes.
 
 Every run trains the same config for the same number of steps; only
 ``rollout.max_head_offpolicyness`` (eta) changes, and eta = 0 is synchronous RL. Generation lengths
@@ -9,7 +16,13 @@ are long-tailed, as with reasoning models: each sample's token budget is drawn f
 distribution (seeded by group and sample), so a synchronous batch waits for its longest sequence
 while an asynchronous sampler keeps its slots busy. Reported per eta: wall time per step, effective
 trained tokens/s, learner wait and sampler idle fractions, final reward, and the throughput ratio
-against eta = 0 (JSON: top-level ``speedup`` and ``final_reward``, keyed by eta as a string).
+against eta = 0 (JSON: top-level ``speedup``, ``final_reward``, ``staleness_max``,
+``gen_busy_frac`` and ``learner_busy_frac``, keyed by eta as a string). ``learner_busy_frac``: the
+share of the timed wall time spent in train steps (compilation excluded); ``gen_busy_frac`` (ray
+mode only; None in local mode, where the two sides share cores): the rollout worker's CPU seconds
+over the same wall time (its compilations included); ``weights_load_s_per_step`` (ray mode): the
+worker's seconds reading each new version from Orbax (taken from its generation core). ``--png`` (default: next to ``--json``)
+draws the reward of each trained batch per step and over wall time, one line per eta.
 
 The default workload is the tiny model on the synthetic arithmetic task (prompts of ~200 byte
 tokens) with generation budgets log-normal around 96 tokens, capped at 512: like reasoning RL, the
@@ -29,11 +42,14 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LOAD_BEFORE = os.getloadavg()
 
 import numpy as np  # noqa: E402
 from jax._src import monitoring  # noqa: E402  (unregistering a listener is not public API)
@@ -110,12 +126,19 @@ def run_one(eta: int, args) -> dict:
                      "actor.batch_size": args.batch, "rollout.num_slots": args.slots,
                      "rollout.max_concurrent_rollouts": max(args.batch, args.slots // c.rollout.n_samples),
                      "rollout.filter_uniform_groups": False, "mesh.colocated": False,
-                     "mesh.learner_devices": 1, "mesh.sampler_devices": 1}.items():
+                     "mesh.learner_devices": 1, "mesh.sampler_devices": 1,
+                     "runtime.mode": args.mode, "rollout.workers": 1}.items():
     config_lib.override(c, key, value)
+  engines = []
+
+  def wrap(engine):
+    engines.append(engine)
+    return LongTailEngine(engine, args.median, args.sigma, args.cap)
+
   with tempfile.TemporaryDirectory() as workdir:
     clock = CompileClock(os.path.join(workdir, "metrics.jsonl"))
     try:
-      trainer.run(c, workdir, wrap_engine=lambda e: LongTailEngine(e, args.median, args.sigma, args.cap))
+      trainer.run(c, workdir, wrap_engine=wrap)
     finally:
       clock.close()
     rows = metrics_lib.read(os.path.join(workdir, "metrics.jsonl"))
@@ -125,7 +148,18 @@ def run_one(eta: int, args) -> dict:
   compile_s = sum(clock.by_step[r["step"]] for r in timed)
   wall = raw_wall - compile_s  # steady state: a compiled shape is never compiled again
   tokens = sum(r["learner/tokens"] for r in timed)
+  train_s = sum(r["learner/tokens"] / r["train_tokens_per_s"] for r in timed if r["train_tokens_per_s"])
+  busy = dict(learner_busy_frac=max(0.0, train_s - compile_s) / wall, gen_busy_frac=None,
+              weights_load_s_per_step=None)
+  history = getattr(engines[0], "history", None)  # ray mode: (version, time, CPU s, load s)
+  if history:
+    at = {h[0]: h[1:] for h in history}
+    (t0, cpu0, load0), (t1, cpu1, load1) = at[skip], at[len(rows)]
+    busy["gen_busy_frac"] = (cpu1 - cpu0) / (t1 - t0)
+    busy["weights_load_s_per_step"] = (load1 - load0) / len(timed)
   return dict(
+      **busy, curve=[dict(step=r["step"], reward=r["reward_mean"], wall_s=r["wall_time_s"],
+                          staleness_max=r["staleness_max"]) for r in rows],
       eta=eta, steps=len(rows), timed_steps=len(timed), wall_per_step_s=wall / len(timed),
       trained_tokens_per_s=tokens / wall, raw_trained_tokens_per_s=tokens / raw_wall,
       compile_s_in_timed_steps=compile_s,
@@ -149,39 +183,89 @@ def main():
   p.add_argument("--cap", type=int, default=512)
   p.add_argument("--quick", action="store_true", help="eta in {0, 4}, fewer steps")
   p.add_argument("--json", default="")
+  p.add_argument("--mode", default="local", choices=("local", "ray"),
+                 help="local: one process, both meshes on the same cores; ray: one rollout worker "
+                      "process on its own core(s), the learner on the others")
+  p.add_argument("--png", default="", help="reward curves per eta (default: next to --json)")
   args = p.parse_args()
   if args.quick:
     args.etas, args.steps, args.warmup = "0,4", 8, 2
   etas = [int(e) for e in args.etas.split(",")]
-  rows = [run_one(eta, args) for eta in etas]
+  ray_tmp = None
+  if args.mode == "ray":  # one local cluster for every eta (the runs join it)
+    import ray  # pylint: disable=import-outside-toplevel
+    ray_tmp = tempfile.mkdtemp(prefix="ray_")
+    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, _temp_dir=ray_tmp,
+             object_store_memory=256 * 2**20)
+  try:
+    rows = [run_one(eta, args) for eta in etas]
+  finally:
+    if args.mode == "ray":
+      try:
+        ray.shutdown()
+      except Exception as e:  # pylint: disable=broad-except  (the measurements are already taken)
+        print(f"warning: ray.shutdown failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+      shutil.rmtree(ray_tmp, ignore_errors=True)
   base = next(r for r in rows if r["eta"] == 0)["trained_tokens_per_s"] if 0 in etas else None
   raw_base = next(r for r in rows if r["eta"] == 0)["raw_trained_tokens_per_s"] if 0 in etas else None
   for r in rows:
     r["speedup"] = r["trained_tokens_per_s"] / base if base else None
     r["raw_speedup"] = r["raw_trained_tokens_per_s"] / raw_base if raw_base else None
   machine = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                 cores=os.cpu_count())
-  print(f"machine: {machine}; config {args.config}, {args.steps} steps ({args.warmup} untimed), "
+                 cores=os.cpu_count(), load_avg_before=LOAD_BEFORE, load_avg_after=os.getloadavg())
+  print(f"machine: {machine}; mode {args.mode}; config {args.config}, {args.steps} steps ({args.warmup} untimed), "
         f"B={args.batch}, slots={args.slots}, budget lognormal(median {args.median}, "
         f"sigma {args.sigma}) capped at {args.cap}")
   header = (f"{'eta':>4} {'s/step':>8} {'train tok/s':>12} {'speedup':>8} {'raw x':>6} {'compile':>8} "
-            f"{'wait':>6} {'idle':>6} {'stale':>6} {'reward':>7}")
+            f"{'wait':>6} {'idle':>6} {'gen':>5} {'learn':>5} {'stale':>6} {'reward':>7}")
   print(header)
   for r in rows:
+    gen = f"{r['gen_busy_frac']:>5.2f}" if r["gen_busy_frac"] is not None else f"{'-':>5}"
     print(f"{r['eta']:>4} {r['wall_per_step_s']:>8.2f} {r['trained_tokens_per_s']:>12.1f} "
           f"{(r['speedup'] or 0):>8.2f} {(r['raw_speedup'] or 0):>6.2f} {r['compile_s_in_timed_steps']:>7.1f}s "
-          f"{r['learner_wait_frac']:>6.2f} {r['sampler_idle_frac']:>6.2f} "
-          f"{r['staleness_max']:>6d} {r['final_reward']:>7.3f}")
+          f"{r['learner_wait_frac']:>6.2f} {r['sampler_idle_frac']:>6.2f} {gen} "
+          f"{r['learner_busy_frac']:>5.2f} {r['staleness_max']:>6d} {r['final_reward']:>7.3f}")
   sync = next((r for r in rows if r["eta"] == 0), None)
   gen_frac = sync["learner_wait_frac"] if sync else None
   if sync:
     print(f"synchronous steps spent {gen_frac:.0%} of their time waiting for generation")
   out = dict(machine=machine, args=vars(args), rows=rows, gen_frac_sync=gen_frac,
              speedup={str(r["eta"]): r["speedup"] for r in rows},
-             final_reward={str(r["eta"]): r["final_reward"] for r in rows})
+             final_reward={str(r["eta"]): r["final_reward"] for r in rows},
+             staleness_max={str(r["eta"]): r["staleness_max"] for r in rows},
+             gen_busy_frac={str(r["eta"]): r["gen_busy_frac"] for r in rows},
+             learner_busy_frac={str(r["eta"]): r["learner_busy_frac"] for r in rows},
+             weights_load_s_per_step={str(r["eta"]): r["weights_load_s_per_step"] for r in rows})
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=2)
+  png = args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else "")
+  if png:
+    plot_curves(rows, png, f"{args.mode} mode, B={args.batch}, {machine['cores']} cores")
+    print(f"curves: {png}")
+
+
+def plot_curves(rows: list[dict], path: str, title: str) -> None:
+  """Reward of the trained batch per step (same seeds: the same samples budget) and against wall
+  time, one line per eta (Agg canvas, no display needed)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  fig = Figure(figsize=(11, 4))
+  FigureCanvasAgg(fig)
+  by_step, by_time = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+  for r in rows:
+    steps = [p["step"] for p in r["curve"]]
+    reward = [p["reward"] for p in r["curve"]]
+    by_step.plot(steps, reward, marker=".", label=f"eta {r['eta']}")
+    by_time.plot([p["wall_s"] for p in r["curve"]], reward, marker=".", label=f"eta {r['eta']}")
+  by_step.set(xlabel="training step (B groups each)", ylabel="mean reward of the trained batch",
+              title="reward per trained sample")
+  by_time.set(xlabel="wall time (s, compilation included)", title="reward over time")
+  by_step.legend()
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

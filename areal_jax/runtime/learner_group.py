@@ -66,6 +66,9 @@ def check_config(config) -> int:
                     f"runtime.learner_processes={n}")
     if config.runtime.learner_address:
       process_group.host_port(config.runtime.learner_address)
+    if config.runtime.mode != "local":
+      errors.append(f"runtime.learner_processes={n} runs with runtime.mode='local' only (a learner "
+                    "group beside Ray rollout workers is not supported yet)")
     if config.actor.lora.rank:
       errors.append(f"runtime.learner_processes={n} does not support actor.lora yet (set "
                     "actor.lora.rank=0 or runtime.learner_processes=1)")

@@ -31,7 +31,8 @@ from areal_jax import learner as learner_lib
 from areal_jax.learner import memory
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import checkpoint, engines, learner_group, meshes, plots, weight_transfer
+from areal_jax.runtime import (checkpoint, engines, learner_group, meshes, plots, ray_cluster,
+                               ray_rollout, weight_transfer)
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -43,13 +44,21 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
   """Trains until ``train.total_steps`` policy versions exist; resumes from ``workdir``.
 
   ``wrap_engine`` (optional) wraps the rollout engine, e.g. to shape a benchmark workload.
-  Returns the last step's metrics.
+  With ``runtime.mode="ray"`` the rollout engines run in Ray actors (``ray_rollout``) on a cluster
+  joined (or started) for the duration of the run. Returns the last step's metrics.
   """
+  with ray_cluster.session(config.runtime):
+    return _run(config, workdir, wrap_engine)
+
+
+def _run(config, workdir: str, wrap_engine=None) -> dict:
+  if config.runtime.mode == "ray":  # pin the learner before JAX starts its threads
+    engine, transfer = ray_rollout.build(config, workdir)
   config_lib.validate(config, jax.device_count())
   os.makedirs(workdir, exist_ok=True)
   _write_config(config, workdir)
   c_roll, c_act, c_train = config.rollout, config.actor, config.train
-  learner_mesh, sampler_mesh = meshes.build(config.mesh)
+  learner_mesh, sampler_mesh = meshes.build(config.mesh, remote_sampler=config.runtime.mode == "ray")
 
   model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
   if lora_lib.LoraConfig.from_config(c_act.lora) is not None:
@@ -57,37 +66,18 @@ def run(config, workdir: str, wrap_engine=None) -> dict:
     # dtype) the sampler use these very arrays instead of copies.
     _cast_params(model, c_act.dtype)
   task = tasks.get_task(config.task)
-  sampler_shardings = weight_transfer.target_shardings(model, sampler_mesh)
-  group = learner_group.check_config(config) > 1  # the learner in its own processes
-  if group:  # (learner_group.py; the driver's learner mesh stays unused)
-    learner = learner_group.LearnerGroup(config, workdir)
-  else:
-    learner = learner_lib.Learner(model, c_act, learner_mesh, temperature=c_roll.temperature,
-                                  total_steps=c_train.total_steps,
-                                  max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
-  plan = None if group else memory.fit(learner, config.mesh)  # may lower micro_batch_tokens
-  if plan is not None:
-    print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
-          f"{plan.budget_bytes / 2**30:.2f} GiB (actor.micro_batch_tokens="
-          f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
-  engine = engines.build(config, model, tokenizer, sampler_mesh)
+  learner, group = _build_learner(config, workdir, model, learner_mesh)
+  if config.runtime.mode == "local":  # (in ray mode the workers hold the engines, built above)
+    engine = engines.build(config, model, tokenizer, sampler_mesh)
+    transfer = _build_transfer(config, workdir, learner, model, learner_mesh, sampler_mesh, group)
   if wrap_engine is not None:
     engine = wrap_engine(engine)
-  if learner.lora is not None:  # only the adapters are published (replicated on the sampler)
-    sampler_shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
-  if group:
-    transfer = learner.transfer(config.weights, model, sampler_mesh)
-  else:
-    transfer = weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
-                                     learner.params(), shardings=sampler_shardings)
   if not c_train.resume:  # a fresh start keeps the previous run's records aside, never deletes them
     tag = f".old-{checkpoint.utc_tag()}"
     for name in ("metrics.jsonl", "trajectories"):
       checkpoint.move_aside(os.path.join(workdir, name), tag)
-  if group:
-    ckpt = learner.checkpointer()  # closing it stops the group
-  else:
-    ckpt = Checkpointer(workdir, c_train.keep_checkpoints, resume=c_train.resume)
+  ckpt = (learner.checkpointer() if group  # (closing it stops the group)
+          else Checkpointer(workdir, c_train.keep_checkpoints, resume=c_train.resume))
 
   # Resume from the newest usable checkpoint (damaged ones are moved aside): learner state, policy
   # version, data position and unfinished groups; the metrics rows and trajectory dumps written
@@ -241,6 +231,35 @@ def evaluate_groups(controller: RolloutController, task, c_train, progress=None)
 def _phase(progress, phase: str):
   """``progress(done, total)`` for one evaluation phase of ``progress(phase, done, total)``."""
   return None if progress is None else functools.partial(progress, phase)
+
+
+def _build_learner(config, workdir: str, model, learner_mesh):
+  """``(learner, is_group)``: the learner in this process (memory plan checked), or a group of
+  ``runtime.learner_processes`` processes (``learner_group.py``; the driver's learner mesh unused)."""
+  if learner_group.check_config(config) > 1:
+    return learner_group.LearnerGroup(config, workdir), True
+  c_roll = config.rollout
+  learner = learner_lib.Learner(model, config.actor, learner_mesh, temperature=c_roll.temperature,
+                                total_steps=config.train.total_steps,
+                                max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
+  plan = memory.fit(learner, config.mesh)  # may lower actor.micro_batch_tokens; None: no budget
+  if plan is not None:
+    print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
+          f"{plan.budget_bytes / 2**30:.2f} GiB (actor.micro_batch_tokens="
+          f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
+  return learner, False
+
+
+def _build_transfer(config, workdir: str, learner, model, learner_mesh, sampler_mesh, group: bool):
+  """The weight transfer from the learner to this process's sampler mesh."""
+  if group:  # the group's processes publish Orbax versions; the driver restores them
+    return learner.transfer(config.weights, model, sampler_mesh)
+  if learner.lora is not None:  # only the adapters are published (replicated on the sampler)
+    shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
+  else:
+    shardings = weight_transfer.target_shardings(model, sampler_mesh)
+  return weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
+                               learner.params(), shardings=shardings)
 
 
 def _save(ckpt, learner, controller, staleness, version, totals, t_start) -> None:

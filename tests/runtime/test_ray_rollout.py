@@ -1,0 +1,187 @@
+"""runtime.mode="ray": rollout workers as Ray actors, a worker SIGKILLed mid-run, the core plan.
+
+One local Ray cluster (2 CPUs, no dashboard, its own temporary directory) serves the module; it is
+shut down at the end and no Ray process is left behind.
+"""
+
+import glob
+import json
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import pytest
+
+from areal_jax import config as config_lib
+from areal_jax.runtime import metrics as metrics_lib
+from areal_jax.runtime import ray_cluster, ray_rollout
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = f"{ROOT}/configs/gsm8k.py:tiny"
+
+
+def test_plan_cores_gives_each_side_cores_of_its_own():
+  assert ray_cluster.plan_cores(1, available=[0, 1]) == ([0], [[1]])
+  learner, workers = ray_cluster.plan_cores(3, available=range(16))
+  assert learner == [0, 1, 2, 3] and workers == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+  learner, workers = ray_cluster.plan_cores(2, learner_cores=6, available=range(16))
+  assert learner == list(range(6)) and workers == [[6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+  assert ray_cluster.plan_cores(2, available=[0, 1]) is None  # 3 sides, 2 cores: no pinning
+  all_cores = sorted(learner + [c for w in workers for c in w])
+  assert all_cores == list(range(16))
+
+
+def test_ray_mode_rejects_colocated_meshes_and_lora():
+  c = config_lib.load(TINY)
+  config_lib.override(c, "runtime.mode", "ray")
+  config_lib.override(c, "mesh.colocated", True)
+  config_lib.override(c, "actor.lora.rank", 4)
+  with pytest.raises(ValueError, match="mesh.colocated=False") as e:
+    config_lib.validate(c)
+  assert "actor.lora.rank=0" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+  ray = pytest.importorskip("ray")
+  tmp = tmp_path_factory.mktemp("ray")
+  before = _descendants()
+  # This test kills a worker itself; Ray's memory monitor killing one more on a crowded machine
+  # would make the run's course (not its guarantees) unpredictable.
+  os.environ["RAY_memory_monitor_refresh_ms"] = "0"
+  ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), object_store_memory=128 * 2**20,
+           log_to_driver=False)
+  yield ray
+  ray.shutdown()
+  os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+  deadline = time.time() + 20  # every process the cluster started is gone
+  while _leftovers(before, str(tmp)) and time.time() < deadline:
+    time.sleep(0.2)
+  left = _leftovers(before, str(tmp))
+  assert not left, {p: _processes().get(p) for p in left}
+
+
+def _processes() -> dict[int, tuple[int, bytes]]:
+  """pid -> (parent pid, command line) of every process now."""
+  out = {}
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/stat", "rb") as f:
+        ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        out[int(pid)] = (ppid, f.read())
+    except (OSError, IndexError, ValueError):  # ended meanwhile
+      pass
+  return out
+
+
+def _descendants(procs=None) -> set[int]:
+  procs = _processes() if procs is None else procs
+  found, frontier = set(), {os.getpid()}
+  while frontier:
+    frontier = {p for p, (ppid, _) in procs.items() if ppid in frontier} - found
+    found |= frontier
+  return found
+
+
+def _leftovers(before: set[int], tmp: str) -> set[int]:
+  """Processes this test module started (children, or naming the cluster's temp dir) still alive."""
+  procs = _processes()
+  named = {p for p, (_, cmd) in procs.items() if tmp.encode() in cmd}
+  # multiprocessing's resource tracker (started by the reward pool) lives as long as this process
+  tracker = {p for p, (_, cmd) in procs.items() if b"multiprocessing.resource_tracker" in cmd}
+  return ((_descendants(procs) - before) | named) - tracker
+
+
+def _dumps(workdir):
+  rows = []
+  for path in sorted(glob.glob(os.path.join(workdir, "trajectories", "step_*.jsonl"))):
+    with open(path) as f:
+      rows += [json.loads(line) for line in f]
+  return rows
+
+
+class _Recorder:
+  """Wraps the engine: remembers it, and the announced version at each group's submission."""
+
+  def __init__(self):
+    self.engine, self.submitted = None, {}
+
+  def __call__(self, engine):
+    self.engine = engine
+    inner_submit = engine.submit
+
+    def submit(request):
+      self.submitted[request.group_id] = engine.version
+      inner_submit(request)
+
+    engine.submit = submit
+    return engine
+
+
+@pytest.mark.slow
+def test_a_sigkilled_rollout_worker_restarts_and_no_group_is_lost_or_trained_twice(
+    local_ray, tmp_path):
+  from areal_jax.runtime import trainer
+
+  steps, eta, batch, n = 5, 1, 2, 4
+  c = config_lib.load(TINY)
+  for key, value in {"runtime.mode": "ray", "rollout.workers": 1, "train.total_steps": steps,
+                     "rollout.max_head_offpolicyness": eta, "actor.batch_size": batch,
+                     "rollout.n_samples": n, "rollout.num_slots": 8, "rollout.max_new_tokens": 24,
+                     "train.dump_trajectories": True, "train.checkpoint_every": 100}.items():
+    config_lib.override(c, key, value)
+  record = _Recorder()
+  killed = {}
+
+  def killer():  # once step 1 is trained, SIGKILL the worker while it holds unfinished groups
+    path = tmp_path / "metrics.jsonl"
+    while not (path.exists() and path.read_text().count("\n") >= 1):
+      time.sleep(0.05)
+    engine = record.engine
+    with engine._lock:  # pylint: disable=protected-access
+      killed["holding"] = sorted(engine._groups)  # pylint: disable=protected-access
+    killed["pid"] = engine.worker_info()[0]["pid"]
+    os.kill(killed["pid"], signal.SIGKILL)
+
+  thread = threading.Thread(target=killer, daemon=True)
+  thread.start()
+  trainer.run(c, str(tmp_path), wrap_engine=record)
+  thread.join(timeout=5)
+
+  engine = record.engine
+  assert killed["holding"], "the worker was killed while holding no group"
+  assert engine.workers[0].restarts == 1
+  assert set(killed["holding"]) <= set(engine.resubmitted)
+  rows = metrics_lib.read(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in rows] == list(range(1, steps + 1))
+  samples = _dumps(str(tmp_path))
+  by_group = {}
+  for s in samples:
+    by_group.setdefault(s["group_id"], []).append(s)
+    assert s["staleness"] == s["trained_at_version"] - min(s["versions"])
+    assert 0 <= s["staleness"] <= eta, s  # every token's version within the bound
+    assert s["versions"] == sorted(s["versions"])  # one attempt: versions never go back
+  assert len(by_group) == steps * batch
+  for gid, group in by_group.items():  # trained once, all n samples of one attempt
+    assert sorted(s["index"] for s in group) == list(range(n)), gid
+    assert len({s["trained_at_version"] for s in group}) == 1
+  # No group lost: every group whose deadline (admitted at version <= v, trained by v + eta) fell
+  # within the run was trained, the killed worker's groups included.
+  due = {g for g, v in record.submitted.items() if v + eta <= steps - 1}
+  assert due <= set(by_group)
+  assert set(killed["holding"]) & due
+
+
+def test_a_worker_the_cluster_cannot_place_fails_start_with_a_clear_message(local_ray, tmp_path):
+  c = config_lib.load(TINY)
+  config_lib.override(c, "runtime.worker_devices", "gpu")  # the test cluster has no GPU
+  engine = ray_rollout.RayRolloutEngine(c, str(tmp_path / "weights"), [None])
+  engine.restart_timeout_s = 2.0
+  try:
+    with pytest.raises(RuntimeError, match=r"did not start within 2 s.*num_gpus"):
+      engine.start()
+  finally:
+    engine.stop()
