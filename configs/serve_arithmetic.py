@@ -10,6 +10,13 @@ advantage ``score - running baseline`` (``serve.baseline_decay``), computed by t
 standalone evaluator measures the served policy on the same held-out split:
 
   python -m areal_jax.evaluate --config=configs/serve_arithmetic.py --checkpoint=runs/serve
+
+Measured with ``python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py
+--workdir=runs/serve_try --duration_s=1200 --curve_points=3`` on 2 CPU cores (Intel Xeon), this
+recipe, 2026-11-25: 20 minutes of serving 16 simulated users (1376 conversations, 720 turns
+trained over 45 versions, 458 counted stale) took held-out greedy pass@1 on 100 problems from 0.26
+to 0.45 (version 5), 0.56 (version 25) and 0.74 (version 45); the whole demo took ~25 minutes. An
+earlier 11-minute run with 4 users and batches of 8 (too few conversations) stayed flat.
 """
 
 from areal_jax.config import lock
@@ -32,9 +39,9 @@ def get_config(preset: str = "default"):
   c = _arithmetic(preset)
   c.unlock()
   c.actor.adv_norm = "none"  # the trainer loop passes score - baseline as the reward
-  c.actor.batch_size = 8  # judged turns per train step
+  c.actor.batch_size = 16  # judged turns per train step
   c.actor.ppo_n_minibatches = 1
-  c.actor.lr = 1e-5
+  c.actor.lr = 2e-5
   # The learner trains while the sampler serves, in one process: chunk the LM head (exact gradients)
   # so a step's logits stay small (a first 15-minute run was killed for memory at 10 GB RSS on a
   # 24 GiB machine shared with other jobs; the effect of this setting on the peak is not measured).
@@ -42,12 +49,12 @@ def get_config(preset: str = "default"):
   # A conversation's second turn (question, answer, "right") must fit the prompt budget.
   c.rollout.max_prompt_len = 192
   c.rollout.prefill_buckets = (96, 192)
-  c.rollout.num_slots = 16
+  c.rollout.num_slots = 32
   c.train.total_steps = 10000  # the constant learning rate's horizon; serving stops on a signal
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 20  # the demo evaluates every kept checkpoint for its curve
   c.serve.max_staleness = 4
-  c.serve.sim_users = 4
+  c.serve.sim_users = 16  # enough concurrent conversations to keep the sampler batched
   c.serve.sim_duration_s = 1200.0
   if preset == "tiny":
     c.actor.batch_size = 4
