@@ -3,6 +3,7 @@ the hardware probes (memory read bandwidth, float32 matmul throughput) results a
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -24,6 +25,16 @@ QWEN25_7B = ModelConfig(arch="qwen2", vocab_size=152064, d_model=3584, n_layers=
 QWEN3_1P7B = ModelConfig(arch="qwen3", vocab_size=151936, d_model=2048, n_layers=28, n_heads=16,
                          n_kv_heads=8, head_dim=128, d_ff=6144, rope_theta=1e6, norm_eps=1e-6,
                          qk_norm=True, tie_embeddings=True, dtype="bfloat16")
+def finish(result: dict, json_path: str | None, t_start: float) -> None:
+  """The end of a benchmark: its wall time and the machine's load, then ``result`` as JSON."""
+  print(f"bench took {time.perf_counter() - t_start:.0f} s; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"wrote {json_path}")
+
+
 TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=16, d_ff=128)
 

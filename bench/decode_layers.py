@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import time
 
@@ -29,7 +28,7 @@ from areal_jax.kernels import choice
 from areal_jax.sampler import sampling
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 import decode_floor
-from common import SMOLLM2, Hardware, machine
+from common import SMOLLM2, Hardware, finish, machine
 from sampler import make_model, roofline
 
 LAYERS = ("unrolled", "scan")
@@ -100,12 +99,7 @@ def main():
             "compile_s": {str(n): c for n, c in compiles.items()},
             "step_ms": {k: r["step_ms"] for k, r in steps.items()}, "floor_step_ms": floor,
             "rows": steps, "load_avg": os.getloadavg(), "bench_s": time.perf_counter() - t_start}
-  print(f"bench took {result['bench_s']:.0f} s; load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+  finish(result, args.json, t_start)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
 import decode_floor
-from common import QWEN25_1P5B, SMOLLM2, TINY, Hardware, machine
+from common import QWEN25_1P5B, SMOLLM2, TINY, Hardware, finish, machine
 
 TINY_HD32 = dataclasses.replace(TINY, head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -350,12 +350,7 @@ def main():
       print(f"{label:>13} speedup JAX continuous / vLLM {theirs['vllm']}: {vs[name]:.2f}x")
     result.update(speedup_vs_vllm=vs["smollm2-135m"], speedup_vs_vllm_tiny=vs["tiny"],
                   rows=rows)
-  print(f"bench took {time.perf_counter() - t_start:.0f} s; load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+  finish(result, args.json, t_start)
 
 
 if __name__ == "__main__":

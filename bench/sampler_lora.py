@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ import numpy as np  # noqa: E402
 from areal_jax.models import lora  # noqa: E402
 from areal_jax.sampler import sampling  # noqa: E402
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig  # noqa: E402
-from common import SMOLLM2, machine  # noqa: E402
+from common import SMOLLM2, finish, machine  # noqa: E402
 from sampler import make_model  # noqa: E402
 
 STEPS = 16
@@ -106,12 +105,7 @@ def main():
             "n_layers": cfg.n_layers, "merge_ms": merge_ms, "rows": rows,
             "side_over_merged": side_ms / merged_ms, "breakeven_steps": breakeven,
             "load_avg": os.getloadavg(), "bench_s": time.perf_counter() - t_start}
-  print(f"bench took {result['bench_s']:.0f} s; load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+  finish(result, args.json, t_start)
 
 
 if __name__ == "__main__":
