@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from areal_jax.learner import Learner
 from areal_jax.runtime import distributed
@@ -18,6 +19,7 @@ sys.path.insert(0, str(HERE.parent / "learner"))
 from learner_helpers import actor, batch, mesh, model  # noqa: E402
 
 
+@pytest.mark.slow  # three processes start and compile (~50 s)
 def test_two_processes_train_the_same_parameters_as_one(tmp_path):
   out = str(tmp_path / "params.npz")
   coordinator = f"127.0.0.1:{distributed.free_port()}"
