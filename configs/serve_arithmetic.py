@@ -54,6 +54,9 @@ def get_config(preset: str = "default"):
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 20  # the demo evaluates every kept checkpoint for its curve
   c.serve.max_staleness = 4
+  # The trainer in its own process, pinned apart from the server (on 2 CPU cores: one each), so
+  # training does not stretch request latency; the tiny preset (tests) keeps it a thread.
+  c.serve.trainer_process = True
   c.serve.sim_users = 16  # enough concurrent conversations to keep the sampler batched
   c.serve.sim_duration_s = 1200.0
   if preset == "tiny":
@@ -66,6 +69,7 @@ def get_config(preset: str = "default"):
     c.train.checkpoint_every = 2
     c.train.eval_size = 8
     c.serve.warmup = False  # tests: compile on first use
+    c.serve.trainer_process = False
     c.serve.sim_users = 2
     c.serve.sim_duration_s = 20.0
   return lock(c)
