@@ -153,7 +153,9 @@ def _process_phases(rt, config, args, phase_s, max_tokens) -> dict:
     phases[name] = _clients(rt, config, args.clients, phase_s, max_tokens)
     st = rt.trainer.status() or {}
     if name == "training":
-      phases[name]["train_steps"] = st.get("bench_steps", 0)
+      phases[name]["train_steps"] = st.get("bench_steps", 0)  # completed within the phase
+      if st.get("step_started"):  # a step still running at the end: busy for this long
+        phases[name]["train_step_running_s"] = round(time.time() - st["step_started"], 1)
     else:
       phases[name]["swaps_applied"] = rt.engine.stats["swaps"] - swap_before
   return phases
@@ -212,7 +214,8 @@ def main():
     if idle["latency_p50_ms"] and p["latency_p50_ms"]:
       p["p50_vs_idle"] = p["latency_p50_ms"] / idle["latency_p50_ms"]
       p["p99_vs_idle"] = p["latency_p99_ms"] / idle["latency_p99_ms"]
-    note = ", ".join(f"{k}={p[k]}" for k in ("train_steps", "swaps_applied") if k in p)
+    note = ", ".join(f"{k}={p[k]}" for k in ("train_steps", "train_step_running_s", "swaps_applied")
+                     if k in p)
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     print(f"{name:>12} {p['requests']:>8} {p['errors']:>6} {fmt(p['latency_p50_ms'], '9.0f')} "
           f"{fmt(p['latency_p99_ms'], '9.0f')} {p['tokens_per_s']:>7.1f} "

@@ -11,9 +11,16 @@ standalone evaluator measures the served policy on the same held-out split:
 
   python -m areal_jax.evaluate --config=configs/serve_arithmetic.py --checkpoint=runs/serve
 
+The trainer loop runs as its own process by default here (``serve.trainer_process = True``: the
+server on half the CPU cores, ``python -m areal_jax.serve.trainer_process`` pinned to the other half,
+versions through Orbax weights under ``<workdir>/weights``), so training does not stretch request
+latency the way a learner sharing the server's cores does (bench/serve.py, README); the tiny preset
+(tests, Colab) keeps the trainer a thread of the server. Either mode:
+``--config.serve.trainer_process=False|True``.
+
 Measured with ``python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py
 --workdir=runs/serve_try --duration_s=1200 --curve_points=3`` on 2 CPU cores (Intel Xeon), this
-recipe, 2026-11-25: 20 minutes of serving 16 simulated users (1376 conversations, 720 turns
+recipe, the trainer then a thread of the server, 2026-11-25: 20 minutes of serving 16 simulated users (1376 conversations, 720 turns
 trained over 45 versions, 458 counted stale) took held-out greedy pass@1 on 100 problems from 0.26
 to 0.45 (version 5), 0.56 (version 25) and 0.74 (version 45); the whole demo took ~25 minutes. An
 earlier 11-minute run with 4 users and batches of 8 (too few conversations) stayed flat.

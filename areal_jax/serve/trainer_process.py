@@ -9,8 +9,8 @@ turns from the SQLite store (WAL: the server writes while this process reads), t
 exactly-once marks, checkpoints and resume (``restore`` rolls back marks of steps after the newest
 checkpoint). Each version is written as Orbax weights (``<weights.path or workdir/weights>/<v>/``)
 and announced in ``<workdir>/trainer_status.json`` (atomic), which the server's watcher reads; the
-status also carries the loop's counters and error for ``/health``. SIGTERM/SIGINT: stop after the
-current step and checkpoint; SIGKILL loses only the steps since the last checkpoint (redone on the
+status also carries the loop's counters and error for ``/health``. SIGTERM/SIGINT (or the server
+dying: this process then has another parent): stop after the current step and checkpoint; SIGKILL loses only the steps since the last checkpoint (redone on the
 same turns after the restart, nothing trained twice).
 
 ``--bench=train|swap`` is for bench/serve.py only: train the first recorded batch back to back
@@ -85,9 +85,11 @@ def _bench(loop, mode: str, stop: threading.Event, status) -> None:
     learner.train_step(batch, adv)  # compiles before the phase starts
     status(ready=True)
     while not stop.is_set():
+      t0 = time.time()
+      status(ready=True, bench_steps=n, step_started=t0)
       learner.train_step(batch, adv)
       n += 1
-      status(ready=True, bench_steps=n)
+      status(ready=True, bench_steps=n, step_started=None, last_step_s=time.time() - t0)
   else:
     version = learner.version
     while not stop.wait(_SWAP_EVERY_S.value):
@@ -137,6 +139,13 @@ def main(argv) -> None:
     loop.request_stop()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, on_signal)
+  parent = os.getppid()
+
+  def orphaned():  # the server died (SIGKILL): stop like on SIGTERM, leave no process behind
+    while not stop.wait(1.0):
+      if os.getppid() != parent:
+        on_signal()
+  threading.Thread(target=orphaned, name="trainer-orphan-check", daemon=True).start()
 
   loop.restore()
   loop.publish()  # the restored version, announced before any step (the server swaps to it)

@@ -96,7 +96,9 @@ class TrainerProcess:
     if self.cores:
       cmd.append("--cores=" + ",".join(map(str, self.cores)))
     with self._lock:
-      self._proc = subprocess.Popen(cmd + self.extra_args)  # pylint: disable=consider-using-with
+      # Its own session: a terminal's Ctrl-C reaches the server, which stops it (checkpointing).
+      self._proc = subprocess.Popen(cmd + self.extra_args,  # pylint: disable=consider-using-with
+                                    start_new_session=True)
     log.info("trainer process %d started (cores %s)", self._proc.pid, self.cores)
 
   def _watch(self) -> None:
