@@ -32,10 +32,15 @@ from absl import app, flags
 CONFIG_FILE = "trainer_config.pkl"
 STATUS_FILE = "trainer_status.json"
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The server's workdir (config, store, checkpoints).")
-_CORES = flags.DEFINE_list("cores", [], "CPU cores to pin this process to (before JAX is imported).")
-_BENCH = flags.DEFINE_enum("bench", None, ["train", "swap"], "bench/serve.py phases only.")
-_SWAP_EVERY_S = flags.DEFINE_float("swap_every_s", 2.0, "--bench=swap: seconds between versions.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():  # only when run as a program (the server imports this module beside its flags)
+  flags.DEFINE_string("workdir", None, "The server's workdir (config, store, checkpoints).")
+  flags.DEFINE_list("cores", [], "CPU cores to pin this process to (before JAX is imported).")
+  flags.DEFINE_enum("bench", None, ["train", "swap"], "bench/serve.py phases only.")
+  flags.DEFINE_float("swap_every_s", 2.0, "--bench=swap: seconds between versions.")
+  flags.mark_flags_as_required(["workdir"])
 
 
 def weights_path(config, workdir: str) -> str:
@@ -92,7 +97,7 @@ def _bench(loop, mode: str, stop: threading.Event, status) -> None:
       status(ready=True, bench_steps=n, step_started=None, last_step_s=time.time() - t0)
   else:
     version = learner.version
-    while not stop.wait(_SWAP_EVERY_S.value):
+    while not stop.wait(FLAGS.swap_every_s):
       version += 1
       loop.transfer.publish(learner.params(), version)
       n += 1
@@ -101,13 +106,13 @@ def _bench(loop, mode: str, stop: threading.Event, status) -> None:
 
 def main(argv) -> None:
   del argv
-  workdir = os.path.abspath(_WORKDIR.value)
-  if _CORES.value:
+  workdir = os.path.abspath(FLAGS.workdir)
+  if FLAGS.cores:
     from areal_jax.runtime.ray_worker import pin_process  # pylint: disable=import-outside-toplevel
 
     if "jax" in sys.modules:
       raise RuntimeError("JAX was imported in the trainer process before it was pinned")
-    pin_process(int(c) for c in _CORES.value)
+    pin_process(int(c) for c in FLAGS.cores)
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} not found: the server writes it before starting this process")
@@ -150,8 +155,8 @@ def main(argv) -> None:
   loop.restore()
   loop.publish()  # the restored version, announced before any step (the server swaps to it)
   status(published=loop.version)
-  if _BENCH.value:
-    _bench(loop, _BENCH.value, stop, status)
+  if FLAGS.bench:
+    _bench(loop, FLAGS.bench, stop, status)
   else:
     loop.on_step = lambda: status(published=loop.version)
     loop.run()  # until SIGTERM: then checkpoints
@@ -163,5 +168,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["workdir"])
+  _define_flags()
   app.run(main)

@@ -71,3 +71,10 @@ def test_trainer_process_trains_survives_sigkill_and_resumes_without_training_tw
   assert os.sched_getaffinity(0) == affinity and not rt.trainer.alive  # no process left behind
   with pytest.raises(ProcessLookupError):
     os.kill(pid, 0)
+
+
+def test_the_server_cli_imports_the_trainer_process_module_without_flag_clashes():
+  import areal_jax.serve.__main__  # noqa: F401  (defines --workdir)  pylint: disable=import-outside-toplevel
+  from areal_jax.serve import trainer_process, trainer_supervisor  # noqa: F401  pylint: disable=import-outside-toplevel
+
+  assert trainer_process.STATUS_FILE and trainer_supervisor.plan_cores
