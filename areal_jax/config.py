@@ -175,6 +175,12 @@ def base_config() -> ConfigDict:
   c.serve.max_candidates = 8  # the largest ``n`` one request may ask for
   c.serve.warmup = True  # compile every decode bucket before accepting requests (no compile stalls)
   c.serve.train = True  # False: serve and record (and judge) only, no trainer loop
+  # The trainer loop as its own process (python -m areal_jax.serve.trainer_process), started and
+  # restarted by the server; versions reach the server as Orbax weights (<workdir>/weights). On CPU
+  # the two processes are pinned to disjoint cores so training does not slow serving down.
+  c.serve.trainer_process = False
+  c.serve.trainer_cores = 0  # CPU cores of the trainer process (0: half, the server keeps the rest)
+  c.serve.weights_poll_s = 0.5  # how often the server looks for a newer published version
   c.serve.baseline_decay = 0.9  # EMA of past scores: the baseline of single-candidate turns
   # The judge loop: "rule" (the user's next message says right / wrong), "model" (serve.judge_prompt
   # sent to serve.judge_url, or to this server's own policy in process when ""), "none".
@@ -256,6 +262,11 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   errors += [f"{k}={v} must be >= 1" for k, v in positive.items() if v < 1]
   if not 0 <= config.serve.baseline_decay < 1:
     errors.append(f"serve.baseline_decay={config.serve.baseline_decay} must be in [0, 1)")
+  if config.serve.trainer_cores < 0:
+    errors.append(f"serve.trainer_cores={config.serve.trainer_cores} must be >= 0 (0: half)")
+  if config.serve.trainer_process and config.actor.lora.rank > 0:
+    errors.append("serve.trainer_process=True does not support actor.lora (the server loads full "
+                  "weights); set serve.trainer_process=False")
   if config.serve.max_staleness < 0:
     errors.append(f"serve.max_staleness={config.serve.max_staleness} must be >= 0")
   if a.logits_chunk < 0:

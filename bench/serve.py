@@ -1,16 +1,20 @@
 """Serving latency while idle, while the learner trains, and across weight swaps, in one run.
 
-  python bench/serve.py [--quick] [--json PATH] [--phase-s S] [--clients K]
+  python bench/serve.py [--quick] [--json PATH] [--phase-s S] [--clients K] [--trainer=MODE]
 
 The server (``areal_jax.serve``, configs/serve_arithmetic.py: SmolLM2-135M; ``--quick``: the tiny
-random model) runs in this process on its loopback port; ``--clients`` threads send arithmetic
+random model) runs in this process on its loopback port, its trainer loop as the config says
+(``serve.trainer_process``: SmolLM2 its own process pinned to half the cores, the server on the
+other half; tiny: a thread) or as ``--trainer=thread|process`` forces, to compare both; ``--clients`` threads send arithmetic
 questions through the official ``openai`` client, non-streaming, each request ``--max-tokens``
 completion tokens at most, back to back, for ``--phase-s`` seconds per phase:
   * ``idle``: serving only (the judge and trainer loops stopped);
   * ``training``: the learner runs train steps back to back on turns recorded in the idle phase
-    (the real ``Learner.train_step`` of the trainer loop, one warm-up step compiled before);
+    (the real ``Learner.train_step`` of the trainer loop, one warm-up step compiled before; in a
+    thread beside serving, or in the trainer process: ``trainer_process --bench=train``);
   * ``weight_swap``: a new policy version is published to the engine every ``--swap-every-s``
-    seconds (``engine.update_params``, applied between decode steps), no training.
+    seconds (thread: ``engine.update_params``; process: Orbax weights the server's watcher loads,
+    then ``engine.update_params``; applied between decode steps), no training.
 Per phase: requests, ``latency_p50_ms``, ``latency_p99_ms`` (request sent -> response parsed),
 completion ``tokens_per_s`` (all clients together) and, for the other phases, the ratios of p50 /
 p99 to idle's (the goal: p99 while training within 1.5x of idle). Training and swap counts show
@@ -37,6 +41,8 @@ from common import machine  # noqa: E402
 from areal_jax import config as config_lib  # noqa: E402
 from areal_jax import tasks  # noqa: E402
 from areal_jax.rollout_api import Sample  # noqa: E402
+from areal_jax.runtime.ray_worker import pin_process  # noqa: E402
+from areal_jax.serve import trainer_supervisor  # noqa: E402
 from areal_jax.serve.runtime import ServeRuntime  # noqa: E402
 
 
@@ -102,6 +108,59 @@ class _Background:
     return self.calls
 
 
+def _thread_phases(rt, config, args, phase_s, max_tokens) -> dict:
+  """Training and swaps in the server's process: the learner's steps in a thread beside serving."""
+  phases = {}
+  rows = rt.store.first(config.actor.batch_size)
+  learner = rt.trainer.learner
+  batch = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
+                   r["versions"], "eos")] for r in rows]
+  advantages = [[(-1.0) ** i] for i in range(len(batch))]
+  learner.train_step(batch, advantages)  # compiles
+  steps = _Background(lambda: learner.train_step(batch, advantages))
+  phases["training"] = _clients(rt, config, args.clients, phase_s, max_tokens)
+  phases["training"]["train_steps"] = steps.stop()
+
+  version = [rt.engine.version]
+
+  def swap():
+    version[0] += 1
+    rt.engine.update_params(learner.params(), version[0])
+  swap_before = rt.engine.stats["swaps"]
+  swaps = _Background(swap, pause_s=args.swap_every_s)
+  phases["weight_swap"] = _clients(rt, config, args.clients, phase_s, max_tokens)
+  swaps.stop()
+  phases["weight_swap"]["swaps_applied"] = rt.engine.stats["swaps"] - swap_before
+  return phases
+
+
+def _process_phases(rt, config, args, phase_s, max_tokens) -> dict:
+  """Training and swaps in the trainer process (its own cores): the same steps on the first batch
+  of recorded turns (``--bench=train``), then Orbax versions every ``--swap-every-s`` that the
+  server's watcher loads (``--bench=swap``)."""
+  phases = {}
+  for name, extra in (("training", ["--bench=train"]),
+                      ("weight_swap", ["--bench=swap", f"--swap_every_s={args.swap_every_s}"])):
+    rt.trainer.stop()
+    rt.trainer.extra_args = extra
+    rt.trainer.start()
+    deadline = time.time() + 900
+    while not (rt.trainer.status() or {}).get("ready"):  # loaded, restored, compiled
+      if time.time() > deadline:
+        raise TimeoutError(f"the trainer process did not get ready for the {name} phase")
+      time.sleep(0.5)
+    swap_before = rt.engine.stats["swaps"]
+    phases[name] = _clients(rt, config, args.clients, phase_s, max_tokens)
+    st = rt.trainer.status() or {}
+    if name == "training":
+      phases[name]["train_steps"] = st.get("bench_steps", 0)  # completed within the phase
+      if st.get("step_started"):  # a step still running at the end: busy for this long
+        phases[name]["train_step_running_s"] = round(time.time() - st["step_started"], 1)
+    else:
+      phases[name]["swaps_applied"] = rt.engine.stats["swaps"] - swap_before
+  return phases
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="the tiny model, short phases")
@@ -110,6 +169,9 @@ def main():
   ap.add_argument("--clients", type=int, default=4)
   ap.add_argument("--max-tokens", type=int, default=None)
   ap.add_argument("--swap-every-s", type=float, default=2.0)
+  ap.add_argument("--trainer", choices=("config", "thread", "process"), default="config",
+                  help="the trainer loop as a thread of the server or its own pinned process "
+                       "(serve.trainer_process); config: as the config says")
   args = ap.parse_args()
   preset = "tiny" if args.quick else "default"
   phase_s = args.phase_s or (15.0 if args.quick else 60.0)
@@ -118,41 +180,31 @@ def main():
   config.unlock()
   config.serve.port = 0
   config.serve.warmup = True  # every decode bucket compiled before the first request
+  if args.trainer != "config":
+    config.serve.trainer_process = args.trainer == "process"
+  mode = "process" if config.serve.trainer_process else "thread"
   config.lock()
+  cores = trainer_supervisor.plan_cores(config)
+  if cores is not None:  # as the CLI does: the server's share before JAX's CPU client exists
+    pin_process(cores[0])
   info = machine()
   print(f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['devices']}); "
         f"load average {info['load_avg']:.1f}; model {config.model.source}, {args.clients} clients, "
-        f"max_tokens {max_tokens}, {phase_s:.0f} s per phase", flush=True)
+        f"max_tokens {max_tokens}, {phase_s:.0f} s per phase, trainer as a {mode}", flush=True)
   t_start = time.time()
   with tempfile.TemporaryDirectory() as workdir:
-    rt = ServeRuntime(config, workdir)
+    rt = ServeRuntime(config, workdir, cores=cores)
     rt.start()
     rt.judge.stop()
-    rt.trainer.stop(checkpoint=False)
+    if mode == "thread":
+      rt.trainer.stop(checkpoint=False)
     try:
       _clients(rt, config, args.clients, min(phase_s, 10.0), max_tokens)  # compile and warm up
       phases = {"idle": _clients(rt, config, args.clients, phase_s, max_tokens)}
-
-      rows = rt.store.first(config.actor.batch_size)
-      learner = rt.trainer.learner
-      batch = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
-                       r["versions"], "eos")] for r in rows]
-      advantages = [[(-1.0) ** i] for i in range(len(batch))]
-      learner.train_step(batch, advantages)  # compiles
-      steps = _Background(lambda: learner.train_step(batch, advantages))
-      phases["training"] = _clients(rt, config, args.clients, phase_s, max_tokens)
-      phases["training"]["train_steps"] = steps.stop()
-
-      version = [rt.engine.version]
-
-      def swap():
-        version[0] += 1
-        rt.engine.update_params(learner.params(), version[0])
-      swap_before = rt.engine.stats["swaps"]
-      swaps = _Background(swap, pause_s=args.swap_every_s)
-      phases["weight_swap"] = _clients(rt, config, args.clients, phase_s, max_tokens)
-      swaps.stop()
-      phases["weight_swap"]["swaps_applied"] = rt.engine.stats["swaps"] - swap_before
+      if mode == "thread":
+        phases.update(_thread_phases(rt, config, args, phase_s, max_tokens))
+      else:
+        phases.update(_process_phases(rt, config, args, phase_s, max_tokens))
     finally:
       rt.stop()
   idle = phases["idle"]
@@ -162,13 +214,15 @@ def main():
     if idle["latency_p50_ms"] and p["latency_p50_ms"]:
       p["p50_vs_idle"] = p["latency_p50_ms"] / idle["latency_p50_ms"]
       p["p99_vs_idle"] = p["latency_p99_ms"] / idle["latency_p99_ms"]
-    note = ", ".join(f"{k}={p[k]}" for k in ("train_steps", "swaps_applied") if k in p)
+    note = ", ".join(f"{k}={p[k]}" for k in ("train_steps", "train_step_running_s", "swaps_applied")
+                     if k in p)
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     print(f"{name:>12} {p['requests']:>8} {p['errors']:>6} {fmt(p['latency_p50_ms'], '9.0f')} "
           f"{fmt(p['latency_p99_ms'], '9.0f')} {p['tokens_per_s']:>7.1f} "
           f"{fmt(p.get('p50_vs_idle'), '8.2f')} {fmt(p.get('p99_vs_idle'), '8.2f')}  {note}")
   info["load_avg_end"] = os.getloadavg()[0]
-  result = dict(machine=info, model=config.model.source, clients=args.clients, max_tokens=max_tokens,
+  result = dict(machine=info, model=config.model.source, trainer=mode, cores=rt.cores,
+                clients=args.clients, max_tokens=max_tokens,
                 phase_s=phase_s, phases=phases, wall_s=time.time() - t_start)
   print(f"bench took {result['wall_s']:.0f} s; load average {info['load_avg_end']:.1f} at the end")
   if args.json:

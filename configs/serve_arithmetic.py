@@ -11,9 +11,16 @@ standalone evaluator measures the served policy on the same held-out split:
 
   python -m areal_jax.evaluate --config=configs/serve_arithmetic.py --checkpoint=runs/serve
 
+The trainer loop is a thread of the server here (the recipe measured below). With
+``--config.serve.trainer_process=True`` it runs as its own process pinned apart from the server
+(``python -m areal_jax.serve.trainer_process``, versions through Orbax weights under
+``<workdir>/weights``): request p99 while training stays near idle (bench/serve.py, README), but on
+2 cores its one-core learner trails 16 users, and a 4-minute demo in that mode lost pass@1 (0.26 ->
+0.07); its 20-minute result is not measured, so it is not the default yet.
+
 Measured with ``python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py
 --workdir=runs/serve_try --duration_s=1200 --curve_points=3`` on 2 CPU cores (Intel Xeon), this
-recipe, 2026-11-25: 20 minutes of serving 16 simulated users (1376 conversations, 720 turns
+recipe, the trainer then a thread of the server, 2026-11-25: 20 minutes of serving 16 simulated users (1376 conversations, 720 turns
 trained over 45 versions, 458 counted stale) took held-out greedy pass@1 on 100 problems from 0.26
 to 0.45 (version 5), 0.56 (version 25) and 0.74 (version 45); the whole demo took ~25 minutes. An
 earlier 11-minute run with 4 users and batches of 8 (too few conversations) stayed flat.
@@ -54,6 +61,7 @@ def get_config(preset: str = "default"):
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 20  # the demo evaluates every kept checkpoint for its curve
   c.serve.max_staleness = 4
+  c.serve.trainer_process = False  # True: its own process on its own cores (see the docstring)
   c.serve.sim_users = 16  # enough concurrent conversations to keep the sampler batched
   c.serve.sim_duration_s = 1200.0
   if preset == "tiny":

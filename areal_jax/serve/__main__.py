@@ -26,10 +26,21 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv) -> None:
   del argv
+  # serve.trainer_process: this process keeps the server's cores, pinned before JAX is imported
+  # (XLA's CPU thread pool then spans only them); the trainer process pins itself to the rest.
+  from areal_jax.runtime.ray_worker import pin_process  # pylint: disable=import-outside-toplevel
+  from areal_jax.serve.trainer_supervisor import plan_cores  # pylint: disable=import-outside-toplevel
+
+  cores = plan_cores(_CONFIG.value)
+  if cores is not None:
+    if "jax" in sys.modules:
+      raise RuntimeError("JAX was imported before the server pinned its cores")
+    pin_process(cores[0])
+    print(f"server on cores {cores[0]}, trainer process on cores {cores[1]}", flush=True)
   from areal_jax.serve.runtime import ServeRuntime  # pylint: disable=import-outside-toplevel
 
   logging.set_verbosity(logging.INFO)
-  runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value)
+  runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
   done = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: done.set())

@@ -4,7 +4,9 @@
              thread and applies new weights between decode steps;
   recording- inside serving: each turn is committed to the store before its response ends;
   judging  - ``JudgeLoop`` (a thread) scores turns from their next state;
-  training - ``TrainerLoop`` (a thread) trains on judged turns and publishes versions.
+  training - ``TrainerLoop`` (a thread) trains on judged turns and publishes versions; with
+             ``serve.trainer_process`` it runs in its own process pinned to its own cores
+             (``trainer_supervisor``), versions reach the engine through Orbax and a watcher.
 None waits on another: the judge and trainer only meet serving through the store (SQLite, WAL) and
 ``engine.update_params``. Each can be stopped, killed or restarted on its own (``restart_judge``,
 ``restart_trainer``), resuming from the store and the newest checkpoint.
@@ -22,16 +24,15 @@ import uvicorn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
-from areal_jax import learner as learner_lib
 from areal_jax import models
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import engines, meshes, weight_transfer
-from areal_jax.runtime.checkpoint import Checkpointer
+from areal_jax.runtime.ray_worker import pin_process
 from areal_jax.serve import judge as judge_lib
 from areal_jax.serve.app import ServeContext, build_app
 from areal_jax.serve.dispatch import Dispatcher
 from areal_jax.serve.store import TurnStore
-from areal_jax.serve.trainer_loop import TrainerLoop
+from areal_jax.serve import trainer_process, trainer_supervisor
 
 log = logging.getLogger(__name__)
 
@@ -39,33 +40,50 @@ log = logging.getLogger(__name__)
 class ServeRuntime:
   """``start()`` brings up the four loops, ``stop()`` ends them (trainer checkpoints first)."""
 
-  def __init__(self, config, workdir: str, port: int | None = None):
+  def __init__(self, config, workdir: str, port: int | None = None, cores=None, trainer_args=()):
+    """``cores``: ``(server_cores, trainer_cores)`` when the caller already pinned itself (the CLI
+    does, before importing JAX); otherwise planned here (``serve.trainer_process``) and this
+    process's threads are pinned to the server's share until ``stop``."""
+    s = config.serve
+    self._affinity = os.sched_getaffinity(0)
+    if cores is None:  # before the first JAX computation sizes XLA's CPU thread pool
+      cores = trainer_supervisor.plan_cores(config)
+      if cores is not None:
+        pin_process(cores[0])
     config_lib.validate(config, jax.device_count())
     self.config, self.workdir = config, os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    c_roll, s = config.rollout, config.serve
+    self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
     model, self.tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
     self.store = TurnStore(s.db_path or os.path.join(self.workdir, "turns.sqlite"))
     self.engine = engines.build(config, model, self.tokenizer, sampler_mesh)
     self.dispatcher = Dispatcher(self.engine)
-    self.trainer = None
-    if s.train:
-      learner = learner_lib.Learner(model, config.actor, learner_mesh, temperature=c_roll.temperature,
-                                    total_steps=config.train.total_steps,
-                                    max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
-      shardings = weight_transfer.target_shardings(model, sampler_mesh)
-      if learner.lora is not None:  # adapters only, replicated on the sampler
-        shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
-      self._new_transfer = lambda: weight_transfer.build(
-          config.weights, self.workdir, learner_mesh, sampler_mesh, learner.params(),
-          shardings=shardings)
-      transfer = self._new_transfer()
-      ckpt = Checkpointer(self.workdir, config.train.keep_checkpoints, resume=config.train.resume)
-      self.trainer = TrainerLoop(config, self.workdir, self.store, learner, transfer, self.engine, ckpt)
+    self.trainer = self.watcher = None
+    if s.train and s.trainer_process:  # the trainer in its own process, versions through Orbax
+      self.trainer = trainer_supervisor.TrainerProcess(
+          config, self.workdir, cores[1] if cores else None, trainer_args)
+      target = weight_transfer.abstract_params(
+          model, weight_transfer.target_shardings(model, sampler_mesh))
+      receiver = weight_transfer.OrbaxReceiver(trainer_process.weights_path(config, self.workdir),
+                                               target)
+      self.watcher = trainer_supervisor.WeightsWatcher(self.trainer, receiver, self.engine,
+                                                       s.weights_poll_s)
+    elif s.train:
+      def transfer_fn(learner):
+        shardings = weight_transfer.target_shardings(model, sampler_mesh)
+        if learner.lora is not None:  # adapters only, replicated on the sampler
+          shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
+        self._new_transfer = lambda: weight_transfer.build(
+            config.weights, self.workdir, learner_mesh, sampler_mesh, learner.params(),
+            shardings=shardings)
+        return self._new_transfer()
+      self.trainer = trainer_process.build_trainer(config, self.workdir, self.store, model,
+                                                   learner_mesh, transfer_fn, self.engine)
       self.trainer.restore()
       self.trainer.publish()  # serve the restored version from the first request
     self.judge = self._build_judge()
+    c_roll = config.rollout
     chat_kwargs = {} if config.task.enable_thinking else {"enable_thinking": False}
     self.context = ServeContext(
         tokenizer=self.tokenizer, dispatcher=self.dispatcher, store=self.store,
@@ -119,11 +137,21 @@ class ServeRuntime:
       return self._server.servers[0].sockets[0].getsockname()[1]
     return self._port
 
-  def start(self, timeout: float = 120.0) -> None:
+  @property
+  def trainer_in_process(self) -> bool:
+    return isinstance(self.trainer, trainer_supervisor.TrainerProcess)
+
+  def start(self, timeout: float = 120.0, trainer_timeout: float = 900.0) -> None:
+    if self.trainer_in_process:  # it loads and restores while the engine warms up
+      self.trainer.start()
     if self.config.serve.warmup and hasattr(self.engine, "warmup"):
       t0 = time.time()
       self.engine.warmup()
       print(f"engine warm-up (every decode bucket compiled): {time.time() - t0:.0f} s", flush=True)
+    if self.trainer_in_process:  # serve the trainer's restored version from the first request
+      self.trainer.wait_announced(trainer_timeout)
+      self.watcher.poll()
+      self.watcher.start()
     self.dispatcher.start()
     uv_config = uvicorn.Config(self.app, host=self.config.serve.host, port=self._port,
                                log_level="warning", lifespan="off", timeout_graceful_shutdown=10)
@@ -137,7 +165,7 @@ class ServeRuntime:
       time.sleep(0.05)
     if self.judge is not None:
       self.judge.start()
-    if self.trainer is not None:
+    if self.trainer is not None and not self.trainer_in_process:
       self.trainer.start()
     print(f"serving {self.config.serve.model_name} (policy version {self.engine.version}) at "
           f"{self.url}; turns in {self.store.path}", flush=True)
@@ -151,10 +179,14 @@ class ServeRuntime:
     if self._server is not None:
       self._server.should_exit = True
       self._server_thread.join(timeout=30)
+    if self.watcher is not None:
+      self.watcher.stop()
     self.dispatcher.stop()
-    if self.trainer is not None:
+    if self.trainer is not None and not self.trainer_in_process:
       self.trainer.ckpt.close()
     self.store.close()
+    if self.cores is not None:
+      pin_process(self._affinity)
 
   def restart_judge(self) -> None:
     if self.judge is not None:
@@ -168,6 +200,9 @@ class ServeRuntime:
     if self.trainer is None:
       return
     self.trainer.stop(checkpoint=checkpoint)
+    if self.trainer_in_process:  # a new process restores; the watcher follows its announcement
+      self.trainer.start()
+      return
     version = self.trainer.restore()
     if version != self.engine.version:  # steps after the checkpoint were lost: serve it again
       self.trainer.transfer = self._new_transfer()  # (their versions will be published anew)
@@ -180,4 +215,7 @@ class ServeRuntime:
       loop = getattr(self, name, None)
       if loop is not None:
         out[name] = {"alive": loop.alive, "error": loop.error, **loop.stats}
+    if self.trainer_in_process:
+      out["trainer"].update(process=True, weights_swaps=self.watcher.swaps,
+                            weights_error=self.watcher.error)
     return out

@@ -56,7 +56,8 @@ def advantages(rows: list[dict], baseline: float | None, decay: float) -> tuple[
 
 
 class TrainerLoop:
-  """Owns the learner's train steps in a thread; ``start`` restores, ``stop`` checkpoints."""
+  """Owns the learner's train steps, in a thread (``start``/``stop``) or the caller's (``run``);
+  ``restore`` resumes, stopping checkpoints."""
 
   def __init__(self, config, workdir: str, store: TurnStore, learner, transfer, engine, ckpt):
     self.config, self.workdir, self.store = config, workdir, store
@@ -72,6 +73,11 @@ class TrainerLoop:
     self._killed = False
     self._thread: threading.Thread | None = None
     self._t0 = time.time()
+    self.on_step = None  # called after each train step (the trainer process writes its status)
+
+  def request_stop(self) -> None:
+    """Asks ``run`` to return after the current step (it then checkpoints); safe from a signal."""
+    self._stop.set()
 
   @property
   def version(self) -> int:
@@ -98,8 +104,13 @@ class TrainerLoop:
     return version
 
   def publish(self) -> None:
+    """Hands the learner's version to the engine (same process) or only writes it (``engine`` None:
+    the server runs in another process and loads published versions itself)."""
     v = self.learner.version
-    self.engine.update_params(self.transfer.send(self.learner.params(), v), v)
+    if self.engine is None:
+      self.transfer.publish(self.learner.params(), v)
+    else:
+      self.engine.update_params(self.transfer.send(self.learner.params(), v), v)
 
   def start(self) -> None:
     self._stop.clear()
@@ -116,10 +127,16 @@ class TrainerLoop:
       self._thread = None
 
   def _run(self) -> None:
+    self.run()
+
+  def run(self) -> None:
+    """The loop in the calling thread until ``stop``/``request_stop``; ``on_step`` after each step."""
     try:
       while not self._stop.is_set():
         if not self.step():
           self._stop.wait(0.2)
+        elif self.on_step is not None:
+          self.on_step()
       if not self._killed and self.learner.version > (self.ckpt.latest_step() or 0):
         self.save()
     except Exception as e:  # pylint: disable=broad-except  (the loop dies; serving does not)

@@ -1,0 +1,80 @@
+"""The trainer loop in its own process (``serve.trainer_process``) on the tiny model: it trains on the
+server's recorded turns, the server loads the versions it publishes, and a SIGKILL leaves serving up
+while the supervisor restarts it; the new process resumes with nothing trained twice."""
+
+import json
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from areal_jax import config as config_lib
+from areal_jax.serve import trainer_loop
+from areal_jax.serve.runtime import ServeRuntime
+from areal_jax.serve.simulated_user import SimulatedUsers
+
+
+def _wait(cond, users, timeout=120.0):
+  deadline = time.time() + timeout
+  while not cond():
+    assert time.time() < deadline, "timed out"
+    users.run(1.0)
+
+
+@pytest.mark.slow
+def test_trainer_process_trains_survives_sigkill_and_resumes_without_training_twice(tmp_path):
+  config = config_lib.load("configs/serve_arithmetic.py:tiny")
+  config.unlock()
+  config.serve.port = 0
+  config.serve.judge_timeout_s = 0.5
+  config.serve.trainer_process = True
+  config.serve.weights_poll_s = 0.2
+  config.train.checkpoint_every = 2  # a kill can lose a step: it must be redone, not repeated
+  config.lock()
+  affinity = os.sched_getaffinity(0)
+  rt = ServeRuntime(config, str(tmp_path))
+  rt.start()
+  try:
+    if len(affinity) > 1:  # pinned apart
+      server, trainer = rt.cores
+      assert os.sched_getaffinity(0) == set(server) and not set(server) & set(trainer)
+    users = SimulatedUsers(rt.config, rt.url)
+    _wait(lambda: rt.engine.version >= 2, users)  # trained there, loaded here
+    health = rt.status()["trainer"]
+    assert health["process"] and health["alive"] and health["error"] is None
+    before = rt.trainer.status()["version"]
+
+    pid = rt.trainer.pid
+    os.kill(pid, signal.SIGKILL)
+    client = openai.OpenAI(base_url=rt.url, api_key="none", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model=config.serve.model_name, max_tokens=4,
+                                       messages=[{"role": "user", "content": "What is 2 + 3?"}])
+    assert r.choices[0].message.content is not None  # serving is up while the trainer is down
+    _wait(lambda: rt.trainer.restarts >= 1 and rt.trainer.status() is not None, users)
+    assert rt.trainer.pid != pid
+    assert rt.trainer.status()["published"] <= before  # resumed from its newest checkpoint
+    _wait(lambda: rt.trainer.status()["version"] > before + 1, users)
+    _wait(lambda: rt.engine.version == rt.trainer.status()["published"], users, timeout=30)
+
+    rt.trainer.stop()  # SIGTERM: it checkpoints and writes its final counters
+    st = rt.trainer.status()
+    assert st["stopped"] and not rt.trainer.alive
+    stats, counts = st["stats"], rt.store.counts()
+    assert stats["trained"] == counts["train_status.trained"] == config.actor.batch_size * stats["steps"]
+    with open(tmp_path / trainer_loop.METRICS_FILE, encoding="utf-8") as f:
+      versions = [json.loads(line)["version"] for line in f]
+    assert versions == list(range(1, st["version"] + 1))  # each step once, the lost one redone
+  finally:
+    rt.stop()
+  assert os.sched_getaffinity(0) == affinity and not rt.trainer.alive  # no process left behind
+  with pytest.raises(ProcessLookupError):
+    os.kill(pid, 0)
+
+
+def test_the_server_cli_imports_the_trainer_process_module_without_flag_clashes():
+  import areal_jax.serve.__main__  # noqa: F401  (defines --workdir)  pylint: disable=import-outside-toplevel
+  from areal_jax.serve import trainer_process, trainer_supervisor  # noqa: F401  pylint: disable=import-outside-toplevel
+
+  assert trainer_process.STATUS_FILE and trainer_supervisor.plan_cores
