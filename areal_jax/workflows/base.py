@@ -103,6 +103,12 @@ class Trajectory:
   def last_version(self, default: int) -> int:
     return self.versions[-1] if self.versions else default
 
+  def failed(self, sample: Sample, turns: int) -> Episode:
+    """The episode ended by an engine error in turn ``turns`` (``sample``): kept, reward 0."""
+    self.add_turn(sample)
+    return Episode(self.sample(-1, -1, "error", sample.error, dict(turns=turns)), 0.0, False,
+                   turns, "error")
+
   def sample(self, group_id: int, index: int, finish_reason: str, error: str | None = None,
              metadata: dict | None = None) -> Sample:
     return Sample(group_id, index, list(self.prompt_tokens), list(self.tokens),

@@ -38,9 +38,7 @@ class MultiTurn(Workflow):
       sample = client.generate(traj.context, turn_params(params, turns))
       turns += 1
       if sample.finish_reason == "error":
-        traj.add_turn(sample)
-        return Episode(traj.sample(-1, -1, "error", sample.error, dict(turns=turns)), 0.0, False,
-                       turns, "error")
+        return traj.failed(sample, turns)
       traj.add_turn(sample)
       finish = sample.finish_reason
       correct = float(ctx.reward(ctx.tokenizer.decode(sample.tokens), example)) > 0.5

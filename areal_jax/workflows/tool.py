@@ -71,9 +71,7 @@ class ToolUse(Workflow):
       sample = client.generate(traj.context, turn_params(params, turns))
       turns += 1
       if sample.finish_reason == "error":
-        traj.add_turn(sample)
-        return Episode(traj.sample(-1, -1, "error", sample.error, dict(turns=turns)), 0.0, False,
-                       turns, "error")
+        return traj.failed(sample, turns)
       cut = cut_after_call(ctx.tokenizer, sample.tokens)
       traj.add_turn(sample, keep=cut)
       kept = sample.tokens if cut is None else sample.tokens[:cut]
