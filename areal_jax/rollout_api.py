@@ -28,6 +28,9 @@ class SamplingParams:
   greedy: bool = False
   max_new_tokens: int = 256
   stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+  # True: the model's EOS ids do not end a sequence (only max_new_tokens and stop_token_ids do):
+  # benchmarks that impose a length distribution on a model whose EOS would cut it short
+  ignore_eos: bool = False
   seed: int = 0
 
 

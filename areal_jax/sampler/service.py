@@ -122,6 +122,7 @@ class JaxRolloutEngine(RolloutEngine):
     self._prefixes: collections.OrderedDict = collections.OrderedDict()  # tokens -> KV prefix
     self._continued = continuation_lib.Continuations(self.engine, capacity=num_slots)
     self.stats = collections.Counter()
+    self._token_listener = None
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
 
@@ -231,7 +232,8 @@ class JaxRolloutEngine(RolloutEngine):
       raise ValueError(f"top_k={p.top_k} must be >= 0 (0 disables it)")
     if p.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={p.max_new_tokens} must be >= 1")
-    stop_ids = tuple(dict.fromkeys([*self.eos_token_ids, *p.stop_token_ids]))
+    eos = () if p.ignore_eos else self.eos_token_ids
+    stop_ids = tuple(dict.fromkeys([*eos, *p.stop_token_ids]))
     if len(stop_ids) > self.engine.config.max_stop_ids:
       raise ValueError(f"{len(stop_ids)} EOS + stop ids exceed max_stop_ids="
                        f"{self.engine.config.max_stop_ids}")
@@ -334,9 +336,17 @@ class JaxRolloutEngine(RolloutEngine):
     while self._inflight:
       self._process(self._inflight.popleft())
 
+  def set_token_listener(self, listener) -> None:
+    """``listener(group_id, index, tokens)`` hears each sequence's new tokens after every decode
+    call (from the engine's thread; streaming servers). The final ``Sample`` stays the authority:
+    a listener's exception is logged and never stops decoding. None removes it."""
+    self._token_listener = listener
+
   def _process(self, item):
     outputs, snapshot, version = item
     tokens_KxS, logprobs_KxS, valid_KxS = jax.device_get(outputs)
+    listener = self._token_listener
+    before = {s: len(seq.tokens) for s, seq in enumerate(snapshot) if seq is not None} if listener else {}
     for k in range(tokens_KxS.shape[0]):
       for s in np.flatnonzero(valid_KxS[k]):
         seq = snapshot[s]
@@ -353,6 +363,13 @@ class JaxRolloutEngine(RolloutEngine):
           self._finish(seq, reason)
           if self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None
+    for s, n in before.items():
+      seq = snapshot[s]
+      if len(seq.tokens) > n:
+        try:
+          listener(seq.group.request.group_id, seq.index, seq.tokens[n:])
+        except Exception:  # pylint: disable=broad-except  (a listener's bug never stops decoding)
+          log.exception("token listener failed")
 
   def _keep_for_continuation(self, seq: _Seq, reason: str) -> None:
     """Keeps the KV row of a finished sequence its request will continue, if all of it (prompt
@@ -366,10 +383,8 @@ class JaxRolloutEngine(RolloutEngine):
     self._continued.keep(self._state, seq.slot, fed)
 
   def _finish_reason(self, seq: _Seq, token: int) -> str | None:
-    if token in self.eos_token_ids:
-      return "eos"
-    if token in seq.group.stop_ids:
-      return "stop"
+    if token in seq.group.stop_ids:  # the EOS ids too, unless the request ignores them
+      return "eos" if token in self.eos_token_ids else "stop"
     if len(seq.tokens) >= seq.group.request.params.max_new_tokens:
       return "length"
     if seq.length >= self.max_len:

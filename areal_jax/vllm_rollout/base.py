@@ -42,7 +42,7 @@ def sampling_fields(p: SamplingParams, stop_ids: tuple[int, ...], max_tokens: in
   ``seed=None`` leaves the request unseeded (drawn from the engine's seeded generator).
   """
   fields = dict(max_tokens=int(max_tokens), logprobs=0, stop_token_ids=list(stop_ids),
-                ignore_eos=False, top_p=1.0, top_k=-1)
+                ignore_eos=bool(p.ignore_eos), top_p=1.0, top_k=-1)
   if seed is not None:
     fields["seed"] = int(seed)
   if p.greedy:
@@ -155,7 +155,8 @@ class VllmEngineBase(RolloutEngine):
       raise ValueError(f"top_k={p.top_k} must be >= 0 (0 disables it)")
     if p.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={p.max_new_tokens} must be >= 1")
-    stop_ids = tuple(dict.fromkeys([*self.eos_token_ids, *(int(t) for t in p.stop_token_ids)]))
+    eos = () if p.ignore_eos else self.eos_token_ids
+    stop_ids = tuple(dict.fromkeys([*eos, *(int(t) for t in p.stop_token_ids)]))
     if any(not 0 <= t < self.vocab_size for t in stop_ids):
       raise ValueError("stop token ids must be valid vocabulary ids")
     return stop_ids
@@ -178,10 +179,8 @@ class VllmEngineBase(RolloutEngine):
       return None
     last = seq.tokens[-1] if seq.tokens else None
     if vllm_reason == "stop" and last is not None:
-      if last in self.eos_token_ids:
-        return "eos"
-      if last in seq.group.stop_ids:
-        return "stop"
+      if last in seq.group.stop_ids:  # the EOS ids too, unless the request ignores them
+        return "eos" if last in self.eos_token_ids else "stop"
     if vllm_reason in ("stop", "length"):
       if seq.remaining <= 0:
         return "length"

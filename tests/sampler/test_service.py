@@ -94,14 +94,23 @@ def test_stop_tokens_eos_and_cache_full(model):
     eng.stop()
   assert stopped.finish_reason == "stop"
   assert stopped.tokens == full.tokens[:full.tokens.index(stop) + 1]
-  eng = _engine(model, eos_token_ids=(stop,))
+  eng = _engine(model, eos_token_ids=(stop,), steps_per_call=4)  # EOS also checked on device
   eng.start()
   try:
     eng.submit(GroupRequest(2, [5, 6, 7], n=1, params=greedy))
     (eos,) = _collect(eng, 1)
+    # ignore_eos: the EOS id no longer ends it, max_new_tokens does (explicit stop ids still do)
+    eng.submit(GroupRequest(3, [5, 6, 7], n=1, params=SamplingParams(
+        greedy=True, max_new_tokens=20, ignore_eos=True)))
+    (ignored,) = _collect(eng, 1)
+    eng.submit(GroupRequest(4, [5, 6, 7], n=1, params=SamplingParams(
+        greedy=True, max_new_tokens=20, ignore_eos=True, stop_token_ids=(stop,))))
+    (explicit,) = _collect(eng, 1)
   finally:
     eng.stop()
   assert eos.finish_reason == "eos" and eos.tokens == stopped.tokens
+  assert ignored.finish_reason == "length" and ignored.tokens == full.tokens[:20]
+  assert explicit.finish_reason == "eos" and explicit.tokens == stopped.tokens
 
 
 def _swap_run(model, new_model, continuation, steps_per_call, **kw):
@@ -216,3 +225,25 @@ def test_a_later_group_that_fits_overtakes_a_blocked_head(model):
   assert max(s.finished_s for s in by(2)) < min(s.started_s for s in by(1))
   assert min(s.started_s for s in by(1)) >= min(s.finished_s for s in by(0))
   assert all(s.finish_reason == "length" for s in samples)
+
+
+def test_token_listener_hears_every_token_in_order_and_cannot_stop_decoding(model):
+  heard = {}
+
+  def listener(group_id, index, tokens):
+    heard.setdefault((group_id, index), []).extend(tokens)
+    if group_id == 1:
+      raise RuntimeError("a consumer's bug")
+
+  eng = _engine(model, steps_per_call=3)
+  eng.set_token_listener(listener)
+  eng.start()
+  try:
+    for g in (0, 1):
+      eng.submit(GroupRequest(g, [5, 6, 7], n=2, params=SamplingParams(max_new_tokens=10, seed=g)))
+    out = _collect(eng, 4)
+  finally:
+    eng.stop()
+  assert all(s.finish_reason in ("length", "eos") for s in out)
+  for s in out:  # streamed pieces add up to the final sample, also for the raising listener's group
+    assert heard[(s.group_id, s.index)] == s.tokens

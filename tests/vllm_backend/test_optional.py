@@ -57,6 +57,17 @@ def test_sampling_fields_follow_our_params():
   assert unseeded["top_k"] == -1 and "seed" not in unseeded
   greedy = sampling_fields(SamplingParams(greedy=True, temperature=0.5, top_k=3), (), 4, 0)
   assert greedy["temperature"] == 0.0 and greedy["top_k"] == -1
+  assert sampling_fields(SamplingParams(ignore_eos=True), (), 4, 0)["ignore_eos"] is True
+
+
+def test_ignore_eos_leaves_the_eos_ids_out_of_the_stop_ids():
+  eng = _Engine(vocab_size=100, eos_token_ids=(2,), max_model_len=20, num_slots=4)
+  req = GroupRequest(5, [10], 1, SamplingParams(stop_token_ids=(9,), ignore_eos=True))
+  group = Group(req, 0.0, eng.validate(req))
+  assert group.stop_ids == (9,)
+  seq = Seq(group, 0)
+  seq.add([2], [-0.1], 0)  # vLLM would not stop here; were it told "stop", it is not our EOS
+  assert eng.finish_reason(seq, "stop") != "eos"
 
 
 def test_attempt_seeds_differ_by_sample_and_offset():
