@@ -2,8 +2,8 @@
 
 ``Dispatcher.submit`` (on the event loop) gives a request a group id and an ``asyncio.Queue``; a
 poller thread drains ``engine.poll`` and puts each finished ``Sample`` on its request's queue as
-``("done", sample)``. With the JAX engine, tokens also stream while they are generated:
-``tap_tokens`` wraps the engine's per-call result processing so every call's new tokens go out as
+``("done", sample)``. With the JAX engine, tokens also stream while they are generated: its
+``set_token_listener`` hook sends every decode call's new tokens out as
 ``("tokens", index, token_ids)``. They may arrive after the final sample of their sequence, which is
 the authority on the tokens; a consumer streams ``sample.tokens`` beyond what it already sent.
 """
@@ -13,35 +13,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import logging
 import queue as queue_lib
 import threading
 from collections.abc import Callable
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, SamplingParams
 
-log = logging.getLogger(__name__)
-
 
 def tap_tokens(engine, on_tokens: Callable[[int, int, list[int]], None]) -> bool:
   """Makes ``engine`` report new tokens as ``on_tokens(group_id, index, tokens)`` after each decode
-  call; False (no streaming of partial results) when the engine has no per-call hook."""
-  process = getattr(engine, "_process", None)
-  if process is None or not hasattr(engine, "_slots"):
+  call; False (no streaming of partial results) when the engine has no such hook."""
+  listen = getattr(engine, "set_token_listener", None)
+  if listen is None:
     return False
-
-  def tapped(item):
-    snapshot = [s for s in item[1] if s is not None]
-    before = [len(s.tokens) for s in snapshot]
-    process(item)
-    for seq, n in zip(snapshot, before):
-      if len(seq.tokens) > n:
-        try:
-          on_tokens(seq.group.request.group_id, seq.index, seq.tokens[n:])
-        except Exception:  # pylint: disable=broad-except  (a consumer's bug never stops decoding)
-          log.exception("token listener failed")
-
-  engine._process = tapped  # pylint: disable=protected-access
+  listen(on_tokens)
   return True
 
 
