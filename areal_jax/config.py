@@ -23,7 +23,7 @@ def base_config() -> ConfigDict:
   c.seed = 0
 
   c.model = ConfigDict()
-  c.model.source = "tiny"  # Hugging Face dir | "gguf:<path>" | "smollm2" | "tiny" (random, char tokenizer)
+  c.model.source = "tiny"  # Hugging Face dir | "gguf:<path>" | "smollm2" | "tiny" | "small" (random, byte tokenizer)
   c.model.dtype = "float32"  # compute dtype ("bfloat16" on TPU); parameters stay float32
 
   # Devices: learner and sampler get disjoint sub-meshes unless colocated.
@@ -55,6 +55,9 @@ def base_config() -> ConfigDict:
   c.task.num_train = 10000  # arithmetic task only: size of the generated train split
   c.task.num_test = 200  # arithmetic task only
   c.task.seed = 0  # arithmetic task only: seed of the generated problems (fixed across runs)
+  # "answer": the final answer against the reference (the task metric); "digit_share": a dense toy
+  # reward (share of digit characters) that a random model learns, for benchmarks' learning curves
+  c.task.reward = "answer"
 
   c.rollout = ConfigDict()
   c.rollout.backend = "jax"  # "jax" | "vllm"
@@ -248,6 +251,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "actor.remat": (a.remat, ("none", "full", "dots", "offload")),
       "weights.transfer": (config.weights.transfer, ("device_put", "orbax")),
       "task.name": (config.task.name, ("gsm8k", "arithmetic")),
+      "task.reward": (config.task.reward, ("answer", "digit_share")),
   }
   from areal_jax.kernels import choice as kernel_choice  # noqa: PLC0415 (imports jax)
   choices["rollout.decode_attention"] = (r.decode_attention, ("auto",) + kernel_choice.ATTENTION)

@@ -217,3 +217,20 @@ def reward(completion: str, example: dict) -> float:
     return score(completion, example["answer"])
   except Exception:  # pylint: disable=broad-except
     return 0.0
+
+
+def digit_share(completion: str, example: dict) -> float:
+  """A dense toy reward: the share of the completion's non-blank characters that are ASCII digits.
+
+  Not a task metric. It exists so that benchmarks on a randomly initialised model (which never
+  answers a problem) still show a learning curve: such a model learns to emit digits within a few
+  steps. Total: anything that is not a string, or has no non-blank character, scores 0.0.
+  """
+  del example
+  if not isinstance(completion, str):
+    return 0.0
+  chars = [ch for ch in completion if not ch.isspace()]
+  return sum("0" <= ch <= "9" for ch in chars) / len(chars) if chars else 0.0
+
+
+REWARDS = {"answer": reward, "digit_share": digit_share}  # ``task.reward`` -> function

@@ -170,3 +170,30 @@ def test_integers_round_trip(n, template):
   text = "Reasoning with 3 and 4. " + template.format(f"{n:,}")
   assert R.reward(text, ex(n)) == 1.0
   assert R.reward(text, ex(n + 1)) == 0.0
+
+
+# --- task.reward="digit_share": the toy dense reward of the throughput benchmarks ---------------
+
+
+def test_digit_share_counts_digits_among_non_blank_characters():
+  assert R.digit_share("12 ab", {}) == 0.5
+  assert R.digit_share("  \n", {}) == 0.0
+  assert R.digit_share("", {}) == 0.0
+  assert R.digit_share(None, {}) == 0.0
+  assert R.digit_share("٣٤", {}) == 0.0  # only ASCII digits count
+  assert R.digit_share("\\boxed{7}", {"answer": "#### 7"}) == pytest.approx(1 / 9)
+
+
+def test_task_reward_option_selects_a_picklable_function_and_rejects_unknown_names():
+  import pickle  # pylint: disable=import-outside-toplevel
+
+  from areal_jax.tasks import get_task  # pylint: disable=import-outside-toplevel
+
+  e = {"id": "x", "question": "q", "answer": "#### 7"}
+  task = get_task({"name": "arithmetic", "num_train": 4, "num_test": 2, "reward": "digit_share"})
+  assert task.reward("7 7 x", e) == pytest.approx(2 / 3)
+  assert pickle.loads(pickle.dumps(task)).reward_fn("77", e) == 1.0
+  assert pickle.loads(pickle.dumps(task.reward_fn)) is R.digit_share
+  assert get_task({"name": "arithmetic", "num_train": 4, "num_test": 2}).reward("x 7", e) == 1.0
+  with pytest.raises(ValueError, match="task.reward='nope'"):
+    get_task({"name": "arithmetic", "num_train": 4, "num_test": 2, "reward": "nope"})
