@@ -342,7 +342,8 @@ class Learner:
     layout = packing.plan([len(s.tokens) for s in seqs], min(opts.ppo_n_minibatches, len(seqs)),
                           opts.micro_batch_tokens, self.dp,
                           min_row_len=min(self.max_seq_len, opts.micro_batch_tokens),
-                          packed=opts.pack_sequences, known=self._shapes)
+                          packed=opts.pack_sequences, known=self._shapes,
+                          attn=packing.attention_cost(self.cfg))
     self._shapes.add((layout.row_len, layout.micro_rows))
     minibatches, real = [], 0
     for k, mbs in enumerate(layout.minibatches):

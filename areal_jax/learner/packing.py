@@ -143,24 +143,43 @@ class Layout:
   def computed_tokens(self) -> int:
     return sum(len(mbs) for mbs in self.minibatches) * self.micro_rows * self.row_len
 
+  def cost(self, attn: float = 0.0) -> float:
+    """Compute of the layout in token units: each row costs ``row_len`` tokens of matmuls plus
+    causal attention over it, ``attn * row_len**2 / 2`` (``attn``: one (query, key) pair's
+    attention relative to one token's matmuls, :func:`attention_cost`)."""
+    return self.computed_tokens * (1.0 + attn * self.row_len / 2)
+
   @property
   def used_rows(self) -> int:
     return sum(1 for mbs in self.minibatches for mb in mbs for row in mb if row)
 
 
-LONGER_ROWS_GAIN = 0.85  # doubled rows are taken when they compute at most this share of the tokens
-REUSE_COST = 1.5  # a known shape is taken when it computes at most this many times the new one's
+LONGER_ROWS_GAIN = 0.85  # doubled rows are taken when they cost at most this share
+REUSE_COST = 1.5  # a known shape is taken when it costs at most this many times the new one
+
+
+def attention_cost(cfg) -> float:
+  """One (query, key) pair's attention FLOPs (QK and AV over every head and layer) relative to one
+  token's matmul FLOPs (projections, MLP, LM head), for a model config: what makes long rows
+  dearer per token. The tiny test model: 2.8e-3 (in rows of 1536, attention costs 2.2x the
+  matmuls); SmolLM2-135M: 2.6e-4 (+20% in rows of 1536); Qwen2.5-1.5B: 5.6e-5 (+4%)."""
+  d, hd = cfg.d_model, cfg.head_dim
+  per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff
+  matmul = cfg.n_layers * per_layer + cfg.vocab_size * d
+  return 2.0 * cfg.n_layers * cfg.n_heads * hd / matmul
 
 
 def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: int = 1,
          min_row_len: int = 0, packed: bool = True,
-         known: Iterable[tuple[int, int]] = ()) -> Layout:
+         known: Iterable[tuple[int, int]] = (), attn: float = 0.0) -> Layout:
   """Splits sequences (in order) into ``n_minibatches`` equal parts, packs each into rows, and cuts
   the rows into micro-batches of at most ``micro_batch_tokens`` tokens (but at least ``dp`` rows).
 
+  Costs are ``Layout.cost(attn)``: computed tokens, plus the attention over each row, whose share
+  grows with the row length (``attn``: :func:`attention_cost` of the model; 0 counts tokens only).
   Row length is ``bucket(max(longest, min_row_len))``, or twice that (within
-  ``micro_batch_tokens``) when packing into the longer rows computes at most ``LONGER_ROWS_GAIN``
-  of the tokens: sequences well under the row length then share rows instead of one per row
+  ``micro_batch_tokens``) when packing into the longer rows costs at most ``LONGER_ROWS_GAIN``
+  of the shorter rows' cost: sequences well under the row length then share rows instead of one per row
   (the CPU demo's ~110-token sequences in rows of 192: 58% -> 78% real, 108 -> 148 trained tokens/s
   on SmolLM2), while the attention cost of longer rows (causal over the row, masked between
   segments; rows of 768 instead of 384 cost ~14% more per position) keeps the shorter rows when
@@ -169,9 +188,11 @@ def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: in
 
   ``known``: ``(row_len, micro_rows)`` shapes the train step has already compiled. When the layout
   above has a new shape, the cheapest known shape that holds the batch (within the token budget)
-  is taken instead if it computes at most ``REUSE_COST`` times its tokens: a compilation costs
-  more than a few steps' padding, and a steady workload then stops compiling once its shapes
-  have been seen.
+  is taken instead if it costs at most ``REUSE_COST`` times as much: a compilation costs more
+  than a few steps' padding, and a steady workload then stops compiling once its shapes have been
+  seen. (Counting attention matters here: a batch of short sequences packed into a known shape of
+  twice the row length computes the same tokens, but for the tiny model at 768 -> 1536 it measured
+  1.8x slower per step.)
   """
   if not lengths:
     raise ValueError("no sequences to pack")
@@ -183,7 +204,7 @@ def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: in
   longer = bucket(2 * row_len)
   if packed and longer <= micro_batch_tokens:
     other = _layout(lengths, n_minibatches, micro_batch_tokens, dp, longer, packed)
-    if other.computed_tokens <= LONGER_ROWS_GAIN * layout.computed_tokens:
+    if other.cost(attn) <= LONGER_ROWS_GAIN * layout.cost(attn):
       layout = other
   known = set(known)
   if (layout.row_len, layout.micro_rows) in known:
@@ -192,8 +213,8 @@ def plan(lengths: list[int], n_minibatches: int, micro_batch_tokens: int, dp: in
            for row_len, rows in sorted(known)
            if row_len >= max(lengths) and rows % dp == 0
            and rows * row_len <= max(micro_batch_tokens, dp * row_len)]
-  reuse = [r for r in reuse if r.computed_tokens <= REUSE_COST * layout.computed_tokens]
-  return min(reuse, key=lambda r: (r.computed_tokens, r.row_len), default=layout)
+  reuse = [r for r in reuse if r.cost(attn) <= REUSE_COST * layout.cost(attn)]
+  return min(reuse, key=lambda r: (r.cost(attn), r.row_len), default=layout)
 
 
 def _layout(lengths, n_minibatches, micro_batch_tokens, dp, row_len, packed,

@@ -130,3 +130,22 @@ def test_plan_reuses_a_known_shape_within_its_cost():
   assert packing.plan(lengths, 1, 4096, known={(128, 16)}).micro_rows == 6  # 2.7x the tokens
   assert packing.plan(lengths, 1, 4096, known={(64, 8)}).row_len == 128  # rows too short
   assert packing.plan(lengths, 1, 4096, known={(128, 6), (128, 8)}).micro_rows == 6
+
+
+def test_reuse_counts_the_attention_of_longer_rows():
+  """A known shape of rows twice as long computes the same tokens (reused when only tokens count)
+  but costs more attention per token: with the tiny model's attention cost it is not reused."""
+  from areal_jax import models  # pylint: disable=import-outside-toplevel
+
+  lengths = [700, 650, 600, 500, 60, 100, 150, 200]  # 4 rows of 768, or 2 of 1536
+  fresh = packing.plan(lengths, 1, 4096)
+  assert fresh.row_len == 768
+  assert fresh.micro_rows == 4
+  known = {(1536, 2)}
+  assert packing.plan(lengths, 1, 4096, known=known).row_len == 1536  # tokens only: same count
+  attn = packing.attention_cost(models.load("tiny")[0].cfg)
+  assert 2e-3 < attn < 4e-3
+  layout = packing.plan(lengths, 1, 4096, known=known, attn=attn)
+  assert layout.row_len == 768
+  assert layout.cost(attn) < layout.computed_tokens * (1 + attn * 768)  # causal: half the pairs
+  assert packing.plan(lengths, 1, 4096, known=known, attn=attn / 10).row_len == 1536  # cheap attention
