@@ -3,6 +3,8 @@ r"""Learning from serving: SmolLM2-135M-Instruct serves arithmetic questions and
   make serve-demo   # server + simulated users + judge + trainer, held-out pass@1 before/after
   python -m areal_jax.serve --config=configs/serve_arithmetic.py --workdir=runs/serve
   python -m areal_jax.serve --config=configs/serve_arithmetic.py:tiny --workdir=/tmp/serve_tiny
+  # the trainer in its own process (serve.trainer_process), the rest as the default recipe
+  python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py:process --workdir=runs/serve_proc
 
 Users send each question once, so turns are trained one sample per prompt: decoupled PPO with the
 advantage ``score - running baseline`` (``serve.baseline_decay``), computed by the trainer loop
@@ -41,9 +43,10 @@ def _arithmetic(preset: str):
 
 
 def get_config(preset: str = "default"):
-  if preset not in ("default", "tiny"):
-    raise ValueError(f"unknown preset {preset!r} for configs/serve_arithmetic.py: default, tiny")
-  c = _arithmetic(preset)
+  if preset not in ("default", "tiny", "process"):
+    raise ValueError(f"unknown preset {preset!r} for configs/serve_arithmetic.py: default, tiny, "
+                     f"process")
+  c = _arithmetic("tiny" if preset == "tiny" else "default")
   c.unlock()
   c.actor.adv_norm = "none"  # the trainer loop passes score - baseline as the reward
   c.actor.batch_size = 16  # judged turns per train step
@@ -64,6 +67,8 @@ def get_config(preset: str = "default"):
   c.serve.trainer_process = False  # True: its own process on its own cores (see the docstring)
   c.serve.sim_users = 16  # enough concurrent conversations to keep the sampler batched
   c.serve.sim_duration_s = 1200.0
+  if preset == "process":
+    c.serve.trainer_process = True
   if preset == "tiny":
     c.actor.batch_size = 4
     c.actor.lr = 1e-3
