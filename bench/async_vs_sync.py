@@ -7,31 +7,41 @@ r"""Asynchronous vs synchronous RL: the same run at several staleness bounds, si
 ``--mode=local`` (default): one process, learner and sampler on one fake device each but the same
 cores. ``--mode=ray``: the learner (this process) pinned to core 0 and one rollout worker process
 (a Ray actor, ``runtime.mode=ray``) pinned to the other core(s), weights through Orbax; the same
-hardware for every eta. Expected runtime of the ray mode with the defaults: about 5-6 minutes on
-2 cores (measured: 5 min 30 s at a load average of 3-8 from other jobs); ``--quick`` 2-3 minutes.
+hardware for every eta. Expected runtime of the ray mode with the defaults: about 11 minutes on
+2 idle cores (measured: 10 min 36 s); ``--quick`` (eta 0 and 4, 8 steps) about 3 minutes.
 
 Every run trains the same config for the same number of steps; only
 ``rollout.max_head_offpolicyness`` (eta) changes, and eta = 0 is synchronous RL. Generation lengths
-are long-tailed, as with reasoning models: each sample's token budget is drawn from a log-normal
-distribution (seeded by group and sample), so a synchronous batch waits for its longest sequence
-while an asynchronous sampler keeps its slots busy. Reported per eta: wall time per step, effective
-trained tokens/s, learner wait and sampler idle fractions, final reward, and the throughput ratio
-against eta = 0 (JSON: top-level ``speedup``, ``final_reward``, ``staleness_max``,
-``gen_busy_frac`` and ``learner_busy_frac``, keyed by eta as a string). ``learner_busy_frac``: the
-share of the timed wall time spent in train steps (compilation excluded); ``gen_busy_frac`` (ray
-mode only; None in local mode, where the two sides share cores): the rollout worker's CPU seconds
-over the same wall time (its compilations included); ``weights_load_s_per_step`` (ray mode): the
-worker's seconds reading each new version from Orbax (taken from its generation core). ``--png`` (default: next to ``--json``)
-draws the reward of each trained batch per step and over wall time, one line per eta.
+are long-tailed, as with reasoning models: each sample's length is drawn from a log-normal
+distribution (median ``--median`` 96, ``--sigma`` 1, capped at ``--cap`` 512; seeded by group and
+sample, so every eta generates the same lengths) and the sample runs to it (``ignore_eos``: a
+random model's EOS would otherwise cut the tail off), so a synchronous batch waits for its longest
+sequence while an asynchronous sampler keeps its slots busy. Reported per eta: wall time per step,
+effective trained tokens/s, learner wait and sampler idle fractions, final reward, reward per
+trained sample, and the throughput ratio against eta = 0 (JSON: top-level ``speedup``,
+``final_reward``, ``reward_per_sample``, ``staleness_max``, ``gen_busy_frac`` and
+``learner_busy_frac``, keyed by eta as a string). ``learner_busy_frac``: the share of the timed
+wall time spent in train steps (compilation excluded); ``gen_busy_frac`` (ray mode only; None in
+local mode, where the two sides share cores): the rollout worker's CPU seconds over the same wall
+time (its compilations included); ``weights_load_s_per_step`` (ray mode): the worker's seconds
+reading each new version from Orbax (taken from its generation core). ``--png`` (default: next to
+``--json``) draws the reward of each trained batch per training step, per policy version that
+generated it, and over wall time, one line per eta; ``--keep DIR`` keeps each eta's
+``metrics.jsonl``.
 
-The default workload is the tiny model on the synthetic arithmetic task (prompts of ~200 byte
-tokens) with generation budgets log-normal around 96 tokens, capped at 512: like reasoning RL, the
-completions outweigh the prompts, so a synchronous step is mostly generation. ``gen_frac_sync``
-(the learner's wait share of a synchronous step) says which regime a run measured: the speedup
-cannot exceed what overlapping and slot filling can save. Learner and sampler get one fake device
-each, but both share this machine's cores. XLA compilation that lands in a timed step (the learner
-compiles one variant per micro-batch row count it meets) is measured and taken out of the step's
-wall time, so the figures are steady-state ones; ``raw_trained_tokens_per_s`` keeps it in.
+The default workload: ``--model=small`` (a random 4M-parameter byte-level Llama, ``models.load(
+"small")``) on the synthetic arithmetic prompts (~240 byte tokens with the chat template), 4 groups
+of 4 samples per step, 32 sampler slots, rewarded by ``task.reward="digit_share"`` (the share of
+digits in the completion: a random model learns it within 16 steps, so the reward curves compare
+how each eta learns; ``--reward=answer`` is the task's own reward, ~0 for a random model).
+``--model=tiny`` is the 100k-parameter test model: its learner is mostly attention and its decode
+steps all overhead, unlike a real model. ``gen_frac_sync`` (the learner's wait share of a
+synchronous step) says which regime a run measured: with perfect overlap an asynchronous step
+takes max(generation, training) where a synchronous one takes their sum plus the wait for the
+longest sample, so the speedup is at most 1 + gen_frac_sync / (1 - gen_frac_sync) when the learner
+is the slower side. XLA compilation that lands in a timed step (the learner compiles one variant
+per micro-batch shape it meets) is measured and taken out of the step's wall time, so the figures
+are steady-state ones; ``raw_trained_tokens_per_s`` keeps it in.
 """
 
 from __future__ import annotations
@@ -74,7 +84,8 @@ class LongTailEngine(RolloutEngine):
     if request.metadata.get("kind") == "eval":
       return self.inner.submit(request)
     for i in range(request.n):
-      params = dataclasses.replace(request.params, seed=request.params.seed + i,
+      # ignore_eos: the drawn budget is the length (a random model's EOS would cut the tail off)
+      params = dataclasses.replace(request.params, seed=request.params.seed + i, ignore_eos=True,
                                    max_new_tokens=self.budget(request.group_id, i))
       meta = dict(request.metadata, group=request.group_id, index=i)
       self.inner.submit(GroupRequest(request.group_id * 1024 + i, request.prompt_tokens, 1, params, meta))
@@ -127,7 +138,8 @@ def run_one(eta: int, args) -> dict:
                      "rollout.max_concurrent_rollouts": max(args.batch, args.slots // c.rollout.n_samples),
                      "rollout.filter_uniform_groups": False, "mesh.colocated": False,
                      "mesh.learner_devices": 1, "mesh.sampler_devices": 1,
-                     "runtime.mode": args.mode, "rollout.workers": 1}.items():
+                     "runtime.mode": args.mode, "rollout.workers": 1,
+                     "task.reward": args.reward, "model.source": args.model}.items():
     config_lib.override(c, key, value)
   engines = []
 
@@ -142,6 +154,9 @@ def run_one(eta: int, args) -> dict:
     finally:
       clock.close()
     rows = metrics_lib.read(os.path.join(workdir, "metrics.jsonl"))
+    if args.keep:  # each eta's metrics.jsonl (every step's timings) for a closer look
+      os.makedirs(args.keep, exist_ok=True)
+      shutil.copy(os.path.join(workdir, "metrics.jsonl"), os.path.join(args.keep, f"eta{eta}.jsonl"))
   skip = min(args.warmup, len(rows) - 1)  # the first steps compile most shapes
   timed = rows[skip:]
   raw_wall = sum(r["step_time_s"] for r in timed)
@@ -159,7 +174,9 @@ def run_one(eta: int, args) -> dict:
     busy["weights_load_s_per_step"] = (load1 - load0) / len(timed)
   return dict(
       **busy, curve=[dict(step=r["step"], reward=r["reward_mean"], wall_s=r["wall_time_s"],
-                          staleness_max=r["staleness_max"]) for r in rows],
+                          staleness_max=r["staleness_max"],
+                          # the policy that generated the batch (its tokens' mean version)
+                          gen_version=r["step"] - 1 - r["staleness_mean"]) for r in rows],
       eta=eta, steps=len(rows), timed_steps=len(timed), wall_per_step_s=wall / len(timed),
       trained_tokens_per_s=tokens / wall, raw_trained_tokens_per_s=tokens / raw_wall,
       compile_s_in_timed_steps=compile_s,
@@ -167,6 +184,7 @@ def run_one(eta: int, args) -> dict:
       sampler_idle_frac=float(np.mean([r["sampler_idle_frac"] for r in timed])),
       gen_tokens_per_step=float(np.mean([r["learner/gen_tokens"] for r in timed])),
       staleness_max=max(r["staleness_max"] for r in rows),
+      reward_per_sample=float(np.mean([r["reward_mean"] for r in rows])),  # every step: B groups
       final_reward=float(np.mean([r["reward_mean"] for r in rows[-max(1, len(rows) // 4):]])))
 
 
@@ -181,11 +199,21 @@ def main():
   p.add_argument("--median", type=int, default=96)
   p.add_argument("--sigma", type=float, default=1.0)
   p.add_argument("--cap", type=int, default=512)
+  p.add_argument("--model", default="small", choices=("small", "tiny"),
+                 help="model.source: small (default: a random 4M-parameter Llama whose compute "
+                      "splits like a real model's) or tiny (the 100k-parameter test model, "
+                      "whose learner is dominated by attention and whose decode steps are all "
+                      "overhead)")
+  p.add_argument("--reward", default="digit_share", choices=("digit_share", "answer"),
+                 help="task.reward: digit_share (default) is a dense toy reward the random tiny "
+                      "model learns within a few steps, so the reward curves say something; "
+                      "answer: the arithmetic task's own reward (~0 for a random model)")
   p.add_argument("--quick", action="store_true", help="eta in {0, 4}, fewer steps")
   p.add_argument("--json", default="")
   p.add_argument("--mode", default="local", choices=("local", "ray"),
                  help="local: one process, both meshes on the same cores; ray: one rollout worker "
                       "process on its own core(s), the learner on the others")
+  p.add_argument("--keep", default="", help="a directory to keep each eta's metrics.jsonl in")
   p.add_argument("--png", default="", help="reward curves per eta (default: next to --json)")
   args = p.parse_args()
   if args.quick:
@@ -215,16 +243,17 @@ def main():
                  cores=os.cpu_count(), load_avg_before=LOAD_BEFORE, load_avg_after=os.getloadavg())
   print(f"machine: {machine}; mode {args.mode}; config {args.config}, {args.steps} steps ({args.warmup} untimed), "
         f"B={args.batch}, slots={args.slots}, budget lognormal(median {args.median}, "
-        f"sigma {args.sigma}) capped at {args.cap}")
+        f"sigma {args.sigma}) capped at {args.cap}, EOS ignored; reward {args.reward}")
   header = (f"{'eta':>4} {'s/step':>8} {'train tok/s':>12} {'speedup':>8} {'raw x':>6} {'compile':>8} "
-            f"{'wait':>6} {'idle':>6} {'gen':>5} {'learn':>5} {'stale':>6} {'reward':>7}")
+            f"{'wait':>6} {'idle':>6} {'gen':>5} {'learn':>5} {'stale':>6} {'reward':>7} {'r/sample':>8}")
   print(header)
   for r in rows:
     gen = f"{r['gen_busy_frac']:>5.2f}" if r["gen_busy_frac"] is not None else f"{'-':>5}"
     print(f"{r['eta']:>4} {r['wall_per_step_s']:>8.2f} {r['trained_tokens_per_s']:>12.1f} "
           f"{(r['speedup'] or 0):>8.2f} {(r['raw_speedup'] or 0):>6.2f} {r['compile_s_in_timed_steps']:>7.1f}s "
           f"{r['learner_wait_frac']:>6.2f} {r['sampler_idle_frac']:>6.2f} {gen} "
-          f"{r['learner_busy_frac']:>5.2f} {r['staleness_max']:>6d} {r['final_reward']:>7.3f}")
+          f"{r['learner_busy_frac']:>5.2f} {r['staleness_max']:>6d} {r['final_reward']:>7.3f} "
+          f"{r['reward_per_sample']:>8.3f}")
   sync = next((r for r in rows if r["eta"] == 0), None)
   gen_frac = sync["learner_wait_frac"] if sync else None
   if sync:
@@ -232,6 +261,7 @@ def main():
   out = dict(machine=machine, args=vars(args), rows=rows, gen_frac_sync=gen_frac,
              speedup={str(r["eta"]): r["speedup"] for r in rows},
              final_reward={str(r["eta"]): r["final_reward"] for r in rows},
+             reward_per_sample={str(r["eta"]): r["reward_per_sample"] for r in rows},
              staleness_max={str(r["eta"]): r["staleness_max"] for r in rows},
              gen_busy_frac={str(r["eta"]): r["gen_busy_frac"] for r in rows},
              learner_busy_frac={str(r["eta"]): r["learner_busy_frac"] for r in rows},
@@ -251,16 +281,19 @@ def plot_curves(rows: list[dict], path: str, title: str) -> None:
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
-  fig = Figure(figsize=(11, 4))
+  fig = Figure(figsize=(15, 4))
   FigureCanvasAgg(fig)
-  by_step, by_time = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+  by_step, by_version, by_time = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
   for r in rows:
     steps = [p["step"] for p in r["curve"]]
     reward = [p["reward"] for p in r["curve"]]
     by_step.plot(steps, reward, marker=".", label=f"eta {r['eta']}")
+    by_version.plot([p["gen_version"] for p in r["curve"]], reward, marker=".", label=f"eta {r['eta']}")
     by_time.plot([p["wall_s"] for p in r["curve"]], reward, marker=".", label=f"eta {r['eta']}")
   by_step.set(xlabel="training step (B groups each)", ylabel="mean reward of the trained batch",
               title="reward per trained sample")
+  by_version.set(xlabel="policy version that generated the batch (mean over its tokens)",
+                 title="reward by generating policy (each update's gain)")
   by_time.set(xlabel="wall time (s, compilation included)", title="reward over time")
   by_step.legend()
   fig.suptitle(title)
