@@ -3,8 +3,8 @@ r"""Learning from serving: SmolLM2-135M-Instruct serves arithmetic questions and
   make serve-demo   # server + simulated users + judge + trainer, held-out pass@1 before/after
   python -m areal_jax.serve --config=configs/serve_arithmetic.py --workdir=runs/serve
   python -m areal_jax.serve --config=configs/serve_arithmetic.py:tiny --workdir=/tmp/serve_tiny
-  # the trainer in its own process (serve.trainer_process), the rest as the default recipe
-  python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py:process --workdir=runs/serve_proc
+  # the trainer loop as a thread of the server instead of its own process
+  python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py:thread --workdir=runs/serve_thread
 
 Users send each question once, so turns are trained one sample per prompt: decoupled PPO with the
 advantage ``score - running baseline`` (``serve.baseline_decay``), computed by the trainer loop
@@ -13,19 +13,21 @@ standalone evaluator measures the served policy on the same held-out split:
 
   python -m areal_jax.evaluate --config=configs/serve_arithmetic.py --checkpoint=runs/serve
 
-The trainer loop is a thread of the server here (the recipe measured below). With
-``--config.serve.trainer_process=True`` it runs as its own process pinned apart from the server
-(``python -m areal_jax.serve.trainer_process``, versions through Orbax weights under
-``<workdir>/weights``): request p99 while training stays near idle (bench/serve.py, README), but on
-2 cores its one-core learner trails 16 users, and a 4-minute demo in that mode lost pass@1 (0.26 ->
-0.07); its 20-minute result is not measured, so it is not the default yet.
+The trainer loop runs as its own process (``serve.trainer_process``, ``python -m
+areal_jax.serve.trainer_process``), pinned to one core and the server to the other, versions through
+Orbax weights under ``<workdir>/weights``: request p99 while training stays at idle's (bench/serve.py,
+README). ``:thread`` keeps it a thread of the server (both share the cores; p99 while training
+measured 3x idle's).
 
-Measured with ``python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py
---workdir=runs/serve_try --duration_s=1200 --curve_points=3`` on 2 CPU cores (Intel Xeon), this
-recipe, the trainer then a thread of the server, 2026-11-25: 20 minutes of serving 16 simulated users (1376 conversations, 720 turns
-trained over 45 versions, 458 counted stale) took held-out greedy pass@1 on 100 problems from 0.26
-to 0.45 (version 5), 0.56 (version 25) and 0.74 (version 45); the whole demo took ~25 minutes. An
-earlier 11-minute run with 4 users and batches of 8 (too few conversations) stayed flat.
+Measured with ``python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py[:thread]
+--workdir=... --duration_s=1200 --curve_points=3`` on 2 CPU cores (Intel Xeon), 2026-11-25, 16
+simulated users, 20 minutes of serving, held-out greedy pass@1 on 100 problems (standalone
+evaluator), 0.26 before:
+  * trainer process (this recipe): 1355 conversations, 688 turns trained over 43 versions (530
+    counted stale): 0.52 (version 5), 0.60 (version 25), 0.52 (version 44); the demo took 24 min 46 s;
+  * trainer thread (``:thread``): 1376 conversations, 720 turns trained over 45 versions (458 stale):
+    0.45 (version 5), 0.56 (version 25), 0.74 (version 45); ~25 minutes.
+An earlier 11-minute run with 4 users and batches of 8 (too few conversations) stayed flat.
 """
 
 from areal_jax.config import lock
@@ -43,9 +45,9 @@ def _arithmetic(preset: str):
 
 
 def get_config(preset: str = "default"):
-  if preset not in ("default", "tiny", "process"):
+  if preset not in ("default", "tiny", "thread"):
     raise ValueError(f"unknown preset {preset!r} for configs/serve_arithmetic.py: default, tiny, "
-                     f"process")
+                     f"thread")
   c = _arithmetic("tiny" if preset == "tiny" else "default")
   c.unlock()
   c.actor.adv_norm = "none"  # the trainer loop passes score - baseline as the reward
@@ -64,11 +66,9 @@ def get_config(preset: str = "default"):
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 20  # the demo evaluates every kept checkpoint for its curve
   c.serve.max_staleness = 4
-  c.serve.trainer_process = False  # True: its own process on its own cores (see the docstring)
+  c.serve.trainer_process = preset == "default"  # its own process on its own cores (docstring)
   c.serve.sim_users = 16  # enough concurrent conversations to keep the sampler batched
   c.serve.sim_duration_s = 1200.0
-  if preset == "process":
-    c.serve.trainer_process = True
   if preset == "tiny":
     c.actor.batch_size = 4
     c.actor.lr = 1e-3
