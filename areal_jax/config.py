@@ -149,6 +149,8 @@ def base_config() -> ConfigDict:
 
   c.weights = ConfigDict()
   c.weights.transfer = "device_put"  # "device_put" (one process) | "orbax"
+  # | "jax_transfer" (runtime.mode="ray" only: workers pull each version from the learner's memory
+  # over sockets with jax.experimental.transfer, no files; areal_jax/runtime/jax_transfer.py)
   c.weights.path = ""  # "" = <workdir>/weights; any Orbax/etils path (e.g. gs://bucket/run)
   c.weights.keep = 2
 
@@ -249,7 +251,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "actor.adv_norm": (a.adv_norm, ("group", "group_mean", "rloo", "none")),
       "actor.lr_schedule": (a.lr_schedule, ("constant", "cosine", "linear")),
       "actor.remat": (a.remat, ("none", "full", "dots", "offload")),
-      "weights.transfer": (config.weights.transfer, ("device_put", "orbax")),
+      "weights.transfer": (config.weights.transfer, ("device_put", "orbax", "jax_transfer")),
       "task.name": (config.task.name, ("gsm8k", "arithmetic")),
       "task.reward": (config.task.reward, ("answer", "digit_share")),
   }
@@ -312,6 +314,9 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if r.max_prompt_len > max(r.prefill_buckets):
     errors.append(f"rollout.max_prompt_len={r.max_prompt_len} exceeds the largest "
                   f"rollout.prefill_buckets entry {max(r.prefill_buckets)}")
+  if config.weights.transfer == "jax_transfer" and config.runtime.mode != "ray":
+    errors.append("weights.transfer='jax_transfer' moves weights between processes: it needs "
+                  "runtime.mode='ray' (in one process use 'device_put' or 'orbax')")
   if config.runtime.mode == "ray":
     if r.workers < 1:
       errors.append(f"rollout.workers={r.workers} must be >= 1 with runtime.mode='ray'")

@@ -16,8 +16,11 @@ controller's accounting and bound are untouched: the learner waits for them like
 Weights: the learner publishes versions with Orbax under ``weights.path`` (``<workdir>/weights``
 by default; a bucket for multi-host runs), without waiting for the write to finish
 (``OrbaxAnnouncer``: only the copy out of device memory blocks it); ``update_params`` then announces
-the version to every worker, which loads it from storage between decode steps. Each request carries
-the version announced when it was sent, and a worker starts it only once it runs that version.
+the version to every worker, which loads it from storage between decode steps. With
+``weights.transfer="jax_transfer"`` (``jax_transfer.JaxTransferPublisher``) the workers pull it from
+the learner's memory instead: the announcement carries each worker's ticket (the learner's transfer
+server address and a uuid of its own). Each request carries the version announced when it was
+sent, and a worker starts it only once it runs that version.
 
 Hardware: on CPU the cores this process may use are split into one set for the learner (the driver
 pins itself to it) and one per worker (``runtime.learner_cores``); each worker gets
@@ -53,6 +56,13 @@ class OrbaxAnnouncer:
   def send(self, params, version: int) -> None:
     self.publisher.publish(params, version, wait=False)
 
+  def ticket(self, slot: int, incarnation: int) -> None:  # pylint: disable=unused-argument
+    """Workers find Orbax versions in the directory: nothing to hand them."""
+    return None
+
+  def drop(self, slot: int) -> None:  # pylint: disable=unused-argument
+    """Nothing is held for a worker."""
+
   @property
   def last_publish_s(self) -> float:
     return self.publisher.last_publish_s
@@ -62,13 +72,13 @@ class OrbaxAnnouncer:
 
 
 def build(config, workdir: str):
-  """``(RayRolloutEngine, OrbaxAnnouncer)`` for ``runtime.mode="ray"``; call inside ``session``.
+  """``(RayRolloutEngine, announcer)`` for ``runtime.mode="ray"``; call inside ``session``.
 
   On CPU the driver pins itself to the learner's cores here (before the learner compiles).
   """
   r, w = config.rollout, config.weights
   path = w.path or os.path.join(os.fspath(workdir), "weights")
-  if w.transfer != "orbax":
+  if w.transfer not in ("orbax", "jax_transfer"):
     print(f"runtime.mode='ray': weights go to the rollout workers through Orbax under {path} "
           f"(weights.transfer={w.transfer!r} applies to one process only)", flush=True)
   plan = None
@@ -80,7 +90,15 @@ def build(config, workdir: str):
     else:
       ray_worker.pin_process(plan[0])
       print(f"cores: learner {plan[0]}, rollout workers {plan[1]}", flush=True)
-  announcer = OrbaxAnnouncer(path, w.keep)
+  if w.transfer == "jax_transfer":  # (after pinning: the transfer server starts JAX's backend)
+    import ray  # pylint: disable=import-outside-toplevel
+    from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
+    host = ray.util.get_node_ip_address() if config.runtime.ray_address else "127.0.0.1"
+    announcer = jax_transfer.JaxTransferPublisher(host)
+    print(f"weights: rollout workers pull each version from {announcer.address} "
+          "(weights.transfer='jax_transfer')", flush=True)
+  else:
+    announcer = OrbaxAnnouncer(path, w.keep)
   engine = RayRolloutEngine(config, path, [None] * r.workers if plan is None else plan[1])
   engine.announcer = announcer
   return engine, announcer
@@ -195,9 +213,9 @@ class RayRolloutEngine(RolloutEngine):
     del params
     with self._lock:
       self._version = int(version)
-      for w in self.workers:
+      for i, w in enumerate(self.workers):
         if w.live:
-          w.actor.notify.remote(self._version)
+          self._notify(i)
       self.history.append((self._version, time.time(),
                            sum(w.stats.get("cpu_s", 0.0) for w in self.workers),
                            sum(w.stats.get("load_s", 0.0) for w in self.workers)))
@@ -242,6 +260,15 @@ class RayRolloutEngine(RolloutEngine):
         w.actor.resume.remote()
 
   # ---- internals -------------------------------------------------------------------------------
+  def _notify(self, i: int) -> None:
+    """Announces the current version to worker ``i`` (with its ticket when the weights need one)."""
+    w = self.workers[i]
+    ticket = None if self.announcer is None else self.announcer.ticket(i, w.restarts)
+    if ticket is None:
+      w.actor.notify.remote(self._version)
+    else:
+      w.actor.notify.remote(self._version, ticket)
+
   def _send(self, g: _Group) -> None:
     g.sent = True
     meta = dict(g.request.metadata, _attempt=g.attempt)
@@ -264,7 +291,7 @@ class RayRolloutEngine(RolloutEngine):
       if kind == "ready":  # back after a restart: current weights, then its groups again
         w.ready_ref, w.live = None, True
         w.stats.update(value)
-        w.actor.notify.remote(self._version)
+        self._notify(i)
         for g in self._groups.values():
           if g.worker == i and not g.sent:
             self._send(g)
@@ -290,6 +317,8 @@ class RayRolloutEngine(RolloutEngine):
       w = self.workers[i]
       w.live, w.poll_ref = False, None
       w.restarts += 1
+      if self.announcer is not None:  # its offer will not be taken: the next incarnation gets one
+        self.announcer.drop(i)
       if self.max_restarts >= 0 and w.restarts > self.max_restarts:
         raise RuntimeError(f"rollout worker {i} died {w.restarts} times "
                            f"(runtime.max_worker_restarts={self.max_restarts})") from error

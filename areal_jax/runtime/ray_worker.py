@@ -10,11 +10,16 @@ The body of the actor is a plain class, ``RolloutWorker``; ``ray_rollout`` wraps
      mesh of its own devices;
   3. waits for the driver to announce a weights version (``notify``; also right after a restart).
 
-A loader thread reads the newest published version (``OrbaxReceiver.fetch_newer``) whenever the
-driver has announced one newer than the engine's (``notify``) and hands them to the engine, which swaps them between two decode steps; in-flight
-sequences continue and their tokens keep per-token versions (partial rollouts). A request submitted
-with ``min_version`` waits in the worker until its engine runs that version, so no token of a group
-is older than the version the driver announced when it sent the group (the staleness bound).
+A loader thread reads the newest published version (``OrbaxReceiver.fetch_newer``; with
+``weights.transfer="jax_transfer"``, ``JaxTransferReceiver.fetch_newer`` pulls the newest version it
+holds a ticket for, from the learner's memory) whenever the driver has announced one newer than the
+engine's (``notify``) and hands them to the engine, which swaps them between two decode steps;
+in-flight sequences continue and their tokens keep per-token versions (partial rollouts). A loader
+that fails (weights that cannot be read, a learner that cannot be reached) ends the process, which
+Ray restarts: the driver then redoes its groups and announces the current version afresh. A
+request submitted with ``min_version`` waits in the worker until its engine runs that version, so no
+token of a group is older than the version the driver announced when it sent the group (the
+staleness bound).
 
 This module imports neither JAX nor Ray at import time: the actor must pin itself first.
 """
@@ -75,7 +80,13 @@ class RolloutWorker:
                               devs)
     model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
     target = weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh))
-    self.receiver = weight_transfer.OrbaxReceiver(weights_path, target)
+    if config.weights.transfer == "jax_transfer":
+      from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
+      import ray  # pylint: disable=import-outside-toplevel
+      host = ray.util.get_node_ip_address() if ray.is_initialized() else None
+      self.receiver = jax_transfer.JaxTransferReceiver(target, host=host)
+    else:
+      self.receiver = weight_transfer.OrbaxReceiver(weights_path, target)
     self.engine = engines.build(config, model, tokenizer, mesh)
     self._lock = threading.Condition()
     self._target = -1  # newest version announced by the driver
@@ -112,8 +123,11 @@ class RolloutWorker:
     return samples, dict(cpu_s=cpu_seconds(), wall_s=time.time() - self.started,
                          version=self._loaded, load_s=self.load_s)
 
-  def notify(self, version: int) -> None:
-    """A new version is published (or about to be finalized): load it between decode steps."""
+  def notify(self, version: int, ticket: dict | None = None) -> None:
+    """A new version is published (or about to be finalized): load it between decode steps.
+    ``ticket``: where to pull it from (``weights.transfer="jax_transfer"``)."""
+    if ticket is not None:
+      self.receiver.offer(ticket)
     with self._lock:
       self._target = max(self._target, int(version))
       self._lock.notify_all()
@@ -152,7 +166,14 @@ class RolloutWorker:
         if self._stopping:
           return
       t0 = time.perf_counter()
-      found = self.receiver.fetch_newer(self._loaded)
+      try:
+        found = self.receiver.fetch_newer(self._loaded)
+      except Exception as e:  # pylint: disable=broad-except
+        # Stuck on weights it cannot get, the worker would hold its groups forever: it ends, Ray
+        # restarts it and the driver redoes its groups and announces the current version again.
+        print(f"rollout worker {os.getpid()}: cannot load weights ({type(e).__name__}: {e}); "
+              "exiting so that Ray restarts it", file=sys.stderr, flush=True)
+        os._exit(75)  # pylint: disable=protected-access
       if found is None:  # announced but not finalized yet (the learner publishes asynchronously)
         time.sleep(0.02)
         continue

@@ -403,7 +403,8 @@ def build(weights, workdir, learner_mesh, sampler_mesh, params, shardings=None):
     path = weights.path or os.path.join(os.fspath(workdir), "weights")
     transfer = OrbaxTransfer(path, weights.keep, abstract_params(params, shardings))
   else:
-    raise ValueError(f"weights.transfer={weights.transfer!r} is not one of ('device_put', 'orbax')")
+    raise ValueError(f"weights.transfer={weights.transfer!r}: in one process it is 'device_put' or "
+                     "'orbax' ('jax_transfer' is for rollout workers, runtime.mode='ray')")
   same = learner_mesh is not None and (set(learner_mesh.devices.flat) == set(sampler_mesh.devices.flat))
   transfer.colocated = same
   return transfer

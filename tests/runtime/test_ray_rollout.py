@@ -193,3 +193,25 @@ def test_a_worker_the_cluster_cannot_place_fails_start_with_a_clear_message(loca
       engine.start()
   finally:
     engine.stop()
+
+
+@pytest.mark.slow
+def test_a_run_with_weights_pulled_from_the_learners_memory(local_ray, tmp_path):
+  """weights.transfer=jax_transfer: the worker pulls every version it runs from the driver."""
+  from areal_jax.runtime import trainer
+
+  c = config_lib.load(TINY)
+  for key, value in {"runtime.mode": "ray", "rollout.workers": 1, "train.total_steps": 2,
+                     "weights.transfer": "jax_transfer", "rollout.max_head_offpolicyness": 0,
+                     "actor.batch_size": 2, "rollout.n_samples": 2, "rollout.num_slots": 4,
+                     "rollout.max_new_tokens": 16, "train.checkpoint_every": 100}.items():
+    config_lib.override(c, key, value)
+  record = _Recorder()
+  trainer.run(c, str(tmp_path), wrap_engine=record)
+  rows = metrics_lib.read(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in rows] == [1, 2]
+  # eta 0: step 2's groups were admitted at version 1, which the worker had to pull first
+  assert 1 in record.submitted.values()
+  assert record.engine.workers[0].stats["version"] >= 1
+  assert record.engine.workers[0].stats["load_s"] > 0
+  assert not (tmp_path / "weights").exists()  # no file in between

@@ -1,0 +1,294 @@
+"""``weights.transfer="jax_transfer"``: rollout workers pull each weights version from the learner's
+memory over sockets (``jax.experimental.transfer``), with no file in between.
+
+The learner (the driver, ``runtime.mode="ray"``) runs one transfer server. ``publish(params, v)``
+copies the parameters onto the learner's first device (a real copy, gathered there when they are
+sharded; the learner may donate or overwrite its own arrays at once) and returns without waiting:
+only the dispatch of that device copy blocks the learner, the server serves the arrays once they
+are ready. A version is offered to each worker as a ``ticket`` (the server's address, a uuid, the
+tree's shapes), sent with the worker's ``notify``: an entry of the server's pull table serves
+exactly one pull, so every worker gets a uuid of its own, from ``(version, worker, incarnation)``.
+The worker (``JaxTransferReceiver``) starts a transfer server of its own, connects once per learner
+address, pulls onto one of its devices and places the arrays on its sampler shardings.
+
+Offers that can no longer be taken are withdrawn so that they stop holding a copy of the weights:
+when a newer version is offered to the same worker (it pulls the newest it was told about and never
+goes back) and when the worker dies (a restarted worker has a new incarnation, hence new uuids, and
+is offered the newest version; the driver keeps that version's copy for this). A pull of a
+withdrawn offer fails after ``PULL_WAIT_S`` and the worker moves on to its newest ticket; an offer
+nobody takes expires after ``OFFER_TTL_S``. A failed pull with no newer ticket raises
+``WeightPullError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import socket
+import threading
+import time
+
+import jax
+from flax import nnx
+
+PULL_WAIT_S = 10.0  # a worker waits this long for its offer (registered before it is told of it)
+OFFER_TTL_S = 900.0  # an offer nobody pulls is dropped after this long
+CHUNK_BYTES = 32 * 2**20  # the servers' staging buffer size per copy ...
+PARALLEL_COPIES = 4  # ... and how many copies run at once (host memory: 3 x their product)
+_VERSION_BITS, _SLOT_BITS, _INC_BITS = 40, 12, 12
+
+
+class WeightPullError(RuntimeError):
+  """A worker could not pull the weights it was offered (unreachable learner, lost connection)."""
+
+
+def _module():
+  try:
+    from jax.experimental import transfer  # pylint: disable=import-outside-toplevel
+    transfer.start_transfer_server  # noqa: B018  (missing on jaxlib builds without it)
+  except (ImportError, AttributeError) as e:
+    raise RuntimeError(f"weights.transfer='jax_transfer' needs jax.experimental.transfer, which "
+                       f"this jax/jaxlib {jax.__version__} does not provide ({e}); use "
+                       "weights.transfer='orbax'") from e
+  return transfer
+
+
+def make_uuid(version: int, slot: int, incarnation: int) -> int:
+  """The pull-table key of ``version`` offered to worker ``slot`` in its ``incarnation``."""
+  for name, value, bits in (("version", version, _VERSION_BITS), ("slot", slot, _SLOT_BITS),
+                            ("incarnation", incarnation, _INC_BITS)):
+    if not 0 <= value < 2**bits:
+      raise ValueError(f"jax_transfer uuid: {name}={value} out of range [0, 2**{bits})")
+  return (version << (_SLOT_BITS + _INC_BITS)) | (slot << _INC_BITS) | incarnation
+
+
+def split_address(address: str) -> tuple[str, int]:
+  """``"host:port"`` (``"[v6]:port"``) as ``(host, port)``; a clear error for anything else."""
+  host, sep, port = str(address).rpartition(":")
+  if not sep or not host or not port.isdigit():
+    raise ValueError(f"jax_transfer: {address!r} is not a host:port address")
+  return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+  return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _start_server(host: str):
+  device = jax.local_devices()[0]
+  return _module().start_transfer_server(
+      device.client, f"{host}:0", [f"{host}:0"], max_num_parallel_copies=PARALLEL_COPIES,
+      transfer_size=CHUNK_BYTES)
+
+
+def _pure(params):
+  if isinstance(params, nnx.Module):
+    params = nnx.state(params, nnx.Param)
+  if isinstance(params, nnx.State):
+    params = nnx.to_pure_dict(params)
+  return params
+
+
+def describe(tree) -> list:
+  """``[(path, shape, dtype), ...]`` of a tree's leaves in flattening order (sent with a ticket)."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return [(jax.tree_util.keystr(p), list(x.shape), str(x.dtype)) for p, x in leaves]
+
+
+def _deadline(seconds: float) -> datetime.datetime:
+  return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
+
+
+@dataclasses.dataclass
+class _Offer:
+  uuid: int
+  version: int
+  arrays: list
+
+
+# ---- the learner's side ------------------------------------------------------------------------
+class JaxTransferPublisher:
+  """Holds the newest version on the learner's first device and offers it to workers."""
+
+  mode = "jax_transfer"
+
+  def __init__(self, host: str = "127.0.0.1"):
+    self.server = _start_server(host)
+    self.address = self.server.address()
+    self.device = jax.local_devices()[0]
+    self._lock = threading.Lock()
+    self._latest: tuple[int, list, list] | None = None  # (version, arrays, describe())
+    self._offers: dict[int, _Offer] = {}  # worker slot -> its offer not known to be taken
+    self.last_publish_s = 0.0
+
+  def publish(self, params, version: int) -> float:
+    """Makes ``version`` the one offered from now on; returns the seconds the caller was blocked
+    (dispatching the device copy: the copy itself and the serving happen in the background)."""
+    t0 = time.perf_counter()
+    with self._lock:
+      latest = None if self._latest is None else self._latest[0]
+    if not isinstance(version, int) or version < 0 or (latest is not None and version <= latest):
+      raise ValueError(f"publish({version!r}): versions must be ints that increase "
+                       f"(latest published is {latest})")
+    tree = _pure(params)
+    arrays = jax.device_put(jax.tree.leaves(tree), self.device, may_alias=False)
+    with self._lock:
+      self._latest = (version, arrays, describe(tree))
+    self.last_publish_s = time.perf_counter() - t0
+    return self.last_publish_s
+
+  def send(self, params, version: int) -> None:
+    """The runtime's announcer interface (``ray_rollout``): ``publish``."""
+    self.publish(params, version)
+
+  def latest_version(self) -> int | None:
+    with self._lock:
+      return None if self._latest is None else self._latest[0]
+
+  def ticket(self, slot: int, incarnation: int = 0) -> dict | None:
+    """Offers the newest version to worker ``slot`` (``incarnation``: its restarts so far) and
+    withdraws that worker's older offer; the ticket goes to the worker with ``notify``."""
+    with self._lock:
+      if self._latest is None:
+        return None
+      version, arrays, spec = self._latest
+      uuid = make_uuid(version, slot, incarnation % 2**_INC_BITS)
+      old = self._offers.get(slot)
+      if old is None or old.uuid != uuid:
+        self.server.await_pull(uuid, arrays, timeout=_deadline(OFFER_TTL_S))
+        if old is not None:
+          self._withdraw(old)
+        self._offers[slot] = _Offer(uuid, version, arrays)
+    return dict(mode=self.mode, address=self.address, uuid=uuid, version=version, spec=spec)
+
+  def drop(self, slot: int) -> None:
+    """Withdraws the offer of a worker that died (its next incarnation gets a new one)."""
+    with self._lock:
+      old = self._offers.pop(slot, None)
+      if old is not None:
+        self._withdraw(old)
+
+  def _withdraw(self, offer: _Offer) -> None:
+    # The table has no delete: the entry is replaced by one that is already expired (same arrays,
+    # so a pull that gets there first still receives the right version).
+    self.server.await_pull(offer.uuid, offer.arrays, timeout=_deadline(-1.0))
+
+  def close(self) -> None:
+    with self._lock:
+      for offer in self._offers.values():
+        self._withdraw(offer)
+      self._offers.clear()
+      self._latest = None
+
+
+# ---- a worker's side -----------------------------------------------------------------------------
+class JaxTransferReceiver:
+  """Pulls the newest version it holds a ticket for onto the sampler's shardings (``target``)."""
+
+  mode = "jax_transfer"
+
+  def __init__(self, target, host: str | None = None):
+    """``target``: pure dict of ``jax.ShapeDtypeStruct`` with ``sharding=`` (``abstract_params``);
+    ``host``: the address this worker's own server binds to when the learner is not on loopback."""
+    leaves = jax.tree.leaves(target)
+    if not leaves or not all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
+                             for x in leaves):
+      raise TypeError("target must be a tree of jax.ShapeDtypeStruct with sharding= set "
+                      "(see weight_transfer.abstract_params)")
+    self.target, self.host = target, host
+    self._spec = describe(target)
+    self._treedef = jax.tree.structure(target)
+    self._shardings = [x.sharding for x in leaves]
+    first = leaves[0].sharding
+    self._device = min(first.device_set, key=lambda d: d.id)
+    self._server = None
+    self._conns: dict[str, object] = {}
+    self._lock = threading.Lock()
+    self._ticket: dict | None = None
+    self._failed: set[int] = set()
+    self.last_fetch_s = 0.0
+
+  def offer(self, ticket: dict) -> None:
+    """A ticket from the driver (``notify``); an older one than the held ticket is ignored."""
+    with self._lock:
+      if self._ticket is None or ticket["version"] > self._ticket["version"] or (
+          ticket["version"] == self._ticket["version"] and ticket["uuid"] != self._ticket["uuid"]):
+        self._ticket = ticket
+
+  def latest_version(self) -> int | None:
+    with self._lock:
+      return None if self._ticket is None else self._ticket["version"]
+
+  def fetch_newer(self, current: int | None) -> tuple[int, dict] | None:
+    """``(version, params)`` of the newest ticket above ``current``; None if there is none."""
+    while True:
+      with self._lock:
+        ticket = self._ticket
+      if (ticket is None or (current is not None and ticket["version"] <= current)
+          or ticket["uuid"] in self._failed):
+        return None
+      try:
+        return ticket["version"], self.pull(ticket)
+      except WeightPullError:
+        self._failed.add(ticket["uuid"])
+        with self._lock:
+          newer = self._ticket["uuid"] != ticket["uuid"]
+        if not newer:  # nothing to move on to: the caller decides (a worker restarts)
+          raise
+        # withdrawn because a newer version was offered meanwhile: pull that one
+
+  def pull(self, ticket: dict) -> dict:
+    """The arrays of one ticket, placed on the target's shardings (blocks until they are there)."""
+    t0 = time.perf_counter()
+    self._check_spec(ticket)
+    conn = self._connect(ticket["address"])
+    avals = [jax.ShapeDtypeStruct(tuple(shape), dtype,
+                                  sharding=jax.sharding.SingleDeviceSharding(self._device))
+             for _, shape, dtype in ticket["spec"]]
+    try:
+      flat = conn.pull(ticket["uuid"], avals, timeout=_deadline(PULL_WAIT_S))
+      flat = jax.block_until_ready(flat)
+    except Exception as e:  # pylint: disable=broad-except  (JaxRuntimeError and friends)
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+      raise WeightPullError(f"could not pull weights version {ticket['version']} (uuid "
+                            f"{ticket['uuid']}) from {ticket['address']}: {first}") from e
+    out = jax.block_until_ready(jax.device_put(flat, self._shardings))
+    self.last_fetch_s = time.perf_counter() - t0
+    return jax.tree.unflatten(self._treedef, out)
+
+  def _check_spec(self, ticket: dict) -> None:
+    theirs = [(p, list(s), d) for p, s, d in ticket["spec"]]
+    if theirs != self._spec:
+      diff = next(((a, b) for a, b in zip(theirs, self._spec) if a != b), None)
+      what = (f"learner {diff[0]} vs this worker {diff[1]}" if diff else
+              f"{len(theirs)} arrays vs this worker's {len(self._spec)}")
+      raise ValueError(f"jax_transfer: the learner's weights do not match this worker's model "
+                       f"({what}); both must load the same model.source")
+
+  def _connect(self, address: str):
+    conn = self._conns.get(address)
+    if conn is not None:
+      return conn
+    host, port = split_address(address)
+    try:  # the transfer server would wait for an unreachable peer: fail fast, with the cause
+      socket.create_connection((host, port), timeout=5.0).close()
+    except OSError as e:
+      raise WeightPullError(f"weights.transfer='jax_transfer': cannot reach the learner's transfer "
+                            f"server at {address}: {e}") from e
+    if self._server is None:
+      own = "127.0.0.1" if _is_loopback(host) else (self.host or _own_ip(host, port))
+      self._server = _start_server(own)
+    conn = self._server.connect(address)
+    self._conns[address] = conn
+    return conn
+
+  def close(self) -> None:
+    self._conns.clear()
+    self._server = None
+
+
+def _own_ip(host: str, port: int) -> str:
+  """This machine's address on the route to ``host`` (no packet is sent)."""
+  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.connect((host, port))
+    return s.getsockname()[0]

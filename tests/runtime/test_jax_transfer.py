@@ -1,0 +1,168 @@
+"""weights.transfer=jax_transfer: the learner (this process) publishes, a worker in a process of its
+own (jax_transfer_peer.py, 2 CPU devices) pulls over loopback sockets onto its own shardings."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from areal_jax import config as config_lib
+from areal_jax.runtime import jax_transfer as jt
+from jax_transfer_peer import peer_tree  # tests/runtime (the same trees on both sides)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PEER = pathlib.Path(__file__).with_name("jax_transfer_peer.py")
+
+
+class Peer:
+  """The worker process: one JSON command per line, one reply per line."""
+
+  def __init__(self):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PEER_PULL_WAIT_S="1.0")
+    self.proc = subprocess.Popen([sys.executable, str(PEER)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=env)
+
+  def __call__(self, **msg) -> dict:
+    self.proc.stdin.write(json.dumps(msg) + "\n")
+    self.proc.stdin.flush()
+    line = self.proc.stdout.readline()
+    assert line, f"the peer exited (rc {self.proc.poll()})"
+    return json.loads(line)
+
+  def close(self):
+    self.proc.stdin.close()
+    try:
+      self.proc.wait(timeout=30)
+    finally:
+      if self.proc.poll() is None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def peer():
+  p = Peer()
+  yield p
+  p.close()
+
+
+@pytest.fixture(scope="module")
+def publisher():
+  pub = jt.JaxTransferPublisher("127.0.0.1")
+  yield pub
+  pub.close()
+
+
+def learner_params(version):
+  """``peer_tree(version)`` as the learner holds it: sharded over devices 2 and 3 (not the
+  publisher's device 0, so publishing gathers)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[2:4]), ("fsdp",))
+  tree = peer_tree(version)
+  return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp") if np.ndim(x) and
+                                                                np.shape(x)[0] % 2 == 0 else P())),
+                      tree)
+
+
+@jax.jit
+def _zero(tree):
+  return jax.tree.map(lambda x: x * 0, tree)
+
+
+def _zero_donated(tree):
+  return jax.jit(_zero, donate_argnums=0)(tree)
+
+
+def test_a_worker_process_pulls_each_version_onto_its_shardings(peer, publisher):
+  assert publisher.ticket(0) is None  # nothing published yet
+  for version in (1, 2):
+    params = learner_params(version)
+    blocked = publisher.publish(params, version)
+    assert blocked < 5.0
+    params = _zero_donated(params)  # the learner reuses its buffers at once
+    ticket = publisher.ticket(0)
+    assert ticket["version"] == version and ticket["address"] == publisher.address
+    assert peer(cmd="offer", ticket=ticket)["ok"]
+    got = peer(cmd="fetch", current=version - 1)
+    assert got == dict(ok=True, version=version, equal=True, placed=True, same_tree=True), got
+  assert peer(cmd="fetch", current=2) == dict(ok=True, version=None)  # nothing newer
+  with pytest.raises(ValueError, match="versions must be ints that increase"):
+    publisher.publish(learner_params(0), 2)
+
+
+def test_a_missed_version_is_skipped_and_a_withdrawn_offer_fails_clearly(peer, publisher):
+  publisher.publish(learner_params(3), 3)
+  stale = publisher.ticket(0)
+  publisher.publish(learner_params(4), 4)
+  newest = publisher.ticket(0)  # withdraws the offer of version 3
+  assert stale["uuid"] != newest["uuid"]
+  assert peer(cmd="offer", ticket=stale)["ok"]
+  got = peer(cmd="fetch", current=2)
+  assert not got["ok"] and "WeightPullError" in got["error"] and "version 3" in got["error"], got
+  # both tickets arrive before the worker pulls: it takes the newest, once
+  assert peer(cmd="offer", ticket=newest)["ok"] and peer(cmd="offer", ticket=stale)["ok"]
+  assert peer(cmd="fetch", current=2) == dict(ok=True, version=4, equal=True, placed=True,
+                                              same_tree=True)
+
+
+def test_a_restarted_worker_gets_the_newest_version_under_a_new_uuid(peer, publisher):
+  publisher.publish(learner_params(5), 5)
+  first = publisher.ticket(0)
+  publisher.drop(0)  # the worker died before pulling
+  assert peer(cmd="restart")["ok"]
+  again = publisher.ticket(0, incarnation=1)
+  assert again["version"] == 5 and again["uuid"] != first["uuid"]
+  assert peer(cmd="offer", ticket=again)["ok"]
+  assert peer(cmd="fetch", current=None) == dict(ok=True, version=5, equal=True, placed=True,
+                                                 same_tree=True)
+
+
+def _target():
+  dev = jax.devices()[0]
+  one = jax.sharding.SingleDeviceSharding(dev)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=one),
+                      peer_tree(0))
+
+
+def test_an_unreachable_learner_is_a_clear_error():
+  with socket.socket() as s:  # a port nobody listens on
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  receiver = jt.JaxTransferReceiver(_target())
+  receiver.offer(dict(mode="jax_transfer", address=f"127.0.0.1:{port}", uuid=7, version=1,
+                      spec=jt.describe(_target())))
+  with pytest.raises(jt.WeightPullError, match=f"cannot reach .* at 127.0.0.1:{port}"):
+    receiver.fetch_newer(None)
+  with pytest.raises(ValueError, match="not a host:port"):
+    jt.split_address("localhost")
+
+
+def test_another_model_is_refused_before_anything_is_pulled():
+  receiver = jt.JaxTransferReceiver(_target())
+  spec = jt.describe(_target())
+  spec[0] = (spec[0][0], [1024, 511], spec[0][2])
+  ticket = dict(mode="jax_transfer", address="127.0.0.1:1", uuid=7, version=1, spec=spec)
+  with pytest.raises(ValueError, match=r"do not match this worker's model .*\[1024, 511\]"):
+    receiver.pull(ticket)
+
+
+def test_uuids_are_distinct_and_bounded():
+  assert len({jt.make_uuid(v, s, i) for v in range(3) for s in range(3) for i in range(3)}) == 27
+  with pytest.raises(ValueError, match="slot=4096"):
+    jt.make_uuid(1, 4096, 0)
+
+
+def test_jax_transfer_needs_ray_mode():
+  c = config_lib.base_config()
+  config_lib.override(c, "weights.transfer", "jax_transfer")
+  with pytest.raises(ValueError, match="weights.transfer='jax_transfer' .* runtime.mode='ray'"):
+    config_lib.validate(c)
+  config_lib.override(c, "weights.transfer", "nccl")
+  with pytest.raises(ValueError, match="weights.transfer='nccl' is not one of"):
+    config_lib.validate(c)
