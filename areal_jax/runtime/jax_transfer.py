@@ -5,37 +5,34 @@ The learner (the driver, ``runtime.mode="ray"``) runs one transfer server. ``pub
 copies the parameters onto the learner's first device (a real copy, gathered there when they are
 sharded; the learner may donate or overwrite its own arrays at once) and returns without waiting:
 only the dispatch of that device copy blocks the learner, the server serves the arrays once they
-are ready. A version is offered to each worker as a ``ticket`` (the server's address, a uuid, the
-tree's shapes), sent with the worker's ``notify``: an entry of the server's pull table serves
-exactly one pull, so every worker gets a uuid of its own, from ``(version, worker, incarnation)``.
-The worker (``JaxTransferReceiver``) starts a transfer server of its own, connects once per learner
-address, pulls onto one of its devices and places the arrays on its sampler shardings.
-
-Offers that can no longer be taken are withdrawn so that they stop holding a copy of the weights:
-when a newer version is offered to the same worker (it pulls the newest it was told about and never
-goes back) and when the worker dies (a restarted worker has a new incarnation, hence new uuids, and
-is offered the newest version; the driver keeps that version's copy for this). A pull of a
-withdrawn offer fails after ``PULL_WAIT_S`` and the worker moves on to its newest ticket; an offer
-nobody takes expires after ``OFFER_TTL_S``. A failed pull with no newer ticket raises
-``WeightPullError``.
+are ready. An entry of the server's pull table serves exactly one pull, and a pull that arrives
+before its entry waits for it; entries do not expire (the API's timeouts are not enforced in this
+jaxlib: a pull of an expired entry waited forever when tried). So every worker has one uuid of its
+own, from ``(worker, incarnation)``, and ``ticket`` (re)registers the newest version under it,
+replacing whatever that entry held: a worker that missed versions gets the newest, nothing piles
+up, and at most the newest copy (plus one being sent) is held. The pulled arrays carry their
+version (one more scalar), so a worker knows what it got. The ticket (the server's address, the
+uuid, the announced version, the tree's shapes) reaches the worker with ``notify``; the worker
+(``JaxTransferReceiver``) starts a transfer server of its own, connects once per learner address,
+pulls onto one of its devices and places the arrays on its sampler shardings. A worker that dies
+leaves its uuid behind: the entry is kept on the newest version from then on (no extra copy); the
+restarted worker has a new incarnation, hence a new uuid.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import socket
 import threading
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 
-PULL_WAIT_S = 10.0  # a worker waits this long for its offer (registered before it is told of it)
-OFFER_TTL_S = 900.0  # an offer nobody pulls is dropped after this long
 CHUNK_BYTES = 32 * 2**20  # the servers' staging buffer size per copy ...
 PARALLEL_COPIES = 4  # ... and how many copies run at once (host memory: 3 x their product)
-_VERSION_BITS, _SLOT_BITS, _INC_BITS = 40, 12, 12
+_SLOT_BITS, _INC_BITS = 16, 24
 
 
 class WeightPullError(RuntimeError):
@@ -53,13 +50,12 @@ def _module():
   return transfer
 
 
-def make_uuid(version: int, slot: int, incarnation: int) -> int:
-  """The pull-table key of ``version`` offered to worker ``slot`` in its ``incarnation``."""
-  for name, value, bits in (("version", version, _VERSION_BITS), ("slot", slot, _SLOT_BITS),
-                            ("incarnation", incarnation, _INC_BITS)):
+def make_uuid(slot: int, incarnation: int) -> int:
+  """The pull-table key of worker ``slot`` in its ``incarnation`` (its restarts so far)."""
+  for name, value, bits in (("slot", slot, _SLOT_BITS), ("incarnation", incarnation, _INC_BITS)):
     if not 0 <= value < 2**bits:
       raise ValueError(f"jax_transfer uuid: {name}={value} out of range [0, 2**{bits})")
-  return (version << (_SLOT_BITS + _INC_BITS)) | (slot << _INC_BITS) | incarnation
+  return (1 << 62) | (slot << _INC_BITS) | incarnation
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -95,17 +91,6 @@ def describe(tree) -> list:
   return [(jax.tree_util.keystr(p), list(x.shape), str(x.dtype)) for p, x in leaves]
 
 
-def _deadline(seconds: float) -> datetime.datetime:
-  return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
-
-
-@dataclasses.dataclass
-class _Offer:
-  uuid: int
-  version: int
-  arrays: list
-
-
 # ---- the learner's side ------------------------------------------------------------------------
 class JaxTransferPublisher:
   """Holds the newest version on the learner's first device and offers it to workers."""
@@ -117,8 +102,9 @@ class JaxTransferPublisher:
     self.address = self.server.address()
     self.device = jax.local_devices()[0]
     self._lock = threading.Lock()
-    self._latest: tuple[int, list, list] | None = None  # (version, arrays, describe())
-    self._offers: dict[int, _Offer] = {}  # worker slot -> its offer not known to be taken
+    self._latest: tuple[int, list, list] | None = None  # (version, arrays + [version], describe())
+    self._uuids: dict[int, int] = {}  # worker slot -> the uuid of its current incarnation
+    self._orphans: set[int] = set()  # uuids of dead incarnations (their entries may be pending)
     self.last_publish_s = 0.0
 
   def publish(self, params, version: int) -> float:
@@ -131,9 +117,12 @@ class JaxTransferPublisher:
       raise ValueError(f"publish({version!r}): versions must be ints that increase "
                        f"(latest published is {latest})")
     tree = _pure(params)
-    arrays = jax.device_put(jax.tree.leaves(tree), self.device, may_alias=False)
+    arrays = jax.device_put(jax.tree.leaves(tree) + [np.int32(version)], self.device,
+                            may_alias=False)
     with self._lock:
       self._latest = (version, arrays, describe(tree))
+      for uuid in self._orphans:  # keep them on the newest copy: no older one stays alive
+        self.server.await_pull(uuid, arrays)
     self.last_publish_s = time.perf_counter() - t0
     return self.last_publish_s
 
@@ -146,38 +135,29 @@ class JaxTransferPublisher:
       return None if self._latest is None else self._latest[0]
 
   def ticket(self, slot: int, incarnation: int = 0) -> dict | None:
-    """Offers the newest version to worker ``slot`` (``incarnation``: its restarts so far) and
-    withdraws that worker's older offer; the ticket goes to the worker with ``notify``."""
+    """Offers the newest version to worker ``slot`` (``incarnation``: its restarts so far) under
+    its uuid, replacing what that entry held; the ticket goes to the worker with ``notify``."""
     with self._lock:
       if self._latest is None:
         return None
       version, arrays, spec = self._latest
-      uuid = make_uuid(version, slot, incarnation % 2**_INC_BITS)
-      old = self._offers.get(slot)
-      if old is None or old.uuid != uuid:
-        self.server.await_pull(uuid, arrays, timeout=_deadline(OFFER_TTL_S))
-        if old is not None:
-          self._withdraw(old)
-        self._offers[slot] = _Offer(uuid, version, arrays)
+      uuid = make_uuid(slot, incarnation % 2**_INC_BITS)
+      old = self._uuids.get(slot)
+      if old is not None and old != uuid:
+        self._orphans.add(old)
+      self._uuids[slot] = uuid
+      self.server.await_pull(uuid, arrays)
     return dict(mode=self.mode, address=self.address, uuid=uuid, version=version, spec=spec)
 
   def drop(self, slot: int) -> None:
-    """Withdraws the offer of a worker that died (its next incarnation gets a new one)."""
+    """The worker died: its entry (if not pulled) stays on the newest version from now on."""
     with self._lock:
-      old = self._offers.pop(slot, None)
+      old = self._uuids.pop(slot, None)
       if old is not None:
-        self._withdraw(old)
-
-  def _withdraw(self, offer: _Offer) -> None:
-    # The table has no delete: the entry is replaced by one that is already expired (same arrays,
-    # so a pull that gets there first still receives the right version).
-    self.server.await_pull(offer.uuid, offer.arrays, timeout=_deadline(-1.0))
+        self._orphans.add(old)
 
   def close(self) -> None:
     with self._lock:
-      for offer in self._offers.values():
-        self._withdraw(offer)
-      self._offers.clear()
       self._latest = None
 
 
@@ -205,14 +185,12 @@ class JaxTransferReceiver:
     self._conns: dict[str, object] = {}
     self._lock = threading.Lock()
     self._ticket: dict | None = None
-    self._failed: set[int] = set()
     self.last_fetch_s = 0.0
 
   def offer(self, ticket: dict) -> None:
     """A ticket from the driver (``notify``); an older one than the held ticket is ignored."""
     with self._lock:
-      if self._ticket is None or ticket["version"] > self._ticket["version"] or (
-          ticket["version"] == self._ticket["version"] and ticket["uuid"] != self._ticket["uuid"]):
+      if self._ticket is None or ticket["version"] >= self._ticket["version"]:
         self._ticket = ticket
 
   def latest_version(self) -> int | None:
@@ -220,41 +198,33 @@ class JaxTransferReceiver:
       return None if self._ticket is None else self._ticket["version"]
 
   def fetch_newer(self, current: int | None) -> tuple[int, dict] | None:
-    """``(version, params)`` of the newest ticket above ``current``; None if there is none."""
-    while True:
-      with self._lock:
-        ticket = self._ticket
-      if (ticket is None or (current is not None and ticket["version"] <= current)
-          or ticket["uuid"] in self._failed):
-        return None
-      try:
-        return ticket["version"], self.pull(ticket)
-      except WeightPullError:
-        self._failed.add(ticket["uuid"])
-        with self._lock:
-          newer = self._ticket["uuid"] != ticket["uuid"]
-        if not newer:  # nothing to move on to: the caller decides (a worker restarts)
-          raise
-        # withdrawn because a newer version was offered meanwhile: pull that one
+    """``(version, params)``: the version offered now (at least the newest ticket's) when that
+    ticket is above ``current``; None otherwise."""
+    with self._lock:
+      ticket = self._ticket
+    if ticket is None or (current is not None and ticket["version"] <= current):
+      return None
+    return self.pull(ticket)
 
-  def pull(self, ticket: dict) -> dict:
-    """The arrays of one ticket, placed on the target's shardings (blocks until they are there)."""
+  def pull(self, ticket: dict) -> tuple[int, dict]:
+    """``(version, params)`` from one ticket, on the target's shardings (blocks until there)."""
     t0 = time.perf_counter()
     self._check_spec(ticket)
     conn = self._connect(ticket["address"])
-    avals = [jax.ShapeDtypeStruct(tuple(shape), dtype,
-                                  sharding=jax.sharding.SingleDeviceSharding(self._device))
+    one = jax.sharding.SingleDeviceSharding(self._device)
+    avals = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=one)
              for _, shape, dtype in ticket["spec"]]
+    avals.append(jax.ShapeDtypeStruct((), np.int32, sharding=one))
     try:
-      flat = conn.pull(ticket["uuid"], avals, timeout=_deadline(PULL_WAIT_S))
-      flat = jax.block_until_ready(flat)
+      flat = jax.block_until_ready(conn.pull(ticket["uuid"], avals))
     except Exception as e:  # pylint: disable=broad-except  (JaxRuntimeError and friends)
       first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
       raise WeightPullError(f"could not pull weights version {ticket['version']} (uuid "
                             f"{ticket['uuid']}) from {ticket['address']}: {first}") from e
+    version = int(flat.pop())
     out = jax.block_until_ready(jax.device_put(flat, self._shardings))
     self.last_fetch_s = time.perf_counter() - t0
-    return jax.tree.unflatten(self._treedef, out)
+    return version, jax.tree.unflatten(self._treedef, out)
 
   def _check_spec(self, ticket: dict) -> None:
     theirs = [(p, list(s), d) for p, s, d in ticket["spec"]]

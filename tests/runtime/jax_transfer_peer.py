@@ -50,7 +50,6 @@ def target_and_shardings():
 
 
 def main():
-  jax_transfer.PULL_WAIT_S = float(os.environ.get("PEER_PULL_WAIT_S", "1.0"))
   target, shardings = target_and_shardings()
   receiver = jax_transfer.JaxTransferReceiver(target)
   for line in sys.stdin:
