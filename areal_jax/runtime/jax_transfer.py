@@ -21,7 +21,6 @@ restarted worker has a new incarnation, hence a new uuid.
 
 from __future__ import annotations
 
-import datetime
 import socket
 import threading
 import time
@@ -222,6 +221,9 @@ class JaxTransferReceiver:
       raise WeightPullError(f"could not pull weights version {ticket['version']} (uuid "
                             f"{ticket['uuid']}) from {ticket['address']}: {first}") from e
     version = int(flat.pop())
+    if version < ticket["version"]:  # the entry is re-registered before each ticket: cannot happen
+      raise WeightPullError(f"pulled version {version} from {ticket['address']}, older than the "
+                            f"announced {ticket['version']}")
     out = jax.block_until_ready(jax.device_put(flat, self._shardings))
     self.last_fetch_s = time.perf_counter() - t0
     return version, jax.tree.unflatten(self._treedef, out)
@@ -240,7 +242,7 @@ class JaxTransferReceiver:
     if conn is not None:
       return conn
     host, port = split_address(address)
-    try:  # the transfer server would wait for an unreachable peer: fail fast, with the cause
+    try:  # fail fast, naming the cause, before the transfer server tries
       socket.create_connection((host, port), timeout=5.0).close()
     except OSError as e:
       raise WeightPullError(f"weights.transfer='jax_transfer': cannot reach the learner's transfer "

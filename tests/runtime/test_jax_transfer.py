@@ -123,8 +123,9 @@ def test_a_restarted_worker_gets_the_newest_version_under_a_new_uuid(peer, publi
   assert peer(cmd="fetch", current=None) == dict(ok=True, version=6, equal=True, placed=True,
                                                  same_tree=True)
   # the dead incarnation's entry holds the newest version too (nothing older is kept alive)
-  assert peer(cmd="offer", ticket=dict(first, version=7))["ok"]
-  assert peer(cmd="fetch", current=6)["version"] == 6
+  assert peer(cmd="offer", ticket=dict(first, version=6))["ok"]
+  assert peer(cmd="fetch", current=5) == dict(ok=True, version=6, equal=True, placed=True,
+                                              same_tree=True)
 
 
 def _target():
