@@ -122,8 +122,11 @@ class _Recorder:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transfer", ["orbax", "jax_transfer"])
 def test_a_sigkilled_rollout_worker_restarts_and_no_group_is_lost_or_trained_twice(
-    local_ray, tmp_path):
+    local_ray, tmp_path, transfer):
+  """Weights through Orbax files, or pulled from the learner's memory (jax_transfer: the restarted
+  worker pulls under a new uuid)."""
   from areal_jax.runtime import trainer
 
   steps, eta, batch, n = 5, 1, 2, 4
@@ -131,7 +134,8 @@ def test_a_sigkilled_rollout_worker_restarts_and_no_group_is_lost_or_trained_twi
   for key, value in {"runtime.mode": "ray", "rollout.workers": 1, "train.total_steps": steps,
                      "rollout.max_head_offpolicyness": eta, "actor.batch_size": batch,
                      "rollout.n_samples": n, "rollout.num_slots": 8, "rollout.max_new_tokens": 24,
-                     "train.dump_trajectories": True, "train.checkpoint_every": 100}.items():
+                     "train.dump_trajectories": True, "train.checkpoint_every": 100,
+                     "weights.transfer": transfer}.items():
     config_lib.override(c, key, value)
   record = _Recorder()
   killed = {}
@@ -163,6 +167,8 @@ def test_a_sigkilled_rollout_worker_restarts_and_no_group_is_lost_or_trained_twi
   # Redone: the groups it held (one whose last samples were already on their way back may have
   # completed instead, and one sent to it before its death was noticed is redone too).
   assert set(killed["holding"]) & set(engine.resubmitted)
+  assert (tmp_path / "weights").exists() == (transfer == "orbax")  # jax_transfer: no file between
+  assert engine.workers[0].stats["version"] >= 1  # the restarted worker loaded weights again
   rows = metrics_lib.read(str(tmp_path / "metrics.jsonl"))
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
   samples = _dumps(str(tmp_path))
@@ -193,25 +199,3 @@ def test_a_worker_the_cluster_cannot_place_fails_start_with_a_clear_message(loca
       engine.start()
   finally:
     engine.stop()
-
-
-@pytest.mark.slow
-def test_a_run_with_weights_pulled_from_the_learners_memory(local_ray, tmp_path):
-  """weights.transfer=jax_transfer: the worker pulls every version it runs from the driver."""
-  from areal_jax.runtime import trainer
-
-  c = config_lib.load(TINY)
-  for key, value in {"runtime.mode": "ray", "rollout.workers": 1, "train.total_steps": 2,
-                     "weights.transfer": "jax_transfer", "rollout.max_head_offpolicyness": 0,
-                     "actor.batch_size": 2, "rollout.n_samples": 2, "rollout.num_slots": 4,
-                     "rollout.max_new_tokens": 16, "train.checkpoint_every": 100}.items():
-    config_lib.override(c, key, value)
-  record = _Recorder()
-  trainer.run(c, str(tmp_path), wrap_engine=record)
-  rows = metrics_lib.read(str(tmp_path / "metrics.jsonl"))
-  assert [r["step"] for r in rows] == [1, 2]
-  # eta 0: step 2's groups were admitted at version 1, which the worker had to pull first
-  assert 1 in record.submitted.values()
-  assert record.engine.workers[0].stats["version"] >= 1
-  assert record.engine.workers[0].stats["load_s"] > 0
-  assert not (tmp_path / "weights").exists()  # no file in between
