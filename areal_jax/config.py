@@ -314,9 +314,6 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     if m.colocated:
       errors.append("runtime.mode='ray' runs rollout workers in processes of their own: "
                     "set mesh.colocated=False")
-    if a.lora.rank:
-      errors.append("runtime.mode='ray' does not publish LoRA adapters to rollout workers yet: "
-                    "use actor.lora.rank=0 or runtime.mode='local'")
   if n_devices is not None:
     errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots,
                            remote_sampler=config.runtime.mode == "ray")

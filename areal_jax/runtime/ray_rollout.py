@@ -15,8 +15,10 @@ controller's accounting and bound are untouched: the learner waits for them like
 
 Weights: the learner publishes versions with Orbax under ``weights.path`` (``<workdir>/weights``
 by default; a bucket for multi-host runs), without waiting for the write to finish
-(``OrbaxAnnouncer``: only the copy out of device memory blocks it); ``update_params`` then announces
-the version to every worker, which loads it from storage between decode steps. Each request carries
+(``OrbaxAnnouncer``, or a learner group's processes: only the copy out of device memory blocks it);
+``update_params`` then announces the version to every worker, which loads it from storage between
+decode steps. With ``actor.lora`` a version holds only the adapters; each worker merges them into
+the base it built from ``model.source``. Each request carries
 the version announced when it was sent, and a worker starts it only once it runs that version.
 
 Hardware: on CPU the cores this process may use are split into one set for the learner (the driver
@@ -64,10 +66,13 @@ class OrbaxAnnouncer:
 def build(config, workdir: str):
   """``(RayRolloutEngine, OrbaxAnnouncer)`` for ``runtime.mode="ray"``; call inside ``session``.
 
-  On CPU the driver pins itself to the learner's cores here (before the learner compiles).
+  On CPU the driver pins itself to the learner's cores here (before the learner compiles). With a
+  learner group (``runtime.learner_processes > 1``) the announcer is None: the group publishes the
+  versions into the same directory (``LearnerGroup.announcer``, set by the caller).
   """
   r, w = config.rollout, config.weights
-  path = w.path or os.path.join(os.fspath(workdir), "weights")
+  # absolute: the workers do not share this process's working directory
+  path = w.path or os.path.abspath(os.path.join(os.fspath(workdir), "weights"))
   if w.transfer != "orbax":
     print(f"runtime.mode='ray': weights go to the rollout workers through Orbax under {path} "
           f"(weights.transfer={w.transfer!r} applies to one process only)", flush=True)
@@ -80,7 +85,7 @@ def build(config, workdir: str):
     else:
       ray_worker.pin_process(plan[0])
       print(f"cores: learner {plan[0]}, rollout workers {plan[1]}", flush=True)
-  announcer = OrbaxAnnouncer(path, w.keep)
+  announcer = OrbaxAnnouncer(path, w.keep) if config.runtime.learner_processes <= 1 else None
   engine = RayRolloutEngine(config, path, [None] * r.workers if plan is None else plan[1])
   engine.announcer = announcer
   return engine, announcer

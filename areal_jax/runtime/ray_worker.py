@@ -6,13 +6,15 @@ The body of the actor is a plain class, ``RolloutWorker``; ``ray_rollout`` wraps
   1. pins every thread of its process to its CPU cores (``os.sched_setaffinity``) and sets its own
      ``XLA_FLAGS`` fake-device count, both *before* JAX is imported here (on GPU/TPU it takes the
      chips Ray assigned to it instead);
-  2. builds the model and the rollout engine named by ``rollout.backend`` (``engines.build``) on a
-     mesh of its own devices;
+  2. builds the model from ``model.source`` and the rollout engine named by ``rollout.backend``
+     (``engines.build``) on a mesh of its own devices (with ``actor.lora``: the learner's frozen
+     base, into which the engine merges each version's adapters);
   3. waits for the driver to announce a weights version (``notify``; also right after a restart).
 
-A loader thread reads the newest published version (``OrbaxReceiver.fetch_newer``) whenever the
-driver has announced one newer than the engine's (``notify``) and hands them to the engine, which swaps them between two decode steps; in-flight
-sequences continue and their tokens keep per-token versions (partial rollouts). A request submitted
+A loader thread reads the newest published version (``OrbaxReceiver.fetch_newer``: the full
+weights, or with LoRA only the adapters) whenever the driver has announced one newer than the
+engine's (``notify``) and hands it to the engine, which swaps it in between two decode steps;
+in-flight sequences continue and their tokens keep per-token versions (partial rollouts). A request submitted
 with ``min_version`` waits in the worker until its engine runs that version, so no token of a group
 is older than the version the driver announced when it sent the group (the staleness bound).
 
@@ -45,6 +47,24 @@ def cpu_seconds() -> float:
   return ru.ru_utime + ru.ru_stime
 
 
+def _weights_target(config, model, mesh):
+  """What a published version holds, as restore targets on this worker's mesh: the model's
+  parameters, or with ``actor.lora`` only the adapters (replicated), which the engine merges into
+  its base. That base is the learner's: ``model.source`` frozen in ``actor.dtype``, as in local
+  mode."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from areal_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  from areal_jax.runtime import weight_transfer  # pylint: disable=import-outside-toplevel
+
+  lcfg = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
+  if lcfg is None:
+    return weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh))
+  lora_lib.freeze_model_base(model, config.actor.dtype)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return lora_lib.abstract_adapters(nnx.to_pure_dict(nnx.state(model, nnx.Param)), lcfg, replicated)
+
+
 class RolloutWorker:
   """Actor body: ``submit`` / ``poll`` / ``abort`` / ``pause`` / ``resume`` / ``version`` / ``notify``."""
 
@@ -74,8 +94,7 @@ class RolloutWorker:
     mesh = sharding.make_mesh(config_lib.mesh_sizes(config.mesh.sampler, len(devs), "mesh.sampler"),
                               devs)
     model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
-    target = weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh))
-    self.receiver = weight_transfer.OrbaxReceiver(weights_path, target)
+    self.receiver = weight_transfer.OrbaxReceiver(weights_path, _weights_target(config, model, mesh))
     self.engine = engines.build(config, model, tokenizer, mesh)
     self._lock = threading.Condition()
     self._target = -1  # newest version announced by the driver
