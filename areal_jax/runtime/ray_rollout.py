@@ -18,8 +18,8 @@ by default; a bucket for multi-host runs), without waiting for the write to fini
 (``OrbaxAnnouncer``, or a learner group's processes: only the copy out of device memory blocks it);
 ``update_params`` then announces the version to every worker, which loads it from storage between
 decode steps. With ``actor.lora`` a version holds only the adapters; each worker merges them into
-the base it built from ``model.source``. Each request carries
-the version announced when it was sent, and a worker starts it only once it runs that version.
+the base it built from ``model.source``. Each request carries the version announced when it was
+sent, and a worker starts it only once it runs that version.
 
 Hardware: on CPU the cores this process may use are split into one set for the learner (the driver
 pins itself to it) and one per worker (``runtime.learner_cores``); each worker gets
@@ -71,7 +71,7 @@ def build(config, workdir: str):
   versions into the same directory (``LearnerGroup.announcer``, set by the caller).
   """
   r, w = config.rollout, config.weights
-  # absolute: the workers do not share this process's working directory
+  # absolute: a worker's working directory need not be this process's
   path = w.path or os.path.abspath(os.path.join(os.fspath(workdir), "weights"))
   if w.transfer != "orbax":
     print(f"runtime.mode='ray': weights go to the rollout workers through Orbax under {path} "
