@@ -263,12 +263,6 @@ def test_lora_in_ray_mode_ships_adapters_and_the_worker_samples_the_merged_polic
   policies = {v: lora.merged_model(base, receiver.fetch(v), lcfg) for v in sizes}
   receiver.close()
 
-  def teacher_forced(model, s):
-    seq = jnp.asarray([s["prompt_tokens"] + s["tokens"]])
-    logp = jax.nn.log_softmax(model(seq)[0].astype(jnp.float32) / c.rollout.temperature, axis=-1)
-    p = len(s["prompt_tokens"])
-    return np.asarray(logp[jnp.arange(p - 1, seq.shape[1] - 1), jnp.asarray(s["tokens"])])
-
   samples = _dumps(str(tmp_path))
   assert len(samples) == steps * c.actor.batch_size * c.rollout.n_samples
   assert all(0 <= s["staleness"] <= eta for s in samples)
@@ -276,13 +270,26 @@ def test_lora_in_ray_mode_ships_adapters_and_the_worker_samples_the_merged_polic
   # group admitted at version >= 1 starts on a worker that runs it: the staleness bound).
   trained = [s for s in samples if s["versions"][0] >= 1]
   assert trained, "no sample started on a trained version"
-  for s in samples[:6] + trained[:10]:
+  checked = samples[:6] + trained[:10]
+  tokens_BxL = np.zeros((len(checked), c.rollout.max_prompt_len + c.rollout.max_new_tokens), np.int32)
+  for k, s in enumerate(checked):  # (causal: the padding after a sequence changes nothing in it)
+    tokens_BxL[k, :len(s["prompt_tokens"]) + len(s["tokens"])] = s["prompt_tokens"] + s["tokens"]
+  forward = nnx.jit(lambda model, tokens: jax.nn.log_softmax(
+      model(tokens).astype(jnp.float32) / c.rollout.temperature, axis=-1))
+  logp = {v: np.asarray(forward(policy, jnp.asarray(tokens_BxL))) for v, policy in policies.items()}
+
+  def teacher_forced(v, k):  # the merged policy v's logprobs of sample k's generated tokens
+    s = checked[k]
+    start = len(s["prompt_tokens"]) - 1
+    return logp[v][k, np.arange(start, start + len(s["tokens"])), s["tokens"]]
+
+  for k, s in enumerate(checked):
     v = s["versions"][0]
     j = s["versions"].count(v)
-    want = teacher_forced(policies[v], s)[:j]
+    want = teacher_forced(v, k)[:j]
     np.testing.assert_allclose(s["logprobs"][:j], want, atol=1e-4, err_msg=f"version {v}")
     if v >= 1:  # the adapters matter: the base alone would not pass
-      assert np.abs(teacher_forced(policies[0], s)[:j] - want).max() > 1e-3
+      assert np.abs(teacher_forced(0, k)[:j] - want).max() > 1e-3
 
 
 @pytest.mark.slow
