@@ -317,15 +317,15 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if config.weights.transfer == "jax_transfer" and config.runtime.mode != "ray":
     errors.append("weights.transfer='jax_transfer' moves weights between processes: it needs "
                   "runtime.mode='ray' (in one process use 'device_put' or 'orbax')")
+  if config.weights.transfer == "jax_transfer" and (a.lora.rank or config.runtime.learner_processes > 1):
+    errors.append("weights.transfer='jax_transfer' sends the full weights of a one-process learner: "
+                  "with actor.lora.rank > 0 or runtime.learner_processes > 1 use 'orbax'")
   if config.runtime.mode == "ray":
     if r.workers < 1:
       errors.append(f"rollout.workers={r.workers} must be >= 1 with runtime.mode='ray'")
     if m.colocated:
       errors.append("runtime.mode='ray' runs rollout workers in processes of their own: "
                     "set mesh.colocated=False")
-    if a.lora.rank:
-      errors.append("runtime.mode='ray' does not publish LoRA adapters to rollout workers yet: "
-                    "use actor.lora.rank=0 or runtime.mode='local'")
   if n_devices is not None:
     errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots,
                            remote_sampler=config.runtime.mode == "ray")

@@ -125,6 +125,21 @@ def frozen_base(params: Mapping, dtype) -> dict:
   return transformer.cast_weights(params, dtype)
 
 
+def freeze_model_base(model: transformer.Transformer, dtype) -> None:
+  """Stores ``model``'s parameters as ``frozen_base(..., dtype)`` in place: the base a LoRA learner
+  trains on (``actor.dtype``), which a sampler building from ``model`` must merge into too."""
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, frozen_base(nnx.to_pure_dict(state), dtype))
+  nnx.update(model, state)
+
+
+def abstract_adapters(params: Mapping, lcfg: LoraConfig, sharding=None) -> dict:
+  """``jax.ShapeDtypeStruct``s of the adapters of ``params`` (arrays or shapes), with ``sharding``
+  on every leaf when given: e.g. the restore target of published adapters."""
+  shapes = jax.eval_shape(lambda: init_adapters(params, lcfg, jax.random.key(0)))
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:

@@ -8,7 +8,9 @@ state stays in the group), ``params()`` (a token for ``transfer``), and gives th
 trainer builds around a learner: ``checkpointer()`` (the run checkpoint, saved and restored by all
 processes through Orbax, with the driver's meta) and ``transfer(...)`` (each version published by
 the group as an Orbax weights version, ``weights.transfer="orbax"``, and restored by the driver
-straight onto the sampler mesh: the driver never gathers the full weights).
+straight onto the sampler mesh: the driver never gathers the full weights). With
+``runtime.mode="ray"`` the driver has no sampler: ``announcer()`` has the group publish each version,
+and the rollout workers restore it from the same directory themselves.
 
 Processes: the driver listens (authenticated ``multiprocessing.connection``) for the workers
 (``learner_worker.py``). By default it listens on 127.0.0.1 and starts them itself with
@@ -55,7 +57,7 @@ def check_config(config) -> int:
   if n < 1:
     errors.append(f"runtime.learner_processes={n} must be >= 1")
   elif n > 1:
-    if config.weights.transfer != "orbax":
+    if config.weights.transfer != "orbax" and config.runtime.mode != "ray":  # (ray: always Orbax)
       errors.append(f"runtime.learner_processes={n} needs weights.transfer='orbax' (the group "
                     f"publishes Orbax versions), got {config.weights.transfer!r}")
     if config.mesh.colocated:
@@ -66,9 +68,6 @@ def check_config(config) -> int:
                     f"runtime.learner_processes={n}")
     if config.runtime.learner_address:
       process_group.host_port(config.runtime.learner_address)
-    if config.runtime.mode != "local":
-      errors.append(f"runtime.learner_processes={n} runs with runtime.mode='local' only (a learner "
-                    "group beside Ray rollout workers is not supported yet)")
     if config.actor.lora.rank:
       errors.append(f"runtime.learner_processes={n} does not support actor.lora yet (set "
                     "actor.lora.rank=0 or runtime.learner_processes=1)")
@@ -148,6 +147,9 @@ class LearnerGroup:
   def checkpointer(self) -> "GroupCheckpointer":
     return GroupCheckpointer(self)
 
+  def announcer(self) -> "GroupAnnouncer":
+    return GroupAnnouncer(self)
+
   def transfer(self, weights, model, sampler_mesh) -> "GroupTransfer":
     path = weights.path or os.path.join(self.workdir, "weights")
     shardings = weight_transfer.target_shardings(model, sampler_mesh)
@@ -207,3 +209,29 @@ class GroupTransfer:
 
   def close(self) -> None:
     self.receiver.close()
+
+
+class GroupAnnouncer:
+  """``runtime.mode="ray"``: the group publishes each version as Orbax weights, which the rollout
+  workers read themselves; the driver only announces the version (it never holds the weights).
+
+  ``send`` returns once every process has copied its shards out of device memory; the write
+  finishes in the background (the next ``publish`` or the group's ``close`` waits for it), and a
+  worker loads the version once it is finalized.
+  """
+
+  mode = "orbax"
+
+  def __init__(self, group: LearnerGroup):
+    self.group = group
+    self.last_publish_s = 0.0
+
+  def send(self, params: RemoteParams, version: int) -> None:
+    if not isinstance(params, RemoteParams) or params.group is not self.group:
+      raise TypeError("GroupAnnouncer.send publishes the group's own parameters (group.params())")
+    t0 = time.perf_counter()
+    self.group.call("publish", version)
+    self.last_publish_s = time.perf_counter() - t0
+
+  def close(self) -> None:
+    """Nothing to flush here: closing the group waits for its last publish."""

@@ -15,11 +15,13 @@ controller's accounting and bound are untouched: the learner waits for them like
 
 Weights: the learner publishes versions with Orbax under ``weights.path`` (``<workdir>/weights``
 by default; a bucket for multi-host runs), without waiting for the write to finish
-(``OrbaxAnnouncer``: only the copy out of device memory blocks it); ``update_params`` then announces
-the version to every worker, which loads it from storage between decode steps. With
-``weights.transfer="jax_transfer"`` (``jax_transfer.JaxTransferPublisher``) the workers pull it from
-the learner's memory instead: the announcement carries each worker's ticket (the learner's transfer
-server address and a uuid of its own). Each request carries the version announced when it was
+(``OrbaxAnnouncer``, or a learner group's processes: only the copy out of device memory blocks it);
+``update_params`` then announces the version to every worker, which loads it from storage between
+decode steps. With ``actor.lora`` a version holds only the adapters; each worker merges them into
+the base it built from ``model.source``. With ``weights.transfer="jax_transfer"``
+(``jax_transfer.JaxTransferPublisher``) the workers pull it from the learner's memory instead: the
+announcement carries each worker's ticket (the learner's transfer server address and a uuid of its
+own). Each request carries the version announced when it was
 sent, and a worker starts it only once it runs that version.
 
 Hardware: on CPU the cores this process may use are split into one set for the learner (the driver
@@ -74,10 +76,13 @@ class OrbaxAnnouncer:
 def build(config, workdir: str):
   """``(RayRolloutEngine, announcer)`` for ``runtime.mode="ray"``; call inside ``session``.
 
-  On CPU the driver pins itself to the learner's cores here (before the learner compiles).
+  On CPU the driver pins itself to the learner's cores here (before the learner compiles). With a
+  learner group (``runtime.learner_processes > 1``) the announcer is None: the group publishes the
+  versions into the same directory (``LearnerGroup.announcer``, set by the caller).
   """
   r, w = config.rollout, config.weights
-  path = w.path or os.path.join(os.fspath(workdir), "weights")
+  # absolute: a worker's working directory need not be this process's
+  path = w.path or os.path.abspath(os.path.join(os.fspath(workdir), "weights"))
   if w.transfer not in ("orbax", "jax_transfer"):
     print(f"runtime.mode='ray': weights go to the rollout workers through Orbax under {path} "
           f"(weights.transfer={w.transfer!r} applies to one process only)", flush=True)
@@ -90,7 +95,9 @@ def build(config, workdir: str):
     else:
       ray_worker.pin_process(plan[0])
       print(f"cores: learner {plan[0]}, rollout workers {plan[1]}", flush=True)
-  if w.transfer == "jax_transfer":  # (after pinning: the transfer server starts JAX's backend)
+  if config.runtime.learner_processes > 1:  # the group publishes (LearnerGroup.announcer)
+    announcer = None
+  elif w.transfer == "jax_transfer":  # (after pinning: the transfer server starts JAX's backend)
     import ray  # pylint: disable=import-outside-toplevel
     from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
     host = ray.util.get_node_ip_address() if config.runtime.ray_address else "127.0.0.1"

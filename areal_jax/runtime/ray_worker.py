@@ -6,20 +6,21 @@ The body of the actor is a plain class, ``RolloutWorker``; ``ray_rollout`` wraps
   1. pins every thread of its process to its CPU cores (``os.sched_setaffinity``) and sets its own
      ``XLA_FLAGS`` fake-device count, both *before* JAX is imported here (on GPU/TPU it takes the
      chips Ray assigned to it instead);
-  2. builds the model and the rollout engine named by ``rollout.backend`` (``engines.build``) on a
-     mesh of its own devices;
+  2. builds the model from ``model.source`` and the rollout engine named by ``rollout.backend``
+     (``engines.build``) on a mesh of its own devices (with ``actor.lora``: the learner's frozen
+     base, into which the engine merges each version's adapters);
   3. waits for the driver to announce a weights version (``notify``; also right after a restart).
 
-A loader thread reads the newest published version (``OrbaxReceiver.fetch_newer``; with
-``weights.transfer="jax_transfer"``, ``JaxTransferReceiver.fetch_newer`` pulls the newest version it
-holds a ticket for, from the learner's memory) whenever the driver has announced one newer than the
-engine's (``notify``) and hands them to the engine, which swaps them between two decode steps;
-in-flight sequences continue and their tokens keep per-token versions (partial rollouts). A loader
-that fails (weights that cannot be read, a learner that cannot be reached) ends the process, which
-Ray restarts: the driver then redoes its groups and announces the current version afresh. A
-request submitted with ``min_version`` waits in the worker until its engine runs that version, so no
-token of a group is older than the version the driver announced when it sent the group (the
-staleness bound).
+A loader thread reads the newest published version (``OrbaxReceiver.fetch_newer``: the full
+weights, or with LoRA only the adapters; with ``weights.transfer="jax_transfer"``,
+``JaxTransferReceiver.fetch_newer`` pulls the newest version it holds a ticket for, from the
+learner's memory) whenever the driver has announced one newer than the engine's (``notify``) and
+hands it to the engine, which swaps it in between two decode steps; in-flight sequences continue
+and their tokens keep per-token versions (partial rollouts). A loader that fails (weights that
+cannot be read, a learner that cannot be reached) ends the process, which Ray restarts: the driver
+then redoes its groups and announces the current version afresh. A request submitted with
+``min_version`` waits in the worker until its engine runs that version, so no token of a group is
+older than the version the driver announced when it sent the group (the staleness bound).
 
 This module imports neither JAX nor Ray at import time: the actor must pin itself first.
 """
@@ -48,6 +49,24 @@ def cpu_seconds() -> float:
   """CPU seconds (user + system) this process has used."""
   ru = resource.getrusage(resource.RUSAGE_SELF)
   return ru.ru_utime + ru.ru_stime
+
+
+def _weights_target(config, model, mesh):
+  """What a published version holds, as restore targets on this worker's mesh: the model's
+  parameters, or with ``actor.lora`` only the adapters (replicated), which the engine merges into
+  its base. That base is the learner's: ``model.source`` frozen in ``actor.dtype``, as in local
+  mode."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from areal_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  from areal_jax.runtime import weight_transfer  # pylint: disable=import-outside-toplevel
+
+  lcfg = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
+  if lcfg is None:
+    return weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh))
+  lora_lib.freeze_model_base(model, config.actor.dtype)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return lora_lib.abstract_adapters(nnx.to_pure_dict(nnx.state(model, nnx.Param)), lcfg, replicated)
 
 
 class RolloutWorker:
@@ -79,7 +98,7 @@ class RolloutWorker:
     mesh = sharding.make_mesh(config_lib.mesh_sizes(config.mesh.sampler, len(devs), "mesh.sampler"),
                               devs)
     model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
-    target = weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh))
+    target = _weights_target(config, model, mesh)
     if config.weights.transfer == "jax_transfer":
       from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
       import ray  # pylint: disable=import-outside-toplevel

@@ -22,7 +22,6 @@ import time
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
@@ -64,12 +63,14 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
   if lora_lib.LoraConfig.from_config(c_act.lora) is not None:
     # LoRA: the frozen base is stored once in the compute dtype; the learner and (colocated, same
     # dtype) the sampler use these very arrays instead of copies.
-    _cast_params(model, c_act.dtype)
+    lora_lib.freeze_model_base(model, c_act.dtype)
   task = tasks.get_task(config.task)
   learner, group = _build_learner(config, workdir, model, learner_mesh)
   if config.runtime.mode == "local":  # (in ray mode the workers hold the engines, built above)
     engine = engines.build(config, model, tokenizer, sampler_mesh)
     transfer = _build_transfer(config, workdir, learner, model, learner_mesh, sampler_mesh, group)
+  elif group:  # the group's processes publish; the workers read its versions directly
+    transfer = engine.announcer = learner.announcer()
   if wrap_engine is not None:
     engine = wrap_engine(engine)
   if not c_train.resume:  # a fresh start keeps the previous run's records aside, never deletes them
@@ -267,12 +268,6 @@ def _save(ckpt, learner, controller, staleness, version, totals, t_start) -> Non
   totals = dict(totals, wall_time_s=totals["wall_time_s"] + time.time() - t_start)
   meta = dict(version=version, totals=totals, staleness=staleness.state_dict(), **snap)
   ckpt.save(version, learner.state, meta)
-
-
-def _cast_params(model, dtype: str) -> None:
-  state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, lora_lib.frozen_base(nnx.to_pure_dict(state), dtype))
-  nnx.update(model, state)
 
 
 def _write_config(config, workdir: str) -> None:

@@ -51,6 +51,26 @@ def test_merge_is_base_plus_scaled_product():
   np.testing.assert_array_equal(merged["embed"], params["embed"])
 
 
+def test_abstract_adapters_and_the_frozen_base_of_a_model():
+  """What a rollout worker builds on its own: restore targets shaped like the learner's adapters,
+  and its model's base frozen in the learner's dtype."""
+  model = transformer.Transformer(transformer.ModelConfig(vocab_size=64), nnx.Rngs(0))
+  lcfg = lora.LoraConfig(rank=2, targets=("k_proj", "up_proj"))
+  real = lora.init_adapters(_params(model), lcfg, jax.random.key(3))
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shapes = lora.abstract_adapters(_params(model), lcfg, sh)
+  assert jax.tree.structure(shapes) == jax.tree.structure(real)
+  for x, y in zip(jax.tree.leaves(shapes), jax.tree.leaves(real)):
+    assert isinstance(x, jax.ShapeDtypeStruct) and x.sharding == sh
+    assert (x.shape, x.dtype) == (y.shape, y.dtype)
+  want = lora.frozen_base(_params(model), "bfloat16")
+  lora.freeze_model_base(model, "bfloat16")
+  for x, y in zip(jax.tree.leaves(_params(model)), jax.tree.leaves(want)):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(x, y)
+  assert model.layers[0].attn.q[...].dtype == jnp.bfloat16
+
+
 def test_side_path_equals_merged_forward_and_fresh_adapters_change_nothing():
   model = transformer.Transformer(transformer.ModelConfig(vocab_size=64, qk_norm=True,
                                                           arch="qwen3"), nnx.Rngs(1))

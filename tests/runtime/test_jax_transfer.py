@@ -168,6 +168,11 @@ def test_jax_transfer_needs_ray_mode():
   config_lib.override(c, "weights.transfer", "jax_transfer")
   with pytest.raises(ValueError, match="weights.transfer='jax_transfer' .* runtime.mode='ray'"):
     config_lib.validate(c)
+  config_lib.override(c, "runtime.mode", "ray")
+  config_lib.override(c, "mesh.colocated", False)
+  config_lib.override(c, "actor.lora.rank", 4)
+  with pytest.raises(ValueError, match="with actor.lora.rank > 0 or runtime.learner_processes > 1"):
+    config_lib.validate(c)
   config_lib.override(c, "weights.transfer", "nccl")
   with pytest.raises(ValueError, match="weights.transfer='nccl' is not one of"):
     config_lib.validate(c)

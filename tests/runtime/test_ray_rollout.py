@@ -1,4 +1,5 @@
-"""runtime.mode="ray": rollout workers as Ray actors, a worker SIGKILLed mid-run, the core plan.
+"""runtime.mode="ray": rollout workers as Ray actors, a worker SIGKILLed mid-run, the core plan,
+LoRA runs (adapters only cross processes) and a learner group feeding the workers.
 
 One local Ray cluster (2 CPUs, no dashboard, its own temporary directory) serves the module; it is
 shut down at the end and no Ray process is left behind.
@@ -16,10 +17,11 @@ import pytest
 
 from areal_jax import config as config_lib
 from areal_jax.runtime import metrics as metrics_lib
-from areal_jax.runtime import ray_cluster, ray_rollout
+from areal_jax.runtime import learner_group, ray_cluster, ray_rollout
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = f"{ROOT}/configs/gsm8k.py:tiny"
+ARITH_TINY = f"{ROOT}/configs/arithmetic.py:tiny"
 
 
 def test_plan_cores_gives_each_side_cores_of_its_own():
@@ -33,14 +35,20 @@ def test_plan_cores_gives_each_side_cores_of_its_own():
   assert all_cores == list(range(16))
 
 
-def test_ray_mode_rejects_colocated_meshes_and_lora():
+def test_ray_mode_rejects_colocated_meshes_and_takes_lora_and_learner_groups():
   c = config_lib.load(TINY)
-  config_lib.override(c, "runtime.mode", "ray")
-  config_lib.override(c, "mesh.colocated", True)
-  config_lib.override(c, "actor.lora.rank", 4)
+  for key, value in {"runtime.mode": "ray", "mesh.colocated": True, "actor.lora.rank": 4}.items():
+    config_lib.override(c, key, value)
   with pytest.raises(ValueError, match="mesh.colocated=False") as e:
     config_lib.validate(c)
-  assert "actor.lora.rank=0" in str(e.value)
+  assert "lora" not in str(e.value)
+  config_lib.override(c, "mesh.colocated", False)
+  config_lib.validate(c)
+  # a learner group beside Ray workers (which always read Orbax versions, whatever weights.transfer)
+  for key, value in {"actor.lora.rank": 0, "runtime.learner_processes": 2,
+                     "mesh.learner_devices": 2, "weights.transfer": "device_put"}.items():
+    config_lib.override(c, key, value)
+  assert learner_group.check_config(c) == 2
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +207,122 @@ def test_a_worker_the_cluster_cannot_place_fails_start_with_a_clear_message(loca
       engine.start()
   finally:
     engine.stop()
+
+
+def _overridden(path, **overrides):
+  c = config_lib.load(path)
+  for key, value in overrides.items():
+    config_lib.override(c, key, value)
+  return c
+
+
+def _published(weights_dir) -> dict[int, int]:
+  """Published version -> bytes of its files."""
+  from areal_jax.runtime import weight_transfer
+
+  return {v: sum(p.stat().st_size for p in (weights_dir / str(v)).rglob("*") if p.is_file())
+          for v in weight_transfer.list_versions(weights_dir)}
+
+
+@pytest.mark.slow
+def test_lora_in_ray_mode_ships_adapters_and_the_worker_samples_the_merged_policy(
+    local_ray, tmp_path):
+  """actor.lora with a Ray worker: each version on disk is adapters only; the worker merges them
+  into its own base, and its behaviour logprobs are those of the merged policy of their version."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from areal_jax import models
+  from areal_jax.models import lora
+  from areal_jax.runtime import trainer, weight_transfer
+
+  steps, eta = 3, 1
+  c = _overridden(ARITH_TINY, **{
+      "runtime.mode": "ray", "rollout.workers": 1, "mesh.colocated": False,
+      "mesh.sampler_devices": 1, "actor.lora.rank": 4, "actor.lora.alpha": 8.0,
+      "train.total_steps": steps, "rollout.max_head_offpolicyness": eta, "train.eval_every": 0,
+      "train.checkpoint_every": 100, "train.dump_trajectories": True, "weights.keep": steps + 1,
+      # the random model never scores: a constant advantage of 1 still trains the adapters
+      "actor.adv_norm": "none", "actor.reward_bias": 1.0})
+  trainer.run(c, str(tmp_path))
+
+  rows = metrics_lib.read(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in rows] == list(range(1, steps + 1))
+  assert all(r["staleness_max"] <= eta for r in rows)
+  base, _ = models.load(c.model.source, dtype=c.model.dtype, seed=c.seed)
+  lora.freeze_model_base(base, c.actor.dtype)
+  base_params = nnx.to_pure_dict(nnx.state(base, nnx.Param))
+  full_bytes = sum(x.nbytes for x in jax.tree.leaves(base_params))
+  lcfg = lora.LoraConfig.from_config(c.actor.lora)
+  adapter_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in
+                      jax.tree.leaves(lora.abstract_adapters(base_params, lcfg)))
+  sizes = _published(tmp_path / "weights")
+  assert sorted(sizes) == list(range(steps + 1))  # each version published once, none left out
+  for v, size in sizes.items():  # adapters (and Orbax's metadata), far below the full weights
+    assert size < full_bytes / 2, (v, size, full_bytes)
+    assert v == 0 or size >= adapter_bytes, (v, size, adapter_bytes)  # (version 0: b is all zero)
+
+  receiver = weight_transfer.OrbaxReceiver(tmp_path / "weights", lora.abstract_adapters(
+      base_params, lcfg, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+  policies = {v: lora.merged_model(base, receiver.fetch(v), lcfg) for v in sizes}
+  receiver.close()
+
+  samples = _dumps(str(tmp_path))
+  assert len(samples) == steps * c.actor.batch_size * c.rollout.n_samples
+  assert all(0 <= s["staleness"] <= eta for s in samples)
+  # The tokens before a sequence's first weight swap were all generated by its first version (a
+  # group admitted at version >= 1 starts on a worker that runs it: the staleness bound).
+  trained = [s for s in samples if s["versions"][0] >= 1]
+  assert trained, "no sample started on a trained version"
+  checked = samples[:6] + trained[:10]
+  tokens_BxL = np.zeros((len(checked), c.rollout.max_prompt_len + c.rollout.max_new_tokens), np.int32)
+  for k, s in enumerate(checked):  # (causal: the padding after a sequence changes nothing in it)
+    tokens_BxL[k, :len(s["prompt_tokens"]) + len(s["tokens"])] = s["prompt_tokens"] + s["tokens"]
+  forward = nnx.jit(lambda model, tokens: jax.nn.log_softmax(
+      model(tokens).astype(jnp.float32) / c.rollout.temperature, axis=-1))
+  logp = {v: np.asarray(forward(policy, jnp.asarray(tokens_BxL))) for v, policy in policies.items()}
+
+  def teacher_forced(v, k):  # the merged policy v's logprobs of sample k's generated tokens
+    s = checked[k]
+    start = len(s["prompt_tokens"]) - 1
+    return logp[v][k, np.arange(start, start + len(s["tokens"])), s["tokens"]]
+
+  for k, s in enumerate(checked):
+    v = s["versions"][0]
+    j = s["versions"].count(v)
+    want = teacher_forced(v, k)[:j]
+    np.testing.assert_allclose(s["logprobs"][:j], want, atol=1e-4, err_msg=f"version {v}")
+    if v >= 1:  # the adapters matter: the base alone would not pass
+      assert np.abs(teacher_forced(0, k)[:j] - want).max() > 1e-3
+
+
+@pytest.mark.slow
+def test_a_learner_group_publishes_straight_to_ray_workers(local_ray, tmp_path):
+  """runtime.learner_processes=2 beside a Ray worker: the group writes each version, the driver
+  only announces it (it holds no weights) and the worker reads it from the group's directory."""
+  from areal_jax.runtime import trainer
+
+  steps, eta = 2, 0  # synchronous: the second batch is generated by version 1 alone
+  c = _overridden(TINY, **{
+      "runtime.mode": "ray", "rollout.workers": 1, "runtime.learner_processes": 2,
+      "mesh.learner_devices": 2, "mesh.sampler_devices": 1, "train.total_steps": steps,
+      "rollout.max_head_offpolicyness": eta, "rollout.max_new_tokens": 16,
+      "train.checkpoint_every": 100, "train.dump_trajectories": True, "weights.keep": steps + 1})
+  record = _Recorder()
+  trainer.run(c, str(tmp_path), wrap_engine=record)
+
+  engine = record.engine
+  assert isinstance(engine.announcer, learner_group.GroupAnnouncer)
+  assert [v for v, *_ in engine.history] == list(range(steps + 1))  # announced once each
+  assert sorted(_published(tmp_path / "weights")) == list(range(steps + 1))
+  rows = metrics_lib.read(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in rows] == list(range(1, steps + 1))
+  samples = _dumps(str(tmp_path))
+  assert len(samples) == steps * c.actor.batch_size * c.rollout.n_samples
+  # the worker ran the group's versions: each batch by the version before it
+  assert all(set(s["versions"]) == {s["trained_at_version"]} for s in samples)
+  assert {s["trained_at_version"] for s in samples} == set(range(steps))
+  assert sorted(os.listdir(tmp_path / "learner_logs")) == ["process_0.log", "process_1.log"]
+  assert (tmp_path / "checkpoints" / str(steps)).is_dir()
