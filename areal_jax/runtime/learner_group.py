@@ -233,5 +233,12 @@ class GroupAnnouncer:
     self.group.call("publish", version)
     self.last_publish_s = time.perf_counter() - t0
 
+  def ticket(self, slot: int, incarnation: int) -> None:  # pylint: disable=unused-argument
+    """Workers read the group's versions from storage: no per-worker ticket."""
+    return None
+
+  def drop(self, slot: int) -> None:  # pylint: disable=unused-argument
+    """Nothing is held per worker."""
+
   def close(self) -> None:
     """Nothing to flush here: closing the group waits for its last publish."""
