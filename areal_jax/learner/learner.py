@@ -128,6 +128,7 @@ class Learner:
     self.opts, self.mesh, self.rules, self.temperature = opts, mesh, rules, float(temperature)
     self.max_seq_len = int(max_seq_len)
     self.cfg = dataclasses.replace(cfg, dtype=opts.dtype)
+    self._attn_cost = packing.attention_cost(self.cfg)  # of a row's length, in the layout plan
     self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(self.cfg, nnx.Rngs(0))))
     self.param_shardings = nnx.to_pure_dict(sharding.state_shardings(state, mesh, rules))
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -343,7 +344,7 @@ class Learner:
                           opts.micro_batch_tokens, self.dp,
                           min_row_len=min(self.max_seq_len, opts.micro_batch_tokens),
                           packed=opts.pack_sequences, known=self._shapes,
-                          attn=packing.attention_cost(self.cfg))
+                          attn=self._attn_cost)
     self._shapes.add((layout.row_len, layout.micro_rows))
     minibatches, real = [], 0
     for k, mbs in enumerate(layout.minibatches):

@@ -27,31 +27,32 @@ __all__ = ["Cache", "CheckpointError", "ModelConfig", "Tokenizer", "Transformer"
            "init_cache", "load", "save_hf", "small_config", "tiny_config"]
 
 
+def _byte_llama(tokenizer: Tokenizer, dtype: str, **dims) -> ModelConfig:
+  """A Llama sized by ``dims`` for the byte-level tokenizer, embeddings tied."""
+  return ModelConfig(arch="llama", vocab_size=tokenizer.vocab_size, tie_embeddings=True, dtype=dtype,
+                     bos_token_id=tokenizer.bos_token_id,
+                     eos_token_ids=tuple(tokenizer.eos_token_ids), **dims)
+
+
 def tiny_config(tokenizer: Tokenizer, dtype: str = "float32") -> ModelConfig:
   """The ``tiny`` preset: a 2-layer Llama sized for the byte tokenizer."""
-  return ModelConfig(arch="llama", vocab_size=tokenizer.vocab_size, d_model=64, n_layers=2,
-                     n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, tie_embeddings=True,
-                     dtype=dtype, bos_token_id=tokenizer.bos_token_id,
-                     eos_token_ids=tuple(tokenizer.eos_token_ids))
+  return _byte_llama(tokenizer, dtype, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=16, d_ff=128)
 
 
 def small_config(tokenizer: Tokenizer, dtype: str = "float32") -> ModelConfig:
   """The ``small`` preset: 4 layers of d_model 256, 4 heads of 64 (2 KV heads), d_ff 1024."""
-  return ModelConfig(arch="llama", vocab_size=tokenizer.vocab_size, d_model=256, n_layers=4,
-                     n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024, tie_embeddings=True,
-                     dtype=dtype, bos_token_id=tokenizer.bos_token_id,
-                     eos_token_ids=tuple(tokenizer.eos_token_ids))
+  return _byte_llama(tokenizer, dtype, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
+                     head_dim=64, d_ff=1024)
 
 
 def load(source: str, *, dtype: str = "float32", seed: int = 0) -> tuple[Transformer, Tokenizer]:
   """``(model, tokenizer)`` for ``source``; ``dtype`` is the compute dtype (parameters stay f32)."""
   source = os.fspath(source)
-  if source == "tiny":
+  if source in ("tiny", "small"):
     tokenizer = byte_tokenizer()
-    return Transformer(tiny_config(tokenizer, dtype), nnx.Rngs(seed)), tokenizer
-  if source == "small":
-    tokenizer = byte_tokenizer()
-    return Transformer(small_config(tokenizer, dtype), nnx.Rngs(seed)), tokenizer
+    make = tiny_config if source == "tiny" else small_config
+    return Transformer(make(tokenizer, dtype), nnx.Rngs(seed)), tokenizer
   if source == "smollm2" or source.startswith("gguf:"):
     from areal_jax.models import gguf  # the gguf package is only needed here
     path = gguf.smollm2_path() if source == "smollm2" else source[len("gguf:"):]
