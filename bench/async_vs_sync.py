@@ -18,9 +18,14 @@ sample, so every eta generates the same lengths) and the sample runs to it (``ig
 random model's EOS would otherwise cut the tail off), so a synchronous batch waits for its longest
 sequence while an asynchronous sampler keeps its slots busy. Reported per eta: wall time per step,
 effective trained tokens/s, learner wait and sampler idle fractions, final reward, reward per
-trained sample, and the throughput ratio against eta = 0 (JSON: top-level ``speedup``,
-``final_reward``, ``reward_per_sample``, ``staleness_max``, ``gen_busy_frac`` and
-``learner_busy_frac``, keyed by eta as a string). ``learner_busy_frac``: the share of the timed
+trained sample, the final policy's reward, and the throughput ratio against eta = 0 (JSON:
+top-level ``speedup``, ``final_reward``, ``reward_per_sample``, ``final_policy_reward``,
+``staleness_max``, ``gen_busy_frac`` and ``learner_busy_frac``, keyed by eta as a string).
+``final_reward`` and ``reward_per_sample`` are rewards of the batches trained on (the last quarter
+of the steps, every step), which an asynchronous run generated up to eta versions earlier;
+``final_policy_reward`` asks the final parameters themselves, after the same number of trained
+samples at every eta: ``--eval-size`` held-out prompts x ``--eval-k`` samples at the training
+temperature (``final_policy_reward_greedy`` per row: greedy), after the timed run. ``learner_busy_frac``: the share of the timed
 wall time spent in train steps (compilation excluded); ``gen_busy_frac`` (ray mode only; None in
 local mode, where the two sides share cores): the rollout worker's CPU seconds over the same wall
 time (its compilations included); ``weights_load_s_per_step`` (ray mode): the worker's seconds
@@ -154,6 +159,7 @@ def run_one(eta: int, args) -> dict:
     finally:
       clock.close()
     rows = metrics_lib.read(os.path.join(workdir, "metrics.jsonl"))
+    final_policy = evaluate_final_policy(c, workdir, args) if args.eval_size else {}
     if args.keep:  # each eta's metrics.jsonl (every step's timings) for a closer look
       os.makedirs(args.keep, exist_ok=True)
       shutil.copy(os.path.join(workdir, "metrics.jsonl"), os.path.join(args.keep, f"eta{eta}.jsonl"))
@@ -173,7 +179,7 @@ def run_one(eta: int, args) -> dict:
     busy["gen_busy_frac"] = (cpu1 - cpu0) / (t1 - t0)
     busy["weights_load_s_per_step"] = (load1 - load0) / len(timed)
   return dict(
-      **busy, curve=[dict(step=r["step"], reward=r["reward_mean"], wall_s=r["wall_time_s"],
+      **busy, **final_policy, curve=[dict(step=r["step"], reward=r["reward_mean"], wall_s=r["wall_time_s"],
                           staleness_max=r["staleness_max"],
                           # the policy that generated the batch (its tokens' mean version)
                           gen_version=r["step"] - 1 - r["staleness_mean"]) for r in rows],
@@ -186,6 +192,31 @@ def run_one(eta: int, args) -> dict:
       staleness_max=max(r["staleness_max"] for r in rows),
       reward_per_sample=float(np.mean([r["reward_mean"] for r in rows])),  # every step: B groups
       final_reward=float(np.mean([r["reward_mean"] for r in rows[-max(1, len(rows) // 4):]])))
+
+
+def evaluate_final_policy(c, workdir: str, args) -> dict:
+  """The reward the run's final parameters earn, sampled at the training temperature.
+
+  Every eta trains the same number of samples; the mean reward of the batches it trained on lags
+  behind the policy by up to eta versions, so this asks the policy itself: ``--eval-size`` held-out
+  prompts x ``--eval-k`` samples (no long-tail budgets, EOS honoured, ``--eval-tokens`` at most),
+  generated in this process by the JAX sampler on one device after the timed run. Also greedy.
+  """
+  from areal_jax import evaluate  # pylint: disable=import-outside-toplevel
+
+  e = config_lib.load(args.config)
+  for key, value in {"model.source": args.model, "task.reward": args.reward, "runtime.mode": "local",
+                     "mesh.colocated": False, "mesh.learner_devices": 1, "mesh.sampler_devices": 1,
+                     "rollout.num_slots": args.slots, "rollout.max_new_tokens": args.eval_tokens,
+                     "train.eval_size": args.eval_size, "train.eval_samples": args.eval_k,
+                     "train.eval_temperature": c.rollout.temperature}.items():
+    config_lib.override(e, key, value)
+  results = evaluate.evaluate(e, workdir, stream=None)
+  sampled = [s["reward"] for rec in results["records"] for s in rec.get("samples", [])]
+  greedy = [rec["reward"] for rec in results["records"]]
+  return dict(final_policy_reward=float(np.mean(sampled)) if sampled else None,
+              final_policy_reward_greedy=float(np.mean(greedy)), final_policy_version=results["model"]["step"],
+              final_policy_eval_s=results["eval_seconds"])
 
 
 def main():
@@ -208,6 +239,10 @@ def main():
                  help="task.reward: digit_share (default) is a dense toy reward the random tiny "
                       "model learns within a few steps, so the reward curves say something; "
                       "answer: the arithmetic task's own reward (~0 for a random model)")
+  p.add_argument("--eval-size", type=int, default=16,
+                 help="held-out prompts the final policy of each eta is evaluated on (0: none)")
+  p.add_argument("--eval-k", type=int, default=8, help="samples per held-out prompt")
+  p.add_argument("--eval-tokens", type=int, default=128, help="max new tokens of those samples")
   p.add_argument("--quick", action="store_true", help="eta in {0, 4}, fewer steps")
   p.add_argument("--json", default="")
   p.add_argument("--mode", default="local", choices=("local", "ray"),
@@ -245,7 +280,8 @@ def main():
         f"B={args.batch}, slots={args.slots}, budget lognormal(median {args.median}, "
         f"sigma {args.sigma}) capped at {args.cap}, EOS ignored; reward {args.reward}")
   header = (f"{'eta':>4} {'s/step':>8} {'train tok/s':>12} {'speedup':>8} {'raw x':>6} {'compile':>8} "
-            f"{'wait':>6} {'idle':>6} {'gen':>5} {'learn':>5} {'stale':>6} {'reward':>7} {'r/sample':>8}")
+            f"{'wait':>6} {'idle':>6} {'gen':>5} {'learn':>5} {'stale':>6} {'reward':>7} {'r/sample':>8} "
+            f"{'policy':>7}")
   print(header)
   for r in rows:
     gen = f"{r['gen_busy_frac']:>5.2f}" if r["gen_busy_frac"] is not None else f"{'-':>5}"
@@ -253,7 +289,7 @@ def main():
           f"{(r['speedup'] or 0):>8.2f} {(r['raw_speedup'] or 0):>6.2f} {r['compile_s_in_timed_steps']:>7.1f}s "
           f"{r['learner_wait_frac']:>6.2f} {r['sampler_idle_frac']:>6.2f} {gen} "
           f"{r['learner_busy_frac']:>5.2f} {r['staleness_max']:>6d} {r['final_reward']:>7.3f} "
-          f"{r['reward_per_sample']:>8.3f}")
+          f"{r['reward_per_sample']:>8.3f} {_fmt(r.get('final_policy_reward')):>7}")
   sync = next((r for r in rows if r["eta"] == 0), None)
   gen_frac = sync["learner_wait_frac"] if sync else None
   if sync:
@@ -262,6 +298,7 @@ def main():
              speedup={str(r["eta"]): r["speedup"] for r in rows},
              final_reward={str(r["eta"]): r["final_reward"] for r in rows},
              reward_per_sample={str(r["eta"]): r["reward_per_sample"] for r in rows},
+             final_policy_reward={str(r["eta"]): r.get("final_policy_reward") for r in rows},
              staleness_max={str(r["eta"]): r["staleness_max"] for r in rows},
              gen_busy_frac={str(r["eta"]): r["gen_busy_frac"] for r in rows},
              learner_busy_frac={str(r["eta"]): r["learner_busy_frac"] for r in rows},
@@ -273,6 +310,10 @@ def main():
   if png:
     plot_curves(rows, png, f"{args.mode} mode, B={args.batch}, {machine['cores']} cores")
     print(f"curves: {png}")
+
+
+def _fmt(value) -> str:
+  return "-" if value is None else f"{value:.3f}"
 
 
 def plot_curves(rows: list[dict], path: str, title: str) -> None:

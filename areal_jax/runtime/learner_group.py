@@ -211,7 +211,7 @@ class GroupTransfer:
     self.receiver.close()
 
 
-class GroupAnnouncer:
+class GroupAnnouncer(weight_transfer.StorageAnnouncer):
   """``runtime.mode="ray"``: the group publishes each version as Orbax weights, which the rollout
   workers read themselves; the driver only announces the version (it never holds the weights).
 
@@ -219,8 +219,6 @@ class GroupAnnouncer:
   finishes in the background (the next ``publish`` or the group's ``close`` waits for it), and a
   worker loads the version once it is finalized.
   """
-
-  mode = "orbax"
 
   def __init__(self, group: LearnerGroup):
     self.group = group
@@ -232,13 +230,6 @@ class GroupAnnouncer:
     t0 = time.perf_counter()
     self.group.call("publish", version)
     self.last_publish_s = time.perf_counter() - t0
-
-  def ticket(self, slot: int, incarnation: int) -> None:  # pylint: disable=unused-argument
-    """Workers read the group's versions from storage: no per-worker ticket."""
-    return None
-
-  def drop(self, slot: int) -> None:  # pylint: disable=unused-argument
-    """Nothing is held per worker."""
 
   def close(self) -> None:
     """Nothing to flush here: closing the group waits for its last publish."""

@@ -39,31 +39,20 @@ import threading
 import time
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample
-from areal_jax.runtime import ray_worker
+from areal_jax.runtime import ray_worker, weight_transfer
 from areal_jax.runtime.ray_cluster import plan_cores
 
 
-class OrbaxAnnouncer:
+class OrbaxAnnouncer(weight_transfer.StorageAnnouncer):
   """The learner's side of the weights in ray mode: ``send`` starts an Orbax save and returns as
   soon as the arrays are out of device memory; the workers read the version once it is finalized."""
 
-  mode = "orbax"
-
   def __init__(self, path: str, keep: int):
-    from areal_jax.runtime import weight_transfer  # pylint: disable=import-outside-toplevel
-
     self.path = path
     self.publisher = weight_transfer.OrbaxPublisher(path, keep)
 
   def send(self, params, version: int) -> None:
     self.publisher.publish(params, version, wait=False)
-
-  def ticket(self, slot: int, incarnation: int) -> None:  # pylint: disable=unused-argument
-    """Workers find Orbax versions in the directory: nothing to hand them."""
-    return None
-
-  def drop(self, slot: int) -> None:  # pylint: disable=unused-argument
-    """Nothing is held for a worker."""
 
   @property
   def last_publish_s(self) -> float:

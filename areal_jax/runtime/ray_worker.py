@@ -51,20 +51,17 @@ def cpu_seconds() -> float:
   return ru.ru_utime + ru.ru_stime
 
 
-def _weights_target(config, model, mesh):
+def _weights_target(lcfg, model, mesh):
   """What a published version holds, as restore targets on this worker's mesh: the model's
-  parameters, or with ``actor.lora`` only the adapters (replicated), which the engine merges into
-  its base. That base is the learner's: ``model.source`` frozen in ``actor.dtype``, as in local
-  mode."""
+  parameters, or with LoRA (``lcfg``) only the adapters (replicated), which the engine merges into
+  its base."""
   import jax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from areal_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
   from areal_jax.runtime import weight_transfer  # pylint: disable=import-outside-toplevel
 
-  lcfg = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
   if lcfg is None:
     return weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh))
-  lora_lib.freeze_model_base(model, config.actor.dtype)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return lora_lib.abstract_adapters(nnx.to_pure_dict(nnx.state(model, nnx.Param)), lcfg, replicated)
 
@@ -88,6 +85,7 @@ class RolloutWorker:
 
     import jax  # pylint: disable=import-outside-toplevel
     from areal_jax import config as config_lib, models, sharding  # pylint: disable=import-outside-toplevel
+    from areal_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
     from areal_jax.runtime import engines, weight_transfer  # pylint: disable=import-outside-toplevel
 
     self.jax = jax
@@ -98,7 +96,10 @@ class RolloutWorker:
     mesh = sharding.make_mesh(config_lib.mesh_sizes(config.mesh.sampler, len(devs), "mesh.sampler"),
                               devs)
     model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
-    target = _weights_target(config, model, mesh)
+    lcfg = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
+    if lcfg is not None:  # the learner's base, as in local mode: model.source frozen in actor.dtype
+      lora_lib.freeze_model_base(model, config.actor.dtype)
+    target = _weights_target(lcfg, model, mesh)
     if config.weights.transfer == "jax_transfer":
       from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
       import ray  # pylint: disable=import-outside-toplevel

@@ -147,6 +147,20 @@ def list_versions(path) -> list[int]:
   return sorted(out)
 
 
+class StorageAnnouncer:
+  """The part of a ray-mode announcer (``send``, ``ticket``, ``drop``, ``close``) shared by those
+  whose versions the workers find on storage themselves: nothing is handed to, or held for, a
+  worker (the ``jax_transfer`` announcer registers a pull per worker instead)."""
+
+  mode = "orbax"
+
+  def ticket(self, slot: int, incarnation: int) -> None:  # pylint: disable=unused-argument
+    return None
+
+  def drop(self, slot: int) -> None:  # pylint: disable=unused-argument
+    return None
+
+
 class OrbaxPublisher:
   """Learner side: writes ``<path>/<version>/`` atomically and keeps the newest ``keep`` versions.
 
