@@ -153,6 +153,10 @@ def base_config() -> ConfigDict:
   # over sockets with jax.experimental.transfer, no files; areal_jax/runtime/jax_transfer.py)
   c.weights.path = ""  # "" = <workdir>/weights; any Orbax/etils path (e.g. gs://bucket/run)
   c.weights.keep = 2
+  # jax_transfer: a worker whose pull of a version has not finished in this many seconds ends (Ray
+  # restarts it, its groups are redone and it pulls the current version under a new uuid): jaxlib
+  # enforces no timeout of its own on a pull (one cut off by a killed worker was seen to stall).
+  c.weights.pull_timeout_s = 120.0
 
   # Processes (issue 20): "local" runs everything in this process; "ray" runs rollout.workers
   # rollout worker actors and runtime.learner_processes learner processes on a Ray cluster.
@@ -314,6 +318,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if r.max_prompt_len > max(r.prefill_buckets):
     errors.append(f"rollout.max_prompt_len={r.max_prompt_len} exceeds the largest "
                   f"rollout.prefill_buckets entry {max(r.prefill_buckets)}")
+  if config.weights.get("pull_timeout_s", 1.0) <= 0:
+    errors.append(f"weights.pull_timeout_s={config.weights.pull_timeout_s} must be > 0")
   if config.weights.transfer == "jax_transfer" and config.runtime.mode != "ray":
     errors.append("weights.transfer='jax_transfer' moves weights between processes: it needs "
                   "runtime.mode='ray' (in one process use 'device_put' or 'orbax')")

@@ -66,6 +66,13 @@ def _weights_target(lcfg, model, mesh):
   return lora_lib.abstract_adapters(nnx.to_pure_dict(nnx.state(model, nnx.Param)), lcfg, replicated)
 
 
+def _exit_stuck(timeout_s: float) -> None:
+  """The weights watchdog: a pull that never returns would hold the worker's groups forever."""
+  print(f"rollout worker {os.getpid()}: a weights pull took over {timeout_s:.0f} s "
+        "(weights.pull_timeout_s); exiting so that Ray restarts it", file=sys.stderr, flush=True)
+  os._exit(75)  # pylint: disable=protected-access
+
+
 class RolloutWorker:
   """Actor body: ``submit`` / ``poll`` / ``abort`` / ``pause`` / ``resume`` / ``version`` / ``notify``."""
 
@@ -105,8 +112,10 @@ class RolloutWorker:
       import ray  # pylint: disable=import-outside-toplevel
       host = ray.util.get_node_ip_address() if ray.is_initialized() else None
       self.receiver = jax_transfer.JaxTransferReceiver(target, host=host)
+      self._pull_timeout_s = float(config.weights.get("pull_timeout_s", 120.0))
     else:
       self.receiver = weight_transfer.OrbaxReceiver(weights_path, target)
+      self._pull_timeout_s = 0.0  # Orbax reads fail with an error (or wait for a finalized version)
     self.engine = engines.build(config, model, tokenizer, mesh)
     self._lock = threading.Condition()
     self._target = -1  # newest version announced by the driver
@@ -186,6 +195,11 @@ class RolloutWorker:
         if self._stopping:
           return
       t0 = time.perf_counter()
+      watchdog = None
+      if self._pull_timeout_s:  # a stalled pull ends the worker like a failed one
+        watchdog = threading.Timer(self._pull_timeout_s, _exit_stuck, args=(self._pull_timeout_s,))
+        watchdog.daemon = True
+        watchdog.start()
       try:
         found = self.receiver.fetch_newer(self._loaded)
       except Exception as e:  # pylint: disable=broad-except
@@ -194,6 +208,9 @@ class RolloutWorker:
         print(f"rollout worker {os.getpid()}: cannot load weights ({type(e).__name__}: {e}); "
               "exiting so that Ray restarts it", file=sys.stderr, flush=True)
         os._exit(75)  # pylint: disable=protected-access
+      finally:
+        if watchdog is not None:
+          watchdog.cancel()
       if found is None:  # announced but not finalized yet (the learner publishes asynchronously)
         time.sleep(0.02)
         continue
