@@ -22,8 +22,8 @@ install: $(STAMP)
 
 # The full suite, slow end-to-end tests included, then the vLLM backend's tests under its own venv
 # (what CI runs). TEST_WORKERS pytest-xdist processes share the cores: many tests wait on
-# subprocesses, Ray actors and restarts, which the other worker's tests overlap (tests/conftest.py
-# starts the modules with end-to-end tests first and shares one XLA compilation cache).
+# subprocesses, Ray actors and restarts, which the other worker's tests overlap (and
+# tests/conftest.py shares one XLA compilation cache between them).
 TEST_WORKERS ?= 2
 test: install
 	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) tests

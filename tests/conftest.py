@@ -20,11 +20,3 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # (set: an outer session's, e
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
-
-def pytest_collection_modifyitems(config, items):
-  """Modules with end-to-end (``slow``) tests run first, each module still in one piece and in
-  order: with ``pytest -n 2`` (make test) the long runs then overlap each other and the quick
-  tests fill in at the end, instead of one worker finishing a long run alone."""
-  del config
-  heavy = {item.path for item in items if item.get_closest_marker("slow")}
-  items[:] = sorted(items, key=lambda item: item.path not in heavy)
