@@ -1,8 +1,22 @@
-"""Test set-up: 8 fake CPU devices, so sharding and the learner/sampler mesh split run for real."""
+"""Test set-up: 8 fake CPU devices, so sharding and the learner/sampler mesh split run for real;
+and one persistent XLA compilation cache for the session (a fresh temporary directory, removed at
+the end): tests build many learners and engines of the same tiny shapes, in this process, in xdist
+workers and in the subprocesses they start (which inherit the environment), and each identical
+program then compiles once. Nothing is kept between sessions."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # (set: an outer session's, e.g. xdist's)
+  _CACHE = tempfile.mkdtemp(prefix="areal_jax_tests_xla_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+

@@ -108,7 +108,20 @@ def test_remat_scan_and_chunked_head_change_no_gradient(remat, scan, chunk):
     np.testing.assert_allclose(m[k], m_ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def test_compiles_are_counted_and_vanish_on_a_steady_workload():
+@pytest.fixture
+def no_persistent_cache():
+  """Compilations really happen: the session's persistent cache (tests/conftest.py) would serve
+  this learner's programs, compiled by an earlier test or process, and count none."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)
+  compilation_cache.reset_cache()
+
+
+def test_compiles_are_counted_and_vanish_on_a_steady_workload(no_persistent_cache):
   learner = Learner(model(), actor(), mesh())
   first = learner.train_step(*batch(0))
   assert first["compiles"] > 0

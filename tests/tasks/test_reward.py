@@ -146,15 +146,17 @@ PATHOLOGICAL = {
 
 @pytest.mark.parametrize("kind", sorted(PATHOLOGICAL))
 def test_megabyte_inputs_are_fast_and_total(kind):
+  # CPU seconds of this thread: the reward's own work (no regex blow-up), not the time the thread
+  # waited for a core on a loaded machine (another pytest-xdist worker, another process).
   text = PATHOLOGICAL[kind] + " so the total is 42"
-  start = time.perf_counter()
+  start = time.thread_time()
   result = R.reward(text, ex(42))
-  elapsed = time.perf_counter() - start
+  elapsed = time.thread_time() - start
   assert result in (0.0, 1.0)
   assert elapsed < 0.5, f"{kind}: {elapsed:.2f}s"
-  start = time.perf_counter()
+  start = time.thread_time()
   assert R.reward(PATHOLOGICAL[kind], ex(42)) in (0.0, 1.0)
-  assert time.perf_counter() - start < 0.5
+  assert time.thread_time() - start < 0.5
 
 
 @settings(max_examples=150, deadline=None)
