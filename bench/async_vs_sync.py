@@ -322,9 +322,16 @@ def plot_curves(rows: list[dict], path: str, title: str) -> None:
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
-  fig = Figure(figsize=(15, 4))
+  policy = [r for r in rows if r.get("final_policy_reward") is not None]
+  panels = 4 if policy else 3
+  fig = Figure(figsize=(5 * panels, 4))
   FigureCanvasAgg(fig)
-  by_step, by_version, by_time = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
+  by_step, by_version, by_time = (fig.add_subplot(1, panels, i) for i in (1, 2, 3))
+  if policy:  # the final parameters' own reward: the same number of trained samples at every eta
+    final = fig.add_subplot(1, panels, 4)
+    final.bar([str(r["eta"]) for r in policy], [r["final_policy_reward"] for r in policy],
+              color=[f"C{i}" for i, r in enumerate(rows) if r in policy])
+    final.set(xlabel="eta", ylabel="mean reward, sampled", title="final policy (held-out prompts)")
   for r in rows:
     steps = [p["step"] for p in r["curve"]]
     reward = [p["reward"] for p in r["curve"]]
