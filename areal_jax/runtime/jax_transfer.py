@@ -17,7 +17,9 @@ version, the tree's shapes) reaches the worker with ``notify``; the worker
 (``JaxTransferReceiver``) starts a transfer server of its own, connects once per learner address,
 pulls onto one of its devices and places the arrays on its sampler shardings. A worker that dies
 leaves its uuid behind: that entry follows the newest version from then on (no extra copy); the
-restarted worker has a new incarnation, hence a new uuid.
+restarted worker has a new incarnation, hence a new uuid. A pull that never returns (seen once in a
+test run, after the previous incarnation was SIGKILLed mid-pull) is cut by the worker's watchdog
+(``weights.pull_timeout_s``, ``ray_worker``): the worker ends and Ray restarts it.
 """
 
 from __future__ import annotations
