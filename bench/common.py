@@ -39,6 +39,21 @@ TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads
                    head_dim=16, d_ff=128)
 
 
+def decode_step_cost(cfg: ModelConfig, slots: int, context: int) -> tuple[float, float]:
+  """``(bytes, flops)`` one decode step of ``slots`` slots at position ``context`` must move and
+  compute: every weight read once in the compute dtype (a tied embedding is the LM head's weight,
+  read once) and each slot's KV up to its position; 2 FLOPs per matmul weight and slot plus the
+  attention's."""
+  n_params = cfg.num_params()
+  matmul_params = n_params - cfg.d_model * (2 * cfg.n_layers + 1)  # minus the norm scales
+  itemsize = cfg.compute_dtype.itemsize  # weights and cache are held in the compute dtype
+  kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
+  ctx = context + 1
+  bytes_step = n_params * itemsize + slots * ctx * kv_per_token
+  flops_step = 2 * matmul_params * slots + slots * cfg.n_layers * 4 * ctx * cfg.n_heads * cfg.head_dim
+  return bytes_step, flops_step
+
+
 def machine() -> dict:
   cpu = platform.processor() or platform.machine()
   try:
@@ -48,6 +63,7 @@ def machine() -> dict:
     pass
   return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
           "devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
+          "device_kind": jax.devices()[0].device_kind,
           "load_avg": os.getloadavg()[0]}
 
 
@@ -63,22 +79,33 @@ def best_time(fn, *args, reps=5) -> float:
 
 
 class Hardware:
-  """Memory read bandwidth (sum of 128 MiB) and float32 matmul throughput (2048^3), best of the
-  probes so far; ``probe()`` can be interleaved with other measurements."""
+  """Memory read bandwidth (a sum over 128 MiB; 1 GiB off CPU, past an accelerator's caches and its
+  launch overhead) and matmul throughput (2048^3 float32 on CPU; 8192^3 bfloat16 off CPU, the
+  accelerators' decode dtype), best of the probes so far; ``probe()`` can be interleaved with other
+  measurements."""
 
   def __init__(self):
-    self.x = jnp.ones((128 * 1024 * 1024 // 4,), jnp.float32) * 1.5  # far beyond the caches
-    self.a = jnp.ones((2048, 2048), jnp.float32)
-    self.sum, self.mm = jax.jit(jnp.sum), jax.jit(lambda a: a @ a)
+    on_cpu = jax.default_backend() == "cpu"
+    self.n = 2048 if on_cpu else 8192
+    mib = 128 if on_cpu else 1024
+    self.x = jnp.ones((mib * 1024 * 1024 // 4,), jnp.float32) * 1.5  # far beyond the caches
+    dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    self.a = jax.random.normal(jax.random.key(0), (self.n, self.n), jnp.float32).astype(dtype)
+    # off CPU three reduction shapes, the fastest counts (XLA's one-dimensional sum leaves an
+    # accelerator's memory bandwidth partly unused)
+    self.sums = [jax.jit(jnp.sum)] + ([] if on_cpu else [
+        jax.jit(lambda x: x.reshape(-1, 4096).sum(0)), jax.jit(lambda x: x.reshape(-1, 4096).sum(1))])
+    self.mm = jax.jit(lambda a: a @ a)
     self.read_s, self.mm_s = float("inf"), float("inf")
-    jax.block_until_ready((self.sum(self.x), self.mm(self.a)))
+    jax.block_until_ready(([f(self.x) for f in self.sums], self.mm(self.a)))
 
   def probe(self, reps=1):
     for _ in range(reps):
-      self.read_s = min(self.read_s, best_time(self.sum, self.x, reps=1))
+      self.read_s = min([self.read_s] + [best_time(f, self.x, reps=1) for f in self.sums])
       self.mm_s = min(self.mm_s, best_time(self.mm, self.a, reps=1))
     return self
 
   def figures(self) -> dict:
     return {"read_GBps": self.x.nbytes / self.read_s / 1e9,
-            "matmul_GFLOPps": 2 * 2048**3 / self.mm_s / 1e9}
+            "matmul_GFLOPps": 2 * self.n**3 / self.mm_s / 1e9,
+            "matmul_dtype": jnp.dtype(self.a.dtype).name, "read_MiB": self.x.nbytes / 2**20}

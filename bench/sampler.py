@@ -67,7 +67,7 @@ from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
 import decode_floor
-from common import QWEN25_1P5B, SMOLLM2, TINY, Hardware, finish, machine
+from common import QWEN25_1P5B, SMOLLM2, TINY, Hardware, decode_step_cost, finish, machine
 
 TINY_HD32 = dataclasses.replace(TINY, head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,14 +182,7 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
   hw.probe()
   step_s = min(times)
   figures = hw.figures()
-  n_params = cfg.num_params()
-  # minus the norm scales; a tied embedding matrix is the LM head's weight: read once, multiplied once
-  matmul_params = n_params - cfg.d_model * (2 * cfg.n_layers + 1)
-  itemsize = cfg.compute_dtype.itemsize  # weights and cache are held in the compute dtype
-  kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
-  ctx = context + 1
-  bytes_step = n_params * itemsize + slots * ctx * kv_per_token
-  flops_step = 2 * matmul_params * slots + slots * cfg.n_layers * 4 * ctx * cfg.n_heads * cfg.head_dim
+  bytes_step, flops_step = decode_step_cost(cfg, slots, context)
   t_mem = bytes_step / (figures["read_GBps"] * 1e9)
   t_flop = flops_step / (figures["matmul_GFLOPps"] * 1e9)
   ideal = max(t_mem, t_flop)
@@ -266,14 +259,19 @@ def main():
   ap.add_argument("--vllm-python", default=None, help="interpreter with vLLM (for --peer vllm)")
   ap.add_argument("--model", choices=sorted(DECODE_SHAPES), default="smollm2-135m",
                   help="shape of the decode roofline and floor measurement (random weights)")
+  ap.add_argument("--decode-only", action="store_true",
+                  help="only the decode rows (roofline, floor): no continuous / static workloads")
   args = ap.parse_args()
+  if args.decode_only and args.peer:
+    ap.error("--peer compares the workloads, which --decode-only skips")
   peer_python = vllm_python(args.vllm_python) if args.peer == "vllm" else None
   quick = args.quick
   t_start = time.perf_counter()
   info, probe = machine(), Hardware().probe(3)
   hw = probe.figures()
   print(f"machine: {info['cpu']}, {info['cores']} cores, jax {info['jax']} ({info['devices']}); "
-        f"read {hw['read_GBps']:.1f} GB/s, matmul {hw['matmul_GFLOPps']:.0f} GFLOP/s (f32)")
+        f"read {hw['read_GBps']:.1f} GB/s, matmul {hw['matmul_GFLOPps']:.0f} GFLOP/s "
+        f"({hw['matmul_dtype']})")
   rows, on_cpu = [], jax.default_backend() == "cpu"
   plans = [  # model, config, slots, prompts, samples per prompt, max_new, kv buckets, steps/call
       ("tiny", TINY, 16, 32 if quick else 128, 4, 200, None, 8),
@@ -282,6 +280,8 @@ def main():
   ]
   if not on_cpu:  # accelerators: bfloat16 compute, the engine's steps per call
     plans = [(n, dataclasses.replace(c, dtype="bfloat16"), *rest[:-1], 0) for n, c, *rest in plans]
+  if args.decode_only:
+    plans = []
   for name, cfg, slots, num_groups, n, max_new, kv_buckets, steps in plans:
     model = make_model(cfg)
     groups = workload(num_groups, n, cfg.vocab_size, max_new)
@@ -293,8 +293,8 @@ def main():
       rows.append(r)
       print(f"{name:>13} {r['engine']:>10} slots={slots:<3} seqs={r['sequences']:<4} "
             f"tokens={r['tokens']:<6} wall={r['wall_s']:7.2f}s  {r['tok_per_s']:8.1f} tok/s")
-  speed = {}
-  for name in ("tiny", "smollm2-135m"):
+  speed = {"tiny": None, "smollm2-135m": None}
+  for name in ("tiny", "smollm2-135m") if plans else ():
     c = next(r for r in rows if r["model"] == name and r["engine"] == "continuous")
     s = next(r for r in rows if r["model"] == name and r["engine"] == "static")
     speed[name] = c["tok_per_s"] / s["tok_per_s"]

@@ -1,0 +1,157 @@
+"""One decode shape, our engine's step under several kernel choices, against the plain-JAX floor.
+
+  python bench/decode_variants.py [--model qwen2.5-1.5b] [--variants dense:scan:16,dense:unrolled:16]
+                                  [--json PATH] [--trace DIR] [--legacy]
+
+For finding where an accelerator's decode step goes (``bench/sampler.py`` reports the chosen path
+only). Each variant is ``attention:layers:steps`` (``choice.ATTENTION``, ``choice.LAYERS``, steps per
+jitted call), forced through ``$AREAL_JAX_DECODE_ATTENTION`` / ``_LAYERS`` while its engine is built;
+every slot decodes from position ``context`` (random weights, bfloat16 off CPU, float32 on CPU), and
+a row is the best of ``--reps`` calls per step. The floor (``bench/decode_floor.py``) runs at the
+same shape in the same process. ``--trace DIR`` records a JAX profiler trace (Perfetto JSON) of a few
+calls of the first variant. ``--legacy``: only the engine interface older checkouts also have (no
+kernel choice; run with an older ``areal_jax`` first on ``PYTHONPATH`` to time it side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.models import ModelConfig, Transformer
+from areal_jax.sampler import sampling
+from areal_jax.sampler.service import JaxRolloutEngine
+import decode_floor
+
+# bench/common.py's two decode shapes, spelled with the fields every checkout's ModelConfig has
+# (common.py itself builds configs older checkouts cannot: --legacy)
+_SMOLLM2 = dict(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                head_dim=64, d_ff=1536, rope_theta=1e5, norm_eps=1e-5)
+_QWEN25_1P5B = dict(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, n_heads=12,
+                    n_kv_heads=2, head_dim=128, d_ff=8960, rope_theta=1e6, norm_eps=1e-6,
+                    qkv_bias=True, tie_embeddings=True)
+SHAPES = {"smollm2-135m": (_SMOLLM2, 64, 128), "qwen2.5-1.5b": (_QWEN25_1P5B, 128, 512)}
+ENV = {"attention": "AREAL_JAX_DECODE_ATTENTION", "layers": "AREAL_JAX_DECODE_LAYERS",
+       "matmul": "AREAL_JAX_DECODE_MATMUL"}
+
+
+def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=None):
+  """Best milliseconds per decode step of our engine, every slot decoding from ``context``."""
+  kv_len = context + steps * (reps + 2) + 1
+  t_start = time.perf_counter()
+  stage = lambda what: print(f"    {time.perf_counter() - t_start:7.1f} s {what}", flush=True)  # noqa: E731
+  eng = JaxRolloutEngine(model, num_slots=slots, max_len=kv_len + steps, prefill_buckets=(16,),
+                         kv_buckets=(kv_len,), eos_token_ids=(), steps_per_call=steps)
+  dev = eng.engine
+  stage("engine built")
+  state = dev.init_state()
+  stage("state made")
+  keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
+  state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
+                     end=[kv_len + steps] * slots, keys=keys, temperature=1.0, top_k=0, top_p=1.0,
+                     greedy=False, stop_ids=[])
+  jax.block_until_ready(state)
+  stage("slots armed")
+  t0 = time.perf_counter()
+  state, out = dev.generate(dev.params, state, kv_len)
+  jax.block_until_ready(out)
+  first_s = time.perf_counter() - t0
+  stage("first call")
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    state, out = dev.generate(dev.params, state, kv_len)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / steps * 1e3)
+  if trace_dir:  # a short trace of steady calls
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(2):
+        state, out = dev.generate(dev.params, state, kv_len)
+      jax.block_until_ready(out)
+  if hlo_path:  # the optimized program of the timed call (compiled again, not run)
+    fn = dev._generate_fns[(kv_len, slots)]  # noqa: SLF001 (a benchmark's look inside)
+    with open(hlo_path, "w") as f:
+      f.write(fn.lower(dev.params, state).compile().as_text())
+  impl = {k: getattr(dev, f"{k}_impl", "legacy") for k in ("attention", "matmul", "layers")}
+  return {"step_ms": min(times), "step_ms_all": times, "compile_and_first_s": first_s,
+          "kv_len": kv_len, **impl}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+  ap.add_argument("--variants", default="dense:scan:16",
+                  help="comma-separated attention:layers:steps (auto allowed in each field)")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--trace", default=None, help="directory for a profiler trace of the first variant")
+  ap.add_argument("--legacy", action="store_true", help="older checkouts: no kernel choice")
+  ap.add_argument("--hlo", default=None, help="write the first variant's optimized HLO here")
+  ap.add_argument("--no-floor", action="store_true")
+  args = ap.parse_args()
+  shape, slots, context = SHAPES[args.model]
+  on_cpu = jax.default_backend() == "cpu"
+  cfg = ModelConfig(**shape, dtype="float32" if on_cpu else "bfloat16")
+  model = Transformer(cfg, nnx.Rngs(0))
+  dev0 = jax.devices()[0]
+  info = {"jax": jax.__version__, "devices": f"{len(jax.devices())} x {dev0.platform}",
+          "device_kind": dev0.device_kind, "areal_jax": os.path.dirname(__import__("areal_jax").__file__)}
+  print(f"{info['jax']} on {info['devices']}: {args.model} shape, {slots} slots, context {context}")
+  result = {"machine": info, "model": args.model, "slots": slots, "context": context, "rows": []}
+  hw = None
+  if not args.legacy:  # bench/common.py builds configs older checkouts lack
+    from common import Hardware, decode_step_cost  # noqa: PLC0415
+    hw = Hardware().probe(3)
+    result["hardware"] = hw.figures()
+    result["bytes_per_step"] = decode_step_cost(cfg, slots, context)[0]
+    print(f"read {result['hardware']['read_GBps']:.0f} GB/s; a step must read "
+          f"{result['bytes_per_step'] / 1e6:.0f} MB")
+  if not args.no_floor:
+    result["floor_step_ms"] = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype,
+                                                   reps=args.reps)
+    if hw is not None:
+      result["floor_hbm_roofline_frac"] = (result["bytes_per_step"] / (hw.figures()["read_GBps"] * 1e9)
+                                           / (result["floor_step_ms"] / 1e3))
+    print(f"{'floor loop':>28}: {result['floor_step_ms']:8.3f} ms/step")
+  for n, variant in enumerate(args.variants.split(",")):
+    attention, layers, steps = variant.split(":")
+    saved = {k: os.environ.get(v) for k, v in ENV.items()}
+    try:
+      if not args.legacy:
+        os.environ[ENV["attention"]], os.environ[ENV["layers"]] = attention, layers
+        os.environ[ENV["matmul"]] = "xla" if layers == "scan" else "auto"  # scan takes XLA's
+      row = engine_step_ms(model, slots, context, int(steps), args.reps,
+                           args.trace if n == 0 else None, args.hlo if n == 0 else None)
+    except Exception as e:  # noqa: BLE001 (a variant that cannot run is reported, not fatal)
+      row = {"error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+      for k, v in saved.items():
+        os.environ.pop(ENV[k], None) if v is None else os.environ.__setitem__(ENV[k], v)
+    row.update(variant=variant, steps_per_call=int(steps))
+    if "floor_step_ms" in result and "step_ms" in row:
+      row["floor_ratio"] = row["step_ms"] / result["floor_step_ms"]
+    if hw is not None and "step_ms" in row:
+      row["hbm_roofline_frac"] = (result["bytes_per_step"] / (hw.probe().figures()["read_GBps"] * 1e9)
+                                  / (row["step_ms"] / 1e3))
+    result["rows"].append(row)
+    if "error" in row:
+      print(f"{variant:>28}: {row['error']}")
+    else:
+      print(f"{variant:>28}: {row['step_ms']:8.3f} ms/step ({row['attention']} attention, "
+            f"{row['layers']} layers; first call {row['compile_and_first_s']:.1f} s)"
+            + (f", {row['floor_ratio']:.2f}x floor" if "floor_ratio" in row else "")
+            + (f", {100 * row['hbm_roofline_frac']:.0f}% of the HBM roofline"
+               if "hbm_roofline_frac" in row else ""))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
