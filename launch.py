@@ -34,6 +34,19 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs g
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _compile_cache(config) -> None:
+  """JAX's persistent compilation cache in ``runtime.compile_cache_dir`` for this process and the
+  ones it starts (learner processes, a local Ray cluster's workers inherit the variable): a rerun
+  or resume loads its programs instead of compiling them, and on GPU XLA keeps its matmul
+  autotuning results there per fusion, so the sampler's many decode variants (kv buckets, widths)
+  autotune each matmul once. A $JAX_COMPILATION_CACHE_DIR already set wins."""
+  if config.runtime.compile_cache_dir and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.expanduser(config.runtime.compile_cache_dir)
+    if "jax" in sys.modules:  # imported already (a config file that imports it): tell it too
+      sys.modules["jax"].config.update("jax_compilation_cache_dir",
+                                       os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:  # Orbax logs every save and restore at INFO
@@ -41,6 +54,7 @@ def main(argv):
   from areal_jax.runtime import supervisor  # no JAX import
 
   config = _CONFIG.value
+  _compile_cache(config)  # before JAX is imported
   if config.runtime.learner_processes > 1 and not supervisor.is_child():
     # A learner group: a supervisor reruns the training process (which resumes from its last
     # checkpoint) when a learner process dies, up to runtime.max_learner_restarts times.

@@ -173,6 +173,9 @@ def base_config() -> ConfigDict:
   c.runtime.worker_devices = "cpu"  # "cpu": pinned cores + mesh.sampler_devices fake devices each |
   # "gpu" | "tpu": mesh.sampler_devices chips per worker, assigned by Ray
   c.runtime.learner_cores = 0  # CPU: cores kept for the learner (the driver); 0: an equal share
+  # launch.py: JAX's persistent compilation cache (with XLA's per-fusion autotuning results on
+  # GPU), shared by the run's processes and by later runs; "": off; $JAX_COMPILATION_CACHE_DIR wins
+  c.runtime.compile_cache_dir = "~/.cache/areal_jax/jax_cache"
 
   # Learning from serving (issue 21): python -m areal_jax.serve (see configs/serve_arithmetic.py).
   c.serve = ConfigDict()

@@ -77,12 +77,15 @@ def test_tiny_run_respects_the_staleness_bound(tmp_path, eta):
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_resumes(tmp_path):
+def test_sigkill_then_rerun_resumes(tmp_path, tmp_path_factory):
   steps = 6
+  cache = tmp_path_factory.mktemp("compile_cache")
   cmd = [sys.executable, str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={tmp_path}",
          f"--config.train.total_steps={steps}", "--config.train.checkpoint_every=1",
-         "--config.train.dump_trajectories=True", "--config.rollout.max_head_offpolicyness=1"]
+         "--config.train.dump_trajectories=True", "--config.rollout.max_head_offpolicyness=1",
+         f"--config.runtime.compile_cache_dir={cache}"]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env.pop("JAX_COMPILATION_CACHE_DIR")  # the session's (conftest.py): the run's key takes over
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpt_dir = tmp_path / "checkpoints"
   deadline = time.time() + 300
@@ -96,6 +99,9 @@ def test_sigkill_then_rerun_resumes(tmp_path):
   proc.wait()
   killed_at = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
   assert killed_at < steps
+
+  cached = set(os.listdir(cache))
+  assert cached, "the killed run left no compiled programs in runtime.compile_cache_dir"
 
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
