@@ -43,3 +43,19 @@ def decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, interpret: 
                                 block_h=16, block_k=block_k, k_splits=k_splits,
                                 interpret=interpret)
   return out_BxHxD.reshape(b, kv, g, d).astype(jnp.float32)
+
+
+def decode_attention_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int,
+                                 interpret: bool = False):
+  """The same over a heads-major cache ``[R, K, T, D]``: every (row, K/V head) pair is one
+  single-head problem of JAX's ``mqa`` entry point, so the cache is read in place (``gqa`` would
+  transpose a ``[B, T, K, D]`` cache first)."""
+  b, kv, g, d = q_BxKxGxD.shape
+  k_splits, block_k = _split(t)
+  k_NxTxD = k_RxKxTxD[:b, :, :t].reshape(b * kv, t, d)
+  v_NxTxD = v_RxKxTxD[:b, :, :t].reshape(b * kv, t, d)
+  q_NxGxD = q_BxKxGxD.reshape(b * kv, g, d).astype(k_NxTxD.dtype)
+  out_NxGxD = pallas_decode.mqa(q_NxGxD, k_NxTxD, v_NxTxD, kv_seq_len=jnp.repeat(pos_B + 1, kv),
+                                sm_scale=1.0, block_h=16, block_k=block_k, k_splits=k_splits,
+                                interpret=interpret)
+  return out_NxGxD.reshape(b, kv, g, d).astype(jnp.float32)

@@ -32,6 +32,22 @@ def dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int):
                     preferred_element_type=jnp.float32)
 
 
+def dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int):
+  """``dense`` over a heads-major cache ``[R, K, T, D]`` (the scanned decode's layout): the two
+  einsums' batch dimensions (row, head) lead and are contiguous in the cache, so they run as one
+  strided batched matmul each, with no transposing copy of the cache (the ``[R, T, K, D]`` layout
+  needs one per layer and step: seen in XLA:CPU's optimized program)."""
+  b = q_BxKxGxD.shape[0]
+  k_BxKxTxD, v_BxKxTxD = k_RxKxTxD[:b, :, :t], v_RxKxTxD[:b, :, :t]
+  s_BxKxGxT = jnp.einsum("bkgd,bktd->bkgt", q_BxKxGxD.astype(k_BxKxTxD.dtype), k_BxKxTxD,
+                         preferred_element_type=jnp.float32)
+  valid_BxT = jnp.arange(t)[None, :] <= pos_B[:, None]
+  s_BxKxGxT = jnp.where(valid_BxT[:, None, None], s_BxKxGxT, -jnp.inf)
+  p_BxKxGxT = jax.nn.softmax(s_BxKxGxT, axis=-1)
+  return jnp.einsum("bkgt,bktd->bkgd", p_BxKxGxT.astype(v_BxKxTxD.dtype), v_BxKxTxD,
+                    preferred_element_type=jnp.float32)
+
+
 def chunked(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, chunk: int = CHUNK,
             group: int = GROUP):
   """Online softmax over chunks of ``chunk`` positions in a ``fori_loop`` whose trip count is

@@ -3,11 +3,15 @@
 The model's parameters stay an ``nnx.List`` of ``Block``s; this module works on a *stacked view* of
 them (``stack_layers``: every per-layer leaf stacked to ``[n_layers, ...]``, built once per weight
 version by the caller) and a stacked KV cache (``init_cache``: ``{"k", "v"}`` each
-``[n_layers, rows, max_len, kv_heads, head_dim]``). ``extend`` traces one ``Block`` and scans it
-over the layers, so the traced and compiled program has one layer body whatever the depth (the
-unrolled ``Transformer.extend`` has one per layer). The cache rides in the scan's carry and each
-layer scatters its new keys and values into it in place (the compiled decode call holds no copy
-of the whole stacked cache); a layer then reads its rows up to the read bound.
+``[n_layers, rows, kv_heads, max_len, head_dim]``, heads before positions). ``extend`` traces one
+``Block`` and scans it over the layers, so the traced and compiled program has one layer body
+whatever the depth (the unrolled ``Transformer.extend`` has one per layer). The cache rides in the
+scan's carry and each layer scatters its new keys and values into it in place (the compiled
+decode call holds no copy of the whole stacked cache); a layer then reads its rows up to the read
+bound. Heads before positions: a decode step's attention is then a batched matmul over (row, head)
+pairs the cache already holds contiguously, with no transposed copy of each layer's cache per
+step (the per-layer ``[rows, T, kv_heads, D]`` layout costs one: XLA:CPU's optimized program
+showed two per layer and step, keys and values).
 
 Same results as ``Transformer.extend`` (same ops per layer); knows nothing of sampling or training.
 """
@@ -25,8 +29,8 @@ from areal_jax import sharding
 from areal_jax.models.transformer import (Block, ModelConfig, Transformer, attention,
                                           decode_attention, rope_tables)
 
-StackedCache = dict[str, jax.Array]  # {"k", "v"}: [n_layers, rows, T, Hkv, D]
-_CACHE_AXES = (None, "cache_batch", None, "cache_heads", None)
+StackedCache = dict[str, jax.Array]  # {"k", "v"}: [n_layers, rows, Hkv, T, D]
+_CACHE_AXES = (None, "cache_batch", "cache_heads", None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +68,15 @@ def stacked_shardings(shardings: dict) -> dict:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> StackedCache:
   """An empty stacked KV cache of ``batch`` rows and ``max_len`` positions."""
-  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
   dtype = dtype or cfg.compute_dtype
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def stack_cache(per_layer: list[dict]) -> StackedCache:
+  """The stacked layout of a per-layer cache (``transformer.init_cache``'s ``[rows, T, Hkv, D]``
+  per layer)."""
+  return {n: jnp.stack([jnp.swapaxes(layer[n], 1, 2) for layer in per_layer]) for n in ("k", "v")}
 
 
 def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache,
@@ -75,7 +85,7 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
   L tokens per row at ``start_B``; returns ``(logits_BxLxV, cache)``. The cache may have more rows
   than the tokens (rows from B on are left as they are)."""
   b, l = tokens_BxL.shape
-  t = cache["k"].shape[2] if kv_len is None else kv_len
+  t = cache["k"].shape[3] if kv_len is None else kv_len
   model = nnx.merge(graph.shell, {k: v for k, v in params.items() if k != "layers"})
   cfg = model.cfg  # n_layers is 0 there: the depth is the cache's
   positions_BxL = start_B[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
@@ -91,15 +101,20 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
 
     def attend(q, k, v):
       for name, full, new in (("k", k_all, k), ("v", v_all, v)):
-        full = full.at[i, rows_Bx1, positions_BxL].set(new.astype(full.dtype))
+        # new [B, L, Hkv, D] into [i, row, :, position, :] (the indexed axes lead the value)
+        full = full.at[i, rows_Bx1, :, positions_BxL].set(new.astype(full.dtype))
         written[name] = sharding.constrain(full, _CACHE_AXES)
       # this layer's cache, rows [0, b) and positions [0, t): what either attention reads
-      k_BxTxKxD, v_BxTxKxD = (
-          jax.lax.dynamic_slice(written[n], (i, 0, 0, 0, 0), (1, b, t) + k.shape[2:])[0]
+      kv, d = k.shape[2:]
+      k_BxKxTxD, v_BxKxTxD = (
+          jax.lax.dynamic_slice(written[n], (i, 0, 0, 0, 0), (1, b, kv, t, d))[0]
           for n in ("k", "v"))
       if l == 1:
-        return decode_attention(q, k_BxTxKxD, v_BxTxKxD, start_B, t, impl=attention_impl)
-      return attention(q, k_BxTxKxD, v_BxTxKxD, mask_BxLxT)
+        return decode_attention(q, k_BxKxTxD, v_BxKxTxD, start_B, t, impl=attention_impl,
+                                heads_major=True)
+      # prefill and continuation chunks (once per group): the prompt attention's layout
+      return attention(q, jnp.swapaxes(k_BxKxTxD, 1, 2), jnp.swapaxes(v_BxKxTxD, 1, 2),
+                       mask_BxLxT)
 
     x = block(x, rope_BxLxF, attend)
     return (x, written["k"], written["v"]), None

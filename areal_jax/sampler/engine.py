@@ -22,7 +22,9 @@ sharded over the mesh's data axis and heads over its tensor axis; per-slot vecto
 the slots. With ``decode_layers`` ``"scan"`` (the default on GPU and TPU, ``kernels.choice.layers``)
 the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode compile one layer
 body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
-once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, ...]``.
+once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, kv_heads,
+max_len, head_dim]`` (heads before positions, so decode attention reads it without a transposed
+copy).
 Kernels: the decode attention, the matmuls' weight layout and the steps per call are picked per
 platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
 ``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up

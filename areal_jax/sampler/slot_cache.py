@@ -4,7 +4,8 @@
     ``{"k", "v"}`` of ``[slots, max_len, kv_heads, head_dim]``; a prefix is such a list of
     ``[1, bucket, kv_heads, head_dim]``;
   * stacked (``stacked=True``: the layers in a scan, ``models/decode_scan``): one ``{"k", "v"}`` of
-    ``[n_layers, slots, max_len, kv_heads, head_dim]``; a prefix ``[n_layers, 1, bucket, ...]``.
+    ``[n_layers, slots, kv_heads, max_len, head_dim]`` (heads before positions: see
+    ``decode_scan``); a prefix ``[n_layers, 1, kv_heads, bucket, head_dim]``.
 
 Slots are sharded over the mesh's data axis and heads over its tensor axis. Pure functions for the
 engine's jitted calls; a slot index equal to the slot count is dropped (padding rows).
@@ -33,8 +34,9 @@ def shardings(named: Callable, cfg: ModelConfig, slots: int, max_len: int, stack
   ``named(logical_axes, shape) -> NamedSharding``."""
   shape = (slots, max_len, cfg.n_kv_heads, cfg.head_dim)
   axes = (None,) + _AXES[1:] if prefix else _AXES
-  if stacked:
-    kv = named((None,) + axes, (cfg.n_layers,) + shape)
+  if stacked:  # [n_layers, slots, kv_heads, max_len, head_dim]
+    kv = named((None, axes[0], axes[2], None, None),
+               (cfg.n_layers, slots, cfg.n_kv_heads, max_len, cfg.head_dim))
     return {"k": kv, "v": kv}
   kv = named(axes, shape)
   return [{"k": kv, "v": kv} for _ in range(cfg.n_layers)]
@@ -49,14 +51,14 @@ def row(cache, i: int, stacked: bool):
 
 def prefix_len(prefix, stacked: bool) -> int:
   """Positions a prefix holds (its prefill bucket)."""
-  return prefix["k"].shape[2] if stacked else prefix[0]["k"].shape[1]
+  return prefix["k"].shape[3] if stacked else prefix[0]["k"].shape[1]
 
 
 def write_prefix(cache, prefix, slots_N, bucket: int, stacked: bool):
   """``cache`` with ``prefix`` copied into positions ``[0, bucket)`` of each slot in ``slots_N``."""
   n = slots_N.shape[0]
   if stacked:
-    return {name: cache[name].at[:, slots_N, :bucket].set(
+    return {name: cache[name].at[:, slots_N, :, :bucket].set(
         jnp.broadcast_to(pre, (pre.shape[0], n) + pre.shape[2:]), mode="drop")
             for name, pre in prefix.items()}
   return [{name: layer[name].at[slots_N, :bucket].set(

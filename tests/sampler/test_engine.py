@@ -263,7 +263,7 @@ def test_layers_in_a_scan_match_the_reference(model, impl, steps):
   assert eng.layers_impl == "scan" and eng.attention_impl == impl
   n_layers = model.cfg.n_layers
   assert eng.params["layers"]["mlp"]["up"].shape == (n_layers,) + model.layers[0].mlp.up.shape
-  assert eng.init_state()["cache"]["k"].shape == (n_layers, 4, 64, 2, 16)
+  assert eng.init_state()["cache"]["k"].shape == (n_layers, 4, 2, 64, 16)  # heads before positions
   prompt = [5, 7, 9, 11, 3, 1, 2]
   toks, _ = _decode(eng, prompt, 2, 20, slots=[1, 3], greedy=True)
   assert toks[0] == toks[1] == _naive_greedy(model, prompt, 20)
@@ -284,6 +284,7 @@ def test_layers_in_a_scan_on_a_four_device_mesh(model):
                                          decode_layers="scan"), mesh)
   cache = eng.init_state()["cache"]["k"]
   assert cache.sharding.spec[1] == "data" and len(cache.sharding.device_set) == 4
+  assert cache.sharding.spec[2] == "tensor"  # the K/V heads
   prompt = [9, 8, 7, 6]
   toks, _ = _decode(eng, prompt, 3, 12, slots=[0, 3, 6], greedy=True)
   assert toks == [_naive_greedy(model, prompt, 12)] * 3
