@@ -18,34 +18,32 @@ CHUNK = 32  # cache positions per step of the chunked loop
 GROUP = 16  # rows per group of the chunked loop (rows sorted by position)
 
 
+def _dense(q_BxKxGxD, k, v, pos_B, t: int, kv: str):
+  """Masked softmax attention of one query per row over keys/values laid out as ``kv`` (einsum
+  letters: b row, t position, k head, d feature), positions ``[0, t)``."""
+  s_BxKxGxT = jnp.einsum(f"bkgd,{kv}->bkgt", q_BxKxGxD.astype(k.dtype), k,
+                         preferred_element_type=jnp.float32)
+  valid_BxT = jnp.arange(t)[None, :] <= pos_B[:, None]
+  s_BxKxGxT = jnp.where(valid_BxT[:, None, None], s_BxKxGxT, -jnp.inf)
+  p_BxKxGxT = jax.nn.softmax(s_BxKxGxT, axis=-1)
+  return jnp.einsum(f"bkgt,{kv}->bkgd", p_BxKxGxT.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32)
+
+
 def dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int):
   """One read of cache positions ``[0, t)`` of every row, masked past each row's position: no loop
   and no gather, what XLA on GPU and TPU turns into a few fused, bandwidth-bound passes."""
   b = q_BxKxGxD.shape[0]
-  k_BxTxKxD, v_BxTxKxD = k_RxTxKxD[:b, :t], v_RxTxKxD[:b, :t]
-  s_BxKxGxT = jnp.einsum("bkgd,btkd->bkgt", q_BxKxGxD.astype(k_BxTxKxD.dtype), k_BxTxKxD,
-                         preferred_element_type=jnp.float32)
-  valid_BxT = jnp.arange(t)[None, :] <= pos_B[:, None]
-  s_BxKxGxT = jnp.where(valid_BxT[:, None, None], s_BxKxGxT, -jnp.inf)
-  p_BxKxGxT = jax.nn.softmax(s_BxKxGxT, axis=-1)
-  return jnp.einsum("bkgt,btkd->bkgd", p_BxKxGxT.astype(v_BxTxKxD.dtype), v_BxTxKxD,
-                    preferred_element_type=jnp.float32)
+  return _dense(q_BxKxGxD, k_RxTxKxD[:b, :t], v_RxTxKxD[:b, :t], pos_B, t, "btkd")
 
 
 def dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int):
   """``dense`` over a heads-major cache ``[R, K, T, D]`` (the scanned decode's layout): the two
-  einsums' batch dimensions (row, head) lead and are contiguous in the cache, so they run as one
-  strided batched matmul each, with no transposing copy of the cache (the ``[R, T, K, D]`` layout
-  needs one per layer and step: seen in XLA:CPU's optimized program)."""
+  einsums' batch dimensions (row, head) lead and are contiguous in the cache, so they can run as
+  one strided batched matmul each, with no transposing copy of the cache (the ``[R, T, K, D]``
+  layout needs one per layer and step: seen in XLA:CPU's optimized program)."""
   b = q_BxKxGxD.shape[0]
-  k_BxKxTxD, v_BxKxTxD = k_RxKxTxD[:b, :, :t], v_RxKxTxD[:b, :, :t]
-  s_BxKxGxT = jnp.einsum("bkgd,bktd->bkgt", q_BxKxGxD.astype(k_BxKxTxD.dtype), k_BxKxTxD,
-                         preferred_element_type=jnp.float32)
-  valid_BxT = jnp.arange(t)[None, :] <= pos_B[:, None]
-  s_BxKxGxT = jnp.where(valid_BxT[:, None, None], s_BxKxGxT, -jnp.inf)
-  p_BxKxGxT = jax.nn.softmax(s_BxKxGxT, axis=-1)
-  return jnp.einsum("bkgt,bktd->bkgd", p_BxKxGxT.astype(v_BxKxTxD.dtype), v_BxKxTxD,
-                    preferred_element_type=jnp.float32)
+  return _dense(q_BxKxGxD, k_RxKxTxD[:b, :, :t], v_RxKxTxD[:b, :, :t], pos_B, t, "bktd")
 
 
 def chunked(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, chunk: int = CHUNK,

@@ -21,6 +21,14 @@ TINY = ModelConfig(vocab_size=120, d_model=48, n_layers=2, n_heads=4, n_kv_heads
                    d_ff=96)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _registered():
+  """Builds and registers the kernel in this process before any test calls it directly (under
+  pytest-xdist a worker may run these tests without the one below; the engine always asks
+  ``enabled()`` first)."""
+  cpu_matmul.available()
+
+
 def test_kernel_builds():
   assert cpu_matmul.available(), "the machine has AVX-512 and g++: the kernel must build"
 
