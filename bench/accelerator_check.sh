@@ -2,7 +2,8 @@
 # The sampler's accelerator measurements in one go, most telling first (for a GPU/TPU machine):
 #   OUT=/some/dir bash bench/accelerator_check.sh [legacy_checkout_root]
 # 1. SmolLM2 shape (64 slots, context 128): the floor loop and our step under the kernel choices
-#    (bench/decode_variants.py; about a minute);
+#    (bench/decode_variants.py; about a minute), with a profiler trace of the first variant
+#    (summarize it with bench/trace_top.py "$OUT/smollm2_trace.json.gz");
 # 2. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it;
 # 3. Qwen2.5-1.5B shape (128 slots, context 512): bench/sampler.py --decode-only (floor_ratio,
@@ -23,7 +24,9 @@ log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --for
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 log variants smollm2; timeout 120 python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
   --variants dense:scan:16,dense:scan:8,dense:unrolled:16,pallas_gpu:scan:16 \
-  --json "$OUT/variants_smollm2.json" 2>&1 | keep
+  --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
+f=$(ls "$OUT"/trace/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)
+[ -n "$f" ] && mv "$f" "$OUT/smollm2_trace.json.gz"; rm -rf "$OUT/trace"
 if [ -n "${1:-}" ]; then
   log legacy smollm2; PYTHONPATH="$1:$PYTHONPATH" timeout 90 python3 bench/decode_variants.py --legacy \
     --no-floor --model=smollm2-135m --variants x:x:1,x:x:8 --json "$OUT/legacy_smollm2.json" 2>&1 | keep
