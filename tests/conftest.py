@@ -19,4 +19,3 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # (set: an outer session's, e
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-

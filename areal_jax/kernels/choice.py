@@ -24,9 +24,9 @@ step measured no faster on CPU), on GPU and TPU ``"dense"``, ``"xla"`` matmuls a
 The Pallas GPU kernel is not the default there: on one H200 (SmolLM2 shape, 64 slots, context 128,
 layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, when it still took
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
-``mqa`` over (row, head) pairs without that copy (not measured on a GPU since). A request other than ``"auto"`` (an
-engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` / ``$AREAL_JAX_DECODE_MATMUL`` /
-``$AREAL_JAX_DECODE_LAYERS`` when set; else the platform's default.
+``mqa`` over (row, head) pairs without that copy (not measured on a GPU since).
+A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` /
+``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` when set; else the platform's default.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from areal_jax.models.transformer import (Block, ModelConfig, Transformer, atten
                                           decode_attention, rope_tables)
 
 StackedCache = dict[str, jax.Array]  # {"k", "v"}: [n_layers, rows, Hkv, T, D]
-_CACHE_AXES = (None, "cache_batch", "cache_heads", None, None)
+CACHE_AXES = (None, "cache_batch", "cache_heads", None, None)  # logical axes of the stacked cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +66,14 @@ def stacked_shardings(shardings: dict) -> dict:
       first)}
 
 
+def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
+  """``[n_layers, rows, kv_heads, positions, head_dim]``: the stacked cache's keys (and values)."""
+  return (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> StackedCache:
   """An empty stacked KV cache of ``batch`` rows and ``max_len`` positions."""
-  shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+  shape = cache_shape(cfg, batch, max_len)
   dtype = dtype or cfg.compute_dtype
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
@@ -103,7 +108,7 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
       for name, full, new in (("k", k_all, k), ("v", v_all, v)):
         # new [B, L, Hkv, D] into [i, row, :, position, :] (the indexed axes lead the value)
         full = full.at[i, rows_Bx1, :, positions_BxL].set(new.astype(full.dtype))
-        written[name] = sharding.constrain(full, _CACHE_AXES)
+        written[name] = sharding.constrain(full, CACHE_AXES)
       # this layer's cache, rows [0, b) and positions [0, t): what either attention reads
       kv, d = k.shape[2:]
       k_BxKxTxD, v_BxKxTxD = (

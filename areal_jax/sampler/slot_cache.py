@@ -32,13 +32,13 @@ def shardings(named: Callable, cfg: ModelConfig, slots: int, max_len: int, stack
               prefix: bool = False):
   """The cache's shardings (a prefix's with ``prefix``: one row, not split over slots);
   ``named(logical_axes, shape) -> NamedSharding``."""
-  shape = (slots, max_len, cfg.n_kv_heads, cfg.head_dim)
-  axes = (None,) + _AXES[1:] if prefix else _AXES
-  if stacked:  # [n_layers, slots, kv_heads, max_len, head_dim]
-    kv = named((None, axes[0], axes[2], None, None),
-               (cfg.n_layers, slots, cfg.n_kv_heads, max_len, cfg.head_dim))
+  if stacked:
+    axes = decode_scan.CACHE_AXES
+    axes = axes[:1] + (None,) + axes[2:] if prefix else axes
+    kv = named(axes, decode_scan.cache_shape(cfg, slots, max_len))
     return {"k": kv, "v": kv}
-  kv = named(axes, shape)
+  kv = named((None,) + _AXES[1:] if prefix else _AXES,
+             (slots, max_len, cfg.n_kv_heads, cfg.head_dim))
   return [{"k": kv, "v": kv} for _ in range(cfg.n_layers)]
 
 

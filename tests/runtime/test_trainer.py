@@ -85,7 +85,7 @@ def test_sigkill_then_rerun_resumes(tmp_path, tmp_path_factory):
          "--config.train.dump_trajectories=True", "--config.rollout.max_head_offpolicyness=1",
          f"--config.runtime.compile_cache_dir={cache}"]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  env.pop("JAX_COMPILATION_CACHE_DIR")  # the session's (conftest.py): the run's key takes over
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the session's (conftest.py): the run's key takes over
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpt_dir = tmp_path / "checkpoints"
   deadline = time.time() + 300
