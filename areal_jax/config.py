@@ -77,6 +77,7 @@ def base_config() -> ConfigDict:
   c.rollout.decode_attention = "auto"  # "auto" | "cpu" | "xla" | "dense" | "pallas_gpu" (kernels/choice.py)
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla"
   c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan on GPU/TPU)
+  c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
   c.rollout.filter_uniform_groups = True  # drop groups whose rewards are all equal
   c.rollout.reward_timeout_s = 5.0
   c.rollout.reward_workers = 2
@@ -266,6 +267,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   choices["rollout.decode_attention"] = (r.decode_attention, ("auto",) + kernel_choice.ATTENTION)
   choices["rollout.decode_matmul"] = (r.decode_matmul, ("auto",) + kernel_choice.MATMUL)
   choices["rollout.decode_layers"] = (r.decode_layers, ("auto",) + kernel_choice.LAYERS)
+  choices["rollout.decode_projections"] = (r.get("decode_projections", "auto"),
+                                           ("auto",) + kernel_choice.PROJECTIONS)
   for key, (value, valid) in choices.items():
     if value not in valid:
       errors.append(f"{key}={value!r} is not one of {valid}")

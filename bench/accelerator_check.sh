@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The sampler's accelerator measurements in one go, most telling first (for a GPU/TPU machine):
 #   OUT=/some/dir bash bench/accelerator_check.sh [legacy_checkout_root]
-# 1. SmolLM2 shape (64 slots, context 128): the floor loop and our step under the kernel choices
-#    (bench/decode_variants.py; about a minute), with a profiler trace of the first variant
+# 1. SmolLM2 shape (64 slots, context 128): the floor loop and our step under the kernel choices,
+#    fused projections (the default) against separate ones (bench/decode_variants.py; about a
+#    minute), with a profiler trace of the first variant
 #    (summarize it with bench/trace_top.py "$OUT/smollm2_trace.json.gz");
 # 2. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it;
@@ -23,7 +24,7 @@ log() { echo "=== $(date +%T) $*"; }
 log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tail -2
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 log variants smollm2; timeout 120 python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants dense:scan:16,dense:scan:8,dense:unrolled:16,pallas_gpu:scan:16 \
+  --variants dense:scan:16,dense:scan:16:separate,dense:unrolled:16,dense:unrolled:16:separate,pallas_gpu:scan:16 \
   --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 f=$(ls "$OUT"/trace/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)
 [ -n "$f" ] && mv "$f" "$OUT/smollm2_trace.json.gz"; rm -rf "$OUT/trace"
@@ -34,6 +35,7 @@ fi
 log sampler "$BIG"; timeout 600 python3 bench/sampler.py --decode-only --model="$BIG" \
   --json "$OUT/sampler_big.json" 2>&1 | keep
 log variants "$BIG" cublas; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout 300 \
-  python3 bench/decode_variants.py --model="$BIG" --reps 3 --variants dense:scan:16,dense:unrolled:16 \
+  python3 bench/decode_variants.py --model="$BIG" --reps 3 \
+  --variants dense:scan:16,dense:scan:16:separate,dense:unrolled:16 \
   --json "$OUT/variants_big_cublas.json" 2>&1 | keep
 rm -rf "$JAX_COMPILATION_CACHE_DIR"; log done; ls -la "$OUT"

@@ -1,11 +1,13 @@
 """One decode shape, our engine's step under several kernel choices, against the plain-JAX floor.
 
-  python bench/decode_variants.py [--model qwen2.5-1.5b] [--variants dense:scan:16,dense:unrolled:16]
+  python bench/decode_variants.py [--model qwen2.5-1.5b]
+                                  [--variants dense:scan:16,dense:unrolled:16,dense:scan:16:separate]
                                   [--json PATH] [--trace DIR] [--legacy]
 
 For finding where an accelerator's decode step goes (``bench/sampler.py`` reports the chosen path
-only). Each variant is ``attention:layers:steps`` (``choice.ATTENTION``, ``choice.LAYERS``, steps per
-jitted call), forced through ``$AREAL_JAX_DECODE_ATTENTION`` / ``_LAYERS`` while its engine is built;
+only). Each variant is ``attention:layers:steps[:projections]`` (``choice.ATTENTION``, ``choice.LAYERS``,
+steps per jitted call, ``choice.PROJECTIONS``), forced through ``$AREAL_JAX_DECODE_ATTENTION`` /
+``_LAYERS`` / ``_PROJECTIONS`` while its engine is built;
 every slot decodes from position ``context`` (random weights, bfloat16 off CPU, float32 on CPU), and
 a row is the best of ``--reps`` calls per step. The floor (``bench/decode_floor.py``) runs at the
 same shape in the same process. ``--trace DIR`` records a JAX profiler trace (Perfetto JSON) of a few
@@ -38,7 +40,7 @@ _QWEN25_1P5B = dict(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, 
                     qkv_bias=True, tie_embeddings=True)
 SHAPES = {"smollm2-135m": (_SMOLLM2, 64, 128), "qwen2.5-1.5b": (_QWEN25_1P5B, 128, 512)}
 ENV = {"attention": "AREAL_JAX_DECODE_ATTENTION", "layers": "AREAL_JAX_DECODE_LAYERS",
-       "matmul": "AREAL_JAX_DECODE_MATMUL"}
+       "matmul": "AREAL_JAX_DECODE_MATMUL", "projections": "AREAL_JAX_DECODE_PROJECTIONS"}
 
 
 def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=None):
@@ -79,6 +81,7 @@ def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=
     with open(hlo_path, "w") as f:
       f.write(fn.lower(dev.params, state).compile().as_text())
   impl = {k: getattr(dev, f"{k}_impl", "legacy") for k in ("attention", "matmul", "layers")}
+  impl["projections"] = getattr(dev, "projections", "legacy")
   return {"step_ms": min(times), "step_ms_all": times, "compile_and_first_s": first_s,
           "kv_len": kv_len, **impl}
 
@@ -87,7 +90,8 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
   ap.add_argument("--variants", default="dense:scan:16",
-                  help="comma-separated attention:layers:steps (auto allowed in each field)")
+                  help="comma-separated attention:layers:steps[:projections] (auto allowed in "
+                       "each field; projections default auto)")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--json", default=None)
   ap.add_argument("--trace", default=None, help="directory for a profiler trace of the first variant")
@@ -120,12 +124,13 @@ def main():
                                            / (result["floor_step_ms"] / 1e3))
     print(f"{'floor loop':>28}: {result['floor_step_ms']:8.3f} ms/step")
   for n, variant in enumerate(args.variants.split(",")):
-    attention, layers, steps = variant.split(":")
+    attention, layers, steps, projections = (variant.split(":") + ["auto"])[:4]
     saved = {k: os.environ.get(v) for k, v in ENV.items()}
     try:
       if not args.legacy:
         os.environ[ENV["attention"]], os.environ[ENV["layers"]] = attention, layers
         os.environ[ENV["matmul"]] = "xla" if layers == "scan" else "auto"  # scan takes XLA's
+        os.environ[ENV["projections"]] = projections
       row = engine_step_ms(model, slots, context, int(steps), args.reps,
                            args.trace if n == 0 else None, args.hlo if n == 0 else None)
     except Exception as e:  # noqa: BLE001 (a variant that cannot run is reported, not fatal)

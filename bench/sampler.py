@@ -192,7 +192,7 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
           "roofline_frac": ideal / step_s, "roofline_tok_per_s": slots / ideal,
           "hbm_roofline_frac": t_mem / step_s, "steps_per_call": steps,
           "decode_attention": dev.attention_impl, "decode_matmul": dev.matmul_impl,
-          "decode_layers": dev.layers_impl,
+          "decode_layers": dev.layers_impl, "decode_projections": dev.projections,
           "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
 
 

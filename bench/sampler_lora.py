@@ -73,7 +73,8 @@ def main():
   lcfg = lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
   dev = DecodeEngine(make_model(cfg), EngineConfig(
       num_slots=args.slots, max_len=args.context + STEPS * (reps + 2), prefill_buckets=(16,),
-      kv_buckets=(args.context + STEPS * (reps + 2),), steps_per_call=STEPS), lora=lcfg)
+      kv_buckets=(args.context + STEPS * (reps + 2),), steps_per_call=STEPS,
+      decode_projections="separate"), lora=lcfg)  # the side path wraps the model's own weights
   adapters = lora.init_adapters(jax.device_get(dev._lora_base), lcfg, jax.random.key(0))
   adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # b != 0: a trained adapter
 

@@ -89,6 +89,9 @@ def test_decode_kernel_keys_are_checked():
     config_lib.validate(c)
   c.rollout.decode_matmul = "xla"
   config_lib.validate(c)
+  c.rollout.decode_projections = "merged"
+  with pytest.raises(ValueError, match="rollout.decode_projections='merged'"):
+    config_lib.validate(c)
 
 
 def test_unknown_override_names_the_nearby_keys():

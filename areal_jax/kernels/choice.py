@@ -18,6 +18,20 @@ weights and a stacked cache, ``models/decode_scan``: compile time flat in depth)
 (``Transformer.extend``, one traced body per layer, per-layer caches). ``"scan"`` needs XLA matmuls
 (the CPU kernel's packed weights are per layer).
 
+Decode projections (``PROJECTIONS``): ``"fused"`` (the engine holds q, k, v as one weight and gate,
+up as one, ``transformer.fuse_projections``: three matmuls a layer fewer, each of the rest reading
+the same bytes as the ones it replaces) or ``"separate"`` (the model's own layout). ``"auto"``: fused
+on GPU and TPU wherever the mesh's tensor axis divides the KV heads (fused weights then split over
+it in whole KV heads, as the separate ones do), separate on CPU. Why on GPU: XLA's GPU compiler
+merges sibling matmuls that share an input (its ``DotMerger`` pass, operands up to
+``--xla_gpu_dot_merger_threshold_mb``, 32 MB by default) by concatenating their weights in the
+program; with the layers in a scan those weights are slices of the stacked ones, so that
+concatenation runs for every layer at every step, a copy of the q/k/v and gate/up weights per
+step (its cost on a GPU: not measured). Weights fused once per version leave nothing to merge.
+On CPU (XLA:CPU does not merge them, checked in its optimized HLO) the fused and separate decode
+steps measured the same (SmolLM2 shape, 64 slots, both the C++ kernels' and XLA's paths), so the
+CPU keeps the model's layout.
+
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
 step measured no faster on CPU), on GPU and TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
@@ -26,7 +40,7 @@ layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, w
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
 ``mqa`` over (row, head) pairs without that copy (not measured on a GPU since).
 A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` /
-``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` when set; else the platform's default.
+``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` / ``$AREAL_JAX_DECODE_PROJECTIONS`` when set; else the platform's default.
 """
 
 from __future__ import annotations
@@ -41,9 +55,11 @@ from areal_jax.kernels import cpu_attention, cpu_matmul
 ATTENTION = ("cpu", "xla", "dense", "pallas_gpu")
 MATMUL = ("cpu_packed", "xla")
 LAYERS = ("scan", "unrolled")
+PROJECTIONS = ("fused", "separate")
 ATTENTION_ENV = "AREAL_JAX_DECODE_ATTENTION"
 MATMUL_ENV = "AREAL_JAX_DECODE_MATMUL"
 LAYERS_ENV = "AREAL_JAX_DECODE_LAYERS"
+PROJECTIONS_ENV = "AREAL_JAX_DECODE_PROJECTIONS"
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu"), "gpu": ("xla", "dense", "pallas_gpu"),
               "tpu": ("xla", "dense")}
 
@@ -99,6 +115,21 @@ def layers(platform: str, matmul_impl: str, requested: str = "auto") -> str:
     raise ValueError("decode_layers 'scan' needs XLA matmuls (decode_matmul='xla'): the CPU "
                      "kernel's packed weights are per layer")
   return value
+
+
+def projections(mesh: Mesh, cfg, requested: str = "auto") -> str:
+  """Whether an engine on ``mesh`` holds ``cfg``'s model with fused projections (``PROJECTIONS``).
+  A model already built fused (``cfg.fused_projections``) stays fused."""
+  value = _requested(requested, PROJECTIONS_ENV, PROJECTIONS, "decode_projections")
+  if cfg.fused_projections:
+    if value == "separate":
+      raise ValueError("decode_projections 'separate' needs a model built with separate "
+                       "projections (this one has fused_projections=True)")
+    return "fused"
+  if value != "auto":
+    return value
+  whole_heads = cfg.n_kv_heads % mesh.shape.get("tensor", 1) == 0
+  return "fused" if whole_heads and platform_of(mesh) in ("gpu", "tpu") else "separate"
 
 
 def steps_per_call(platform: str) -> int:

@@ -53,6 +53,9 @@ class ModelConfig:
   tie_embeddings: bool = True
   max_position: int = 4096
   dtype: str = "float32"  # compute dtype; parameters stay float32
+  # q, k, v as one weight ``qkv`` and gate, up as one ``gate_up`` (``fuse_projections``' layout):
+  # fewer, larger matmuls; the sampler's choice for its own copy of the weights
+  fused_projections: bool = False
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
 
@@ -238,14 +241,19 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     self.cfg = cfg
-    self.q = _param(rngs, (d, h * hd), ("embed", "heads"))
-    self.k = _param(rngs, (d, kv * hd), ("embed", "kv_heads"))
-    self.v = _param(rngs, (d, kv * hd), ("embed", "kv_heads"))
+    if cfg.fused_projections:  # per KV head: its query heads, its key, its value (``fuse_qkv``)
+      self.qkv = _param(rngs, (d, (h + 2 * kv) * hd), ("embed", "kv_heads"))
+      if cfg.qkv_bias:
+        self.qkv_bias = _zeros(((h + 2 * kv) * hd,), ("kv_heads",))
+    else:
+      self.q = _param(rngs, (d, h * hd), ("embed", "heads"))
+      self.k = _param(rngs, (d, kv * hd), ("embed", "kv_heads"))
+      self.v = _param(rngs, (d, kv * hd), ("embed", "kv_heads"))
+      if cfg.qkv_bias:
+        self.q_bias = _zeros((h * hd,), ("heads",))
+        self.k_bias = _zeros((kv * hd,), ("kv_heads",))
+        self.v_bias = _zeros((kv * hd,), ("kv_heads",))
     self.o = _param(rngs, (h * hd, d), ("heads", "embed"))
-    if cfg.qkv_bias:
-      self.q_bias = _zeros((h * hd,), ("heads",))
-      self.k_bias = _zeros((kv * hd,), ("kv_heads",))
-      self.v_bias = _zeros((kv * hd,), ("kv_heads",))
     if cfg.qk_norm:  # Qwen3: one scale over head_dim, shared by all query (key) heads
       self.q_norm = RMSNorm(hd, cfg.norm_eps)
       self.k_norm = RMSNorm(hd, cfg.norm_eps)
@@ -260,11 +268,16 @@ class Attention(nnx.Module):
         y = y + getattr(self, name + "_bias")[...].astype(dt)
       return y.reshape(b, l, heads, cfg.head_dim)
 
-    q, k = proj("q", cfg.n_heads), proj("k", cfg.n_kv_heads)
+    if cfg.fused_projections:  # one matmul; [.., kv, g + 2, D]: g query heads, key, value
+      kv, g = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
+      qkv = proj("qkv", kv * (g + 2)).reshape(b, l, kv, g + 2, cfg.head_dim)
+      q = qkv[:, :, :, :g].reshape(b, l, cfg.n_heads, cfg.head_dim)
+      k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    else:
+      q, k, v = proj("q", cfg.n_heads), proj("k", cfg.n_kv_heads), proj("v", cfg.n_kv_heads)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, rope_BxLxF), rope(k, rope_BxLxF)
-    v = proj("v", cfg.n_kv_heads)
     q = sharding.constrain(q, ("batch", "length", "act_heads", None))
     return q, k, v
 
@@ -276,14 +289,23 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.dtype = cfg.compute_dtype
-    self.gate = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
-    self.up = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+    self.dtype, self.fused = cfg.compute_dtype, cfg.fused_projections
+    if self.fused:  # gate and up interleaved per hidden unit (``fuse_projections``)
+      self.gate_up = _param(rngs, (cfg.d_model, 2 * cfg.d_ff), ("embed", "mlp"))
+    else:
+      self.gate = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+      self.up = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
     self.down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
 
   def __call__(self, x):
     dt = self.dtype
-    h = jax.nn.silu(linear(x, self.gate[...].astype(dt))) * linear(x, self.up[...].astype(dt))
+    if self.fused:
+      gate_up = linear(x, self.gate_up[...].astype(dt))
+      gate_up = gate_up.reshape(gate_up.shape[:-1] + (gate_up.shape[-1] // 2, 2))
+      gate, up = gate_up[..., 0], gate_up[..., 1]
+    else:
+      gate, up = linear(x, self.gate[...].astype(dt)), linear(x, self.up[...].astype(dt))
+    h = jax.nn.silu(gate) * up
     h = sharding.constrain(h, ("batch", "length", "act_mlp"))
     return linear(h, self.down[...].astype(dt))
 
@@ -388,6 +410,38 @@ class Transformer(nnx.Module):
 def _write_rows(cache_BxTxKxD, new_BxLxKxD, start_B):
   write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
   return jax.vmap(write)(cache_BxTxKxD, new_BxLxKxD, start_B)
+
+
+def fuse_projections(params: dict, cfg: ModelConfig) -> dict:
+  """A pure parameter dict of ``cfg``'s model in the layout of the same model with
+  ``fused_projections``: per layer, q, k and v (and their biases) become one ``qkv`` whose output
+  is grouped per KV head (that head's query heads, then its key, then its value), gate and up one
+  ``gate_up`` interleaved per hidden unit. Each group (hidden unit) is contiguous, so splitting the
+  fused output axis over the mesh's tensor axis keeps whole KV heads (hidden units) on a device,
+  as the separate weights' "kv_heads" ("mlp") sharding does; the model then splits a fused output
+  without moving data between devices."""
+  kv, g, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+
+  def grouped(q, k, v):  # [..., h * hd], [..., kv * hd] x 2 -> [..., kv * (g + 2) * hd]
+    lead = q.shape[:-1]
+    parts = (q.reshape(lead + (kv, g, hd)), k.reshape(lead + (kv, 1, hd)),
+             v.reshape(lead + (kv, 1, hd)))
+    return jnp.concatenate(parts, axis=-2).reshape(lead + (-1,))
+
+  def layer(p):
+    attn = {n: w for n, w in p["attn"].items() if n not in ("q", "k", "v", "q_bias", "k_bias",
+                                                             "v_bias")}
+    attn["qkv"] = grouped(*(p["attn"][n] for n in "qkv"))
+    if "q_bias" in p["attn"]:
+      attn["qkv_bias"] = grouped(*(p["attn"][n + "_bias"] for n in "qkv"))
+    mlp = {"gate_up": jnp.stack([p["mlp"]["gate"], p["mlp"]["up"]], -1).reshape(
+        p["mlp"]["gate"].shape[:-1] + (-1,)), "down": p["mlp"]["down"]}
+    return {**p, "attn": attn, "mlp": mlp}
+
+  layers = params["layers"]
+  layers = ({i: layer(p) for i, p in layers.items()} if isinstance(layers, dict)
+            else [layer(p) for p in layers])
+  return {**params, "layers": layers}
 
 
 def cast_weights(params, dtype):

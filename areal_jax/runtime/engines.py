@@ -26,7 +26,8 @@ def build(config, model, tokenizer, sampler_mesh) -> RolloutEngine:
         max_len=max(r.prefill_buckets) + r.max_new_tokens, prefill_buckets=tuple(r.prefill_buckets),
         continuation=r.continuation, eos_token_ids=tuple(tokenizer.eos_token_ids),
         steps_per_call=r.steps_per_call, decode_attention=r.decode_attention,
-        decode_matmul=r.decode_matmul, decode_layers=r.decode_layers, lora=lora)
+        decode_matmul=r.decode_matmul, decode_layers=r.decode_layers,
+        decode_projections=r.get("decode_projections", "auto"), lora=lora)
   if r.backend == "vllm":  # optional: needs vLLM (make install-vllm), raises a clear error without
     from areal_jax.vllm_rollout.factory import build as build_vllm
 

@@ -36,7 +36,8 @@ reads each slot up to its own position; for the dense read, powers of two from 6
 
 Weights: ``put_params`` holds the matmul weights and the embedding in the model's compute dtype
 (cast once per weight version; the learner's float32 master weights are not touched), or packed
-for the CPU matmul kernel. ``width_buckets`` (default:
+for the CPU matmul kernel; on GPU and TPU with q/k/v and gate/up fused into one weight each
+(``decode_projections``, ``kernels.choice.projections``), converted in the same pass. ``width_buckets`` (default:
 powers of two from ``num_slots / 8`` up, multiples of the mesh's data-axis size) are the slot counts a
 decode step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are
 read once per step whatever the width).
@@ -67,7 +68,8 @@ from areal_jax import sharding
 from areal_jax.kernels import choice, cpu_matmul
 from areal_jax.models import decode_scan
 from areal_jax.models import lora as lora_lib
-from areal_jax.models.transformer import ModelConfig, Transformer, cast_weights
+from areal_jax.models.transformer import (ModelConfig, Transformer, cast_weights,
+                                          fuse_projections)
 from areal_jax.sampler import sampling, slot_cache
 
 State = dict[str, Any]
@@ -97,6 +99,7 @@ class EngineConfig:
   decode_attention: str = "auto"  # kernels.choice.ATTENTION, or "auto" (per platform)
   decode_matmul: str = "auto"  # kernels.choice.MATMUL, or "auto"
   decode_layers: str = "auto"  # kernels.choice.LAYERS ("scan" | "unrolled"), or "auto"
+  decode_projections: str = "auto"  # kernels.choice.PROJECTIONS ("fused" | "separate"), or "auto"
 
   def __post_init__(self):
     if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 0 or \
@@ -116,39 +119,24 @@ class DecodeEngine:
     self.attention_impl = choice.attention(platform, config.decode_attention)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers)
-    # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
-    self._scan = decode_scan.graphs(self.model_cfg) if self.layers_impl == "scan" else None
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
-    self.graphdef, state = nnx.split(model)
-    param_state = nnx.state(model, nnx.Param)
-    self.param_shardings = nnx.to_pure_dict(
-        sharding.shardings_to_values(sharding.state_shardings(param_state, self.mesh)))
-    # Sampler weights live in the compute dtype: the matmul weights and the embedding are cast
-    # once per weight version in ``put_params`` (norm scales and biases stay float32; the model
-    # casts what it reads to the compute dtype anyway, so the results are the same).
-    dtype = jnp.dtype(self.model_cfg.compute_dtype)
-    cast = lambda params: params if dtype == jnp.float32 else cast_weights(params, dtype)
+    # The weights as the engine holds them: q/k/v and gate/up fused or not (``choice.projections``;
+    # ``transformer.fuse_projections``), in the compute dtype (matmul weights and embedding; norm
+    # scales and biases stay float32, and the model casts what it reads anyway, so the results are
+    # the same), the layers stacked in scan mode, or packed for the CPU matmul kernel: converted
+    # from the caller's per-layer dict once per weight version, in ``put_params``.
+    self.projections = choice.projections(self.mesh, self.model_cfg, config.decode_projections)
+    held_cfg = dataclasses.replace(self.model_cfg, fused_projections=self.projections == "fused")
+    held = model if held_cfg == self.model_cfg else nnx.eval_shape(
+        lambda: Transformer(held_cfg, nnx.Rngs(0)))
+    self.graphdef = nnx.graphdef(held)
+    # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
+    self._scan = decode_scan.graphs(held_cfg) if self.layers_impl == "scan" else None
     # ``param_shardings``: the per-layer dict callers pass to ``put_params``; ``held_shardings``:
-    # what the engine holds and its calls take (the layers stacked in scan mode)
-    self.held_shardings = self.param_shardings
-    if self._scan is not None:
-      self.held_shardings = decode_scan.stacked_shardings(self.param_shardings)
-    stack = decode_scan.stack_layers if self._scan is not None else lambda params: params
-    self._cast = None if dtype == jnp.float32 and self._scan is None else jax.jit(
-        lambda params: stack(cast(params)), out_shardings=self.held_shardings)
-    # On one CPU device the matmul weights are packed for the CPU kernel (``cpu_matmul``), once
-    # per weight version in ``put_params``.
-    self._pack = None
-    if self.matmul_impl == "cpu_packed":
-      which = cpu_matmul.packable(nnx.to_pure_dict(param_state))
-      self._unpacked_shardings = self.param_shardings
-      self.param_shardings = jax.tree.map(
-          lambda sh, packed: NamedSharding(self.mesh, P()) if packed else sh,
-          self.param_shardings, which)
-      self._pack = jax.jit(lambda params: cpu_matmul.pack_params(params, which),
-                           out_shardings=self.param_shardings)
-      self.held_shardings = self.param_shardings
+    # what the engine holds and its calls take
+    self.param_shardings = self._param_shardings(model)
+    self.held_shardings, self._convert = self._held_layout(held, held_cfg != self.model_cfg)
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     dense = self.attention_impl in ("dense", "pallas_gpu")  # reads up to the bound, not per slot
     self.kv_buckets = _buckets(config.kv_buckets or (None if dense else (config.max_len,)),
@@ -172,15 +160,42 @@ class DecodeEngine:
         out_shardings=self.state_shardings, donate_argnums=0)
     fns["deactivate"] = self._deactivate
     self.lora, self._lora_base, self._merge = lora, None, None
+    param_state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     if lora is not None:
-      shardings = self._unpacked_shardings if self._pack is not None else self.param_shardings
       # eager casts: a base already in the compute dtype on this mesh is shared, not copied
       self._lora_base = jax.device_put(
-          lora_lib.frozen_base(nnx.to_pure_dict(param_state), self.model_cfg.compute_dtype),
-          shardings)
+          lora_lib.frozen_base(param_state, self.model_cfg.compute_dtype), self.param_shardings)
       self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
-                            out_shardings=shardings)
-    self.params = self.put_params(nnx.to_pure_dict(param_state))
+                            out_shardings=self.param_shardings)
+    self.params = self.put_params(param_state)
+
+  def _param_shardings(self, model) -> dict:
+    """The shardings of ``model``'s pure parameter dict on the engine's mesh."""
+    return nnx.to_pure_dict(sharding.shardings_to_values(
+        sharding.state_shardings(nnx.state(model, nnx.Param), self.mesh)))
+
+  def _held_layout(self, held, fuse: bool):
+    """``(shardings, convert)``: the held weights' shardings and the jitted conversion from the
+    caller's layout (None when there is nothing to convert). ``held``: a model (maybe abstract) in
+    the held layout, whose projections are fused when ``fuse`` and the caller's are not."""
+    cfg, stacked = self.model_cfg, self._scan is not None
+    shardings = self._param_shardings(held)
+    fused = (lambda params: fuse_projections(params, cfg)) if fuse else (lambda params: params)
+    if self.matmul_impl == "cpu_packed":  # one CPU device, float32: packed, never stacked
+      which = cpu_matmul.packable(nnx.to_pure_dict(nnx.state(held, nnx.Param)))
+      shardings = jax.tree.map(lambda sh, packed: NamedSharding(self.mesh, P()) if packed else sh,
+                               shardings, which)
+      return shardings, jax.jit(lambda params: cpu_matmul.pack_params(fused(params), which),
+                                out_shardings=shardings)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    if dtype == jnp.float32 and not stacked and not fuse:
+      return shardings, None
+    cast = (lambda params: params) if dtype == jnp.float32 else (
+        lambda params: cast_weights(params, dtype))
+    stack = decode_scan.stack_layers if stacked else (lambda params: params)
+    if stacked:
+      shardings = decode_scan.stacked_shardings(shardings)
+    return shardings, jax.jit(lambda params: stack(cast(fused(params))), out_shardings=shardings)
 
   @property
   def _stacked(self) -> bool:
@@ -227,10 +242,8 @@ class DecodeEngine:
     LoRA adapters instead: they are merged into the base weights first."""
     if self._merge is not None and lora_lib.is_adapters(params):
       params = self._merge(self._lora_base, params)
-    if self._pack is None:  # cast (and, with the layers in a scan, stacked) once per version
-      placed = jax.device_put(params, self.param_shardings)
-      return placed if self._cast is None else self._cast(placed)
-    return self._pack(jax.device_put(params, self._unpacked_shardings))
+    placed = jax.device_put(params, self.param_shardings)
+    return placed if self._convert is None else self._convert(placed)
 
   def init_state(self) -> State:
     cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype

@@ -93,7 +93,7 @@ class JaxRolloutEngine(RolloutEngine):
                eos_token_ids: tuple[int, ...] | None = None, steps_per_call: int = 0,
                max_stop_ids: int = 8, cache_dtype: str | None = None, params: Any = None,
                version: int = 0, decode_attention: str = "auto", decode_matmul: str = "auto",
-               decode_layers: str = "auto", lora=None):
+               decode_layers: str = "auto", decode_projections: str = "auto", lora=None):
     if continuation not in CONTINUATION_MODES:
       raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
     self.continuation = continuation
@@ -101,7 +101,7 @@ class JaxRolloutEngine(RolloutEngine):
         num_slots=num_slots, max_len=max_len, prefill_buckets=prefill_buckets,
         kv_buckets=kv_buckets, steps_per_call=steps_per_call, max_stop_ids=max_stop_ids,
         cache_dtype=cache_dtype, decode_attention=decode_attention, decode_matmul=decode_matmul,
-        decode_layers=decode_layers),
+        decode_layers=decode_layers, decode_projections=decode_projections),
         mesh, lora=lora)
     self.num_slots, self.max_len = num_slots, max_len
     self.vocab_size = model.cfg.vocab_size

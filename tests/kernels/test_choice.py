@@ -61,3 +61,29 @@ def test_decode_layers_per_platform_config_and_environment(monkeypatch):
     choice.layers("gpu", "xla")
   with pytest.raises(ValueError, match="decode_layers='loop'"):
     choice.layers("gpu", "xla", "loop")
+
+
+def test_decode_projections_fused_on_accelerators_when_the_tensor_axis_splits_kv_heads(monkeypatch):
+  from areal_jax.models import ModelConfig
+  monkeypatch.delenv(choice.PROJECTIONS_ENV, raising=False)
+  cfg = ModelConfig(n_heads=4, n_kv_heads=2)
+  one = sharding.make_mesh({}, jax.devices()[:1])
+  assert choice.projections(one, cfg) == "separate"  # CPU keeps the model's layout
+  monkeypatch.setattr(choice, "platform_of", lambda mesh: "gpu")
+  assert choice.projections(one, cfg) == "fused"
+  if len(jax.devices()) >= 8:
+    assert choice.projections(sharding.make_mesh({"data": 4, "tensor": 2}), cfg) == "fused"
+    # four tensor shards cannot hold whole KV heads of two: the separate layout
+    assert choice.projections(sharding.make_mesh({"data": 2, "tensor": 4}), cfg) == "separate"
+  assert choice.projections(one, cfg, "separate") == "separate"
+  monkeypatch.setenv(choice.PROJECTIONS_ENV, "separate")
+  assert choice.projections(one, cfg) == "separate"
+  assert choice.projections(one, cfg, "fused") == "fused"
+  monkeypatch.delenv(choice.PROJECTIONS_ENV)
+  fused_model = ModelConfig(n_heads=4, n_kv_heads=2, fused_projections=True)
+  assert choice.projections(one, fused_model) == "fused"
+  with pytest.raises(ValueError, match="fused_projections=True"):
+    choice.projections(one, fused_model, "separate")
+  monkeypatch.setenv(choice.PROJECTIONS_ENV, "merged")
+  with pytest.raises(ValueError, match=r"\$AREAL_JAX_DECODE_PROJECTIONS='merged'"):
+    choice.projections(one, cfg)

@@ -216,3 +216,34 @@ def test_model_gradient_equals_plain_autodiff(monkeypatch):
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(plain)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {"qkv_bias": True}),
+                                        ("qwen3", {"qk_norm": True})])
+def test_fused_projections_are_the_same_model(arch, extra):
+  """``fuse_projections``' layout in a model built with ``fused_projections``: the full forward and
+  prefill + decode give the separate model's logits (GQA, q/k/v biases, Qwen3's q/k norms)."""
+  import dataclasses
+
+  cfg = transformer.ModelConfig(arch=arch, vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=6,
+                                n_kv_heads=2, head_dim=8, d_ff=96, **extra)
+  model = transformer.Transformer(cfg, nnx.Rngs(0))
+  params = jax.tree.map(lambda x: x + 0.1 * jnp.cos(jnp.arange(x.size).reshape(x.shape))
+                        if x.ndim == 1 else x, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  nnx.update(model, params)  # nonzero biases, uneven norm scales
+  fused_cfg = dataclasses.replace(cfg, fused_projections=True)
+  fused = nnx.eval_shape(lambda: transformer.Transformer(fused_cfg, nnx.Rngs(0)))
+  nnx.update(fused, transformer.fuse_projections(params, cfg))
+  layer = nnx.to_pure_dict(nnx.state(fused, nnx.Param))["layers"][0]
+  assert layer["attn"]["qkv"].shape == (48, (6 + 2 * 2) * 8) and "q" not in layer["attn"]
+  assert layer["mlp"]["gate_up"].shape == (48, 2 * 96)
+  tokens = _tokens(2, 12)
+  np.testing.assert_allclose(forward(fused, tokens), forward(model, tokens), atol=1e-6)
+  outs = []
+  for m in (model, fused):
+    cache = init_cache(cfg, 2, 16)
+    logits, cache = extend(m, tokens[:, :9], jnp.zeros((2,), jnp.int32), cache)
+    step, _ = extend(m, tokens[:, 9:10], jnp.full((2,), 9, jnp.int32), cache)
+    outs.append((logits, step))
+  for a, b in zip(*outs):
+    np.testing.assert_allclose(b, a, atol=1e-6)

@@ -25,7 +25,8 @@ def _one(engine, request, timeout=120.0):
 
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
 def test_continued_turn_equals_full_reprefill(model, other_model, layers):
-  kw = dict(decode_layers=layers, decode_matmul="xla") if layers == "scan" else {}
+  kw = dict(decode_layers=layers, decode_matmul="xla", decode_projections="fused") \
+      if layers == "scan" else {}
   engine = JaxRolloutEngine(model, num_slots=4, max_len=128, prefill_buckets=(96,), **kw)
   engine.start()
   try:

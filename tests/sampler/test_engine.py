@@ -1,6 +1,7 @@
 """Device side: greedy parity with naive decoding, logprob parity with the learner-side forward,
 bounded compilation, and a 4-device sampler mesh with slots over data."""
 
+import dataclasses
 import gc
 import weakref
 
@@ -293,7 +294,7 @@ def test_layers_in_a_scan_on_a_four_device_mesh(model):
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
 def test_lora_adapters_are_merged_once_per_version(layers):
   """``put_params(adapters)`` decodes exactly like the merged model (a Qwen3-shaped one here), also
-  with the layers in a scan (merged, then stacked)."""
+  with the layers in a scan and fused projections (merged, then fused and stacked)."""
   from flax import nnx
 
   from areal_jax.models import ModelConfig, Transformer, lora
@@ -304,7 +305,8 @@ def test_lora_adapters_are_merged_once_per_version(layers):
   ad = lora.init_adapters(base, lcfg, jax.random.key(0))
   ad = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), ad)
   cfg = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,), decode_layers=layers,
-                     decode_matmul="xla" if layers == "scan" else "auto")
+                     decode_matmul="xla" if layers == "scan" else "auto",
+                     decode_projections="fused" if layers == "scan" else "auto")
   eng = DecodeEngine(qwen3, cfg, lora=lcfg)
   eng.params = eng.put_params(ad)
   merged = lora.merged_model(qwen3, ad, lcfg)
@@ -315,3 +317,36 @@ def test_lora_adapters_are_merged_once_per_version(layers):
   plain = DecodeEngine(merged, cfg)  # full weights still go in as they are
   for x, y in zip(jax.tree.leaves(eng.params), jax.tree.leaves(plain.params)):
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_fused_projections_decode_like_the_separate_ones(layers):
+  """q/k/v and gate/up fused once per version (the GPU/TPU default) on a mesh whose tensor axis
+  splits the KV heads: the fused weights are split over it in whole KV heads, and prefill, decode
+  and a weight swap give the separate layout's tokens and logprobs (a Qwen2-shaped model: q/k/v
+  biases fused too)."""
+  mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:8])
+  cfg = ModelConfig(arch="qwen2", qkv_bias=True, vocab_size=128, d_model=64, n_layers=2,
+                    n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128)
+  model = Transformer(cfg, nnx.Rngs(5))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params = jax.tree.map(lambda x: x + 0.05 if x.ndim == 1 else x, params)  # nonzero biases
+  config = EngineConfig(num_slots=8, max_len=64, steps_per_call=2, decode_attention="dense",
+                        decode_matmul="xla", decode_layers=layers)
+  runs = {}
+  for projections in ("separate", "fused"):
+    eng = DecodeEngine(model, dataclasses.replace(config, decode_projections=projections), mesh)
+    assert eng.projections == projections
+    out = []
+    for version in (params, nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(6)), nnx.Param))):
+      eng.params = eng.put_params(version)
+      out.append(_decode(eng, [9, 8, 7, 6, 5], 3, 10, slots=[0, 3, 6], temperature=0.9, seed=2))
+    runs[projections] = out
+    layer = eng.params["layers"] if layers == "scan" else eng.params["layers"][0]
+    if projections == "fused":
+      assert {"qkv", "qkv_bias"} <= set(layer["attn"]) and "gate_up" in layer["mlp"]
+      assert "tensor" in layer["attn"]["qkv"].sharding.spec  # split in whole KV heads
+  for (tok_s, lp_s), (tok_f, lp_f) in zip(runs["separate"], runs["fused"]):
+    assert tok_s == tok_f
+    np.testing.assert_allclose(lp_f, lp_s, atol=1e-5)
+  assert runs["fused"][0][0] != runs["fused"][1][0]  # the swap changed the samples

@@ -144,11 +144,12 @@ def _swap_run(model, new_model, continuation, steps_per_call, **kw):
 def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call, layers):
   """Exact continuation across a swap, also with several decode steps per call (the swap lands
   between two calls: every token of a call comes from one version) and with the layers in a scan
-  (the new version's weights stacked in put_params, the stacked cache kept or re-prefilled)."""
+  (the new version's weights fused and stacked in put_params, the stacked cache kept or
+  re-prefilled)."""
   new_model = other_model
   prompt, temperature = [3, 1, 4, 1, 5], 0.8
-  kw = {"decode_layers": "scan", "decode_attention": "dense", "decode_matmul": "xla"} \
-      if layers == "scan" else {}
+  kw = {"decode_layers": "scan", "decode_attention": "dense", "decode_matmul": "xla",
+        "decode_projections": "fused"} if layers == "scan" else {}  # the GPU/TPU default
   for s in _swap_run(model, new_model, continuation, steps_per_call, **kw):
     assert len(s.tokens) == 40
     j = s.versions.index(1)  # first token drawn by the new weights
