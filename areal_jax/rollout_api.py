@@ -110,3 +110,8 @@ class RolloutEngine(abc.ABC):
   @abc.abstractmethod
   def version(self) -> int:
     """The policy version of the weights in use."""
+
+  def compile_stats(self) -> dict[str, float]:
+    """``{"compiles", "compile_s"}``: the programs this engine compiled so far and the seconds
+    their first calls took; {} from engines that do not count them."""
+    return {}

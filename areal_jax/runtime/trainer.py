@@ -153,6 +153,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
       # 4. Report.
       now = time.time()
       stats = dict(controller.stats)
+      sampler_compiles = engine.compile_stats()  # cumulative: programs and seconds
       delta = {k: stats[k] - last_stats[k] for k in stats}
       period = now - last_t
       last_stats, last_t = stats, now
@@ -174,6 +175,8 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
           weight_publish_s=publish_s, step_time_s=period,
           wall_time_s=totals["wall_time_s"] + now - t_start,
           compiles=metrics.get("compiles"), reward_failures=stats["reward_failures"],
+          sampler_compiles=sampler_compiles.get("compiles"),
+          sampler_compile_s=sampler_compiles.get("compile_s"),
           prompts_too_long=stats["prompts_too_long"],
           **{f"learner/{k}": v for k, v in metrics.items()})
       if c_train.eval_every and (step + 1) % c_train.eval_every == 0:

@@ -56,6 +56,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import logging
+import time
 from typing import Any
 
 import jax
@@ -73,6 +75,8 @@ from areal_jax.models.transformer import (ModelConfig, Transformer, cast_weights
 from areal_jax.sampler import sampling, slot_cache
 
 State = dict[str, Any]
+log = logging.getLogger(__name__)
+SLOW_COMPILE_S = 20.0  # a program variant whose first call took longer is logged as a warning
 _COMPILED: dict[tuple, dict[str, Any]] = {}
 
 
@@ -159,6 +163,8 @@ class DecodeEngine:
         in_shardings=(self.state_shardings, self._slot_sharding()),
         out_shardings=self.state_shardings, donate_argnums=0)
     fns["deactivate"] = self._deactivate
+    # program variants this engine built and the seconds their first calls took (compilation)
+    self.compile_stats = {"compiles": 0, "compile_s": 0.0}
     self.lora, self._lora_base, self._merge = lora, None, None
     param_state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     if lora is not None:
@@ -292,9 +298,9 @@ class DecodeEngine:
       tokens_NxL = np.zeros((n, bucket), np.int32)
       for row, i in enumerate(chunk):
         tokens_NxL[row, :len(token_lists[i])] = token_lists[i]
-      if (bucket, n) not in self._prefill_fns:
-        self._prefill_fns[(bucket, n)] = self._make_prefill(bucket, n)
-      for i, prefix in zip(chunk, self._prefill_fns[(bucket, n)](params, tokens_NxL)):
+      fn = self._variant(self._prefill_fns, (bucket, n), lambda: self._make_prefill(bucket, n),
+                         f"prefill bucket={bucket} rows={n}")
+      for i, prefix in zip(chunk, fn(params, tokens_NxL)):
         out[i] = prefix
     return out
 
@@ -353,9 +359,9 @@ class DecodeEngine:
     stops[:, :len(stop_ids)] = stop_ids
     vals["stop_ids"] = stops
     bucket = 0 if prefix is None else slot_cache.prefix_len(prefix, self._stacked)
-    if (bucket, n) not in self._insert_fns:
-      self._insert_fns[(bucket, n)] = self._make_insert(bucket)
-    return self._insert_fns[(bucket, n)](state, prefix, slots_N, vals)
+    fn = self._variant(self._insert_fns, (bucket, n), lambda: self._make_insert(bucket),
+                       f"insert bucket={bucket} rows={n}")
+    return fn(state, prefix, slots_N, vals)
 
   def insert_rows(self, k: int) -> int:
     """Rows an insert of ``k`` slots writes: the next power of two, at most the slot count (so an
@@ -397,9 +403,10 @@ class DecodeEngine:
     width = width or self.config.num_slots
     if width not in self.width_buckets:
       raise ValueError(f"width {width} is not one of the width buckets {self.width_buckets}")
-    if (kv_len, width) not in self._generate_fns:
-      self._generate_fns[(kv_len, width)] = self._make_generate(kv_len, width)
-    return self._generate_fns[(kv_len, width)](params, state)
+    fn = self._variant(self._generate_fns, (kv_len, width),
+                       lambda: self._make_generate(kv_len, width),
+                       f"generate kv_len={kv_len} width={width}")
+    return fn(params, state)
 
   def _make_generate(self, kv_len: int, width: int):
     steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
@@ -452,9 +459,8 @@ class DecodeEngine:
     n = self.insert_rows(k)
     src_N, dst_N = np.full((n,), s, np.int32), np.full((n,), s, np.int32)  # index s = dropped
     src_N[:k], dst_N[:k] = src, dst
-    if n not in self._move_fns:
-      self._move_fns[n] = self._make_move()
-    return self._move_fns[n](state, src_N, dst_N)
+    fn = self._variant(self._move_fns, n, self._make_move, f"move rows={n}")
+    return fn(state, src_N, dst_N)
 
   def _make_move(self):
     stacked = self._stacked
@@ -495,6 +501,30 @@ class DecodeEngine:
     state = self.deactivate(state, list(range(s)))
     jax.block_until_ready(out)
     return state
+
+  def _variant(self, table: dict, key, make, what: str):
+    """Program variant ``key`` of ``table``, built by ``make()`` on first use. That first use
+    traces and compiles it (for a 1.5B model on a GPU XLA's matmul autotuning took minutes a
+    program, measured on an H200), so its first call is timed, logged and summed in
+    ``compile_stats``."""
+    fn = table.get(key)
+    if fn is not None:
+      return fn
+    fn = table[key] = make()
+    return functools.partial(self._timed_call, fn, what)
+
+  def _timed_call(self, fn, what: str, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    seconds = time.perf_counter() - t0
+    self.compile_stats["compiles"] += 1
+    self.compile_stats["compile_s"] += seconds
+    # a slow one is worth a line at the default verbosity (launch.py shows warnings only)
+    level = logging.WARNING if seconds >= SLOW_COMPILE_S else logging.INFO
+    log.log(level, "sampler: %s compiled in %.1f s (its first call)%s", what, seconds,
+            "; a persistent compilation cache (runtime.compile_cache_dir) keeps it for later runs"
+            if level == logging.WARNING else "")
+    return out
 
   def num_compiled(self) -> int:
     """Number of compiled variants of prefill / insert / generate / move (bounded by the buckets)."""

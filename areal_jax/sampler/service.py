@@ -130,6 +130,9 @@ class JaxRolloutEngine(RolloutEngine):
   def version(self) -> int:
     return self._version
 
+  def compile_stats(self) -> dict[str, float]:
+    return dict(self.engine.compile_stats)
+
   def warmup(self) -> None:
     """Compiles every bucket now (optional; otherwise the first use of a bucket compiles it)."""
     if self._thread is not None:

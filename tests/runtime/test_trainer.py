@@ -68,6 +68,9 @@ def test_tiny_run_respects_the_staleness_bound(tmp_path, eta):
       config_lib.override(c, key, value)
   trainer.run(c, str(tmp_path))
   rows, samples = check_run(str(tmp_path), steps, eta)
+  # the sampler's compilations, running totals: prefill, insert and generate at least
+  sampler = [(r["sampler_compiles"], r["sampler_compile_s"]) for r in rows]
+  assert sampler[0][0] >= 3 and sampler[0][1] > 0 and sampler == sorted(sampler)
   if eta == 0:  # synchronous: batch s+1 is generated entirely by version s
     assert all(set(s["versions"]) == {s["trained_at_version"]} for s in samples)
   else:  # partial rollouts: some sequences continue across a weight update

@@ -103,9 +103,14 @@ def test_no_recompilation_in_steady_state(model):
     _decode(eng, [1, 2, 3], 1, 2)  # and the test's own helpers (sampling keys)
     warm = len(compiles)
     n_fns = eng.num_compiled()
+    # every variant this engine built was timed once, at its first call (deactivate is built with
+    # the engine)
+    stats = dict(eng.compile_stats)
+    assert stats["compiles"] == n_fns - 1 and stats["compile_s"] > 0
     for prompt_len, n in ((4, 3), (5, 1), (18, 2), (25, 4), (31, 3), (2, 1)):
       _decode(eng, list(range(2, prompt_len + 2)), n, 64 - prompt_len - 1)
     assert len(compiles) == warm, compiles[warm:]
+    assert eng.compile_stats == stats
     # prefill buckets (8, 32 and max_len - 1) x (1, 2, 4 prompts) + insert (those buckets + no
     # prefix) x (1, 2, 4 rows) + generate per kv bucket x width (1, 2, 4) + move (1, 2 rows)
     # + deactivate
@@ -350,3 +355,23 @@ def test_fused_projections_decode_like_the_separate_ones(layers):
     assert tok_s == tok_f
     np.testing.assert_allclose(lp_f, lp_s, atol=1e-5)
   assert runs["fused"][0][0] != runs["fused"][1][0]  # the swap changed the samples
+
+
+def test_a_slow_first_call_is_logged_as_a_warning(model, monkeypatch, caplog):
+  """Every program variant's first call (its compilation) is logged; one slower than
+  ``SLOW_COMPILE_S`` as a warning, which the launcher's default verbosity shows."""
+  import logging
+
+  from areal_jax.sampler import engine as engine_lib
+  eng = DecodeEngine(model, EngineConfig(num_slots=2, max_len=48, prefill_buckets=(8,),
+                                         kv_buckets=(24, 48)))
+  state = eng.init_state()
+  with caplog.at_level(logging.INFO, logger=engine_lib.__name__):
+    state, _ = eng.generate(eng.params, state, 24)
+    monkeypatch.setattr(engine_lib, "SLOW_COMPILE_S", 0.0)
+    state, _ = eng.generate(eng.params, state, 48)
+    state, _ = eng.generate(eng.params, state, 48)  # compiled: not logged again
+  records = [(r.levelno, r.getMessage()) for r in caplog.records]
+  assert [level for level, _ in records] == [logging.INFO, logging.WARNING], records
+  assert "generate kv_len=24 width=2 compiled in" in records[0][1]
+  assert "generate kv_len=48 width=2" in records[1][1] and "compile_cache_dir" in records[1][1]
