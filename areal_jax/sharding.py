@@ -164,3 +164,14 @@ def shardings_to_values(tree):
   """Unwraps Variables holding shardings into a plain pytree of shardings."""
   return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def device_bytes(tree) -> int:
+  """Bytes one device holds of a tree of arrays or ``ShapeDtypeStruct``s with shardings (the
+  fullest device's shard of each leaf; a leaf without a sharding counts whole)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    sh = getattr(x, "sharding", None)
+    shape = sh.shard_shape(x.shape) if sh is not None else x.shape
+    total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+  return total

@@ -25,8 +25,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from areal_jax import sharding
 from areal_jax.learner import packing
 
 GIB = 1024**3
@@ -50,15 +50,6 @@ class Plan:
   @property
   def fits(self) -> bool:
     return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
-
-
-def _device_bytes(tree) -> int:
-  """Bytes one device holds of a tree of ``ShapeDtypeStruct``s with shardings (the fullest one)."""
-  total = 0
-  for x in jax.tree.leaves(tree):
-    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-    total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
-  return total
 
 
 def shape(learner, micro_batch_tokens: int) -> tuple[int, int]:
@@ -94,11 +85,11 @@ def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None =
   acc = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                      jax.eval_shape(learner._zeros), learner._acc_shardings)
   n_tokens = jax.ShapeDtypeStruct((), jnp.float32, sharding=learner.replicated)
-  params, opt_b = state["params"], _device_bytes(state["opt"])
-  ref_b = _device_bytes(params) if opts.kl_coef else 0
+  params, opt_b = state["params"], sharding.device_bytes(state["opt"])
+  ref_b = sharding.device_bytes(params) if opts.kl_coef else 0
   frozen = learner._frozen_args  # with LoRA: the frozen base, an argument of the step's functions
-  frozen_b = sum(_device_bytes(f) for f in frozen)
-  parts = dict(params=_device_bytes(params), opt=opt_b, ref=ref_b, grads=_device_bytes(acc),
+  frozen_b = sum(sharding.device_bytes(f) for f in frozen)
+  parts = dict(params=sharding.device_bytes(params), opt=opt_b, ref=ref_b, grads=sharding.device_bytes(acc),
                frozen=frozen_b)
   peak_of = lambda c, resident: resident + c["args"] + c["out"] - c["alias"] + c["temp"]
   # The first update's proximal logprobs come from its own forward (no old_logp) unless a

@@ -15,19 +15,26 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import RolloutEngine
 
 
-def build(config, model, tokenizer, sampler_mesh) -> RolloutEngine:
+def build(config, model, tokenizer, sampler_mesh, memory_budget: int | None = None) -> RolloutEngine:
+  """``memory_budget``: bytes per sampler device the JAX sampler may use; its memory plan
+  (``sampler/memory.py``) is checked against it before the decode state is allocated."""
   r = config.rollout
   lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
   if r.backend == "jax":
+    from areal_jax.sampler import memory
     from areal_jax.sampler.service import JaxRolloutEngine
 
-    return JaxRolloutEngine(
+    engine = JaxRolloutEngine(
         model, mesh=sampler_mesh, num_slots=r.num_slots,
         max_len=max(r.prefill_buckets) + r.max_new_tokens, prefill_buckets=tuple(r.prefill_buckets),
         continuation=r.continuation, eos_token_ids=tuple(tokenizer.eos_token_ids),
         steps_per_call=r.steps_per_call, decode_attention=r.decode_attention,
         decode_matmul=r.decode_matmul, decode_layers=r.decode_layers,
         decode_projections=r.get("decode_projections", "auto"), lora=lora)
+    if memory_budget is not None:
+      print(f"sampler memory plan: {memory.check(engine.engine, memory_budget).summary()}",
+            flush=True)
+    return engine
   if r.backend == "vllm":  # optional: needs vLLM (make install-vllm), raises a clear error without
     from areal_jax.vllm_rollout.factory import build as build_vllm
 

@@ -116,7 +116,9 @@ class RolloutWorker:
     else:
       self.receiver = weight_transfer.OrbaxReceiver(weights_path, target)
       self._pull_timeout_s = 0.0  # Orbax reads fail with an error (or wait for a finalized version)
-    self.engine = engines.build(config, model, tokenizer, mesh)
+    from areal_jax.learner.memory import device_budget  # pylint: disable=import-outside-toplevel
+    self.engine = engines.build(config, model, tokenizer, mesh,
+                                memory_budget=device_budget(config.mesh, devs))
     self._lock = threading.Condition()
     self._target = -1  # newest version announced by the driver
     self._held = []  # (request, min_version): waiting for the engine to run min_version

@@ -65,9 +65,10 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
     # dtype) the sampler use these very arrays instead of copies.
     lora_lib.freeze_model_base(model, c_act.dtype)
   task = tasks.get_task(config.task)
-  learner, group = _build_learner(config, workdir, model, learner_mesh)
+  learner, group, plan = _build_learner(config, workdir, model, learner_mesh)
   if config.runtime.mode == "local":  # (in ray mode the workers hold the engines, built above)
-    engine = engines.build(config, model, tokenizer, sampler_mesh)
+    engine = engines.build(config, model, tokenizer, sampler_mesh,
+                           memory_budget=_sampler_budget(config.mesh, sampler_mesh, plan))
     transfer = _build_transfer(config, workdir, learner, model, learner_mesh, sampler_mesh, group)
   elif group:  # the group's processes publish; the workers read its versions directly
     transfer = engine.announcer = learner.announcer()
@@ -238,10 +239,11 @@ def _phase(progress, phase: str):
 
 
 def _build_learner(config, workdir: str, model, learner_mesh):
-  """``(learner, is_group)``: the learner in this process (memory plan checked), or a group of
-  ``runtime.learner_processes`` processes (``learner_group.py``; the driver's learner mesh unused)."""
+  """``(learner, is_group, memory plan or None)``: the learner in this process (memory plan
+  checked), or a group of ``runtime.learner_processes`` processes (``learner_group.py``; the
+  driver's learner mesh unused)."""
   if learner_group.check_config(config) > 1:
-    return learner_group.LearnerGroup(config, workdir), True
+    return learner_group.LearnerGroup(config, workdir), True, None
   c_roll = config.rollout
   learner = learner_lib.Learner(model, config.actor, learner_mesh, temperature=c_roll.temperature,
                                 total_steps=config.train.total_steps,
@@ -251,7 +253,18 @@ def _build_learner(config, workdir: str, model, learner_mesh):
     print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
           f"{plan.budget_bytes / 2**30:.2f} GiB (actor.micro_batch_tokens="
           f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
-  return learner, False
+  return learner, False, plan
+
+
+def _sampler_budget(mesh_config, sampler_mesh, learner_plan) -> int | None:
+  """Bytes per device the sampler may use: the budget of its devices, less the learner's planned
+  peak when the two share them (colocated: the sampler's weights and cache stay resident while
+  the learner trains). None where no device size is known (CPU without mesh.device_memory_gib)."""
+  budget = memory.device_budget(mesh_config, [d for d in sampler_mesh.devices.flat
+                                              if d.process_index == jax.process_index()])
+  if budget is not None and mesh_config.colocated and learner_plan is not None:
+    budget -= learner_plan.peak_bytes
+  return budget
 
 
 def _build_transfer(config, workdir: str, learner, model, learner_mesh, sampler_mesh, group: bool):

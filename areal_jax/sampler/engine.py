@@ -252,10 +252,22 @@ class DecodeEngine:
     return placed if self._convert is None else self._convert(placed)
 
   def init_state(self) -> State:
+    if self._init_fn is None:
+      self._init_fn = jax.jit(self._new_state(), out_shardings=self.state_shardings)
+      self._fns["init"] = self._init_fn
+    return self._init_fn()
+
+  def state_shapes(self) -> State:
+    """``init_state``'s shapes, dtypes and shardings, without allocating it."""
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        jax.eval_shape(self._new_state()), self.state_shardings)
+
+  def _new_state(self):
+    """A function making an empty decode state (closing over static structure only)."""
     cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype
     s, stacked = c.num_slots, self._stacked
 
-    def make():
+    def make() -> State:
       return {
           "cache": slot_cache.make(cfg, s, c.max_len, cache_dtype, stacked),
           "tokens": jnp.zeros((s,), jnp.int32), "pos": jnp.zeros((s,), jnp.int32),
@@ -266,10 +278,7 @@ class DecodeEngine:
           "stop_ids": jnp.full((s, c.max_stop_ids), -1, jnp.int32),
       }
 
-    if self._init_fn is None:
-      self._init_fn = jax.jit(make, out_shardings=self.state_shardings)
-      self._fns["init"] = self._init_fn
-    return self._init_fn()
+    return make
 
   # ---- prefill ---------------------------------------------------------------------------------
 

@@ -1,0 +1,109 @@
+"""The sampler's memory plan: do its weights, KV cache and programs fit in device memory.
+
+Per device (the fullest one), before the decode state is allocated:
+
+  peak = 2 x held weights      (a weight swap holds the old and the new version until it lands)
+       + frozen LoRA base      (with LoRA: the base the adapters are merged into)
+       + decode state          (the KV cache of every slot and the per-slot vectors)
+       + the larger program    (XLA's memory analysis of the two largest programs, compiled on
+                                abstract shapes: the decode call at full width and the largest kv
+                                bucket, its temporaries; the prefill call at the largest bucket and
+                                most rows, its temporaries and the prefixes it returns)
+
+The budget is the caller's (``learner.memory.device_budget`` of the sampler's devices; colocated,
+what the learner's plan leaves). A plan that does not fit stops the run before anything is
+allocated, with the parts and the number of slots that would fit. The programs compiled for the
+plan are the ones the sampler runs first; with a persistent compilation cache
+(``runtime.compile_cache_dir``) their later compilation is a cache read. Figures are those of the
+backend the plan compiles for (XLA:CPU's buffer assignment differs somewhat from GPU's or TPU's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from areal_jax import sharding
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass
+class SamplerPlan:
+  """Bytes per device of each part of the sampler's peak, and the budget it was checked against."""
+
+  weights: int  # one held version
+  lora_base: int
+  state: int  # KV cache and per-slot vectors
+  generate_temp: int
+  prefill: int  # temporaries and returned prefixes
+  num_slots: int
+  budget_bytes: int | None
+
+  @property
+  def peak_bytes(self) -> int:
+    return 2 * self.weights + self.lora_base + self.state + max(self.generate_temp, self.prefill)
+
+  @property
+  def fits(self) -> bool:
+    return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+
+  def slots_that_fit(self) -> int:
+    """About how many slots fit the budget (the state and the decode call's temporaries taken as
+    proportional to the slots; the weights and the prefill call are not)."""
+    if self.budget_bytes is None:
+      return self.num_slots
+    per_slot = (self.state + self.generate_temp) / self.num_slots
+    fixed = 2 * self.weights + self.lora_base
+    free = self.budget_bytes - fixed - self.prefill * (self.prefill > self.generate_temp)
+    return max(0, int(free // per_slot))
+
+  def summary(self) -> str:
+    budget = "" if self.budget_bytes is None else f" of {_size(self.budget_bytes)}"
+    return (f"{_size(self.peak_bytes)} per device{budget}: weights 2 x {_size(self.weights)}, "
+            + (f"LoRA base {_size(self.lora_base)}, " if self.lora_base else "")
+            + f"KV cache and slots {_size(self.state)} ({self.num_slots} slots), decode call "
+            f"{_size(self.generate_temp)}, prefill call {_size(self.prefill)}")
+
+
+def _size(n: int) -> str:
+  return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _compiled_memory(jitted, *args):
+  m = jitted.lower(*args).compile().memory_analysis()
+  return m.temp_size_in_bytes, m.output_size_in_bytes
+
+
+def plan(engine, budget_bytes: int | None) -> SamplerPlan:
+  """The plan of a ``DecodeEngine`` (its weights placed, its state not needed)."""
+  c = engine.config
+  state = engine.state_shapes()
+  generate = engine._make_generate(engine.kv_buckets[-1], c.num_slots)  # noqa: SLF001
+  gen_temp, _ = _compiled_memory(generate, engine.params, state)
+  rows = engine.prefill_rows(c.max_prefill_batch)
+  bucket = engine.prefill_buckets[-1]
+  tokens = jax.ShapeDtypeStruct((rows, bucket), np.int32)
+  pre_temp, pre_out = _compiled_memory(engine._make_prefill(bucket, rows),  # noqa: SLF001
+                                       engine.params, tokens)
+  return SamplerPlan(
+      weights=sharding.device_bytes(engine.params),
+      lora_base=sharding.device_bytes(engine._lora_base) if engine._lora_base is not None else 0,  # noqa: SLF001
+      state=sharding.device_bytes(state), generate_temp=gen_temp, prefill=pre_temp + pre_out,
+      num_slots=c.num_slots, budget_bytes=budget_bytes)
+
+
+def check(engine, budget_bytes: int | None) -> SamplerPlan:
+  """``plan``, raising ``MemoryError`` naming what to change when it does not fit."""
+  p = plan(engine, budget_bytes)
+  if p.fits:
+    return p
+  c = engine.config
+  raise MemoryError(
+      f"sampler memory plan: does not fit: {p.summary()}. About {p.slots_that_fit()} slots would "
+      f"fit: lower rollout.num_slots (now {c.num_slots}), or the cache's positions per slot "
+      f"({c.max_len} = the largest of rollout.prefill_buckets + rollout.max_new_tokens), or give "
+      f"the sampler more devices (mesh.sampler_devices, mesh.sampler.* = "
+      f"{dict(engine.mesh.shape)}; colocated, the learner's plan takes its share first)")

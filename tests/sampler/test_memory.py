@@ -1,0 +1,74 @@
+"""The sampler's memory plan: exact resident bytes per device, a clear stop (naming the keys and
+the slots that fit) when it does not fit, and the runtime's budget for it."""
+
+import types
+
+import jax
+import pytest
+
+from areal_jax import sharding
+from areal_jax.sampler import memory
+from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+
+from .conftest import TINY, tiny_model
+
+
+def _engine(slots=8, mesh=None, **kw):
+  return DecodeEngine(tiny_model(0), EngineConfig(num_slots=slots, max_len=64, **kw), mesh)
+
+
+def test_plan_counts_weights_cache_and_programs():
+  eng = _engine(prefill_buckets=(16, 32))
+  p = memory.plan(eng, None)
+  layers, kv, hd = TINY.n_layers, TINY.n_kv_heads, TINY.head_dim
+  cache = 2 * layers * 8 * 64 * kv * hd * 4  # keys and values, float32
+  vectors = 8 * (4 * 3 + 1 + 4 + 4 + 4 + 1 + 2 * 4 + eng.config.max_stop_ids * 4)
+  assert p.state == cache + vectors
+  assert p.weights == sum(x.nbytes for x in jax.tree.leaves(eng.params))
+  assert p.generate_temp > 0 and p.prefill > 0 and p.lora_base == 0
+  assert p.peak_bytes == 2 * p.weights + p.state + max(p.generate_temp, p.prefill)
+  assert p.fits and "8 slots" in p.summary()
+
+
+def test_slots_split_over_the_data_axis_split_the_cache():
+  one = memory.plan(_engine(), None)
+  four = memory.plan(_engine(mesh=sharding.make_mesh({"data": 4}, jax.devices()[:4])), None)
+  assert four.state * 4 == one.state
+  assert four.weights == one.weights  # replicated over data
+
+
+def test_a_plan_that_does_not_fit_names_the_keys_and_the_slots_that_would():
+  big = _engine(slots=64)
+  need = memory.plan(big, None)
+  budget = need.peak_bytes - need.state // 2  # about half the cache's room
+  with pytest.raises(MemoryError) as e:
+    memory.check(big, budget)
+  msg = str(e.value)
+  assert "rollout.num_slots (now 64)" in msg and "rollout.max_new_tokens" in msg
+  slots = int(msg.split("About ")[1].split(" slots")[0])
+  assert 0 < slots < 64
+  # the suggestion is sound: that many slots fit the same budget
+  assert memory.check(_engine(slots=slots), budget).fits
+  assert memory.check(big, need.peak_bytes).fits
+
+
+def test_engines_build_checks_the_budget_and_the_colocated_learner_takes_its_share(capsys):
+  from areal_jax import config as config_lib
+  from areal_jax.models import tokenizer as tok_lib
+  from areal_jax.runtime import engines, trainer
+
+  c = config_lib.base_config()
+  c.rollout.num_slots, c.rollout.prefill_buckets, c.rollout.max_new_tokens = 8, (16,), 16
+  model, tokenizer = tiny_model(0), tok_lib.byte_tokenizer()
+  mesh = sharding.make_mesh({}, jax.devices()[:1])
+  engine = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
+  assert "sampler memory plan:" in capsys.readouterr().out and engine.engine.config.num_slots == 8
+  with pytest.raises(MemoryError, match="sampler memory plan: does not fit"):
+    engines.build(c, model, tokenizer, mesh, memory_budget=2**16)
+  c.mesh.device_memory_gib, c.mesh.memory_fraction = 1.0, 0.5
+  learner_plan = types.SimpleNamespace(peak_bytes=2**28)
+  assert trainer._sampler_budget(c.mesh, mesh, learner_plan) == 2**29  # disjoint: all of it
+  c.mesh.colocated = True
+  assert trainer._sampler_budget(c.mesh, mesh, learner_plan) == 2**29 - 2**28
+  c.mesh.device_memory_gib = 0.0  # CPU reports no size: no check
+  assert trainer._sampler_budget(c.mesh, mesh, learner_plan) is None
