@@ -112,6 +112,7 @@ class LongTailEngine(RolloutEngine):
   pause = property(lambda self: self.inner.pause)
   resume = property(lambda self: self.inner.resume)
   version = property(lambda self: self.inner.version)
+  compile_stats = property(lambda self: self.inner.compile_stats)
 
 
 class CompileClock:

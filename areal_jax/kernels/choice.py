@@ -20,14 +20,17 @@ weights and a stacked cache, ``models/decode_scan``: compile time flat in depth)
 
 Decode projections (``PROJECTIONS``): ``"fused"`` (the engine holds q, k, v as one weight and gate,
 up as one, ``transformer.fuse_projections``: three matmuls a layer fewer, each of the rest reading
-the same bytes as the ones it replaces) or ``"separate"`` (the model's own layout). ``"auto"``: fused
-on GPU and TPU wherever the mesh's tensor axis divides the KV heads (fused weights then split over
+the same bytes as the ones it replaces) or ``"separate"`` (the model's own layout). ``"auto"``:
+fused on GPU and TPU wherever the mesh's tensor axis divides the KV heads (fused weights then split over
 it in whole KV heads, as the separate ones do), separate on CPU. Why on GPU: XLA's GPU compiler
 merges sibling matmuls that share an input (its ``DotMerger`` pass, operands up to
-``--xla_gpu_dot_merger_threshold_mb``, 32 MB by default) by concatenating their weights in the
-program; with the layers in a scan those weights are slices of the stacked ones, so that
-concatenation runs for every layer at every step, a copy of the q/k/v and gate/up weights per
-step (its cost on a GPU: not measured). Weights fused once per version leave nothing to merge.
+``--xla_gpu_dot_merger_threshold_mb``, 32 MB by default) into one against a concatenation of
+their weights made inside the program, so each execution copies those weights (with the layers in
+a scan, slices of the stacked weights: every layer at every step). For the SmolLM2 shape that
+would be ~140 MB written and read again per step next to the 459 MB a step must read; for the
+Qwen2.5-1.5B shape ~1.7 GB next to 5 GB (its cost on a GPU: not measured; the floor loop of
+``bench/decode_floor.py`` keeps separate weights). Weights fused once per version leave nothing to
+merge.
 On CPU (XLA:CPU does not merge them, checked in its optimized HLO) the fused and separate decode
 steps measured the same (SmolLM2 shape, 64 slots, both the C++ kernels' and XLA's paths), so the
 CPU keeps the model's layout.
@@ -40,7 +43,8 @@ layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, w
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
 ``mqa`` over (row, head) pairs without that copy (not measured on a GPU since).
 A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` /
-``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` / ``$AREAL_JAX_DECODE_PROJECTIONS`` when set; else the platform's default.
+``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` / ``$AREAL_JAX_DECODE_PROJECTIONS``
+when set; else the platform's default.
 """
 
 from __future__ import annotations

@@ -89,8 +89,8 @@ def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None =
   ref_b = sharding.device_bytes(params) if opts.kl_coef else 0
   frozen = learner._frozen_args  # with LoRA: the frozen base, an argument of the step's functions
   frozen_b = sum(sharding.device_bytes(f) for f in frozen)
-  parts = dict(params=sharding.device_bytes(params), opt=opt_b, ref=ref_b, grads=sharding.device_bytes(acc),
-               frozen=frozen_b)
+  parts = dict(params=sharding.device_bytes(params), opt=opt_b, ref=ref_b,
+               grads=sharding.device_bytes(acc), frozen=frozen_b)
   peak_of = lambda c, resident: resident + c["args"] + c["out"] - c["alias"] + c["temp"]
   # The first update's proximal logprobs come from its own forward (no old_logp) unless a
   # separate forward runs (kl_coef, or more minibatches: then the other variant is planned too).

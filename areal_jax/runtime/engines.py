@@ -15,7 +15,8 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import RolloutEngine
 
 
-def build(config, model, tokenizer, sampler_mesh, memory_budget: int | None = None) -> RolloutEngine:
+def build(config, model, tokenizer, sampler_mesh,
+          memory_budget: int | None = None) -> RolloutEngine:
   """``memory_budget``: bytes per sampler device the JAX sampler may use; its memory plan
   (``sampler/memory.py``) is checked against it before the decode state is allocated."""
   r = config.rollout

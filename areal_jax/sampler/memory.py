@@ -88,9 +88,10 @@ def plan(engine, budget_bytes: int | None) -> SamplerPlan:
   tokens = jax.ShapeDtypeStruct((rows, bucket), np.int32)
   pre_temp, pre_out = _compiled_memory(engine._make_prefill(bucket, rows),  # noqa: SLF001
                                        engine.params, tokens)
+  base = engine._lora_base  # noqa: SLF001 (with LoRA: the base adapters are merged into)
   return SamplerPlan(
       weights=sharding.device_bytes(engine.params),
-      lora_base=sharding.device_bytes(engine._lora_base) if engine._lora_base is not None else 0,  # noqa: SLF001
+      lora_base=sharding.device_bytes(base) if base is not None else 0,
       state=sharding.device_bytes(state), generate_temp=gen_temp, prefill=pre_temp + pre_out,
       num_slots=c.num_slots, budget_bytes=budget_bytes)
 
