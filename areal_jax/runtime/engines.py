@@ -15,10 +15,10 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import RolloutEngine
 
 
-def build(config, model, tokenizer, sampler_mesh,
-          memory_budget: int | None = None) -> RolloutEngine:
-  """``memory_budget``: bytes per sampler device the JAX sampler may use; its memory plan
-  (``sampler/memory.py``) is checked against it before the decode state is allocated."""
+def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> RolloutEngine:
+  """``memory_budget``: bytes per sampler device the JAX sampler may use, or a dict of
+  ``sampler.memory.check``'s keyword arguments (``budget_bytes``, ``resident_budget``,
+  ``shared_base``); its memory plan is checked against it before the decode state is allocated."""
   r = config.rollout
   lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
   if r.backend == "jax":
@@ -33,8 +33,8 @@ def build(config, model, tokenizer, sampler_mesh,
         decode_matmul=r.decode_matmul, decode_layers=r.decode_layers,
         decode_projections=r.get("decode_projections", "auto"), lora=lora)
     if memory_budget is not None:
-      print(f"sampler memory plan: {memory.check(engine.engine, memory_budget).summary()}",
-            flush=True)
+      budget = memory_budget if isinstance(memory_budget, dict) else {"budget_bytes": memory_budget}
+      print(f"sampler memory plan: {memory.check(engine.engine, **budget).summary()}", flush=True)
     return engine
   if r.backend == "vllm":  # optional: needs vLLM (make install-vllm), raises a clear error without
     from areal_jax.vllm_rollout.factory import build as build_vllm

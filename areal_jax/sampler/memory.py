@@ -10,9 +10,14 @@ Per device (the fullest one), before the decode state is allocated:
                                 bucket, its temporaries; the prefill call at the largest bucket and
                                 most rows, its temporaries and the prefixes it returns)
 
-The budget is the caller's (``learner.memory.device_budget`` of the sampler's devices; colocated,
-what the learner's plan leaves). A plan that does not fit stops the run before anything is
-allocated, with the parts and the number of slots that would fit. The programs compiled for the
+The budget is the caller's (``learner.memory.device_budget`` of the sampler's devices). Colocated
+with the learner, the two alternate on the same devices and what each keeps between its turns
+stays: the sampler's peak must fit beside the learner's resident state (weights, optimizer state,
+reference and frozen weights), and the sampler's resident part (``resident_bytes``: weights, LoRA
+base, decode state) beside the learner's planned peak (``resident_budget``). A LoRA base the
+learner holds in the compute dtype is the very array the sampler merges into (shared, counted
+once). A plan that does not fit stops the run before anything is allocated, with the parts and
+the number of slots that would fit. The programs compiled for the
 plan are the ones the sampler runs first; with a persistent compilation cache
 (``runtime.compile_cache_dir``) their later compilation is a cache read. Figures are those of the
 backend the plan compiles for (XLA:CPU's buffer assignment differs somewhat from GPU's or TPU's).
@@ -41,28 +46,43 @@ class SamplerPlan:
   prefill: int  # temporaries and returned prefixes
   num_slots: int
   budget_bytes: int | None
+  resident_budget: int | None = None  # colocated: what the learner's peak leaves
+
+  @property
+  def resident_bytes(self) -> int:
+    """What stays allocated between decode calls (while a colocated learner trains)."""
+    return self.weights + self.lora_base + self.state
 
   @property
   def peak_bytes(self) -> int:
-    return 2 * self.weights + self.lora_base + self.state + max(self.generate_temp, self.prefill)
+    return self.resident_bytes + self.weights + max(self.generate_temp, self.prefill)
 
   @property
   def fits(self) -> bool:
-    return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+    return ((self.budget_bytes is None or self.peak_bytes <= self.budget_bytes)
+            and (self.resident_budget is None or self.resident_bytes <= self.resident_budget))
 
   def slots_that_fit(self) -> int:
     """About how many slots fit the budget (the state and the decode call's temporaries taken as
     proportional to the slots; the weights and the prefill call are not)."""
-    if self.budget_bytes is None:
-      return self.num_slots
-    per_slot = (self.state + self.generate_temp) / self.num_slots
-    fixed = 2 * self.weights + self.lora_base
-    free = self.budget_bytes - fixed - self.prefill * (self.prefill > self.generate_temp)
-    return max(0, int(free // per_slot))
+    fits = []
+    if self.budget_bytes is not None:
+      per_slot = (self.state + self.generate_temp) / self.num_slots
+      fixed = 2 * self.weights + self.lora_base
+      free = self.budget_bytes - fixed - self.prefill * (self.prefill > self.generate_temp)
+      fits.append(free // per_slot)
+    if self.resident_budget is not None:
+      free = self.resident_budget - self.weights - self.lora_base
+      fits.append(free // (self.state / self.num_slots))
+    return max(0, int(min(fits, default=self.num_slots)))
 
   def summary(self) -> str:
     budget = "" if self.budget_bytes is None else f" of {_size(self.budget_bytes)}"
-    return (f"{_size(self.peak_bytes)} per device{budget}: weights 2 x {_size(self.weights)}, "
+    resident = "" if self.resident_budget is None else (
+        f" ({_size(self.resident_bytes)} resident beside the learner's peak, of "
+        f"{_size(self.resident_budget)})")
+    return (f"{_size(self.peak_bytes)} per device{budget}{resident}: weights 2 x "
+            f"{_size(self.weights)}, "
             + (f"LoRA base {_size(self.lora_base)}, " if self.lora_base else "")
             + f"KV cache and slots {_size(self.state)} ({self.num_slots} slots), decode call "
             f"{_size(self.generate_temp)}, prefill call {_size(self.prefill)}")
@@ -77,8 +97,10 @@ def _compiled_memory(jitted, *args):
   return m.temp_size_in_bytes, m.output_size_in_bytes
 
 
-def plan(engine, budget_bytes: int | None) -> SamplerPlan:
-  """The plan of a ``DecodeEngine`` (its weights placed, its state not needed)."""
+def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
+         shared_base: bool = False) -> SamplerPlan:
+  """The plan of a ``DecodeEngine`` (its weights placed, its state not needed); ``shared_base``:
+  its LoRA base is the learner's own array, already counted there."""
   c = engine.config
   state = engine.state_shapes()
   generate = engine._make_generate(engine.kv_buckets[-1], c.num_slots)  # noqa: SLF001
@@ -91,14 +113,15 @@ def plan(engine, budget_bytes: int | None) -> SamplerPlan:
   base = engine._lora_base  # noqa: SLF001 (with LoRA: the base adapters are merged into)
   return SamplerPlan(
       weights=sharding.device_bytes(engine.params),
-      lora_base=sharding.device_bytes(base) if base is not None else 0,
+      lora_base=sharding.device_bytes(base) if base is not None and not shared_base else 0,
       state=sharding.device_bytes(state), generate_temp=gen_temp, prefill=pre_temp + pre_out,
-      num_slots=c.num_slots, budget_bytes=budget_bytes)
+      num_slots=c.num_slots, budget_bytes=budget_bytes, resident_budget=resident_budget)
 
 
-def check(engine, budget_bytes: int | None) -> SamplerPlan:
+def check(engine, budget_bytes: int | None, resident_budget: int | None = None,
+          shared_base: bool = False) -> SamplerPlan:
   """``plan``, raising ``MemoryError`` naming what to change when it does not fit."""
-  p = plan(engine, budget_bytes)
+  p = plan(engine, budget_bytes, resident_budget, shared_base)
   if p.fits:
     return p
   c = engine.config

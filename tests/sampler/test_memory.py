@@ -50,6 +50,13 @@ def test_a_plan_that_does_not_fit_names_the_keys_and_the_slots_that_would():
   # the suggestion is sound: that many slots fit the same budget
   assert memory.check(_engine(slots=slots), budget).fits
   assert memory.check(big, need.peak_bytes).fits
+  # colocated: the resident part must also fit beside the learner's peak
+  with pytest.raises(MemoryError, match="resident beside the learner's peak"):
+    memory.check(big, need.peak_bytes, resident_budget=need.resident_bytes - 1)
+  tight = memory.plan(big, need.peak_bytes, resident_budget=need.resident_bytes - need.state // 2)
+  assert not tight.fits and 0 < tight.slots_that_fit() < 64
+  assert memory.check(_engine(slots=tight.slots_that_fit()), need.peak_bytes,
+                      resident_budget=tight.resident_budget).fits
 
 
 def test_engines_build_checks_the_budget_and_the_colocated_learner_takes_its_share(capsys):
@@ -66,9 +73,24 @@ def test_engines_build_checks_the_budget_and_the_colocated_learner_takes_its_sha
   with pytest.raises(MemoryError, match="sampler memory plan: does not fit"):
     engines.build(c, model, tokenizer, mesh, memory_budget=2**16)
   c.mesh.device_memory_gib, c.mesh.memory_fraction = 1.0, 0.5
-  learner_plan = types.SimpleNamespace(peak_bytes=2**28)
-  assert trainer._sampler_budget(c.mesh, mesh, learner_plan) == 2**29  # disjoint: all of it
-  c.mesh.colocated = True
-  assert trainer._sampler_budget(c.mesh, mesh, learner_plan) == 2**29 - 2**28
+  parts = dict(params=2**24, opt=2**25, ref=0, frozen=0)
+  learner_plan = types.SimpleNamespace(peak_bytes=2**28, parts=parts)
+  # disjoint devices: all of theirs
+  assert trainer._sampler_budget(c, mesh, learner_plan) == {"budget_bytes": 2**29}
+  c.mesh.colocated = True  # the peak beside what the learner keeps, the resident part beside its peak
+  assert trainer._sampler_budget(c, mesh, learner_plan) == {
+      "budget_bytes": 2**29 - 3 * 2**24, "resident_budget": 2**29 - 2**28, "shared_base": False}
+  parts["frozen"] = 2**20  # LoRA, one dtype: the sampler merges into the learner's base array
+  assert trainer._sampler_budget(c, mesh, learner_plan)["shared_base"]
   c.mesh.device_memory_gib = 0.0  # CPU reports no size: no check
-  assert trainer._sampler_budget(c.mesh, mesh, learner_plan) is None
+  assert trainer._sampler_budget(c, mesh, learner_plan) is None
+
+
+def test_a_lora_base_counts_unless_it_is_the_learners_own():
+  from areal_jax.models import lora
+  eng = DecodeEngine(tiny_model(0), EngineConfig(num_slots=4, max_len=32, prefill_buckets=(8,)),
+                     lora=lora.LoraConfig(rank=2, alpha=4.0))
+  base = sum(x.nbytes for x in jax.tree.leaves(eng._lora_base))  # pylint: disable=protected-access
+  own, shared = memory.plan(eng, None), memory.plan(eng, None, shared_base=True)
+  assert own.lora_base == base > 0 and shared.lora_base == 0
+  assert own.peak_bytes - shared.peak_bytes == base
