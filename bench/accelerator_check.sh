@@ -5,6 +5,8 @@
 #    fused projections (the default) against separate ones (bench/decode_variants.py; about a
 #    minute), with a profiler trace of the first variant
 #    (summarize it with bench/trace_top.py "$OUT/smollm2_trace.json.gz");
+# 1b. the same shape with XLA's DotMerger off (--xla_gpu_dot_merger_threshold_mb=0): the floor and
+#    our separate-weights variants, so the cost of the weight concatenations it makes is measured;
 # 2. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it;
 # 3. Qwen2.5-1.5B shape (128 slots, context 512): bench/sampler.py --decode-only (floor_ratio,
@@ -28,6 +30,10 @@ log variants smollm2; timeout 120 python3 bench/decode_variants.py --model=smoll
   --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 f=$(ls "$OUT"/trace/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)
 [ -n "$f" ] && mv "$f" "$OUT/smollm2_trace.json.gz"; rm -rf "$OUT/trace"
+log variants smollm2 no-dot-merger; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_dot_merger_threshold_mb=0" \
+  timeout 90 python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
+  --variants dense:scan:16:separate,dense:unrolled:16:separate,dense:scan:16 \
+  --json "$OUT/variants_smollm2_nomerge.json" 2>&1 | keep
 if [ -n "${1:-}" ]; then
   log legacy smollm2; PYTHONPATH="$1:$PYTHONPATH" timeout 90 python3 bench/decode_variants.py --legacy \
     --no-floor --model=smollm2-135m --variants x:x:1,x:x:8 --json "$OUT/legacy_smollm2.json" 2>&1 | keep
