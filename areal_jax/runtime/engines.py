@@ -18,23 +18,29 @@ from areal_jax.rollout_api import RolloutEngine
 def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> RolloutEngine:
   """``memory_budget``: bytes per sampler device the JAX sampler may use, or a dict of
   ``sampler.memory.check``'s keyword arguments (``budget_bytes``, ``resident_budget``,
-  ``shared_base``); its memory plan is checked against it before the decode state is allocated."""
+  ``shared_base``); its memory plan is checked against it before the decode state is allocated,
+  with fewer slots than ``rollout.num_slots`` when those do not fit (``sampler.memory.fit``)."""
   r = config.rollout
   lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
   if r.backend == "jax":
     from areal_jax.sampler import memory
     from areal_jax.sampler.service import JaxRolloutEngine
 
-    engine = JaxRolloutEngine(
-        model, mesh=sampler_mesh, num_slots=r.num_slots,
-        max_len=max(r.prefill_buckets) + r.max_new_tokens, prefill_buckets=tuple(r.prefill_buckets),
-        continuation=r.continuation, eos_token_ids=tuple(tokenizer.eos_token_ids),
-        steps_per_call=r.steps_per_call, decode_attention=r.decode_attention,
-        decode_matmul=r.decode_matmul, decode_layers=r.decode_layers,
-        decode_projections=r.get("decode_projections", "auto"), lora=lora)
-    if memory_budget is not None:
-      budget = memory_budget if isinstance(memory_budget, dict) else {"budget_bytes": memory_budget}
-      print(f"sampler memory plan: {memory.check(engine.engine, **budget).summary()}", flush=True)
+    def make(num_slots):
+      return JaxRolloutEngine(
+          model, mesh=sampler_mesh, num_slots=num_slots,
+          max_len=max(r.prefill_buckets) + r.max_new_tokens,
+          prefill_buckets=tuple(r.prefill_buckets), continuation=r.continuation,
+          eos_token_ids=tuple(tokenizer.eos_token_ids), steps_per_call=r.steps_per_call,
+          decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
+          decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
+          lora=lora)
+
+    if memory_budget is None:
+      return make(r.num_slots)
+    budget = memory_budget if isinstance(memory_budget, dict) else {"budget_bytes": memory_budget}
+    engine, plan = memory.fit(make, r.num_slots, min_slots=r.n_samples, **budget)
+    print(f"sampler memory plan: {plan.summary()}", flush=True)
     return engine
   if r.backend == "vllm":  # optional: needs vLLM (make install-vllm), raises a clear error without
     from areal_jax.vllm_rollout.factory import build as build_vllm

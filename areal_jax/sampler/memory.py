@@ -16,8 +16,9 @@ stays: the sampler's peak must fit beside the learner's resident state (weights,
 reference and frozen weights), and the sampler's resident part (``resident_bytes``: weights, LoRA
 base, decode state) beside the learner's planned peak (``resident_budget``). A LoRA base the
 learner holds in the compute dtype is the very array the sampler merges into (shared, counted
-once). A plan that does not fit stops the run before anything is allocated, with the parts and
-the number of slots that would fit. The programs compiled for the
+once). When the configured slots do not fit, ``fit`` rebuilds the engine with the most slots that do (as
+the learner's plan lowers its micro-batch) and says so; a run stops, before the decode state is
+allocated, only when not even the fewest slots it needs fit, with the parts of the plan. The programs compiled for the
 plan are the ones the sampler runs first; with a persistent compilation cache
 (``runtime.compile_cache_dir``) their later compilation is a cache read. Figures are those of the
 backend the plan compiles for (XLA:CPU's buffer assignment differs somewhat from GPU's or TPU's).
@@ -65,15 +66,14 @@ class SamplerPlan:
   def slots_that_fit(self) -> int:
     """About how many slots fit the budget (the state and the decode call's temporaries taken as
     proportional to the slots; the weights and the prefill call are not)."""
-    fits = []
-    if self.budget_bytes is not None:
-      per_slot = (self.state + self.generate_temp) / self.num_slots
-      fixed = 2 * self.weights + self.lora_base
-      free = self.budget_bytes - fixed - self.prefill * (self.prefill > self.generate_temp)
-      fits.append(free // per_slot)
+    fits, n = [], self.num_slots
+    if self.budget_bytes is not None:  # both branches of the peak's max must fit
+      free = self.budget_bytes - 2 * self.weights - self.lora_base
+      fits += [free // ((self.state + self.generate_temp) / n),
+               (free - self.prefill) // (self.state / n)]
     if self.resident_budget is not None:
       free = self.resident_budget - self.weights - self.lora_base
-      fits.append(free // (self.state / self.num_slots))
+      fits.append(free // (self.state / n))
     return max(0, int(min(fits, default=self.num_slots)))
 
   def summary(self) -> str:
@@ -122,12 +122,41 @@ def check(engine, budget_bytes: int | None, resident_budget: int | None = None,
           shared_base: bool = False) -> SamplerPlan:
   """``plan``, raising ``MemoryError`` naming what to change when it does not fit."""
   p = plan(engine, budget_bytes, resident_budget, shared_base)
-  if p.fits:
-    return p
-  c = engine.config
-  raise MemoryError(
+  if not p.fits:
+    raise _too_big(p, engine.config.max_len, engine.mesh)
+  return p
+
+
+def fit(make, num_slots: int, min_slots: int = 1, **budget):
+  """``(holder, plan)``: ``make(num_slots)`` (an object whose ``engine`` is the ``DecodeEngine``,
+  e.g. a ``JaxRolloutEngine``) when its plan fits ``budget`` (``check``'s keywords); else rebuilt
+  with the most slots that fit, a multiple of the mesh's data-axis size (slots are split over it)
+  and at least ``min_slots`` (a group's samples are admitted together), and printed. Raises
+  ``check``'s ``MemoryError`` when even that does not fit."""
+  holder = make(num_slots)
+  first = p = plan(holder.engine, **budget)
+  max_len, mesh = holder.engine.config.max_len, holder.engine.mesh
+  for _ in range(4):  # slots_that_fit extrapolates: a second look settles it
+    if p.fits:
+      if p.num_slots != num_slots:
+        print(f"sampler memory plan: rollout.num_slots={num_slots} does not fit "
+              f"({first.summary()}); using {p.num_slots}", flush=True)
+      return holder, p
+    shards = holder.engine.mesh.shape.get("data", 1)
+    slots = min(p.slots_that_fit(), p.num_slots - 1) // shards * shards
+    if slots < max(min_slots, shards):
+      break
+    del holder  # its weights go before the next engine places its own
+    holder = make(slots)
+    p = plan(holder.engine, **budget)
+  raise _too_big(first, max_len, mesh, min_slots)
+
+
+def _too_big(p: SamplerPlan, max_len: int, mesh, min_slots: int = 1) -> MemoryError:
+  need = f" (at least {min_slots} needed: rollout.n_samples)" if min_slots > 1 else ""
+  return MemoryError(
       f"sampler memory plan: does not fit: {p.summary()}. About {p.slots_that_fit()} slots would "
-      f"fit: lower rollout.num_slots (now {c.num_slots}), or the cache's positions per slot "
-      f"({c.max_len} = the largest of rollout.prefill_buckets + rollout.max_new_tokens), or give "
+      f"fit{need}: lower rollout.num_slots (now {p.num_slots}), or the cache's positions per slot "
+      f"({max_len} = the largest of rollout.prefill_buckets + rollout.max_new_tokens), or give "
       f"the sampler more devices (mesh.sampler_devices, mesh.sampler.* = "
-      f"{dict(engine.mesh.shape)}; colocated, the learner's plan takes its share first)")
+      f"{dict(mesh.shape)}; colocated, the learner's plan takes its share first)")

@@ -70,6 +70,19 @@ def test_engines_build_checks_the_budget_and_the_colocated_learner_takes_its_sha
   mesh = sharding.make_mesh({}, jax.devices()[:1])
   engine = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
   assert "sampler memory plan:" in capsys.readouterr().out and engine.engine.config.num_slots == 8
+  # 8 slots do not fit: the most that do, and the run says so
+  eight = memory.plan(engine.engine, None)
+  room = eight.peak_bytes - eight.state // 2
+  c.rollout.n_samples = 2
+  engine = engines.build(c, model, tokenizer, mesh, memory_budget=room)
+  slots = engine.engine.config.num_slots
+  assert 2 <= slots < 8 and memory.plan(engine.engine, room).fits
+  assert "rollout.num_slots=8 does not fit" in capsys.readouterr().out
+  one_more = DecodeEngine(model, EngineConfig(num_slots=slots + 1, max_len=32, prefill_buckets=(16,)))
+  assert not memory.plan(one_more, room).fits  # the most that fit
+  c.rollout.n_samples = 8  # a group needs 8 slots at once: no fewer will do
+  with pytest.raises(MemoryError, match="at least 8 needed: rollout.n_samples"):
+    engines.build(c, model, tokenizer, mesh, memory_budget=room)
   with pytest.raises(MemoryError, match="sampler memory plan: does not fit"):
     engines.build(c, model, tokenizer, mesh, memory_budget=2**16)
   c.mesh.device_memory_gib, c.mesh.memory_fraction = 1.0, 0.5
