@@ -100,6 +100,12 @@ def test_engine_packs_on_one_cpu_device_with_the_same_samples(tie):
   ref_toks, ref_lps = _greedy_and_logprobs(plain, prompt)
   np.testing.assert_array_equal(toks, ref_toks)
   np.testing.assert_allclose(lps, ref_lps, atol=1e-5)
+  # q/k/v and gate/up fused (forced on CPU), then packed: the same samples
+  fused = DecodeEngine(model, dataclasses.replace(config, decode_projections="fused"))
+  assert fused.params["layers"][0]["attn"]["qkv"].ndim == 3
+  toks, lps = _greedy_and_logprobs(fused, prompt)
+  np.testing.assert_array_equal(toks, ref_toks)
+  np.testing.assert_allclose(lps, ref_lps, atol=1e-5)
   # A weight swap packs the new version.
   other = nnx.to_pure_dict(nnx.state(Transformer(model.cfg, nnx.Rngs(2)), nnx.Param))
   swapped = packed.put_params(other)
