@@ -16,12 +16,13 @@ stays: the sampler's peak must fit beside the learner's resident state (weights,
 reference and frozen weights), and the sampler's resident part (``resident_bytes``: weights, LoRA
 base, decode state) beside the learner's planned peak (``resident_budget``). A LoRA base the
 learner holds in the compute dtype is the very array the sampler merges into (shared, counted
-once). When the configured slots do not fit, ``fit`` rebuilds the engine with the most slots that do (as
-the learner's plan lowers its micro-batch) and says so; a run stops, before the decode state is
-allocated, only when not even the fewest slots it needs fit, with the parts of the plan. The programs compiled for the
-plan are the ones the sampler runs first; with a persistent compilation cache
-(``runtime.compile_cache_dir``) their later compilation is a cache read. Figures are those of the
-backend the plan compiles for (XLA:CPU's buffer assignment differs somewhat from GPU's or TPU's).
+once). When the configured slots do not fit, ``fit`` rebuilds the engine with the most slots
+that do (as the learner's plan lowers its micro-batch) and says so; a run stops, before the decode
+state is allocated, only when not even the fewest slots it needs fit, with the parts of the plan.
+The programs compiled for the plan are ones the sampler runs: with the persistent compilation
+cache (``runtime.compile_cache_dir``, on by default) their first calls read the plan's
+compilations (tested). Figures are those of the backend the plan compiles for (XLA:CPU's buffer
+assignment differs somewhat from GPU's or TPU's).
 """
 
 from __future__ import annotations

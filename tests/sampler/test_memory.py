@@ -107,3 +107,22 @@ def test_a_lora_base_counts_unless_it_is_the_learners_own():
   own, shared = memory.plan(eng, None), memory.plan(eng, None, shared_base=True)
   assert own.lora_base == base > 0 and shared.lora_base == 0
   assert own.peak_bytes - shared.peak_bytes == base
+
+
+def test_the_programs_compiled_for_the_plan_are_the_ones_the_sampler_runs():
+  """With the persistent compilation cache (on in these tests, as in launch.py's runs) the
+  sampler's first decode and prefill calls at the planned shapes read the plan's compilations."""
+  from jax._src import monitoring
+  events = []
+  listener = lambda event, **_: events.append(event)  # noqa: E731
+  monitoring.register_event_listener(listener)
+  try:
+    eng = DecodeEngine(tiny_model(0), EngineConfig(num_slots=12, max_len=40, prefill_buckets=(8,)))
+    memory.plan(eng, None)  # a shape no other test compiles
+    hits = lambda: events.count("/jax/compilation_cache/cache_hits")  # noqa: E731
+    before = hits()
+    eng.generate(eng.params, eng.init_state(), eng.kv_buckets[-1])
+    eng.prefill_batch(eng.params, [[1] * eng.prefill_buckets[-1]] * eng.config.max_prefill_batch)
+    assert hits() - before == 2  # (init_state's program is the only new compilation)
+  finally:
+    monitoring.unregister_event_listener(listener)
