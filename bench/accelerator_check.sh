@@ -27,7 +27,7 @@ log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --for
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 log variants smollm2; timeout 120 python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
   --variants dense:scan:16,dense:scan:16:separate,dense:unrolled:16,dense:unrolled:16:separate,pallas_gpu:scan:16 \
-  --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
+  --fused-floor --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 f=$(ls "$OUT"/trace/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)
 [ -n "$f" ] && mv "$f" "$OUT/smollm2_trace.json.gz"; rm -rf "$OUT/trace"
 log variants smollm2 no-dot-merger; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_dot_merger_threshold_mb=0" \

@@ -98,6 +98,8 @@ def main():
   ap.add_argument("--legacy", action="store_true", help="older checkouts: no kernel choice")
   ap.add_argument("--hlo", default=None, help="write the first variant's optimized HLO here")
   ap.add_argument("--no-floor", action="store_true")
+  ap.add_argument("--fused-floor", action="store_true",
+                  help="also time the floor with q/k/v and gate/up fused (floor_fused_step_ms)")
   args = ap.parse_args()
   shape, slots, context = SHAPES[args.model]
   on_cpu = jax.default_backend() == "cpu"
@@ -123,6 +125,10 @@ def main():
       result["floor_hbm_roofline_frac"] = (result["bytes_per_step"] / (hw.figures()["read_GBps"] * 1e9)
                                            / (result["floor_step_ms"] / 1e3))
     print(f"{'floor loop':>28}: {result['floor_step_ms']:8.3f} ms/step")
+    if args.fused_floor:
+      result["floor_fused_step_ms"] = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype,
+                                                           reps=args.reps, fused=True)
+      print(f"{'floor loop, fused weights':>28}: {result['floor_fused_step_ms']:8.3f} ms/step")
   for n, variant in enumerate(args.variants.split(",")):
     attention, layers, steps, projections = (variant.split(":") + ["auto"])[:4]
     saved = {k: os.environ.get(v) for k, v in ENV.items()}
@@ -141,6 +147,8 @@ def main():
     row.update(variant=variant, steps_per_call=int(steps))
     if "floor_step_ms" in result and "step_ms" in row:
       row["floor_ratio"] = row["step_ms"] / result["floor_step_ms"]
+    if "floor_fused_step_ms" in result and "step_ms" in row:
+      row["floor_fused_ratio"] = row["step_ms"] / result["floor_fused_step_ms"]
     if hw is not None and "step_ms" in row:
       row["hbm_roofline_frac"] = (result["bytes_per_step"] / (hw.probe().figures()["read_GBps"] * 1e9)
                                   / (row["step_ms"] / 1e3))
