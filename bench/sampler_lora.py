@@ -75,7 +75,7 @@ def main():
       num_slots=args.slots, max_len=args.context + STEPS * (reps + 2), prefill_buckets=(16,),
       kv_buckets=(args.context + STEPS * (reps + 2),), steps_per_call=STEPS,
       decode_projections="separate"), lora=lcfg)  # the side path wraps the model's own weights
-  adapters = lora.init_adapters(jax.device_get(dev._lora_base), lcfg, jax.random.key(0))
+  adapters = lora.init_adapters(jax.device_get(dev.weights.lora_base), lcfg, jax.random.key(0))
   adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # b != 0: a trained adapter
 
   merge_times = []
@@ -87,7 +87,7 @@ def main():
   merged_ms = step_ms(dev, merged, args.slots, args.context, reps)
   del merged
   # The side path: the base weights with LoraWeight leaves (their own low-rank forward).
-  side = lora.wrap(dev._lora_base, jax.tree.map(lambda x: x.astype(cfg.compute_dtype), adapters),
+  side = lora.wrap(dev.weights.lora_base, jax.tree.map(lambda x: x.astype(cfg.compute_dtype), adapters),
                    lcfg)
   dev.held_shardings = None  # a different parameter tree: let jit place it
   side_ms = step_ms(dev, side, args.slots, args.context, reps)

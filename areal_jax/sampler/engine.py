@@ -34,17 +34,17 @@ length; ``kv_buckets`` only add static upper bounds (default: just ``max_len`` w
 reads each slot up to its own position; for the dense read, powers of two from 64 up to
 ``max_len``, so a step reads the cache only up to the furthest slot's bucket).
 
-Weights: ``put_params`` holds the matmul weights and the embedding in the model's compute dtype
-(cast once per weight version; the learner's float32 master weights are not touched), or packed
-for the CPU matmul kernel; on GPU and TPU with q/k/v and gate/up fused into one weight each
-(``decode_projections``, ``kernels.choice.projections``), converted in the same pass. ``width_buckets`` (default:
-powers of two from ``num_slots / 8`` up, multiples of the mesh's data-axis size) are the slot counts a
-decode step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are
-read once per step whatever the width).
+Weights (``held_weights``): ``put_params`` converts a weight version once into the layout the
+programs read: the matmul weights and the embedding in the compute dtype (the learner's float32
+master weights are not touched), on GPU and TPU q/k/v and gate/up fused into one weight each
+(``decode_projections``, ``kernels.choice.projections``), stacked in scan mode, or packed for the
+CPU matmul kernel. With ``lora`` (a ``models.lora.LoraConfig``) it also accepts LoRA adapters
+(what the learner publishes), merged into the base weights once per version, so decoding runs at
+full-model speed.
 
-With ``lora`` (a ``models.lora.LoraConfig``) the engine keeps the base weights it was built with
-(in the compute dtype) and ``put_params`` also accepts LoRA adapters (what the learner publishes):
-it merges them into the base once per weight version, so decoding runs at full-model speed.
+``width_buckets`` (default: powers of two from ``num_slots / 8`` up, multiples of the mesh's
+data-axis size) are the slot counts a decode step can run at: a step over w slots costs
+~w/num_slots of the per-slot work (the weights are read once per step whatever the width).
 
 Compiled functions are shared by engines of the same model structure, config and mesh; they close
 over static structure only (graph definition, shapes, shardings), never over an engine or its
@@ -64,15 +64,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from areal_jax import sharding
-from areal_jax.kernels import choice, cpu_matmul
+from areal_jax.kernels import choice
 from areal_jax.models import decode_scan
 from areal_jax.models import lora as lora_lib
-from areal_jax.models.transformer import (ModelConfig, Transformer, cast_weights,
-                                          fuse_projections)
-from areal_jax.sampler import sampling, slot_cache
+from areal_jax.models.transformer import ModelConfig, Transformer
+from areal_jax.sampler import held_weights, sampling, slot_cache
 
 State = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -125,22 +124,18 @@ class DecodeEngine:
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers)
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
-    # The weights as the engine holds them: q/k/v and gate/up fused or not (``choice.projections``;
-    # ``transformer.fuse_projections``), in the compute dtype (matmul weights and embedding; norm
-    # scales and biases stay float32, and the model casts what it reads anyway, so the results are
-    # the same), the layers stacked in scan mode, or packed for the CPU matmul kernel: converted
-    # from the caller's per-layer dict once per weight version, in ``put_params``.
+    # The weights as the engine holds them (``held_weights``): fused projections or not
+    # (``choice.projections``), compute dtype, stacked in scan mode or packed for the CPU kernel;
+    # ``param_shardings`` is what callers pass to ``put_params``, ``held_shardings`` what the
+    # engine holds and its calls take.
     self.projections = choice.projections(self.mesh, self.model_cfg, config.decode_projections)
-    held_cfg = dataclasses.replace(self.model_cfg, fused_projections=self.projections == "fused")
-    held = model if held_cfg == self.model_cfg else nnx.eval_shape(
-        lambda: Transformer(held_cfg, nnx.Rngs(0)))
-    self.graphdef = nnx.graphdef(held)
+    self.weights = held_weights.HeldWeights(
+        model, self.mesh, fused=self.projections == "fused", stacked=self.layers_impl == "scan",
+        packed=self.matmul_impl == "cpu_packed", lora=lora)
+    self.graphdef = self.weights.graphdef
+    self.param_shardings, self.held_shardings = self.weights.param_shardings, self.weights.shardings
     # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
-    self._scan = decode_scan.graphs(held_cfg) if self.layers_impl == "scan" else None
-    # ``param_shardings``: the per-layer dict callers pass to ``put_params``; ``held_shardings``:
-    # what the engine holds and its calls take
-    self.param_shardings = self._param_shardings(model)
-    self.held_shardings, self._convert = self._held_layout(held, held_cfg != self.model_cfg)
+    self._scan = decode_scan.graphs(self.weights.cfg) if self.layers_impl == "scan" else None
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     dense = self.attention_impl in ("dense", "pallas_gpu")  # reads up to the bound, not per slot
     self.kv_buckets = _buckets(config.kv_buckets or (None if dense else (config.max_len,)),
@@ -165,43 +160,8 @@ class DecodeEngine:
     fns["deactivate"] = self._deactivate
     # program variants this engine built and the seconds their first calls took (compilation)
     self.compile_stats = {"compiles": 0, "compile_s": 0.0}
-    self.lora, self._lora_base, self._merge = lora, None, None
-    param_state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    if lora is not None:
-      # eager casts: a base already in the compute dtype on this mesh is shared, not copied
-      self._lora_base = jax.device_put(
-          lora_lib.frozen_base(param_state, self.model_cfg.compute_dtype), self.param_shardings)
-      self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
-                            out_shardings=self.param_shardings)
-    self.params = self.put_params(param_state)
-
-  def _param_shardings(self, model) -> dict:
-    """The shardings of ``model``'s pure parameter dict on the engine's mesh."""
-    return nnx.to_pure_dict(sharding.shardings_to_values(
-        sharding.state_shardings(nnx.state(model, nnx.Param), self.mesh)))
-
-  def _held_layout(self, held, fuse: bool):
-    """``(shardings, convert)``: the held weights' shardings and the jitted conversion from the
-    caller's layout (None when there is nothing to convert). ``held``: a model (maybe abstract) in
-    the held layout, whose projections are fused when ``fuse`` and the caller's are not."""
-    cfg, stacked = self.model_cfg, self._scan is not None
-    shardings = self._param_shardings(held)
-    fused = (lambda params: fuse_projections(params, cfg)) if fuse else (lambda params: params)
-    if self.matmul_impl == "cpu_packed":  # one CPU device, float32: packed, never stacked
-      which = cpu_matmul.packable(nnx.to_pure_dict(nnx.state(held, nnx.Param)))
-      shardings = jax.tree.map(lambda sh, packed: NamedSharding(self.mesh, P()) if packed else sh,
-                               shardings, which)
-      return shardings, jax.jit(lambda params: cpu_matmul.pack_params(fused(params), which),
-                                out_shardings=shardings)
-    dtype = jnp.dtype(cfg.compute_dtype)
-    if dtype == jnp.float32 and not stacked and not fuse:
-      return shardings, None
-    cast = (lambda params: params) if dtype == jnp.float32 else (
-        lambda params: cast_weights(params, dtype))
-    stack = decode_scan.stack_layers if stacked else (lambda params: params)
-    if stacked:
-      shardings = decode_scan.stacked_shardings(shardings)
-    return shardings, jax.jit(lambda params: stack(cast(fused(params))), out_shardings=shardings)
+    self.lora = lora
+    self.params = self.put_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
   @property
   def _stacked(self) -> bool:
@@ -241,15 +201,11 @@ class DecodeEngine:
     }
 
   def put_params(self, params: dict) -> dict:
-    """Places a pure parameter dict on the sampler mesh (a no-op for arrays already there), in the
-    compute dtype (the matmul weights and the embedding; the caller's arrays are left as they are),
-    packing the matmul weights when the engine does (``cpu_matmul``) or stacking the layers' weights
-    when it runs them in a scan (``decode_scan.stack_layers``). With ``lora``, ``params`` may be
+    """Places a pure parameter dict on the sampler mesh in the layout the engine holds
+    (``held_weights``: fused projections, compute dtype, stacked or packed, converted once per
+    weight version; the caller's arrays are left as they are). With ``lora``, ``params`` may be
     LoRA adapters instead: they are merged into the base weights first."""
-    if self._merge is not None and lora_lib.is_adapters(params):
-      params = self._merge(self._lora_base, params)
-    placed = jax.device_put(params, self.param_shardings)
-    return placed if self._convert is None else self._convert(placed)
+    return self.weights.put(params)
 
   def init_state(self) -> State:
     if self._init_fn is None:

@@ -111,7 +111,7 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
   tokens = jax.ShapeDtypeStruct((rows, bucket), np.int32)
   pre_temp, pre_out = _compiled_memory(engine._make_prefill(bucket, rows),  # noqa: SLF001
                                        engine.params, tokens)
-  base = engine._lora_base  # noqa: SLF001 (with LoRA: the base adapters are merged into)
+  base = engine.weights.lora_base  # with LoRA: the base the adapters are merged into
   return SamplerPlan(
       weights=sharding.device_bytes(engine.params),
       lora_base=sharding.device_bytes(base) if base is not None and not shared_base else 0,

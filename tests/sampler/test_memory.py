@@ -103,7 +103,7 @@ def test_a_lora_base_counts_unless_it_is_the_learners_own():
   from areal_jax.models import lora
   eng = DecodeEngine(tiny_model(0), EngineConfig(num_slots=4, max_len=32, prefill_buckets=(8,)),
                      lora=lora.LoraConfig(rank=2, alpha=4.0))
-  base = sum(x.nbytes for x in jax.tree.leaves(eng._lora_base))  # pylint: disable=protected-access
+  base = sum(x.nbytes for x in jax.tree.leaves(eng.weights.lora_base))
   own, shared = memory.plan(eng, None), memory.plan(eng, None, shared_base=True)
   assert own.lora_base == base > 0 and shared.lora_base == 0
   assert own.peak_bytes - shared.peak_bytes == base

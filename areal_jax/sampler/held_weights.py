@@ -1,0 +1,93 @@
+"""The sampler's own copy of the weights, in the layout its programs read, made once per version.
+
+Callers (the learner's publisher, a checkpoint, a weight transfer) hand the engine a pure
+per-layer parameter dict in the model's own layout, sharded like the model on the sampler mesh
+(``param_shardings``). The engine holds it converted, in one jitted pass per weight version:
+
+  * q/k/v and gate/up fused into one weight each when the engine decodes with fused projections
+    (``kernels.choice.projections``; ``transformer.fuse_projections``);
+  * matmul weights and the embedding in the compute dtype (norm scales and biases stay float32;
+    the model casts what it reads anyway, so the results are the same); the learner's float32
+    master weights are not touched;
+  * the layers stacked ``[n_layers, ...]`` when they run in a scan (``decode_scan.stack_layers``),
+    or the matmul weights packed for the CPU kernel (``cpu_matmul``: one CPU device, float32).
+
+With LoRA the engine keeps the base weights it was built with (in the compute dtype; a base
+already in that dtype on this mesh is the caller's array, not a copy) and also accepts adapters,
+merged into that base before the conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from areal_jax import sharding
+from areal_jax.kernels import cpu_matmul
+from areal_jax.models import decode_scan
+from areal_jax.models import lora as lora_lib
+from areal_jax.models.transformer import Transformer, cast_weights, fuse_projections
+
+
+def shardings_of(model, mesh: Mesh) -> dict:
+  """The shardings of ``model``'s pure parameter dict on ``mesh``."""
+  return nnx.to_pure_dict(sharding.shardings_to_values(
+      sharding.state_shardings(nnx.state(model, nnx.Param), mesh)))
+
+
+class HeldWeights:
+  """Layout, shardings and conversion of the weights an engine holds (see the module docstring).
+
+  ``cfg`` / ``graphdef``: the model the held weights belong to (fused projections or not);
+  ``param_shardings``: what ``put`` takes; ``shardings``: what it returns."""
+
+  def __init__(self, model: Transformer, mesh: Mesh, *, fused: bool, stacked: bool, packed: bool,
+               lora: lora_lib.LoraConfig | None = None):
+    given = model.cfg
+    self.cfg = dataclasses.replace(given, fused_projections=fused or given.fused_projections)
+    held = model if self.cfg == given else nnx.eval_shape(
+        lambda: Transformer(self.cfg, nnx.Rngs(0)))
+    self.graphdef = nnx.graphdef(held)
+    self.param_shardings = shardings_of(model, mesh)
+    self.shardings = shardings_of(held, mesh)
+    fuse = (lambda params: fuse_projections(params, given)) if self.cfg != given else None
+    dtype = jnp.dtype(given.compute_dtype)
+    if packed:  # one CPU device, float32: packed, never stacked
+      which = cpu_matmul.packable(nnx.to_pure_dict(nnx.state(held, nnx.Param)))
+      self.shardings = jax.tree.map(
+          lambda sh, pack: NamedSharding(mesh, P()) if pack else sh, self.shardings, which)
+      steps = [fuse, lambda params: cpu_matmul.pack_params(params, which)]
+    else:
+      if stacked:
+        self.shardings = decode_scan.stacked_shardings(self.shardings)
+      steps = [fuse, None if dtype == jnp.float32 else lambda params: cast_weights(params, dtype),
+               decode_scan.stack_layers if stacked else None]
+    steps = [f for f in steps if f is not None]
+
+    def convert(params):
+      for f in steps:
+        params = f(params)
+      return params
+
+    self._convert = jax.jit(convert, out_shardings=self.shardings) if steps else None
+    self.lora_base, self._merge = None, None
+    if lora is not None:
+      # an eager cast and placement: a base already in the compute dtype on this mesh is shared
+      self.lora_base = jax.device_put(
+          lora_lib.frozen_base(nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype),
+          self.param_shardings)
+      self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
+                            out_shardings=self.param_shardings)
+
+  def put(self, params: dict) -> dict:
+    """``params`` (a pure parameter dict in the model's layout, or with LoRA its adapters) placed
+    on the sampler mesh and converted to the held layout; the caller's arrays are left as they
+    are."""
+    if self._merge is not None and lora_lib.is_adapters(params):
+      params = self._merge(self.lora_base, params)
+    placed = jax.device_put(params, self.param_shardings)
+    return placed if self._convert is None else self._convert(placed)
