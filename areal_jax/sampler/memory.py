@@ -155,9 +155,11 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
 
 def _too_big(p: SamplerPlan, max_len: int, mesh, min_slots: int = 1) -> MemoryError:
   need = f" (at least {min_slots} needed: rollout.n_samples)" if min_slots > 1 else ""
+  prefill = (" Most of it is the prefill call: lower the largest of rollout.prefill_buckets."
+             if p.prefill > p.state + p.generate_temp else "")
   return MemoryError(
       f"sampler memory plan: does not fit: {p.summary()}. About {p.slots_that_fit()} slots would "
       f"fit{need}: lower rollout.num_slots (now {p.num_slots}), or the cache's positions per slot "
       f"({max_len} = the largest of rollout.prefill_buckets + rollout.max_new_tokens), or give "
       f"the sampler more devices (mesh.sampler_devices, mesh.sampler.* = "
-      f"{dict(mesh.shape)}; colocated, the learner's plan takes its share first)")
+      f"{dict(mesh.shape)}; colocated, the learner's plan takes its share first).{prefill}")
