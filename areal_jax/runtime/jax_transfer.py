@@ -17,9 +17,12 @@ version, the tree's shapes) reaches the worker with ``notify``; the worker
 (``JaxTransferReceiver``) starts a transfer server of its own, connects once per learner address,
 pulls onto one of its devices and places the arrays on its sampler shardings. A worker that dies
 leaves its uuid behind: that entry follows the newest version from then on (no extra copy); the
-restarted worker has a new incarnation, hence a new uuid. A pull that never returns (seen once in a
-test run, after the previous incarnation was SIGKILLed mid-pull) is cut by the worker's watchdog
-(``weights.pull_timeout_s``, ``ray_worker``): the worker ends and Ray restarts it.
+restarted worker has a new incarnation, hence a new uuid. A pull that never returns (seen in test
+runs after the previous incarnation was SIGKILLed mid-pull; once, every later pull from that server
+stalled too, through three restarts) is cut by the worker's watchdog (``weights.pull_timeout_s``,
+``ray_worker``): the worker ends and Ray restarts it. So a worker's death also retires the server:
+later tickets come from a fresh one (a new address), while the old one keeps the entries it holds
+(kept on the newest version, like the dead incarnations' ones) and any pull already under way.
 """
 
 from __future__ import annotations
@@ -100,13 +103,18 @@ class JaxTransferPublisher:
   mode = "jax_transfer"
 
   def __init__(self, host: str = "127.0.0.1"):
+    self.host = host
     self.server = _start_server(host)
     self.address = self.server.address()
     self.device = jax.local_devices()[0]
     self._lock = threading.Lock()
     self._latest: tuple[int, list, list] | None = None  # (version, arrays + [version], describe())
-    self._uuids: dict[int, int] = {}  # worker slot -> the uuid of its current incarnation
-    self._orphans: set[int] = set()  # uuids of dead incarnations (their entries may be pending)
+    # worker slot -> (server, uuid) of its current offer
+    self._uuids: dict[int, tuple[object, int]] = {}
+    # (server, uuid) entries no current worker will pull (dead incarnations, a retired server's
+    # offers): they may be pending, so they follow the newest version
+    self._orphans: list[tuple[object, int]] = []
+    self.servers_started = 1
     self.last_publish_s = 0.0
 
   def publish(self, params, version: int) -> float:
@@ -123,8 +131,8 @@ class JaxTransferPublisher:
                             may_alias=False)
     with self._lock:
       self._latest = (version, arrays, describe(tree))
-      for uuid in self._orphans:  # keep them on the newest copy: no older one stays alive
-        self.server.await_pull(uuid, arrays)
+      for server, uuid in self._orphans:  # keep them on the newest copy: no older one stays alive
+        server.await_pull(uuid, arrays)
     self.last_publish_s = time.perf_counter() - t0
     return self.last_publish_s
 
@@ -145,18 +153,22 @@ class JaxTransferPublisher:
       version, arrays, spec = self._latest
       uuid = make_uuid(slot, incarnation % 2**_INC_BITS)
       old = self._uuids.get(slot)
-      if old is not None and old != uuid:
-        self._orphans.add(old)
-      self._uuids[slot] = uuid
+      if old is not None and old != (self.server, uuid) and old not in self._orphans:
+        self._orphans.append(old)
+      self._uuids[slot] = (self.server, uuid)
       self.server.await_pull(uuid, arrays)
     return dict(mode=self.mode, address=self.address, uuid=uuid, version=version, spec=spec)
 
   def drop(self, slot: int) -> None:
-    """The worker died: its entry (if not pulled) stays on the newest version from now on."""
+    """The worker died: its entry (if not pulled) stays on the newest version from now on, and
+    the server it may have died pulling from is retired (see the module docstring)."""
     with self._lock:
       old = self._uuids.pop(slot, None)
-      if old is not None:
-        self._orphans.add(old)
+      if old is not None and old not in self._orphans:
+        self._orphans.append(old)
+      self.server = _start_server(self.host)  # the old one lives on in the entries it holds
+      self.address = self.server.address()
+      self.servers_started += 1
 
   def close(self) -> None:
     with self._lock:

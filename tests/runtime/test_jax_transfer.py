@@ -119,10 +119,13 @@ def test_a_restarted_worker_gets_the_newest_version_under_a_new_uuid(peer, publi
   assert peer(cmd="restart")["ok"]
   again = publisher.ticket(0, incarnation=1)
   assert again["version"] == 6 and again["uuid"] != first["uuid"]
+  # from a fresh server: a pull cut off by the death may have wedged the old one
+  assert again["address"] != first["address"] and publisher.servers_started == 2
   assert peer(cmd="offer", ticket=again)["ok"]
   assert peer(cmd="fetch", current=None) == dict(ok=True, version=6, equal=True, placed=True,
                                                  same_tree=True)
-  # the dead incarnation's entry holds the newest version too (nothing older is kept alive)
+  # the dead incarnation's entry, on the retired server, holds the newest version too (nothing
+  # older is kept alive)
   assert peer(cmd="offer", ticket=dict(first, version=6))["ok"]
   assert peer(cmd="fetch", current=5) == dict(ok=True, version=6, equal=True, placed=True,
                                               same_tree=True)
