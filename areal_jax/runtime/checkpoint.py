@@ -97,17 +97,20 @@ class Checkpointer:
     """Removes what a failed save of ``step`` left behind, so no later resume can trust it.
 
     The other item's writes may still be finishing in Orbax's background threads when the save
-    raises (and recreate files under the temporary directory): remove until it stays gone.
+    raises (and recreate files under the temporary directory, even after a first look found it
+    gone: seen once in CI): remove until it has stayed gone for a second.
     """
     try:
       self._mgr.wait_until_finished()
     except Exception:  # pylint: disable=broad-except  (the same failure, reported by the caller)
       pass
-    for _ in range(50):
+    quiet = 0
+    for _ in range(150):
       leftovers = [os.path.join(self.directory, n) for n in os.listdir(self.directory)
                    if (n == str(step) and not keep_final)
                    or n.startswith(f"{step}.orbax-checkpoint-tmp")]
-      if not leftovers:
+      quiet = 0 if leftovers else quiet + 1
+      if quiet >= 10:
         break
       for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
