@@ -123,6 +123,15 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping | None = None):
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def param_shardings(params, mesh: Mesh, rules: Mapping | None = None) -> dict:
+  """Pure dict of ``NamedSharding`` on ``mesh`` for a model's parameters: ``params`` is an
+  ``nnx.Module`` (maybe abstract) or an ``nnx.State`` of its ``nnx.Param`` variables, whose
+  ``axes`` metadata the shardings come from."""
+  if isinstance(params, nnx.Module):
+    params = nnx.state(params, nnx.Param)
+  return nnx.to_pure_dict(shardings_to_values(state_shardings(params, mesh, rules)))
+
+
 def put(tree, shardings):
   """``jax.device_put(tree, shardings)``, also when the shardings span several processes
   (``jax.distributed``): there each process builds its own shards of a global array from the host

@@ -130,7 +130,7 @@ class Learner:
     self.cfg = dataclasses.replace(cfg, dtype=opts.dtype)
     self._attn_cost = packing.attention_cost(self.cfg)  # of a row's length, in the layout plan
     self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(self.cfg, nnx.Rngs(0))))
-    self.param_shardings = nnx.to_pure_dict(sharding.state_shardings(state, mesh, rules))
+    self.param_shardings = sharding.param_shardings(state, mesh, rules)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           nnx.to_pure_dict(state))
     self.lora = lora_lib.LoraConfig.from_config(opts.get("lora"))

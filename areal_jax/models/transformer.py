@@ -241,8 +241,7 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     self.cfg = cfg
-    if cfg.fused_projections:  # per KV head: its query heads, its key, its value
-      # (``fuse_projections``)
+    if cfg.fused_projections:  # per KV head its query heads, key, value (``fuse_projections``)
       self.qkv = _param(rngs, (d, (h + 2 * kv) * hd), ("embed", "kv_heads"))
       if cfg.qkv_bias:
         self.qkv_bias = _zeros(((h + 2 * kv) * hd,), ("kv_heads",))

@@ -46,12 +46,10 @@ def target_shardings(params, mesh, rules=None) -> dict:
   ``params`` is an ``nnx.Module`` or an ``nnx.State`` of its ``nnx.Param`` variables (which carry
   the logical ``axes`` metadata the shardings come from).
   """
-  if isinstance(params, nnx.Module):
-    params = nnx.state(params, nnx.Param)
-  if not isinstance(params, nnx.State):
+  if not isinstance(params, (nnx.Module, nnx.State)):
     raise TypeError("target_shardings needs an nnx.Module or an nnx.State of nnx.Param variables "
                     f"(a pure dict has lost its logical axes), got {type(params).__name__}")
-  return nnx.to_pure_dict(sharding.state_shardings(params, mesh, rules))
+  return sharding.param_shardings(params, mesh, rules)
 
 
 def abstract_params(params, shardings) -> dict:

@@ -33,12 +33,6 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.models.transformer import Transformer, cast_weights, fuse_projections
 
 
-def shardings_of(model, mesh: Mesh) -> dict:
-  """The shardings of ``model``'s pure parameter dict on ``mesh``."""
-  return nnx.to_pure_dict(sharding.shardings_to_values(
-      sharding.state_shardings(nnx.state(model, nnx.Param), mesh)))
-
-
 class HeldWeights:
   """Layout, shardings and conversion of the weights an engine holds (see the module docstring).
 
@@ -52,8 +46,8 @@ class HeldWeights:
     held = model if self.cfg == given else nnx.eval_shape(
         lambda: Transformer(self.cfg, nnx.Rngs(0)))
     self.graphdef = nnx.graphdef(held)
-    self.param_shardings = shardings_of(model, mesh)
-    self.shardings = shardings_of(held, mesh)
+    self.param_shardings = sharding.param_shardings(model, mesh)
+    self.shardings = sharding.param_shardings(held, mesh)
     fuse = (lambda params: fuse_projections(params, given)) if self.cfg != given else None
     dtype = jnp.dtype(given.compute_dtype)
     if packed:  # one CPU device, float32: packed, never stacked
