@@ -1,5 +1,6 @@
 """Decode attention as the model asks for it: ``decode_attention(q, k, v, pos, t, impl)`` runs the
-implementation ``impl`` (``choice.ATTENTION``; None: ``choice.attention`` for the default backend).
+implementation ``impl`` (``choice.ATTENTION``; None: ``choice.attention`` for the default backend);
+``decode_attention_heads_major`` / ``decode_attention_stacked`` take the scanned decode's layouts.
 
 Every form returns the same result (softmax attention of one query per row over cache positions
 ``0..pos_B[b]``, float32); they differ in what they read and how.
@@ -10,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from areal_jax.kernels import choice, cpu_attention, pallas_attention, xla_attention
+from areal_jax.kernels import (choice, cpu_attention, pallas_attention, pallas_tpu_attention,
+                               xla_attention)
 
 
 def decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, impl: str | None = None,
@@ -23,7 +25,7 @@ def decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, impl: str |
   if impl == "pallas_gpu" and pallas_attention.usable(t):
     return pallas_attention.decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t,
                                              interpret=jax.default_backend() == "cpu")
-  if impl in ("dense", "pallas_gpu"):
+  if impl in ("dense", "pallas_gpu", "pallas_tpu"):  # the TPU kernel: stacked cache only
     return xla_attention.dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t)
   # "xla", and "cpu" where the kernel cannot take the call (a bfloat16 cache, split rows)
   return xla_attention.chunked(q_BxKxGxD.astype(jnp.float32), k_RxTxKxD, v_RxTxKxD, pos_B, t,
@@ -41,8 +43,28 @@ def decode_attention_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int,
   if impl == "pallas_gpu" and pallas_attention.usable(t):
     return pallas_attention.decode_attention_heads_major(
         q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t, interpret=jax.default_backend() == "cpu")
-  if impl in ("dense", "pallas_gpu"):
+  if impl in ("dense", "pallas_gpu", "pallas_tpu"):  # the TPU kernel: stacked cache only
     return xla_attention.dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t)
   b = q_BxKxGxD.shape[0]
   k_BxTxKxD, v_BxTxKxD = (jnp.swapaxes(x[:b, :, :t], 1, 2) for x in (k_RxKxTxD, v_RxKxTxD))
   return decode_attention(q_BxKxGxD, k_BxTxKxD, v_BxTxKxD, pos_B, t, impl, chunk, group)
+
+
+def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, t: int,
+                             impl: str | None = None, chunk: int = xla_attention.CHUNK,
+                             group: int = xla_attention.GROUP, cache_axes=None):
+  """``decode_attention`` of rows ``[0, B)`` over layer ``layer`` (traced: the scan's index) of
+  the stacked heads-major cache ``[L, R, K, T, D]`` (logical axes ``cache_axes``). The Pallas TPU
+  kernel reads the whole stack in place as pages; every other form gets that layer's rows
+  ``[0, B)`` and positions ``[0, t)`` (``decode_attention_heads_major``)."""
+  impl = impl or choice.attention(choice.platform_of(None))
+  b, kv, _, d = q_BxKxGxD.shape
+  if impl == "pallas_tpu" and pallas_tpu_attention.unusable(
+      "scan", k_LxRxKxTxD.dtype, k_LxRxKxTxD.shape[3]) is None:
+    return pallas_tpu_attention.decode_attention_stacked(
+        q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes,
+        interpret=jax.default_backend() == "cpu")
+  k_BxKxTxD, v_BxKxTxD = (jax.lax.dynamic_slice(x, (layer, 0, 0, 0, 0), (1, b, kv, t, d))[0]
+                          for x in (k_LxRxKxTxD, v_LxRxKxTxD))
+  return decode_attention_heads_major(q_BxKxGxD, k_BxKxTxD, v_BxKxTxD, pos_B, t,
+                                      "dense" if impl == "pallas_tpu" else impl, chunk, group)

@@ -9,6 +9,11 @@ Decode attention (``ATTENTION``):
   * ``"pallas_gpu"``: ``jax.experimental.pallas.ops.gpu.decode_attention`` (``gqa`` on a per-layer
     cache, ``mqa`` per (row, head) on the scan's heads-major one), each row read up to its own
     length (``pallas_attention``); runs in Pallas interpret mode on a CPU device (tests).
+  * ``"pallas_tpu"``: ``jax.experimental.pallas.ops.tpu.paged_attention`` over the scan's stacked
+    cache read in place as pages (``pallas_tpu_attention``), each row read up to its own length;
+    needs the layers in a scan, a bfloat16 cache and ``max_len`` a multiple of 16 (the engine says
+    which is missing); Pallas TPU interpret mode on a CPU device (tests). Not the TPU default: this
+    project had no TPU to measure it on, so TPU keeps the dense read until it is measured.
 
 Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version for the C++ kernel,
 ``cpu_matmul``: one CPU device, float32, AVX-512) or ``"xla"``.
@@ -54,9 +59,9 @@ import os
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from areal_jax.kernels import cpu_attention, cpu_matmul
+from areal_jax.kernels import cpu_attention, cpu_matmul, pallas_tpu_attention
 
-ATTENTION = ("cpu", "xla", "dense", "pallas_gpu")
+ATTENTION = ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu")
 MATMUL = ("cpu_packed", "xla")
 LAYERS = ("scan", "unrolled")
 PROJECTIONS = ("fused", "separate")
@@ -64,8 +69,8 @@ ATTENTION_ENV = "AREAL_JAX_DECODE_ATTENTION"
 MATMUL_ENV = "AREAL_JAX_DECODE_MATMUL"
 LAYERS_ENV = "AREAL_JAX_DECODE_LAYERS"
 PROJECTIONS_ENV = "AREAL_JAX_DECODE_PROJECTIONS"
-_PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu"), "gpu": ("xla", "dense", "pallas_gpu"),
-              "tpu": ("xla", "dense")}
+_PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
+              "gpu": ("xla", "dense", "pallas_gpu"), "tpu": ("xla", "dense", "pallas_tpu")}
 
 
 def platform_of(mesh: Mesh | None) -> str:
@@ -96,6 +101,13 @@ def attention(platform: str, requested: str = "auto") -> str:
     raise ValueError(f"decode attention {value!r} cannot run on {platform!r} devices "
                      f"(valid there: {_PLATFORMS.get(platform, ('xla', 'dense'))})")
   return value
+
+
+def check_attention(impl: str, layers: str, cache_dtype, max_len: int) -> None:
+  """Raises ValueError when an engine's decode attention cannot run with its layers (``LAYERS``),
+  cache dtype and positions per slot (the Pallas TPU kernel's needs)."""
+  if impl == "pallas_tpu" and (why := pallas_tpu_attention.unusable(layers, cache_dtype, max_len)):
+    raise ValueError(f"decode attention 'pallas_tpu' cannot run here: {why}")
 
 
 def matmul(mesh: Mesh, compute_dtype, requested: str = "auto") -> str:

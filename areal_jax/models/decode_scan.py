@@ -109,14 +109,14 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
         # new [B, L, Hkv, D] into [i, row, :, position, :] (the indexed axes lead the value)
         full = full.at[i, rows_Bx1, :, positions_BxL].set(new.astype(full.dtype))
         written[name] = sharding.constrain(full, CACHE_AXES)
-      # this layer's cache, rows [0, b) and positions [0, t): what either attention reads
+      if l == 1:  # the decode attention reads layer i of the stack (the kernels' choice how)
+        return decode_attention(q, written["k"], written["v"], start_B, t, impl=attention_impl,
+                                heads_major=True, layer=i, cache_axes=CACHE_AXES)
+      # this layer's cache, rows [0, b) and positions [0, t)
       kv, d = k.shape[2:]
       k_BxKxTxD, v_BxKxTxD = (
           jax.lax.dynamic_slice(written[n], (i, 0, 0, 0, 0), (1, b, kv, t, d))[0]
           for n in ("k", "v"))
-      if l == 1:
-        return decode_attention(q, k_BxKxTxD, v_BxKxTxD, start_B, t, impl=attention_impl,
-                                heads_major=True)
       # prefill and continuation chunks (once per group): the prompt attention's layout
       return attention(q, jnp.swapaxes(k_BxKxTxD, 1, 2), jnp.swapaxes(v_BxKxTxD, 1, 2),
                        mask_BxLxT)

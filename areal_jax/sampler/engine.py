@@ -29,7 +29,7 @@ Kernels: the decode attention, the matmuls' weight layout and the steps per call
 platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
 ``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
 to its own position, one step per call; on GPU and TPU one dense read of the cache up to the kv
-bucket (or the Pallas GPU kernel, forced), 16 steps per call. One compiled ``generate`` serves every
+bucket (or a Pallas kernel, forced), 16 steps per call. One compiled ``generate`` serves every
 length; ``kv_buckets`` only add static upper bounds (default: just ``max_len`` where the attention
 reads each slot up to its own position; for the dense read, powers of two from 64 up to
 ``max_len``, so a step reads the cache only up to the furthest slot's bucket).
@@ -142,6 +142,7 @@ class DecodeEngine:
                                config.max_len, 64)
     self.width_buckets = self._width_buckets()
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
+    choice.check_attention(self.attention_impl, self.layers_impl, self._cache_dtype, config.max_len)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
     # choice of decode attention and of weight layout).

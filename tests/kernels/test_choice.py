@@ -37,6 +37,10 @@ def test_bad_choices_name_the_setting(monkeypatch):
     choice.attention("gpu", "cpu")
   with pytest.raises(ValueError, match="'pallas_gpu' cannot run on 'tpu'"):
     choice.attention("tpu", "pallas_gpu")
+  with pytest.raises(ValueError, match="'pallas_tpu' cannot run on 'gpu'"):
+    choice.attention("gpu", "pallas_tpu")
+  assert choice.attention("tpu", "pallas_tpu") == choice.attention("cpu", "pallas_tpu") == \
+      "pallas_tpu"  # on CPU: interpret mode (tests)
   mesh8 = sharding.make_mesh({"data": 8}) if len(jax.devices()) >= 8 else None
   if mesh8 is not None:
     with pytest.raises(ValueError, match="cpu_packed"):

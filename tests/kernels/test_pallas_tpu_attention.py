@@ -1,0 +1,88 @@
+"""The Pallas TPU paged-attention kernel over the scanned decode's stacked cache (interpret mode on
+CPU): against a float64 NumPy reference on the cache's bfloat16 values, per layer, with more cache
+rows than queries, on one device and split over a data x tensor mesh; and where it cannot run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from areal_jax import sharding
+from areal_jax.kernels import attention, choice, pallas_tpu_attention
+from areal_jax.models import decode_scan
+
+L, R, K, G, T, D = 3, 4, 2, 3, 64, 16
+
+
+def _case(seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(3, K, G, D)).astype(np.float32) * D**-0.5  # rows [0, 3) of 4
+  k, v = (rng.normal(size=(L, R, K, T, D)).astype(np.float32) for _ in range(2))
+  k[:, :, :, 40:] += 100.0  # positions past every row's length would dominate if they were read
+  pos = np.asarray([0, 17, 39], np.int32)
+  return q, jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), pos
+
+
+def _reference(q, k, v, pos, layer):
+  k, v = (np.asarray(x.astype(jnp.float32), np.float64)[layer] for x in (k, v))
+  out = np.zeros(q.shape, np.float64)
+  for i in range(q.shape[0]):
+    s = np.einsum("kgd,ktd->kgt", q[i], k[i, :, :pos[i] + 1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    out[i] = np.einsum("kgt,ktd->kgd", p / p.sum(-1, keepdims=True), v[i, :, :pos[i] + 1])
+  return out
+
+
+def _stacked(mesh=None):
+  def fn(q, k, v, pos, layer):
+    if mesh is None:
+      return attention.decode_attention_stacked(q, k, v, layer, pos, T, "pallas_tpu",
+                                                cache_axes=decode_scan.CACHE_AXES)
+    with sharding.use(mesh):
+      return attention.decode_attention_stacked(q, k, v, layer, pos, T, "pallas_tpu",
+                                                cache_axes=decode_scan.CACHE_AXES)
+  return jax.jit(fn)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_kernel_equals_the_reference_on_every_layer(split, monkeypatch):
+  calls = []
+  kernel = pallas_tpu_attention.paged_attention
+  monkeypatch.setattr(pallas_tpu_attention, "paged_attention",
+                      lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
+  q, k, v, pos = _case()
+  mesh = None
+  if split:  # rows over data, K/V heads over tensor: each device runs the kernel on its part
+    mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+    k, v = (jax.device_put(x, NamedSharding(mesh, P(None, "data", "tensor"))) for x in (k, v))
+  fn = _stacked(mesh)
+  for layer in range(L):
+    out = fn(jnp.asarray(q), k, v, jnp.asarray(pos), layer)
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, pos, layer), atol=2e-6)
+  # the whole stack (this device's part of it) as one pool of pages: no slice of the cache
+  rows, heads = (R // 2, K // 2) if split else (R, K)
+  assert calls == [(1, L * rows * heads * T // 64, 64, D)]
+
+
+def test_pages_and_where_the_kernel_cannot_run():
+  assert [pallas_tpu_attention.page_size(t) for t in (64, 1536, 48, 40, 512)] == [64, 128, 16,
+                                                                                    None, 128]
+  assert pallas_tpu_attention.unusable("scan", jnp.bfloat16, 512) is None
+  for args, what in ((("unrolled", jnp.bfloat16, 512), "decode_layers='scan'"),
+                     (("scan", jnp.float32, 512), "cache_dtype='bfloat16'"),
+                     (("scan", jnp.bfloat16, 40), "multiple of 16")):
+    assert what in pallas_tpu_attention.unusable(*args)
+    with pytest.raises(ValueError, match="'pallas_tpu' cannot run here"):
+      choice.check_attention("pallas_tpu", *args)
+  choice.check_attention("dense", "unrolled", jnp.float32, 40)  # the other forms have no such needs
+
+
+def test_float32_cache_takes_the_dense_read_not_the_kernel(monkeypatch):
+  """The kernel would round a float32 cache to bfloat16: that cache is read densely instead."""
+  monkeypatch.setattr(pallas_tpu_attention, "paged_attention", None)  # would fail if called
+  q, k, v, pos = _case()
+  k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+  out = _stacked()(jnp.asarray(q), k, v, jnp.asarray(pos), 1)
+  np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, pos, 1), atol=1e-5)
