@@ -11,8 +11,29 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from areal_jax.learner import memory as learner_memory
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import RolloutEngine
+
+
+def sampler_budget(config, sampler_mesh, learner_plan=None) -> dict | None:
+  """``build``'s ``memory_budget`` for the JAX sampler: the memory of this process's sampler
+  devices (``mesh.memory_fraction`` of ``mesh.device_memory_gib`` or of what they report).
+  Colocated (learner and sampler alternate on the same devices) with the learner's plan
+  (``learner.memory.fit``): the sampler's peak beside what the learner keeps between steps and its
+  resident part beside the learner's planned peak. Without one (the serve runtime, whose trainer
+  has no memory plan) the sampler alone is checked against the devices. None where no device size
+  is known (CPU without mesh.device_memory_gib): no check."""
+  budget = learner_memory.device_budget(config.mesh, [
+      d for d in sampler_mesh.devices.flat if d.process_index == jax.process_index()])
+  if budget is None or not config.mesh.colocated or learner_plan is None:
+    return None if budget is None else {"budget_bytes": budget}
+  parts = learner_plan.parts
+  kept = parts["params"] + parts["opt"] + parts["ref"] + parts["frozen"]
+  # LoRA: the sampler merges into the learner's frozen base itself when both use one dtype
+  shared = parts["frozen"] > 0 and config.actor.dtype == config.model.dtype
+  return {"budget_bytes": budget - kept, "resident_budget": budget - learner_plan.peak_bytes,
+          "shared_base": shared}
 
 
 def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> RolloutEngine:

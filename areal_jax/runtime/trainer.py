@@ -68,7 +68,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
   learner, group, plan = _build_learner(config, workdir, model, learner_mesh)
   if config.runtime.mode == "local":  # (in ray mode the workers hold the engines, built above)
     engine = engines.build(config, model, tokenizer, sampler_mesh,
-                           memory_budget=_sampler_budget(config, sampler_mesh, plan))
+                           memory_budget=engines.sampler_budget(config, sampler_mesh, plan))
     transfer = _build_transfer(config, workdir, learner, model, learner_mesh, sampler_mesh, group)
   elif group:  # the group's processes publish; the workers read its versions directly
     transfer = engine.announcer = learner.announcer()
@@ -254,23 +254,6 @@ def _build_learner(config, workdir: str, model, learner_mesh):
           f"{plan.budget_bytes / 2**30:.2f} GiB (actor.micro_batch_tokens="
           f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
   return learner, False, plan
-
-
-def _sampler_budget(config, sampler_mesh, learner_plan) -> dict | None:
-  """``sampler.memory.check``'s budget: the memory of the sampler's devices; colocated (learner
-  and sampler alternate on the same devices), its peak beside what the learner keeps between
-  steps and its resident part beside the learner's planned peak. None where no device size is
-  known (CPU without mesh.device_memory_gib)."""
-  budget = memory.device_budget(config.mesh, [d for d in sampler_mesh.devices.flat
-                                              if d.process_index == jax.process_index()])
-  if budget is None or not config.mesh.colocated or learner_plan is None:
-    return None if budget is None else {"budget_bytes": budget}
-  parts = learner_plan.parts
-  kept = parts["params"] + parts["opt"] + parts["ref"] + parts["frozen"]
-  # LoRA: the sampler merges into the learner's frozen base itself when both use one dtype
-  shared = parts["frozen"] > 0 and config.actor.dtype == config.model.dtype
-  return {"budget_bytes": budget - kept, "resident_budget": budget - learner_plan.peak_bytes,
-          "shared_base": shared}
 
 
 def _build_transfer(config, workdir: str, learner, model, learner_mesh, sampler_mesh, group: bool):

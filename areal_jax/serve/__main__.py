@@ -40,7 +40,11 @@ def main(argv) -> None:
   from areal_jax.serve.runtime import ServeRuntime  # pylint: disable=import-outside-toplevel
 
   logging.set_verbosity(logging.INFO)
-  runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
+  try:
+    runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
+  except MemoryError as e:  # a memory plan that cannot fit: the message names the keys to change
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   done = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: done.set())

@@ -56,8 +56,11 @@ class ServeRuntime:
     self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
     model, self.tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+    # the sampler's memory plan against its devices (fewer slots when they do not fit; a
+    # MemoryError naming the keys when not even a group's do), before anything is opened
+    self.engine = engines.build(config, model, self.tokenizer, sampler_mesh,
+                                memory_budget=engines.sampler_budget(config, sampler_mesh))
     self.store = TurnStore(s.db_path or os.path.join(self.workdir, "turns.sqlite"))
-    self.engine = engines.build(config, model, self.tokenizer, sampler_mesh)
     self.dispatcher = Dispatcher(self.engine)
     self.trainer = self.watcher = None
     if s.train and s.trainer_process:  # the trainer in its own process, versions through Orbax

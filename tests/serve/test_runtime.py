@@ -1,0 +1,43 @@
+"""The serve runtime's set-up: its JAX sampler is planned against its devices' memory like the
+training run's (the plan printed; a sampler that cannot fit stops start-up with a MemoryError that
+names the keys to change)."""
+
+import pytest
+
+from areal_jax import config as config_lib
+from areal_jax.serve.runtime import ServeRuntime
+
+
+def _config(**overrides):
+  config = config_lib.load("configs/serve_arithmetic.py:tiny")
+  config.unlock()
+  config.serve.port = 0
+  config.serve.train = False  # the sampler only
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  config.lock()
+  return config
+
+
+def test_the_sampler_is_planned_against_its_devices(tmp_path, capsys):
+  rt = ServeRuntime(_config(**{"mesh.device_memory_gib": 64.0}), str(tmp_path / "a"))
+  try:
+    assert "sampler memory plan:" in capsys.readouterr().out
+    assert rt.engine.engine.config.num_slots == rt.config.rollout.num_slots  # they fit
+  finally:
+    rt.stop()
+  with pytest.raises(MemoryError, match="sampler memory plan: does not fit.*rollout.num_slots"):
+    ServeRuntime(_config(**{"mesh.device_memory_gib": 1e-4}), str(tmp_path / "b"))
+
+
+def test_the_cli_prints_a_plan_that_cannot_fit_without_a_traceback(tmp_path):
+  import subprocess
+  import sys
+  out = subprocess.run(
+      [sys.executable, "-m", "areal_jax.serve", "--config=configs/serve_arithmetic.py:tiny",
+       f"--workdir={tmp_path}", "--config.serve.port=0", "--config.serve.train=False",
+       "--config.mesh.device_memory_gib=0.0001"], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "error: sampler memory plan: does not fit" in out.stderr
+  assert "Traceback" not in out.stderr
