@@ -3,7 +3,8 @@
 #   OUT=/some/dir bash bench/accelerator_check.sh [legacy_checkout_root]
 # 1. SmolLM2 shape (64 slots, context 128): the floor loop and our step under the kernel choices,
 #    fused projections (the default) against separate ones (bench/decode_variants.py; about a
-#    minute), with a profiler trace of the first variant
+#    minute; pallas_gpu:scan reads the stacked cache in place through JAX's paged GPU kernel),
+#    with a profiler trace of the first variant
 #    (summarize it with bench/trace_top.py "$OUT/smollm2_trace.json.gz");
 # 1b. the same shape with XLA's DotMerger off (--xla_gpu_dot_merger_threshold_mb=0): the floor and
 #    our separate-weights variants, so the cost of the weight concatenations it makes is measured;
@@ -14,7 +15,7 @@
 #    shared by the floor and our programs (on an H200, jax 0.11.2, autotuning one such program took
 #    minutes: bench/results/h200-2026-11-26);
 # 4. the 1.5B shape again with cuBLAS for every matmul (--xla_gpu_enable_triton_gemm=false: less to
-#    autotune).
+#    autotune), the paged Pallas GPU kernel among the variants.
 # Every step has its own time limit, so one that hangs or fails leaves the others' results.
 set -u
 OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
@@ -42,6 +43,6 @@ log sampler "$BIG"; timeout 600 python3 bench/sampler.py --decode-only --model="
   --json "$OUT/sampler_big.json" 2>&1 | keep
 log variants "$BIG" cublas; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout 300 \
   python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --variants dense:scan:16,dense:scan:16:separate,dense:unrolled:16 \
+  --variants dense:scan:16,dense:scan:16:separate,dense:unrolled:16,pallas_gpu:scan:16 \
   --json "$OUT/variants_big_cublas.json" 2>&1 | keep
 rm -rf "$JAX_COMPILATION_CACHE_DIR"; log done; ls -la "$OUT"

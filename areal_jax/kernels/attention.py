@@ -54,16 +54,20 @@ def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, 
                              impl: str | None = None, chunk: int = xla_attention.CHUNK,
                              group: int = xla_attention.GROUP, cache_axes=None):
   """``decode_attention`` of rows ``[0, B)`` over layer ``layer`` (traced: the scan's index) of
-  the stacked heads-major cache ``[L, R, K, T, D]`` (logical axes ``cache_axes``). The Pallas TPU
-  kernel reads the whole stack in place as pages; every other form gets that layer's rows
-  ``[0, B)`` and positions ``[0, t)`` (``decode_attention_heads_major``)."""
+  the stacked heads-major cache ``[L, R, K, T, D]`` (logical axes ``cache_axes``). The Pallas
+  kernels read the whole stack in place as pages (``stacked_pages``: the TPU kernel over a
+  bfloat16 cache, the GPU paged kernel where the positions split into pages); every other form
+  gets that layer's rows ``[0, B)`` and positions ``[0, t)`` (``decode_attention_heads_major``)."""
   impl = impl or choice.attention(choice.platform_of(None))
   b, kv, _, d = q_BxKxGxD.shape
+  interpret = jax.default_backend() == "cpu"
   if impl == "pallas_tpu" and pallas_tpu_attention.unusable(
       "scan", k_LxRxKxTxD.dtype, k_LxRxKxTxD.shape[3]) is None:
     return pallas_tpu_attention.decode_attention_stacked(
-        q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes,
-        interpret=jax.default_backend() == "cpu")
+        q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes, interpret)
+  if impl == "pallas_gpu" and pallas_attention.stacked_usable(k_LxRxKxTxD.shape[3]):
+    return pallas_attention.decode_attention_stacked(
+        q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes, interpret)
   k_BxKxTxD, v_BxKxTxD = (jax.lax.dynamic_slice(x, (layer, 0, 0, 0, 0), (1, b, kv, t, d))[0]
                           for x in (k_LxRxKxTxD, v_LxRxKxTxD))
   return decode_attention_heads_major(q_BxKxGxD, k_BxKxTxD, v_BxKxTxD, pos_B, t,

@@ -6,9 +6,11 @@ Decode attention (``ATTENTION``):
     (``xla_attention.chunked``).
   * ``"dense"``: one dense read of the cache up to the static bound, masked per row
     (``xla_attention.dense``): what XLA on GPU and TPU fuses best.
-  * ``"pallas_gpu"``: ``jax.experimental.pallas.ops.gpu.decode_attention`` (``gqa`` on a per-layer
-    cache, ``mqa`` per (row, head) on the scan's heads-major one), each row read up to its own
-    length (``pallas_attention``); runs in Pallas interpret mode on a CPU device (tests).
+  * ``"pallas_gpu"``: JAX's Pallas GPU kernels (``pallas_attention``): on the scan's stacked cache
+    ``jax.experimental.pallas.ops.gpu.paged_attention`` reading it in place as pages
+    (``stacked_pages``, when ``max_len`` is a multiple of 16; else ``decode_attention.mqa`` per
+    (row, head) on the layer's slice), on a per-layer cache ``decode_attention.gqa``; each row
+    read up to its own length; runs in Pallas interpret mode on a CPU device (tests).
   * ``"pallas_tpu"``: ``jax.experimental.pallas.ops.tpu.paged_attention`` over the scan's stacked
     cache read in place as pages (``pallas_tpu_attention``), each row read up to its own length;
     needs the layers in a scan, a bfloat16 cache and ``max_len`` a multiple of 16 (the engine says
@@ -59,7 +61,7 @@ import os
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from areal_jax.kernels import cpu_attention, cpu_matmul, pallas_tpu_attention
+from areal_jax.kernels import cpu_attention, cpu_matmul, pallas_attention, pallas_tpu_attention
 
 ATTENTION = ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu")
 MATMUL = ("cpu_packed", "xla")
@@ -108,6 +110,16 @@ def check_attention(impl: str, layers: str, cache_dtype, max_len: int) -> None:
   cache dtype and positions per slot (the Pallas TPU kernel's needs)."""
   if impl == "pallas_tpu" and (why := pallas_tpu_attention.unusable(layers, cache_dtype, max_len)):
     raise ValueError(f"decode attention 'pallas_tpu' cannot run here: {why}")
+
+
+def reads_to_bound(impl: str, layers: str, max_len: int) -> bool:
+  """Whether decode attention ``impl`` reads every row up to the static kv bound (so a step's cost
+  follows the kv bucket and several buckets pay): the dense read, and the Pallas GPU kernel where
+  it splits the bound into parts (a per-layer cache, or positions that do not split into pages).
+  The others read each row up to its own position."""
+  if impl == "pallas_gpu":
+    return layers != "scan" or not pallas_attention.stacked_usable(max_len)
+  return impl == "dense"
 
 
 def matmul(mesh: Mesh, compute_dtype, requested: str = "auto") -> str:

@@ -10,8 +10,14 @@ dense form.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
+from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+
+from areal_jax.kernels import stacked_pages
 
 BLOCK_K = 128  # largest block of positions per kernel step
 
@@ -59,3 +65,28 @@ def decode_attention_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int,
                                 sm_scale=1.0, block_h=16, block_k=block_k, k_splits=k_splits,
                                 interpret=interpret)
   return out_NxGxD.reshape(b, kv, g, d).astype(jnp.float32)
+
+
+def stacked_usable(max_len: int) -> bool:
+  """Whether ``decode_attention_stacked`` can take a stacked cache of ``max_len`` positions."""
+  return stacked_pages.page_size(max_len) is not None
+
+
+def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes,
+                             interpret: bool = False):
+  """Layer ``layer`` of the scan's stacked cache ``[L, R, K, T, D]`` through JAX's paged GPU
+  kernel (``jax.experimental.pallas.ops.gpu.paged_attention``), the cache read in place as pages
+  (``stacked_pages``): no copy of the layer's cache (a slice handed to ``mqa`` is one, at every
+  layer and step), each (row, K/V head) read up to its own length, split over up to 16 parts of
+  its positions combined at the end."""
+  kernel = functools.partial(_paged, interpret=interpret)
+  return stacked_pages.attend(kernel, q_BxKxGxD.astype(k_LxRxKxTxD.dtype), k_LxRxKxTxD,
+                              v_LxRxKxTxD, layer, pos_B, cache_axes)
+
+
+def _paged(q_NxGxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool):
+  n = pages_NxP.shape[1]
+  k_splits = math.gcd(n, 16)  # pages per part: n / k_splits, one page per block
+  return pallas_paged.paged_attention(q_NxGxD, k_pool, v_pool, pages_NxP, lengths_N,
+                                      block_h=16, pages_per_compute_block=1, k_splits=k_splits,
+                                      interpret=interpret)

@@ -137,7 +137,8 @@ class DecodeEngine:
     # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
     self._scan = decode_scan.graphs(self.weights.cfg) if self.layers_impl == "scan" else None
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
-    dense = self.attention_impl in ("dense", "pallas_gpu")  # reads up to the bound, not per slot
+    # several kv buckets where a step reads up to the bound, not each slot up to its position
+    dense = choice.reads_to_bound(self.attention_impl, self.layers_impl, config.max_len)
     self.kv_buckets = _buckets(config.kv_buckets or (None if dense else (config.max_len,)),
                                config.max_len, 64)
     self.width_buckets = self._width_buckets()

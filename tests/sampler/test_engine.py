@@ -229,6 +229,14 @@ def test_defaults_come_from_the_platform_and_the_attention(model):
   dense = DecodeEngine(model, EngineConfig(num_slots=2, max_len=300, decode_attention="dense"))
   assert dense.kv_buckets == (64, 128, 256, 300)  # the dense read stops at the furthest slot's
   assert dense.kv_bucket(100) == 128
+  # the Pallas kernels over the scan's stacked cache read each slot up to its own position
+  for impl in ("pallas_gpu", "pallas_tpu"):
+    paged = DecodeEngine(model, EngineConfig(num_slots=2, max_len=320, decode_attention=impl,
+                                             decode_layers="scan", decode_matmul="xla",
+                                             cache_dtype="bfloat16"))
+    assert paged.kv_buckets == (320,)
+  per_layer = DecodeEngine(model, EngineConfig(num_slots=2, max_len=320, decode_attention="pallas_gpu"))
+  assert per_layer.kv_buckets == (64, 128, 256, 320)  # gqa splits the bound
 
 
 def test_weights_are_held_in_the_compute_dtype():

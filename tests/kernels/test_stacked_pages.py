@@ -1,6 +1,7 @@
-"""The Pallas TPU paged-attention kernel over the scanned decode's stacked cache (interpret mode on
-CPU): against a float64 NumPy reference on the cache's bfloat16 values, per layer, with more cache
-rows than queries, on one device and split over a data x tensor mesh; and where it cannot run."""
+"""JAX's paged-attention kernels (TPU and GPU, interpret mode on CPU) over the scanned decode's
+stacked cache read in place as pages (``stacked_pages``): against a float64 NumPy reference on the
+cache's values, per layer, with more cache rows than queries, on one device and split over a
+data x tensor mesh, the whole stack handed to the kernel (no slice); and where they cannot run."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
-from areal_jax.kernels import attention, choice, pallas_tpu_attention
+from areal_jax.kernels import (attention, choice, pallas_attention, pallas_tpu_attention,
+                               stacked_pages)
 from areal_jax.models import decode_scan
 
 L, R, K, G, T, D = 3, 4, 2, 3, 64, 16
@@ -34,29 +36,38 @@ def _reference(q, k, v, pos, layer):
   return out
 
 
-def _stacked(mesh=None):
+def _stacked(mesh=None, impl="pallas_tpu", t=T):
   def fn(q, k, v, pos, layer):
     if mesh is None:
-      return attention.decode_attention_stacked(q, k, v, layer, pos, T, "pallas_tpu",
+      return attention.decode_attention_stacked(q, k, v, layer, pos, t, impl,
                                                 cache_axes=decode_scan.CACHE_AXES)
     with sharding.use(mesh):
-      return attention.decode_attention_stacked(q, k, v, layer, pos, T, "pallas_tpu",
+      return attention.decode_attention_stacked(q, k, v, layer, pos, t, impl,
                                                 cache_axes=decode_scan.CACHE_AXES)
   return jax.jit(fn)
 
 
+# the TPU kernel over a bfloat16 cache (it loads K/V as bfloat16); the GPU one over a float32
+# cache (it computes in the cache's dtype: over a bfloat16 one it rounds queries and
+# probabilities to bfloat16 as the dense read does)
+KERNELS = {"pallas_tpu": (pallas_tpu_attention, "paged_attention", jnp.bfloat16),
+           "pallas_gpu": (pallas_attention.pallas_paged, "paged_attention", jnp.float32)}
+
+
+@pytest.mark.parametrize("impl", sorted(KERNELS))
 @pytest.mark.parametrize("split", [False, True])
-def test_kernel_equals_the_reference_on_every_layer(split, monkeypatch):
+def test_kernel_equals_the_reference_on_every_layer(impl, split, monkeypatch):
   calls = []
-  kernel = pallas_tpu_attention.paged_attention
-  monkeypatch.setattr(pallas_tpu_attention, "paged_attention",
-                      lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
+  module, name, dtype = KERNELS[impl]
+  kernel = getattr(module, name)
+  monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(a[1].shape) or kernel(*a, **kw))
   q, k, v, pos = _case()
+  k, v = k.astype(dtype), v.astype(dtype)
   mesh = None
   if split:  # rows over data, K/V heads over tensor: each device runs the kernel on its part
     mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
     k, v = (jax.device_put(x, NamedSharding(mesh, P(None, "data", "tensor"))) for x in (k, v))
-  fn = _stacked(mesh)
+  fn = _stacked(mesh, impl)
   for layer in range(L):
     out = fn(jnp.asarray(q), k, v, jnp.asarray(pos), layer)
     assert out.shape == q.shape and out.dtype == jnp.float32
@@ -67,7 +78,7 @@ def test_kernel_equals_the_reference_on_every_layer(split, monkeypatch):
 
 
 def test_pages_and_where_the_kernel_cannot_run():
-  assert [pallas_tpu_attention.page_size(t) for t in (64, 1536, 48, 40, 512)] == [64, 128, 16,
+  assert [stacked_pages.page_size(t) for t in (64, 1536, 48, 40, 512)] == [64, 128, 16,
                                                                                     None, 128]
   assert pallas_tpu_attention.unusable("scan", jnp.bfloat16, 512) is None
   for args, what in ((("unrolled", jnp.bfloat16, 512), "decode_layers='scan'"),
@@ -77,6 +88,16 @@ def test_pages_and_where_the_kernel_cannot_run():
     with pytest.raises(ValueError, match="'pallas_tpu' cannot run here"):
       choice.check_attention("pallas_tpu", *args)
   choice.check_attention("dense", "unrolled", jnp.float32, 40)  # the other forms have no such needs
+
+
+def test_gpu_positions_that_do_not_split_into_pages_take_the_layers_slice():
+  """max_len 40 (no page of 16 divides it): the GPU kernel's mqa on the layer's slice instead."""
+  q, k, v, _ = _case()
+  k, v = (x[:, :, :, :40].astype(jnp.float32) for x in (k, v))
+  pos = np.asarray([0, 17, 31], np.int32)  # within the kv bound 32 (it splits for mqa)
+  assert not pallas_attention.stacked_usable(40)
+  out = _stacked(None, "pallas_gpu", 32)(jnp.asarray(q), k, v, jnp.asarray(pos), 2)
+  np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, pos, 2), atol=2e-6)
 
 
 def test_float32_cache_takes_the_dense_read_not_the_kernel(monkeypatch):
