@@ -78,6 +78,8 @@ def base_config() -> ConfigDict:
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla"
   c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan on GPU/TPU)
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
+  c.rollout.kv_pages = 0  # paged KV cache: pages in the pool (0: max_len positions per slot)
+  c.rollout.page_size = 64  # positions per page of the paged KV cache
   c.rollout.filter_uniform_groups = True  # drop groups whose rewards are all equal
   c.rollout.reward_timeout_s = 5.0
   c.rollout.reward_workers = 2
@@ -298,6 +300,17 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
                   "CPU kernel's packed weights are per layer)")
   if r.steps_per_call < 0:
     errors.append(f"rollout.steps_per_call={r.steps_per_call} must be >= 0 (0: per platform)")
+  kv_pages, page_size = r.get("kv_pages", 0), r.get("page_size", 64)
+  if kv_pages < 0 or page_size < 1:
+    errors.append(f"rollout.kv_pages={kv_pages} must be >= 0 (0: no paging) and "
+                  f"rollout.page_size={page_size} >= 1")
+  elif kv_pages and kv_pages * page_size < max(r.prefill_buckets) + r.max_new_tokens:
+    errors.append(f"rollout.kv_pages={kv_pages} pages of rollout.page_size={page_size} positions "
+                  f"cannot hold one sequence of {max(r.prefill_buckets) + r.max_new_tokens} "
+                  "positions (the largest of rollout.prefill_buckets + rollout.max_new_tokens)")
+  elif kv_pages and r.decode_layers == "unrolled":
+    errors.append("rollout.kv_pages > 0 (a paged KV cache) needs rollout.decode_layers='scan' "
+                  "(or 'auto' on GPU/TPU)")
   if r.max_concurrent_rollouts < 0:
     errors.append(f"rollout.max_concurrent_rollouts={r.max_concurrent_rollouts} must be >= 0")
   if r.temperature <= 0:

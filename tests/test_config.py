@@ -94,6 +94,22 @@ def test_decode_kernel_keys_are_checked():
     config_lib.validate(c)
 
 
+def test_paged_cache_keys_are_checked():
+  c = config_lib.base_config()
+  c.rollout.kv_pages, c.rollout.page_size = 40, 16  # 640 positions: a sequence needs 512 + 256
+  with pytest.raises(ValueError, match="rollout.kv_pages=40 pages of rollout.page_size=16 "
+                                       "positions cannot hold one sequence of 768"):
+    config_lib.validate(c)
+  c.rollout.kv_pages, c.rollout.decode_layers = 64, "unrolled"
+  with pytest.raises(ValueError, match="needs rollout.decode_layers='scan'"):
+    config_lib.validate(c)
+  c.rollout.decode_layers = "auto"
+  config_lib.validate(c)
+  c.rollout.kv_pages = -1
+  with pytest.raises(ValueError, match="rollout.kv_pages=-1 must be >= 0"):
+    config_lib.validate(c)
+
+
 def test_unknown_override_names_the_nearby_keys():
   spec = f"{CONFIGS[0]}:tiny"
   with pytest.raises(SystemExit) as e:

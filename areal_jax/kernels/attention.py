@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from areal_jax.kernels import (choice, cpu_attention, pallas_attention, pallas_tpu_attention,
-                               xla_attention)
+from areal_jax.kernels import (choice, cpu_attention, paged_attention, pallas_attention,
+                               pallas_tpu_attention, xla_attention)
 
 
 def decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, impl: str | None = None,
@@ -72,3 +72,13 @@ def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, 
                           for x in (k_LxRxKxTxD, v_LxRxKxTxD))
   return decode_attention_heads_major(q_BxKxGxD, k_BxKxTxD, v_BxKxTxD, pos_B, t,
                                       "dense" if impl == "pallas_tpu" else impl, chunk, group)
+
+
+def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN, pos_B, t: int,
+                           impl: str | None = None):
+  """``decode_attention`` over the paged cache's pools (``paged_attention``): the Pallas kernels
+  read the pages in place, every other form reads them gathered up to the bound ``t``."""
+  impl = impl or choice.attention(choice.platform_of(None))
+  return paged_attention.decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer,
+                                                table_BxN, pos_B, t, impl,
+                                                interpret=jax.default_backend() == "cpu")

@@ -112,11 +112,14 @@ def check_attention(impl: str, layers: str, cache_dtype, max_len: int) -> None:
     raise ValueError(f"decode attention 'pallas_tpu' cannot run here: {why}")
 
 
-def reads_to_bound(impl: str, layers: str, max_len: int) -> bool:
+def reads_to_bound(impl: str, layers: str, max_len: int, paged: bool = False) -> bool:
   """Whether decode attention ``impl`` reads every row up to the static kv bound (so a step's cost
   follows the kv bucket and several buckets pay): the dense read, and the Pallas GPU kernel where
-  it splits the bound into parts (a per-layer cache, or positions that do not split into pages).
-  The others read each row up to its own position."""
+  it splits the bound into parts (a per-layer cache, or positions that do not split into pages);
+  over a paged cache every form but the Pallas kernels (which read the pages in place) gathers
+  the pages up to it. The others read each row up to its own position."""
+  if paged:
+    return impl not in ("pallas_gpu", "pallas_tpu")
   if impl == "pallas_gpu":
     return layers != "scan" or not pallas_attention.stacked_usable(max_len)
   return impl == "dense"

@@ -79,14 +79,18 @@ def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, 
   (``stacked_pages``): no copy of the layer's cache (a slice handed to ``mqa`` is one, at every
   layer and step), each (row, K/V head) read up to its own length, split over up to 16 parts of
   its positions combined at the end."""
-  kernel = functools.partial(_paged, interpret=interpret)
-  return stacked_pages.attend(kernel, q_BxKxGxD.astype(k_LxRxKxTxD.dtype), k_LxRxKxTxD,
-                              v_LxRxKxTxD, layer, pos_B, cache_axes)
+  return stacked_pages.attend(functools.partial(paged, interpret=interpret),
+                              q_BxKxGxD.astype(k_LxRxKxTxD.dtype), k_LxRxKxTxD, v_LxRxKxTxD,
+                              layer, pos_B, cache_axes)
 
 
-def _paged(q_NxGxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool):
+def paged(q_NxHxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool = False):
+  """JAX's paged GPU kernel on N sequences' queries ``[N, H, D]`` over a pool
+  ``[Kp, pages, page, D]`` (H a multiple of Kp) and their page tables
+  ``[N, pages per sequence]``."""
+  del page
   n = pages_NxP.shape[1]
   k_splits = math.gcd(n, 16)  # pages per part: n / k_splits, one page per block
-  return pallas_paged.paged_attention(q_NxGxD, k_pool, v_pool, pages_NxP, lengths_N,
+  return pallas_paged.paged_attention(q_NxHxD, k_pool, v_pool, pages_NxP, lengths_N,
                                       block_h=16, pages_per_compute_block=1, k_splits=k_splits,
                                       interpret=interpret)

@@ -42,13 +42,15 @@ def unusable(layers: str, cache_dtype, max_len: int) -> str | None:
 def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes,
                              interpret: bool = False):
   """``stacked_pages.attend`` through the TPU kernel (``interpret``: Pallas TPU interpret mode)."""
-  kernel = functools.partial(_kernel, interpret=interpret)
-  return stacked_pages.attend(kernel, q_BxKxGxD.astype(jnp.float32), k_LxRxKxTxD, v_LxRxKxTxD,
-                              layer, pos_B, cache_axes)
+  return stacked_pages.attend(functools.partial(kernel, interpret=interpret),
+                              q_BxKxGxD.astype(jnp.float32), k_LxRxKxTxD, v_LxRxKxTxD, layer,
+                              pos_B, cache_axes)
 
 
-def _kernel(q_NxGxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool):
+def kernel(q_NxHxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool = False):
+  """The TPU kernel on N sequences' queries ``[N, H, D]`` over a pool ``[Kp, pages, page, D]``
+  (H a multiple of Kp) and their page tables ``[N, pages per sequence]``."""
   with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
-    return paged_attention(q_NxGxD, k_pool, v_pool, lengths_N, pages_NxP,
+    return paged_attention(q_NxHxD, k_pool, v_pool, lengths_N, pages_NxP,
                            pages_per_compute_block=math.gcd(pages_NxP.shape[1],
                                                             max(BLOCK // page, 1)))

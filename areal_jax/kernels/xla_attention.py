@@ -46,6 +46,11 @@ def dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int):
   return _dense(q_BxKxGxD, k_RxKxTxD[:b, :, :t], v_RxKxTxD[:b, :, :t], pos_B, t, "bktd")
 
 
+def dense_pages(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, t: int):
+  """``dense`` over rows gathered from a paged cache, heads first (``paged_attention``)."""
+  return _dense(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, t, "kbtd")
+
+
 def chunked(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, chunk: int = CHUNK,
             group: int = GROUP):
   """Online softmax over chunks of ``chunk`` positions in a ``fori_loop`` whose trip count is

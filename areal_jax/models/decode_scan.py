@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax import sharding
+from areal_jax.kernels.paged_attention import POOL_AXES
 from areal_jax.models.transformer import (Block, ModelConfig, Transformer, attention,
                                           decode_attention, rope_tables)
 
@@ -78,6 +79,19 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) ->
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
+def pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+  """``[kv_heads, n_layers, num_pages + 1, page_size, head_dim]``: a paged cache's keys (and
+  values), the last page the trash page (``sampler/pages.py``)."""
+  return (cfg.n_kv_heads, cfg.n_layers, num_pages + 1, page_size, cfg.head_dim)
+
+
+def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = None) -> StackedCache:
+  """An empty paged KV cache: ``num_pages`` pages of ``page_size`` positions and the trash page."""
+  shape = pool_shape(cfg, num_pages, page_size)
+  dtype = dtype or cfg.compute_dtype
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
 def stack_cache(per_layer: list[dict]) -> StackedCache:
   """The stacked layout of a per-layer cache (``transformer.init_cache``'s ``[rows, T, Hkv, D]``
   per layer)."""
@@ -85,11 +99,21 @@ def stack_cache(per_layer: list[dict]) -> StackedCache:
 
 
 def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache,
-           kv_len: int | None = None, attention_impl: str | None = None):
+           kv_len: int | None = None, attention_impl: str | None = None, pages_BxN=None,
+           writes_B=None):
   """``Transformer.extend`` over stacked parameters (``stack_layers``) and a stacked cache: appends
   L tokens per row at ``start_B``; returns ``(logits_BxLxV, cache)``. The cache may have more rows
-  than the tokens (rows from B on are left as they are)."""
+  than the tokens (rows from B on are left as they are).
+
+  Paged (``pages_BxN``: each row's page table; decode steps only, L = 1, ``kv_len`` required):
+  ``cache`` is a paged cache's pools (``init_pool``); a row writes its new K/V into its page of
+  ``start_B`` where ``writes_B`` (default: every row), else into the trash page."""
   b, l = tokens_BxL.shape
+  if pages_BxN is not None:
+    if l != 1 or kv_len is None:
+      raise ValueError("a paged cache takes decode steps (one token per row) with a kv bound")
+    return _extend_paged(graph, params, tokens_BxL, start_B, cache, kv_len, attention_impl,
+                         pages_BxN, writes_B)
   t = cache["k"].shape[3] if kv_len is None else kv_len
   model = nnx.merge(graph.shell, {k: v for k, v in params.items() if k != "layers"})
   cfg = model.cfg  # n_layers is 0 there: the depth is the cache's
@@ -129,3 +153,41 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
   (x, k_all, v_all), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
                                       (layer_ids, params["layers"]))
   return model._logits(x), {"k": k_all, "v": v_all}
+
+
+def _extend_paged(graph: Graphs, params: dict, tokens_Bx1, start_B, pool: StackedCache,
+                  kv_len: int, attention_impl, pages_BxN, writes_B):
+  """``extend``'s decode step over a paged cache (see there)."""
+  b = tokens_Bx1.shape[0]
+  model = nnx.merge(graph.shell, {k: v for k, v in params.items() if k != "layers"})
+  cfg = model.cfg
+  rope_Bx1xF = rope_tables(start_B[:, None], cfg.head_dim, cfg.rope_theta)
+  page_size, trash = pool["k"].shape[3], pool["k"].shape[2] - 1
+  page_B = pages_BxN[jnp.arange(b), start_B // page_size]
+  if writes_B is not None:
+    page_B = jnp.where(writes_B, page_B, trash)
+  offset_B = start_B % page_size
+
+  def layer(carry, xs):
+    x, k_pool, v_pool = carry
+    i, weights = xs
+    block = nnx.merge(graph.block, weights)
+    written = {}
+
+    def attend(q, k, v):
+      for name, pool_, new in (("k", k_pool, k), ("v", v_pool, v)):
+        # new [B, 1, Hkv, D] into [:, i, page, offset, :] (the indexed axes' [B] lands after Hkv)
+        pool_ = pool_.at[:, i, page_B, offset_B].set(jnp.swapaxes(new[:, 0], 0, 1)
+                                                     .astype(pool_.dtype))
+        written[name] = sharding.constrain(pool_, POOL_AXES)
+      return decode_attention(q, written["k"], written["v"], start_B, kv_len, impl=attention_impl,
+                              layer=i, pages=pages_BxN)
+
+    x = block(x, rope_Bx1xF, attend)
+    return (x, written["k"], written["v"]), None
+
+  x = model._embed(tokens_Bx1)
+  layer_ids = jnp.arange(pool["k"].shape[1])
+  (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, pool["k"], pool["v"]),
+                                        (layer_ids, params["layers"]))
+  return model._logits(x), {"k": k_pool, "v": v_pool}

@@ -217,18 +217,25 @@ DECODE_GROUP = xla_attention.GROUP  # rows per group of that loop (rows sorted b
 
 def decode_attention(q_Bx1xHxD, k_BxTxKxD, v_BxTxKxD, pos_B, kv_len: int | None = None,
                      chunk: int = DECODE_CHUNK, group: int = DECODE_GROUP, impl: str | None = None,
-                     heads_major: bool = False, layer=None, cache_axes=None):
+                     heads_major: bool = False, layer=None, cache_axes=None, pages=None):
   """One query per row (a decode step) attending to cache positions ``0..pos_B[b]`` (never beyond
   ``kv_len``); the cache may have more rows than the queries (rows ``[0, B)`` are read).
   ``heads_major``: the cache is ``[B, K, T, D]`` instead (the layers-in-a-scan decode's layout);
   with ``layer`` (traced) too, it is the whole stacked cache ``[L, R, K, T, D]`` (logical axes
-  ``cache_axes``) and that layer is read.
+  ``cache_axes``) and that layer is read. With ``pages`` (a page table ``[B, N]``), they are the
+  paged cache's pools ``[K, L, M, P, D]`` (``kernels.paged_attention``) and ``kv_len`` is required.
 
   Which form runs is the kernels package's choice (``areal_jax.kernels.choice``): ``impl`` names
   one, None takes the default backend's (on CPU the C++ kernel, each row read only up to its own
   position; on GPU and TPU one dense read; ``chunk``/``group`` shape the ``"xla"`` form's loops).
   """
   b, _, h, d = q_Bx1xHxD.shape
+  if pages is not None:
+    kv = k_BxTxKxD.shape[0]
+    q_BxKxGxD = q_Bx1xHxD.reshape(b, kv, h // kv, d).astype(jnp.float32) * (d**-0.5)
+    out_BxKxGxD = attention_kernels.decode_attention_paged(
+        q_BxKxGxD, k_BxTxKxD, v_BxTxKxD, layer, pages, pos_B, kv_len, impl)
+    return out_BxKxGxD.reshape(b, 1, h, d).astype(v_BxTxKxD.dtype)
   kv, t_axis = (k_BxTxKxD.shape[-3], -2) if heads_major else (k_BxTxKxD.shape[2], 1)
   t = k_BxTxKxD.shape[t_axis] if kv_len is None else min(kv_len, k_BxTxKxD.shape[t_axis])
   q_BxKxGxD = q_Bx1xHxD.reshape(b, kv, h // kv, d).astype(jnp.float32) * (d**-0.5)

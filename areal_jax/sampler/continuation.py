@@ -15,7 +15,7 @@ A row is kept only if the whole sequence, prompt KV included, came from the weig
 every weight swap drops all kept rows, so a continuation gives the tokens and logprobs of a full
 re-prefill (up to float rounding between the decode and prefill paths). Rows are used once, at
 most ``capacity`` are kept (least recently kept dropped first); each is one slot's cache row
-(layers x 2 x max_len x kv heads x head dim).
+(layers x 2 x max_len x kv heads x head dim; with a paged cache, read out of the slot's pages).
 """
 
 from __future__ import annotations
@@ -62,14 +62,16 @@ class Continuations:
   def clear(self) -> None:
     self._rows.clear()
 
-  def keep(self, state, slot: int, tokens: list[int]) -> None:
-    """Copies slot ``slot``'s cache row, which holds the KV of ``tokens`` (positions 0..)."""
+  def keep(self, state, slot: int, tokens: list[int], pages=None) -> None:
+    """Copies slot ``slot``'s cache row, which holds the KV of ``tokens`` (positions 0..); a paged
+    cache's row is read from the slot's pages (``pages``: its page table row)."""
     if not tokens or self.capacity < 1:
       return
     if "take" not in self._fns:
       self._fns["take"] = self._make_take()
     key = tuple(int(t) for t in tokens)
-    self._rows[key] = self._fns["take"](state["cache"], np.int32(slot))
+    where = np.asarray(pages, np.int32) if self.engine.paged else np.int32(slot)
+    self._rows[key] = self._fns["take"](state["cache"], where)
     self._rows.move_to_end(key)
     self.stats["kept"] += 1
     while len(self._rows) > self.capacity:
@@ -119,8 +121,11 @@ class Continuations:
 
   def _make_take(self):
     axis = 1 if self.engine._stacked else 0
+    paged, max_len = self.engine.paged, self.engine.config.max_len
 
     def fn(cache, slot):
+      if paged:  # slot: the slot's page table row
+        return slot_cache.read_pages(cache, slot, max_len)
       return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis), cache)
 
     return jax.jit(fn, out_shardings=self._row_shardings())

@@ -24,7 +24,12 @@ the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode c
 body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
 once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, kv_heads,
 max_len, head_dim]`` (heads before positions, so decode attention reads it without a transposed
-copy).
+copy). Paged (``kv_pages > 0``, layers in a scan, slots not split over devices): the cache is a
+pool of pages ``[kv_heads, n_layers, kv_pages + 1, page_size, head_dim]`` (the last page takes
+the writes of inactive slots and unheld positions) and the caller passes each slot's page table
+(``sampler.pages``) to ``insert`` and ``generate``; a group's slots may share their prompt's pages,
+``move`` leaves the cache alone, and decode attention reads the pages in place (Pallas kernels) or
+gathered up to the kv bound (``kernels.paged_attention``).
 Kernels: the decode attention, the matmuls' weight layout and the steps per call are picked per
 platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
 ``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
@@ -56,8 +61,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import logging
-import time
 from typing import Any
 
 import jax
@@ -71,11 +74,11 @@ from areal_jax.kernels import choice
 from areal_jax.models import decode_scan
 from areal_jax.models import lora as lora_lib
 from areal_jax.models.transformer import ModelConfig, Transformer
-from areal_jax.sampler import held_weights, sampling, slot_cache
+from areal_jax.sampler import held_weights, sampling, slot_cache, variants
+from areal_jax.sampler import pages as pages_lib
+from areal_jax.sampler import warmup as warmup_lib
 
 State = dict[str, Any]
-log = logging.getLogger(__name__)
-SLOW_COMPILE_S = 20.0  # a program variant whose first call took longer is logged as a warning
 _COMPILED: dict[tuple, dict[str, Any]] = {}
 
 
@@ -103,10 +106,12 @@ class EngineConfig:
   decode_matmul: str = "auto"  # kernels.choice.MATMUL, or "auto"
   decode_layers: str = "auto"  # kernels.choice.LAYERS ("scan" | "unrolled"), or "auto"
   decode_projections: str = "auto"  # kernels.choice.PROJECTIONS ("fused" | "separate"), or "auto"
+  kv_pages: int = 0  # paged cache: pages in the pool (0: a cache row of max_len per slot)
+  page_size: int = 64  # positions per page of the paged cache
 
   def __post_init__(self):
     if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 0 or \
-        self.max_prefill_batch < 1:
+        self.max_prefill_batch < 1 or self.kv_pages < 0 or self.page_size < 1:
       raise ValueError(f"invalid engine config {self}")
 
 
@@ -136,9 +141,14 @@ class DecodeEngine:
     self.param_shardings, self.held_shardings = self.weights.param_shardings, self.weights.shardings
     # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
     self._scan = decode_scan.graphs(self.weights.cfg) if self.layers_impl == "scan" else None
+    self.paged = config.kv_pages > 0
+    if self.paged:  # slots split over devices: sharding.spec names the axes (None: not split)
+      pages_lib.check(self.layers_impl, sharding.spec(("cache_batch",), (config.num_slots,),
+                                                      self.mesh)[0] is not None, config)
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     # several kv buckets where a step reads up to the bound, not each slot up to its position
-    dense = choice.reads_to_bound(self.attention_impl, self.layers_impl, config.max_len)
+    dense = choice.reads_to_bound(self.attention_impl, self.layers_impl, config.max_len,
+                                  self.paged)
     self.kv_buckets = _buckets(config.kv_buckets or (None if dense else (config.max_len,)),
                                config.max_len, 64)
     self.width_buckets = self._width_buckets()
@@ -162,8 +172,14 @@ class DecodeEngine:
     fns["deactivate"] = self._deactivate
     # program variants this engine built and the seconds their first calls took (compilation)
     self.compile_stats = {"compiles": 0, "compile_s": 0.0}
+    self._variant = functools.partial(variants.get, stats=self.compile_stats)
     self.lora = lora
     self.params = self.put_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+  @property
+  def pages_per_slot(self) -> int:
+    """Page table entries per slot (paged cache)."""
+    return -(-self.config.max_len // self.config.page_size)
 
   @property
   def _stacked(self) -> bool:
@@ -195,8 +211,14 @@ class DecodeEngine:
   def _state_shardings(self):
     cfg, c = self.model_cfg, self.config
     vec = self._slot_sharding()
+    if self.paged:
+      pool = self._named(decode_scan.POOL_AXES,
+                         decode_scan.pool_shape(cfg, c.kv_pages, c.page_size))
+      cache = {"k": pool, "v": pool}
+    else:
+      cache = slot_cache.shardings(self._named, cfg, c.num_slots, c.max_len, self._stacked)
     return {
-        "cache": slot_cache.shardings(self._named, cfg, c.num_slots, c.max_len, self._stacked),
+        "cache": cache,
         "tokens": vec, "pos": vec, "end": vec, "active": vec,
         "temperature": vec, "top_k": vec, "top_p": vec, "greedy": vec,
         "key": self._slot_sharding(2), "stop_ids": self._slot_sharding(c.max_stop_ids),
@@ -223,11 +245,12 @@ class DecodeEngine:
   def _new_state(self):
     """A function making an empty decode state (closing over static structure only)."""
     cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype
-    s, stacked = c.num_slots, self._stacked
+    s, stacked, paged = c.num_slots, self._stacked, self.paged
 
     def make() -> State:
       return {
-          "cache": slot_cache.make(cfg, s, c.max_len, cache_dtype, stacked),
+          "cache": (decode_scan.init_pool(cfg, c.kv_pages, c.page_size, cache_dtype) if paged
+                    else slot_cache.make(cfg, s, c.max_len, cache_dtype, stacked)),
           "tokens": jnp.zeros((s,), jnp.int32), "pos": jnp.zeros((s,), jnp.int32),
           "end": jnp.zeros((s,), jnp.int32), "active": jnp.zeros((s,), jnp.bool_),
           "temperature": jnp.ones((s,), jnp.float32), "top_k": jnp.zeros((s,), jnp.int32),
@@ -300,10 +323,11 @@ class DecodeEngine:
 
   def insert(self, state: State, prefix, slots: list[int], *, token: list[int], pos: list[int],
              end: list[int], keys: np.ndarray, temperature: float, top_k: int, top_p: float,
-             greedy: bool, stop_ids: list[int]) -> State:
+             greedy: bool, stop_ids: list[int], pages: np.ndarray | None = None) -> State:
     """Copies ``prefix`` into ``slots`` and arms them: slot ``slots[i]`` next feeds ``token[i]`` at
     ``pos[i]`` and stops when its sequence reaches ``end[i]`` tokens or samples a ``stop_ids`` token.
-    ``keys`` are raw uint32[len(slots), 2] sampling keys."""
+    ``keys`` are raw uint32[len(slots), 2] sampling keys. Paged cache: ``pages`` are the slots'
+    page table rows (``sampler.pages``); positions ``[0, pos[i])`` of the prefix go there."""
     c = self.config
     s, m = c.num_slots, c.max_stop_ids
     if len(stop_ids) > m:
@@ -328,7 +352,18 @@ class DecodeEngine:
     bucket = 0 if prefix is None else slot_cache.prefix_len(prefix, self._stacked)
     fn = self._variant(self._insert_fns, (bucket, n), lambda: self._make_insert(bucket),
                        f"insert bucket={bucket} rows={n}")
-    return fn(state, prefix, slots_N, vals)
+    if not self.paged:
+      return fn(state, prefix, slots_N, vals)
+    pages_N = np.full((n, self.pages_per_slot), c.kv_pages, np.int32)  # padding rows: trash
+    pages_N[:k] = self._table(pages)
+    return fn(state, prefix, slots_N, vals, pages_N)
+
+  def _table(self, pages) -> np.ndarray:
+    if not self.paged:
+      raise ValueError("page tables are for a paged cache (kv_pages > 0)")
+    if pages is None:
+      raise ValueError("a paged cache's insert and generate take the slots' page tables")
+    return np.asarray(pages, np.int32)
 
   def insert_rows(self, k: int) -> int:
     """Rows an insert of ``k`` slots writes: the next power of two, at most the slot count (so an
@@ -336,11 +371,14 @@ class DecodeEngine:
     return min(1 << max(k - 1, 0).bit_length(), self.config.num_slots)
 
   def _make_insert(self, bucket: int):
-    stacked = self._stacked
+    stacked, paged = self._stacked, self.paged
 
-    def fn(state, prefix, slots_N, vals):
+    def fn(state, prefix, slots_N, vals, pages_N=None):
       state = dict(state)
-      if prefix is not None:
+      if prefix is not None and paged:
+        state["cache"] = slot_cache.write_prefix_pages(state["cache"], prefix, pages_N,
+                                                       vals["pos"], bucket)
+      elif prefix is not None:
         state["cache"] = slot_cache.write_prefix(state["cache"], prefix, slots_N, bucket, stacked)
       for name, value in vals.items():
         state[name] = state[name].at[slots_N].set(value, mode="drop")
@@ -361,9 +399,12 @@ class DecodeEngine:
     need = min(max_pos + self.config.steps_per_call, self.config.max_len)
     return self.kv_buckets[bisect.bisect_left(self.kv_buckets, need)]
 
-  def generate(self, params: dict, state: State, kv_len: int, width: int | None = None):
+  def generate(self, params: dict, state: State, kv_len: int, width: int | None = None,
+               pages: np.ndarray | None = None):
     """Advances the active slots among ``[0, width)`` (a width bucket; default all) by
-    ``steps_per_call`` tokens; slots from ``width`` on are left untouched.
+    ``steps_per_call`` tokens; slots from ``width`` on are left untouched. Paged cache: ``pages``
+    is the page table (``[num_slots, pages_per_slot]``, ``sampler.pages``); every active slot must
+    hold the pages of the positions this call writes.
 
     Returns ``(state, (tokens_KxW, logprobs_KxW, valid_KxW))``; ``valid`` marks slots that were
     active at that step (their token is real)."""
@@ -373,6 +414,8 @@ class DecodeEngine:
     fn = self._variant(self._generate_fns, (kv_len, width),
                        lambda: self._make_generate(kv_len, width),
                        f"generate kv_len={kv_len} width={width}")
+    if self.paged:
+      return fn(params, state, self._table(pages)[:width])
     return fn(params, state)
 
   def _make_generate(self, kv_len: int, width: int):
@@ -382,7 +425,7 @@ class DecodeEngine:
 
     def one_step(extend, state):
       logits_Sx1xV, cache = extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len,
-                                   attention_impl=impl)
+                                   attention_impl=impl, writes_B=state["active"])
       token_S, logprob_S = sampling.sample(
           logits_Sx1xV[:, 0], state["key"], state["pos"], state["temperature"], state["top_k"],
           state["top_p"], state["greedy"])
@@ -395,12 +438,13 @@ class DecodeEngine:
                "active": active & ~hit_stop & (new_len < state["end"])}
       return state, (token_S, logprob_S, active)
 
-    def fn(params, full):
+    def fn(params, full, pages_WxN=None):
       with sharding.use(mesh):
         if scan is None:
-          extend = nnx.merge(graphdef, params).extend
-        else:  # the layers in a scan over the stacked weights and cache
-          extend = functools.partial(decode_scan.extend, scan, params)
+          model = nnx.merge(graphdef, params)
+          extend = lambda *a, writes_B, **kw: model.extend(*a, **kw)  # noqa: E731
+        else:  # the layers in a scan over the stacked weights and cache (or pages)
+          extend = functools.partial(decode_scan.extend, scan, params, pages_BxN=pages_WxN)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
         state = {k: v if k == "cache" else v[:width] for k, v in full.items()}
         if steps == 1:
@@ -412,7 +456,8 @@ class DecodeEngine:
         full = {k: v if k == "cache" else full[k].at[:width].set(v) for k, v in state.items()}
         return full, outputs
 
-    return jax.jit(fn, in_shardings=(self.held_shardings, self.state_shardings),
+    in_shardings = (self.held_shardings, self.state_shardings) + ((None,) if self.paged else ())
+    return jax.jit(fn, in_shardings=in_shardings,
                    out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1)
 
   # ---- move ------------------------------------------------------------------------------------
@@ -430,14 +475,16 @@ class DecodeEngine:
     return fn(state, src_N, dst_N)
 
   def _make_move(self):
-    stacked = self._stacked
+    stacked, paged = self._stacked, self.paged
 
     def fn(state, src_N, dst_N):
       def moved(x):
         return x.at[dst_N].set(x.at[src_N].get(mode="fill", fill_value=0), mode="drop")
 
-      state = {k: slot_cache.move(v, src_N, dst_N, stacked) if k == "cache" else moved(v)
-               for k, v in state.items()}
+      def cache(x):  # a paged cache stays: the slots' page table rows move on the host
+        return x if paged else slot_cache.move(x, src_N, dst_N, stacked)
+
+      state = {k: cache(v) if k == "cache" else moved(v) for k, v in state.items()}
       state["active"] = state["active"].at[src_N].set(False, mode="drop")
       return state
 
@@ -448,50 +495,7 @@ class DecodeEngine:
 
   def warmup(self, state: State) -> State:
     """Compiles every prefill, insert, generate and move variant (no slot is armed afterwards)."""
-    s = self.config.num_slots
-    rows = sorted({self.insert_rows(k) for k in range(1, s + 1)})
-    prefixes = [self.prefill(self.params, np.zeros((b,), np.int32)) for b in self.prefill_buckets]
-    for n in sorted({self.prefill_rows(k) for k in range(2, self.config.max_prefill_batch + 1)} - {1}):
-      for b in self.prefill_buckets:
-        self.prefill_batch(self.params, [np.zeros((b,), np.int32)] * n)
-    for prefix in prefixes + [None]:
-      for n in rows:  # arms slots then deactivates them all below
-        state = self.insert(state, prefix, list(range(n)), token=[0] * n, pos=[0] * n,
-                            end=[0] * n, keys=np.zeros((n, 2), np.uint32), temperature=1.0,
-                            top_k=0, top_p=1.0, greedy=False, stop_ids=[])
-    for kv_len in self.kv_buckets:
-      for width in self.width_buckets:
-        state, out = self.generate(self.params, state, kv_len, width)
-    for n in sorted({self.insert_rows(k) for k in range(1, s // 2 + 1)}):  # moves of up to s/2
-      k = min(n, s // 2)
-      state = self.move(state, list(range(k)), list(range(s - k, s)))
-    state = self.deactivate(state, list(range(s)))
-    jax.block_until_ready(out)
-    return state
-
-  def _variant(self, table: dict, key, make, what: str):
-    """Program variant ``key`` of ``table``, built by ``make()`` on first use. That first use
-    traces and compiles it (for a 1.5B model on a GPU XLA's matmul autotuning took minutes a
-    program, measured on an H200), so its first call is timed, logged and summed in
-    ``compile_stats``."""
-    fn = table.get(key)
-    if fn is not None:
-      return fn
-    fn = table[key] = make()
-    return functools.partial(self._timed_call, fn, what)
-
-  def _timed_call(self, fn, what: str, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    seconds = time.perf_counter() - t0
-    self.compile_stats["compiles"] += 1
-    self.compile_stats["compile_s"] += seconds
-    # a slow one is worth a line at the default verbosity (launch.py shows warnings only)
-    level = logging.WARNING if seconds >= SLOW_COMPILE_S else logging.INFO
-    log.log(level, "sampler: %s compiled in %.1f s (its first call)%s", what, seconds,
-            "; a persistent compilation cache (runtime.compile_cache_dir) keeps it for later runs"
-            if level == logging.WARNING else "")
-    return out
+    return warmup_lib.warmup(self, state)
 
   def num_compiled(self) -> int:
     """Number of compiled variants of prefill / insert / generate / move (bounded by the buckets)."""

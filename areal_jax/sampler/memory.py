@@ -49,6 +49,7 @@ class SamplerPlan:
   num_slots: int
   budget_bytes: int | None
   resident_budget: int | None = None  # colocated: what the learner's peak leaves
+  kv_pages: int = 0  # a paged cache's pages (its state is the pool, not slots x max_len)
 
   @property
   def resident_bytes(self) -> int:
@@ -85,7 +86,8 @@ class SamplerPlan:
     return (f"{_size(self.peak_bytes)} per device{budget}{resident}: weights 2 x "
             f"{_size(self.weights)}, "
             + (f"LoRA base {_size(self.lora_base)}, " if self.lora_base else "")
-            + f"KV cache and slots {_size(self.state)} ({self.num_slots} slots), decode call "
+            + f"KV cache and slots {_size(self.state)} ({self.num_slots} slots"
+            + (f", {self.kv_pages} pages" if self.kv_pages else "") + "), decode call "
             f"{_size(self.generate_temp)}, prefill call {_size(self.prefill)}")
 
 
@@ -105,7 +107,9 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
   c = engine.config
   state = engine.state_shapes()
   generate = engine._make_generate(engine.kv_buckets[-1], c.num_slots)  # noqa: SLF001
-  gen_temp, _ = _compiled_memory(generate, engine.params, state)
+  pages = ((jax.ShapeDtypeStruct((c.num_slots, engine.pages_per_slot), np.int32),)
+           if engine.paged else ())  # a paged cache's page table
+  gen_temp, _ = _compiled_memory(generate, engine.params, state, *pages)
   rows = engine.prefill_rows(c.max_prefill_batch)
   bucket = engine.prefill_buckets[-1]
   tokens = jax.ShapeDtypeStruct((rows, bucket), np.int32)
@@ -116,7 +120,8 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
       weights=sharding.device_bytes(engine.params),
       lora_base=sharding.device_bytes(base) if base is not None and not shared_base else 0,
       state=sharding.device_bytes(state), generate_temp=gen_temp, prefill=pre_temp + pre_out,
-      num_slots=c.num_slots, budget_bytes=budget_bytes, resident_budget=resident_budget)
+      num_slots=c.num_slots, budget_bytes=budget_bytes, resident_budget=resident_budget,
+      kv_pages=c.kv_pages)
 
 
 def check(engine, budget_bytes: int | None, resident_budget: int | None = None,
@@ -137,7 +142,7 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
   holder = make(num_slots)
   first = p = plan(holder.engine, **budget)
   max_len, mesh = holder.engine.config.max_len, holder.engine.mesh
-  for _ in range(4):  # slots_that_fit extrapolates: a second look settles it
+  for _ in range(0 if p.kv_pages and not p.fits else 4):  # paged: the pool, not the slots, is it  # slots_that_fit extrapolates: a second look settles it
     if p.fits:
       if p.num_slots != num_slots:
         print(f"sampler memory plan: rollout.num_slots={num_slots} does not fit "
@@ -157,6 +162,11 @@ def _too_big(p: SamplerPlan, max_len: int, mesh, min_slots: int = 1) -> MemoryEr
   need = f" (at least {min_slots} needed: rollout.n_samples)" if min_slots > 1 else ""
   prefill = (" Most of it is the prefill call: lower the largest of rollout.prefill_buckets."
              if p.prefill > p.state + p.generate_temp else "")
+  if p.kv_pages:
+    return MemoryError(
+        f"sampler memory plan: does not fit: {p.summary()}. Lower rollout.kv_pages (now "
+        f"{p.kv_pages}: the paged KV cache's pool), or give the sampler more devices "
+        f"(mesh.sampler_devices, mesh.sampler.* = {dict(mesh.shape)}).{prefill}")
   return MemoryError(
       f"sampler memory plan: does not fit: {p.summary()}. About {p.slots_that_fit()} slots would "
       f"fit{need}: lower rollout.num_slots (now {p.num_slots}), or the cache's positions per slot "

@@ -13,9 +13,9 @@ pipelined: call k+1 is dispatched before the results of call k are fetched, so t
 waits for Python. Stop conditions are evaluated on the device too, so a finished slot idles for at
 most the one call already queued behind it.
 
-Prefills are memoised per token sequence (a few entries, cleared by a weight swap), so samples of
-one prompt submitted as separate requests (e.g. ``n=1`` with per-sample budgets) share one prefill;
-the prompts of the groups admitted in one round are prefilled together (``prefill_batch``).
+Prefills are memoised per token sequence (``prefix_memo``); requests are checked on submission
+(``requests``); waiting groups are admitted first in, first out, with bounded overtaking
+(``admission``).
 
 Multi-turn continuation (``continuation.py``): a request with ``metadata["continue"]`` keeps its
 finished sequences' KV rows; a later request whose prompt shares most of its start with one (the
@@ -31,12 +31,16 @@ Continuation modes:
     it). Cheapest.
   * ``"reprefill"``: every in-flight sequence is re-prefilled (prompt + generated so far) under the
     new weights, so tokens after the swap carry exactly the new weights' logprobs.
+
+Paged KV cache (``kv_pages > 0``; ``pages``, ``paging``): slots take pages as they grow, a group's
+samples share their prompt's full pages; when the pool runs out, the sequences admitted last are
+preempted and later re-prefilled (prompt + generated so far) into a free slot, keeping their
+tokens, logprobs and versions and drawing what they would have drawn (same keys and positions).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -48,40 +52,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from areal_jax.models.transformer import Transformer
-from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, SamplingParams
+from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample
+from areal_jax.sampler import admission, paging, prefix_memo, requests, sampling, sequences
 from areal_jax.sampler import continuation as continuation_lib
-from areal_jax.sampler import sampling
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+from areal_jax.sampler.pages import PageTable
+from areal_jax.sampler.sequences import Group, Seq
 
 log = logging.getLogger(__name__)
 
 CONTINUATION_MODES = ("keep_cache", "reprefill")
-
-
-@dataclasses.dataclass
-class _Group:
-  request: GroupRequest
-  submitted_s: float
-  stop_ids: tuple[int, ...]
-  seqs: list["_Seq"] = dataclasses.field(default_factory=list)
-  bypassed: int = 0  # later groups admitted while this one waited at the head of the queue
-
-
-@dataclasses.dataclass
-class _Seq:
-  group: _Group
-  index: int
-  slot: int
-  started_s: float
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
-  done: bool = False
-  kv_version: int = -1  # the weights that computed the prompt's KV
-
-  @property
-  def length(self) -> int:
-    return len(self.group.request.prompt_tokens) + len(self.tokens)
 
 
 class JaxRolloutEngine(RolloutEngine):
@@ -93,7 +73,8 @@ class JaxRolloutEngine(RolloutEngine):
                eos_token_ids: tuple[int, ...] | None = None, steps_per_call: int = 0,
                max_stop_ids: int = 8, cache_dtype: str | None = None, params: Any = None,
                version: int = 0, decode_attention: str = "auto", decode_matmul: str = "auto",
-               decode_layers: str = "auto", decode_projections: str = "auto", lora=None):
+               decode_layers: str = "auto", decode_projections: str = "auto", lora=None,
+               kv_pages: int = 0, page_size: int = 64):
     if continuation not in CONTINUATION_MODES:
       raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
     self.continuation = continuation
@@ -101,16 +82,20 @@ class JaxRolloutEngine(RolloutEngine):
         num_slots=num_slots, max_len=max_len, prefill_buckets=prefill_buckets,
         kv_buckets=kv_buckets, steps_per_call=steps_per_call, max_stop_ids=max_stop_ids,
         cache_dtype=cache_dtype, decode_attention=decode_attention, decode_matmul=decode_matmul,
-        decode_layers=decode_layers, decode_projections=decode_projections),
-        mesh, lora=lora)
+        decode_layers=decode_layers, decode_projections=decode_projections, kv_pages=kv_pages,
+        page_size=page_size), mesh, lora=lora)
+    # a paged cache's page table and preempted sequences (host side); None: a row per slot
+    self._paging = paging.Paging(PageTable(num_slots, kv_pages, page_size, max_len),
+                                 self.engine.config.steps_per_call) if kv_pages else None
+    self._admissions = 0
     self.num_slots, self.max_len = num_slots, max_len
     self.vocab_size = model.cfg.vocab_size
     self.eos_token_ids = tuple(model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
     self._params = self.engine.params if params is None else self.engine.put_params(params)
     self._version = version
     self._state = None
-    self._slots: list[_Seq | None] = [None] * num_slots
-    self._waiting: collections.deque[_Group] = collections.deque()
+    self._slots: list[Seq | None] = [None] * num_slots
+    self._waiting: collections.deque[Group] = collections.deque()
     self._inflight: collections.deque = collections.deque()  # (outputs, slot snapshot, version)
     self._out: queue.Queue[Sample] = queue.Queue()
     self._lock = threading.Condition()
@@ -119,9 +104,9 @@ class JaxRolloutEngine(RolloutEngine):
     self._paused = False
     self._stopping = False
     self._thread: threading.Thread | None = None
-    self._prefixes: collections.OrderedDict = collections.OrderedDict()  # tokens -> KV prefix
     self._continued = continuation_lib.Continuations(self.engine, capacity=num_slots)
     self.stats = collections.Counter()
+    self._prefixes = prefix_memo.PrefixMemo(self.engine, self.stats)  # tokens -> KV prefix
     self._token_listener = None
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
@@ -160,19 +145,24 @@ class JaxRolloutEngine(RolloutEngine):
       self._thread.join()
       self._thread = None
     self._drain_inflight()
-    for seq in self._slots:
+    for seq in [*self._slots, *self._preempted()]:
       if seq is not None and not seq.done:
         self._finish(seq, "abort")
     self._slots = [None] * self.num_slots
+    if self._paging is not None:
+      self._paging.table.reset()
+      self._paging.preempted = []
     with self._lock:
       while self._waiting:
         self._emit_group(self._waiting.popleft(), "abort")
 
   def submit(self, request: GroupRequest) -> None:
     now = time.time()
-    group = _Group(request, now, ())
+    group = Group(request, now, ())
     try:
-      group.stop_ids = self._validate(request)
+      group.stop_ids = requests.validate(
+          request, max_len=self.max_len, vocab_size=self.vocab_size, num_slots=self.num_slots,
+          eos_token_ids=self.eos_token_ids, max_stop_ids=self.engine.config.max_stop_ids)
     except ValueError as e:
       self._emit_group(group, "error", str(e))
       return
@@ -213,52 +203,15 @@ class JaxRolloutEngine(RolloutEngine):
       self._aborts.append(group_id)
       self._lock.notify_all()
 
-  # ---- validation ------------------------------------------------------------------------------
-
-  def _validate(self, r: GroupRequest) -> tuple[int, ...]:
-    p: SamplingParams = r.params
-    prompt = r.prompt_tokens
-    if not prompt:
-      raise ValueError("empty prompt")
-    if len(prompt) >= self.max_len:
-      raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a cache of "
-                       f"{self.max_len} positions")
-    if any(not 0 <= int(t) < self.vocab_size for t in prompt):
-      raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-    if not 1 <= r.n <= self.num_slots:
-      raise ValueError(f"n={r.n} must be between 1 and the slot count {self.num_slots}")
-    if not p.greedy and not p.temperature > 0:
-      raise ValueError(f"temperature={p.temperature} must be > 0 (or set greedy=True)")
-    if not 0 < p.top_p <= 1:
-      raise ValueError(f"top_p={p.top_p} must lie in (0, 1]")
-    if p.top_k < 0:
-      raise ValueError(f"top_k={p.top_k} must be >= 0 (0 disables it)")
-    if p.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={p.max_new_tokens} must be >= 1")
-    eos = () if p.ignore_eos else self.eos_token_ids
-    stop_ids = tuple(dict.fromkeys([*eos, *p.stop_token_ids]))
-    if len(stop_ids) > self.engine.config.max_stop_ids:
-      raise ValueError(f"{len(stop_ids)} EOS + stop ids exceed max_stop_ids="
-                       f"{self.engine.config.max_stop_ids}")
-    if any(not 0 <= int(t) < self.vocab_size for t in stop_ids):
-      raise ValueError("stop token ids must be valid vocabulary ids")
-    return stop_ids
-
   # ---- output ----------------------------------------------------------------------------------
 
-  def _emit_group(self, group: _Group, reason: str, error: str | None = None):
-    r, now = group.request, time.time()
-    for i in range(r.n):
-      self._out.put(Sample(r.group_id, i, list(r.prompt_tokens), [], [], [], reason,
-                           group.submitted_s, now if reason == "error" else 0.0, now, error,
-                           dict(r.metadata)))
+  def _emit_group(self, group: Group, reason: str, error: str | None = None):
+    for sample in sequences.unstarted(group, reason, error):
+      self._out.put(sample)
 
-  def _finish(self, seq: _Seq, reason: str):
+  def _finish(self, seq: Seq, reason: str):
     seq.done = True
-    r = seq.group.request
-    self._out.put(Sample(r.group_id, seq.index, list(r.prompt_tokens), seq.tokens, seq.logprobs,
-                         seq.versions, reason, seq.group.submitted_s, seq.started_s, time.time(),
-                         None, dict(r.metadata)))
+    self._out.put(seq.sample(reason))
     self.stats["finished"] += 1
 
   # ---- the loop --------------------------------------------------------------------------------
@@ -269,7 +222,8 @@ class JaxRolloutEngine(RolloutEngine):
         with self._lock:
           if self._stopping:
             return
-          busy = any(s is not None for s in self._slots) or bool(self._waiting)
+          busy = any(s is not None for s in self._slots) or bool(self._waiting) or \
+              bool(self._preempted())
           if (self._paused or not busy) and not self._inflight and self._pending_params is None \
               and not self._aborts:
             self._lock.wait(0.05)
@@ -293,26 +247,33 @@ class JaxRolloutEngine(RolloutEngine):
 
   def _fail_all(self, message: str):
     self._inflight.clear()
-    for i, seq in enumerate(self._slots):
+    preempted = self._preempted()
+    if self._paging is not None:
+      self._paging.table.reset()
+      self._paging.preempted = []
+    for i, seq in enumerate([*self._slots, *preempted]):
       if seq is not None and not seq.done:
         seq.done = True
-        r = seq.group.request
-        self._out.put(Sample(r.group_id, seq.index, list(r.prompt_tokens), seq.tokens,
-                             seq.logprobs, seq.versions, "error", seq.group.submitted_s,
-                             seq.started_s, time.time(), message, dict(r.metadata)))
-      self._slots[i] = None
+        self._out.put(seq.sample("error", message))
+      if i < self.num_slots:
+        self._slots[i] = None
     with self._lock:
       while self._waiting:
         self._emit_group(self._waiting.popleft(), "error", message)
     self._state = self.engine.init_state()
 
   def _dispatch(self):
+    if self._paging is not None:
+      self._grow()  # may preempt sequences (then the slots may have emptied)
+      if not any(s is not None and not s.done for s in self._slots):
+        return
     width = self._compact()
     active = [s for s in self._slots[:width] if s is not None and not s.done]
     max_pos = max(s.length - 1 for s in active) + len(self._inflight) * \
         self.engine.config.steps_per_call
     kv_len = self.engine.kv_bucket(max_pos)
-    self._state, outputs = self.engine.generate(self._params, self._state, kv_len, width)
+    pages = None if self._paging is None else self._paging.table.table
+    self._state, outputs = self.engine.generate(self._params, self._state, kv_len, width, pages)
     self._inflight.append((outputs, list(self._slots), self._version))
     self.stats["calls"] += 1
     self.stats["slot_steps"] += width * self.engine.config.steps_per_call
@@ -329,6 +290,8 @@ class JaxRolloutEngine(RolloutEngine):
     src = [i for i in live if i >= target]
     dst = [i for i in range(target) if self._slots[i] is None or self._slots[i].done][:len(src)]
     self._state = self.engine.move(self._state, src, dst)
+    if self._paging is not None:  # a finished sequence's slot gave its pages back already
+      self._paging.table.move(src, dst)
     for i, j in zip(src, dst):
       seq, self._slots[i] = self._slots[i], None
       seq.slot, self._slots[j] = j, seq
@@ -366,6 +329,8 @@ class JaxRolloutEngine(RolloutEngine):
           self._finish(seq, reason)
           if self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None
+            if self._paging is not None:
+              self._paging.table.release(seq.slot)
     for s, n in before.items():
       seq = snapshot[s]
       if len(seq.tokens) > n:
@@ -374,7 +339,7 @@ class JaxRolloutEngine(RolloutEngine):
         except Exception:  # pylint: disable=broad-except  (a listener's bug never stops decoding)
           log.exception("token listener failed")
 
-  def _keep_for_continuation(self, seq: _Seq, reason: str) -> None:
+  def _keep_for_continuation(self, seq: Seq, reason: str) -> None:
     """Keeps the KV row of a finished sequence its request will continue, if all of it (prompt
     included) came from the weights in use."""
     r = seq.group.request
@@ -383,9 +348,10 @@ class JaxRolloutEngine(RolloutEngine):
     if seq.kv_version != self._version or any(v != self._version for v in seq.versions):
       return
     fed = [int(t) for t in r.prompt_tokens] + seq.tokens[:-1]
-    self._continued.keep(self._state, seq.slot, fed)
+    pages = None if self._paging is None else self._paging.table.table[seq.slot]
+    self._continued.keep(self._state, seq.slot, fed, pages)
 
-  def _finish_reason(self, seq: _Seq, token: int) -> str | None:
+  def _finish_reason(self, seq: Seq, token: int) -> str | None:
     if token in seq.group.stop_ids:  # the EOS ids too, unless the request ignores them
       return "eos" if token in self.eos_token_ids else "stop"
     if len(seq.tokens) >= seq.group.request.params.max_new_tokens:
@@ -395,31 +361,24 @@ class JaxRolloutEngine(RolloutEngine):
     return None
 
   def _admit(self):
-    """FIFO, except that a later group that fits the free slots may overtake a head group that does
-    not, at most ``num_slots`` times per head group (then the slots freed are kept for the head, so
-    a big group is never starved by a stream of small ones). The prompts of all groups admitted
-    at once are prefilled together."""
-    admitted = []
+    """Admits waiting groups into free slots (``admission.pick``; a paged cache's preempted
+    sequences first); the prompts of all groups admitted at once are prefilled together."""
+    free = [i for i, s in enumerate(self._slots) if s is None]
+    if self._paging is not None:
+      free = self._resume(free)
+      if self._paging.preempted:  # (still waiting for pages: new groups wait behind them)
+        return
+    pages = 0 if self._paging is None else self._paging.table.free_pages
     with self._lock:
-      free = [i for i, s in enumerate(self._slots) if s is None]
-      while self._waiting and free:
-        head = self._waiting[0]
-        if head.request.n <= len(free):
-          group = self._waiting.popleft()
-        elif head.bypassed < self.num_slots:
-          group = next((g for g in self._waiting if g.request.n <= len(free)), None)
-          if group is None:
-            break
-          self._waiting.remove(group)
-          head.bypassed += 1
-        else:
-          break
-        admitted.append((group, free[:group.request.n]))
-        free = free[group.request.n:]
+      groups = admission.pick(self._waiting, len(free), pages, self.num_slots, self._pages_needed)
+    admitted = []
+    for group in groups:
+      admitted.append((group, free[:group.request.n]))
+      free = free[group.request.n:]
     if not admitted:
       return
     try:  # (prompts that continue a kept sequence extend it instead, in _start_group)
-      self._prefill_many([list(g.request.prompt_tokens[:-1]) for g, _ in admitted
+      self._prefixes.fill(self._params, [list(g.request.prompt_tokens[:-1]) for g, _ in admitted
                           if self._continued.match(list(g.request.prompt_tokens[:-1]))[0] is None])
     except Exception:  # let each group fail (or not) on its own below
       log.exception("batched prefill failed")
@@ -430,50 +389,84 @@ class JaxRolloutEngine(RolloutEngine):
         log.exception("admitting group %s failed", group.request.group_id)
         self._emit_group(group, "error", f"{type(e).__name__}: {e}")
 
-  _PREFIX_CACHE_SIZE = 8
-
-  def _prefix(self, tokens: list[int]):
-    """KV prefix of ``tokens`` under the current weights (from the memo, else prefilled now)."""
-    key = tuple(int(t) for t in tokens)
-    if key not in self._prefixes:
-      self._prefill_many([tokens])
-    self._prefixes.move_to_end(key)
-    return self._prefixes[key]
-
-  def _prefill_many(self, token_lists: list[list[int]]):
-    """Puts the prefixes of ``token_lists`` in the memo (LRU, cleared by a weight swap), prefilling
-    those not there yet in batched calls."""
-    keys = [tuple(int(t) for t in ts) for ts in token_lists]
-    todo = [k for k in dict.fromkeys(keys) if k not in self._prefixes]
-    self.stats["prefix_hits"] += len(keys) - len(todo)
-    for key in keys:
-      if key in self._prefixes:
-        self._prefixes.move_to_end(key)
-    for key, prefix in zip(todo, self.engine.prefill_batch(self._params, [list(k) for k in todo])):
-      self._prefixes[key] = prefix
-      self.stats["prefills"] += 1
-    while len(self._prefixes) > max(self._PREFIX_CACHE_SIZE, len(set(keys))):
-      self._prefixes.popitem(last=False)
-
-  def _start_group(self, group: _Group, slots: list[int]):
+  def _start_group(self, group: Group, slots: list[int]):
     r, p = group.request, group.request.params
     prompt = [int(t) for t in r.prompt_tokens]
     prefix = self._continued.take(self._params, prompt[:-1]) if len(self._continued) else None
     if prefix is None:
-      prefix = self._prefix(prompt[:-1])
+      prefix = self._prefixes.get(self._params, prompt[:-1])
     else:
       self.stats["continued"] += 1
     keys = np.asarray(sampling.slot_keys(p.seed, r.n))
     end = min(len(prompt) + p.max_new_tokens, self.max_len)
+    pages = None
+    if self._paging is not None:  # admission checked there are enough
+      if not self._paging.table.share(slots, len(prompt) - 1):
+        raise RuntimeError("paged cache: admitted a group its free pages cannot hold")
+      pages = self._paging.table.table[slots]
     self._state = self.engine.insert(
         self._state, prefix, slots, token=[prompt[-1]] * r.n, pos=[len(prompt) - 1] * r.n,
         end=[end] * r.n, keys=keys, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-        greedy=p.greedy, stop_ids=list(group.stop_ids))
+        greedy=p.greedy, stop_ids=list(group.stop_ids), pages=pages)
     now = time.time()
     for i, slot in enumerate(slots):
-      seq = _Seq(group, i, slot, now, kv_version=self._version)
+      self._admissions += 1
+      seq = Seq(group, i, slot, now, kv_version=self._version, end=end,
+                 admitted=self._admissions)
       group.seqs.append(seq)
       self._slots[slot] = seq
+
+  # ---- paged cache (``paging``) -------------------------------------------------------------
+
+  def _grow(self):
+    """Gives every live sequence the pages the next call writes; when the pool runs out, syncs
+    and preempts the sequences admitted last until the others' pages fit."""
+    live = [s for s in self._slots if s is not None and not s.done]
+    if self._paging.grow(live, len(self._inflight) + 1):
+      return
+    self._drain_inflight()  # exact lengths, nothing in flight
+    live = [s for s in self._slots if s is not None and not s.done]
+    for seq in self._paging.preempt_until_fit(live):
+      self._state = self.engine.deactivate(self._state, [seq.slot])
+      self._slots[seq.slot] = None
+      self.stats["preempted"] += 1
+
+  def _resume(self, free: list[int]) -> list[int]:
+    """Re-prefills preempted sequences into free slots while their pages fit; returns the slots
+    still free."""
+    while free and (seq := self._paging.resumable()) is not None:
+      self._paging.preempted.remove(seq)
+      self._reinsert(seq, free.pop(0))
+      self._slots[seq.slot] = seq
+      self.stats["resumed"] += 1
+    return free
+
+  def _preempted(self) -> list[Seq]:
+    return [] if self._paging is None else list(self._paging.preempted)
+
+  def _pages_needed(self, group: Group) -> int:
+    if self._paging is None:
+      return 0
+    r = group.request
+    end = min(len(r.prompt_tokens) + r.params.max_new_tokens, self.max_len)
+    return self._paging.admission_cost(r.n, len(r.prompt_tokens), end)
+
+  def _reinsert(self, seq: Seq, slot: int):
+    """Re-prefills ``seq`` (prompt + generated so far) under the weights in use into ``slot``."""
+    r, p = seq.group.request, seq.group.request.params
+    tokens = [int(t) for t in r.prompt_tokens] + seq.tokens
+    prefix = self._prefixes.get(self._params, tokens[:-1])
+    pages = None
+    if self._paging is not None:
+      if not self._paging.table.share([slot], len(tokens) - 1):
+        raise RuntimeError("paged cache: no pages for a sequence's re-prefill")
+      pages = self._paging.table.table[[slot]]
+    key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
+    self._state = self.engine.insert(
+        self._state, prefix, [slot], token=[tokens[-1]], pos=[len(tokens) - 1],
+        end=[seq.end], keys=key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        greedy=p.greedy, stop_ids=list(seq.group.stop_ids), pages=pages)
+    seq.slot, seq.kv_version = slot, self._version
 
   def _handle_aborts(self):
     with self._lock:
@@ -494,8 +487,14 @@ class JaxRolloutEngine(RolloutEngine):
           self._finish(seq, "abort")
         self._slots[i] = None
         freed.append(i)
+    for seq in [s for s in self._preempted() if s.group.request.group_id in ids]:
+      self._paging.preempted.remove(seq)
+      self._finish(seq, "abort")
     if freed:
       self._state = self.engine.deactivate(self._state, freed)
+      if self._paging is not None:
+        for i in freed:
+          self._paging.table.release(i)
 
   def _apply_params(self):
     with self._lock:
@@ -509,17 +508,12 @@ class JaxRolloutEngine(RolloutEngine):
     if self.continuation != "reprefill" or self._state is None:
       return
     self._drain_inflight()
-    live = [(seq, [int(t) for t in seq.group.request.prompt_tokens] + seq.tokens)
-            for seq in self._slots if seq is not None and not seq.done]
-    self._prefill_many([tokens[:-1] for _, tokens in live])
-    for seq, tokens in live:
-      r, p = seq.group.request, seq.group.request.params
-      prefix = self._prefix(tokens[:-1])
-      key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
-      end = min(len(r.prompt_tokens) + p.max_new_tokens, self.max_len)
-      self._state = self.engine.insert(
-          self._state, prefix, [seq.slot], token=[tokens[-1]], pos=[len(tokens) - 1], end=[end],
-          keys=key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, greedy=p.greedy,
-          stop_ids=list(seq.group.stop_ids))
-      seq.kv_version = self._version
+    live = [seq for seq in self._slots if seq is not None and not seq.done]
+    self._prefixes.fill(self._params, [[int(t) for t in seq.group.request.prompt_tokens] + seq.tokens[:-1]
+                        for seq in live])
+    if self._paging is not None:  # each gets its own pages again (fewer than it gives back)
+      for seq in live:
+        self._paging.table.release(seq.slot)
+    for seq in live:
+      self._reinsert(seq, seq.slot)
       self.stats["reprefills"] += 1

@@ -66,6 +66,35 @@ def write_prefix(cache, prefix, slots_N, bucket: int, stacked: bool):
           for layer, pre in zip(cache, prefix)]
 
 
+def write_prefix_pages(pool, prefix, pages_NxM, pos_N, bucket: int):
+  """A paged cache's pools (``decode_scan.init_pool``) with positions ``[0, pos_N[n])`` of a
+  stacked ``prefix`` written into the pages of row ``n``'s table ``pages_NxM`` (the rest of the
+  bucket into the trash page). A group's rows may share pages: they get the same values."""
+  page_size, trash = pool["k"].shape[3], pool["k"].shape[2] - 1
+  positions_Q = jnp.arange(bucket)
+  page_NxQ = jnp.where(positions_Q[None] < pos_N[:, None],
+                       pages_NxM[:, positions_Q // page_size], trash)
+  offset_Q = positions_Q % page_size
+  n = pages_NxM.shape[0]
+  out = {}
+  for name, pre in prefix.items():  # pre [L, 1, K, Q, D] -> [K, L, N, Q, D]
+    x = pool[name]
+    value = jnp.broadcast_to(jnp.swapaxes(pre[:, 0], 0, 1)[:, :, None],
+                             x.shape[:2] + (n, bucket, x.shape[-1]))
+    out[name] = x.at[:, :, page_NxQ, offset_Q[None]].set(value.astype(x.dtype))
+  return out
+
+
+def read_pages(pool, pages_M, max_len: int):
+  """The stacked prefix row (``[L, 1, K, max_len, D]``) a slot's pages ``pages_M`` hold."""
+  out = {}
+  for name, x in pool.items():  # [K, L, M, P, D] -> [K, L, M * P, D] -> [L, 1, K, max_len, D]
+    kv, n_layers, _, page, d = x.shape
+    rows = x[:, :, pages_M].reshape(kv, n_layers, pages_M.shape[0] * page, d)[:, :, :max_len]
+    out[name] = jnp.swapaxes(rows, 0, 1)[:, None]
+  return out
+
+
 def move(cache, src_N, dst_N, stacked: bool):
   """``cache`` with slots ``src_N`` copied to slots ``dst_N`` (rows whole)."""
 

@@ -16,6 +16,7 @@ from areal_jax import sharding
 from areal_jax.models import ModelConfig, Transformer
 from areal_jax.sampler import sampling
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+from areal_jax.sampler.pages import PageTable
 
 
 def _decode(eng, prompt, n, steps, slots=None, temperature=1.0, greedy=False, seed=0):
@@ -346,6 +347,52 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
   assert runs[0][-1][2][:, 2].sum() == min(steps, 64 - len(prompt) - 3 * steps)
 
 
+@pytest.mark.parametrize("impl", ["dense", "pallas_gpu", "pallas_tpu"])
+def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl):
+  """A group of three over a paged cache (its prompt's full page shared, the partial one copied,
+  pages taken as the slots grow): the same tokens and logprobs as the same engine with a cache row
+  per slot, through the dense read over gathered pages and both Pallas kernels (interpret mode)."""
+  base = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(16, 32), steps_per_call=4,
+                      decode_attention=impl, decode_matmul="xla", decode_layers="scan",
+                      cache_dtype="bfloat16" if impl == "pallas_tpu" else None)
+  prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3], []
+  keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
+  for kv_pages in (0, 20):
+    eng = DecodeEngine(model, dataclasses.replace(base, kv_pages=kv_pages, page_size=8))
+    table = PageTable(4, 20, 8, 64) if kv_pages else None
+    if table is not None:
+      assert table.share(slots, len(prompt) - 1) and table.free_pages == 20 - 1 - 3
+    state = eng.insert(eng.init_state(), eng.prefill(eng.params, prompt[:-1]), slots,
+                       token=[prompt[-1]] * 3, pos=[len(prompt) - 1] * 3, end=[64] * 3, keys=keys,
+                       temperature=0.7, top_k=0, top_p=1.0, greedy=False, stop_ids=[],
+                       pages=None if table is None else table.table[slots])
+    outs = []
+    for call in range(5):  # positions 11..30: pages 1 (partial, copied), 2, 3 taken on the way
+      if table is not None:
+        assert all(table.grow(s, min(len(prompt) - 1 + 4 * (call + 1), 64)) for s in slots)
+      state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * call),
+                                pages=None if table is None else table.table)
+      outs.append(jax.device_get(out))
+    runs.append(outs)
+  assert eng.init_state()["cache"]["k"].shape == (2, 2, 21, 8, 16)  # the pool, not slot rows
+  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(*runs):
+    np.testing.assert_array_equal(valid, valid_ref)
+    np.testing.assert_array_equal(tok[valid], tok_ref[valid])
+    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6)
+
+
+def test_a_paged_cache_needs_the_scan_one_slot_split_and_room_for_a_sequence(model):
+  with pytest.raises(ValueError, match="needs the layers in a scan"):
+    DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=8, decode_layers="unrolled"))
+  with pytest.raises(ValueError, match="not split over slots"):
+    DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, kv_pages=8, decode_layers="scan",
+                                     decode_matmul="xla"),
+                 sharding.make_mesh({"data": 2}, jax.devices()[:2]))
+  with pytest.raises(ValueError, match="cannot hold one sequence"):
+    DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=3, page_size=16,
+                                     decode_layers="scan", decode_matmul="xla"))
+
+
 def test_pallas_tpu_refuses_what_its_kernel_cannot_read(model):
   for kw, what in (({"decode_layers": "unrolled", "cache_dtype": "bfloat16"}, "decode_layers"),
                    ({"decode_layers": "scan"}, "cache_dtype='bfloat16'"),
@@ -422,13 +469,13 @@ def test_a_slow_first_call_is_logged_as_a_warning(model, monkeypatch, caplog):
   ``SLOW_COMPILE_S`` as a warning, which the launcher's default verbosity shows."""
   import logging
 
-  from areal_jax.sampler import engine as engine_lib
+  from areal_jax.sampler import variants
   eng = DecodeEngine(model, EngineConfig(num_slots=2, max_len=48, prefill_buckets=(8,),
                                          kv_buckets=(24, 48)))
   state = eng.init_state()
-  with caplog.at_level(logging.INFO, logger=engine_lib.__name__):
+  with caplog.at_level(logging.INFO, logger=variants.__name__):
     state, _ = eng.generate(eng.params, state, 24)
-    monkeypatch.setattr(engine_lib, "SLOW_COMPILE_S", 0.0)
+    monkeypatch.setattr(variants, "SLOW_COMPILE_S", 0.0)
     state, _ = eng.generate(eng.params, state, 48)
     state, _ = eng.generate(eng.params, state, 48)  # compiled: not logged again
   records = [(r.levelno, r.getMessage()) for r in caplog.records]

@@ -126,3 +126,27 @@ def test_the_programs_compiled_for_the_plan_are_the_ones_the_sampler_runs():
     assert hits() - before == 2  # (init_state's program is the only new compilation)
   finally:
     monitoring.unregister_event_listener(listener)
+
+
+def test_a_paged_cache_is_planned_as_its_pool_not_its_slots():
+  """With kv_pages the decode state is the pool of pages (and per-slot vectors), whatever the slot
+  count; a pool that does not fit names rollout.kv_pages and is not 'fixed' by fewer slots."""
+  def engine(slots):
+    return DecodeEngine(tiny_model(0), EngineConfig(
+        num_slots=slots, max_len=64, prefill_buckets=(16,), kv_pages=8, page_size=16,
+        decode_layers="scan", decode_matmul="xla"))
+  eng = engine(16)
+  p = memory.plan(eng, None)
+  pool = 2 * (TINY.n_kv_heads * TINY.n_layers * 9 * 16 * TINY.head_dim * 4)  # k, v; 8 + trash
+  vectors = sharding.device_bytes({k: v for k, v in eng.state_shapes().items() if k != "cache"})
+  assert p.state == pool + vectors and p.kv_pages == 8 and "8 pages" in p.summary()
+  rows = DecodeEngine(tiny_model(0), EngineConfig(num_slots=16, max_len=64, prefill_buckets=(16,),
+                                                  decode_layers="scan", decode_matmul="xla"))
+  assert memory.plan(rows, None).state > 4 * p.state  # 16 slots x 64 positions: 1024 vs 144
+  with pytest.raises(MemoryError, match=r"Lower rollout.kv_pages \(now 8"):
+    memory.check(eng, p.peak_bytes - 1)
+  made = []
+  with pytest.raises(MemoryError, match="rollout.kv_pages"):
+    memory.fit(lambda n: made.append(n) or types.SimpleNamespace(engine=engine(n)), 16,
+               budget_bytes=p.peak_bytes - 1)
+  assert made == [16]  # no smaller slot count tried

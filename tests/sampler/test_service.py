@@ -140,7 +140,8 @@ def _swap_run(model, new_model, continuation, steps_per_call, **kw):
 @pytest.mark.parametrize("continuation,steps_per_call,layers",
                          [("reprefill", 1, "unrolled"), ("keep_cache", 1, "unrolled"),
                           ("reprefill", 4, "unrolled"), ("keep_cache", 4, "unrolled"),
-                          ("reprefill", 4, "scan"), ("keep_cache", 3, "scan")])
+                          ("reprefill", 4, "scan"), ("keep_cache", 3, "scan"),
+                          ("reprefill", 4, "paged"), ("keep_cache", 3, "paged")])
 def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call, layers):
   """Exact continuation across a swap, also with several decode steps per call (the swap lands
   between two calls: every token of a call comes from one version) and with the layers in a scan
@@ -149,7 +150,9 @@ def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call,
   new_model = other_model
   prompt, temperature = [3, 1, 4, 1, 5], 0.8
   kw = {"decode_layers": "scan", "decode_attention": "dense", "decode_matmul": "xla",
-        "decode_projections": "fused"} if layers == "scan" else {}  # the GPU/TPU default
+        "decode_projections": "fused"} if layers != "unrolled" else {}  # the GPU/TPU default
+  if layers == "paged":  # pages of 8: the swap lands while the slots hold several
+    kw.update(kv_pages=24, page_size=8)
   for s in _swap_run(model, new_model, continuation, steps_per_call, **kw):
     assert len(s.tokens) == 40
     j = s.versions.index(1)  # first token drawn by the new weights
@@ -248,3 +251,63 @@ def test_token_listener_hears_every_token_in_order_and_cannot_stop_decoding(mode
   assert all(s.finish_reason in ("length", "eos") for s in out)
   for s in out:  # streamed pieces add up to the final sample, also for the raising listener's group
     assert heard[(s.group_id, s.index)] == s.tokens
+
+
+def test_a_paged_cache_preempts_and_resumes_to_the_same_samples(model):
+  """A pool of 16 pages of 8 positions (an eighth of 8 slots x 64): sequences admitted last are
+  preempted when it runs out and resumed by re-prefill; every sample (tokens, logprobs, versions,
+  finish reasons) equals the run with a cache row per slot, and no page is left taken."""
+  def run(**kw):
+    eng = _engine(model, steps_per_call=4, decode_layers="scan", decode_matmul="xla",
+                  decode_attention="dense", eos_token_ids=(), **kw)
+    eng.start()
+    try:
+      for g in range(4):
+        prompt = [(g * 7 + i) % 120 + 1 for i in range(5 + 3 * g)]
+        eng.submit(GroupRequest(g, prompt, n=2, params=SamplingParams(
+            temperature=1.0, max_new_tokens=30 + 5 * g, seed=g)))
+      out = {(s.group_id, s.index): s for s in _collect(eng, 8)}
+      if eng._paging is not None:
+        deadline = time.time() + 10
+        while eng._paging.table.free_pages < 16 and time.time() < deadline:
+          time.sleep(0.01)
+        assert eng._paging.table.free_pages == 16 and not eng._paging.preempted
+    finally:
+      eng.stop()
+    return out, eng.stats
+
+  rows, _ = run()
+  paged, stats = run(kv_pages=16, page_size=8)
+  assert stats["preempted"] >= 1 and stats["resumed"] == stats["preempted"]
+  for key, ref in rows.items():
+    got = paged[key]
+    assert got.tokens == ref.tokens and got.versions == ref.versions
+    assert got.finish_reason == ref.finish_reason == "length"
+    np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
+
+
+def test_aborting_a_group_with_preempted_samples_gives_every_page_back(model):
+  """Four samples growing in a pool that holds one sequence: some are preempted; aborting the group
+  ends all four (each once), every page comes back, and the pool then serves a new group."""
+  eng = _engine(model, steps_per_call=2, decode_layers="scan", decode_matmul="xla",
+                decode_attention="dense", eos_token_ids=(), kv_pages=8, page_size=8)
+  long = SamplingParams(temperature=1.0, max_new_tokens=50, seed=1)
+  eng.start()
+  try:
+    eng.submit(GroupRequest(0, list(range(1, 13)), n=4, params=long))  # 4 growing samples
+    deadline = time.time() + 60
+    while eng.stats["preempted"] < 1 and time.time() < deadline:
+      time.sleep(0.005)
+    assert eng.stats["preempted"] >= 1
+    eng.abort(0)
+    out = _collect(eng, 4)
+    assert {s.finish_reason for s in out} <= {"abort", "length"} and len(
+        {(s.group_id, s.index) for s in out}) == 4
+    deadline = time.time() + 10
+    while eng._paging.table.free_pages < 8 and time.time() < deadline:
+      time.sleep(0.01)
+    assert eng._paging.table.free_pages == 8 and not eng._paging.preempted
+    eng.submit(GroupRequest(1, [5, 6, 7], n=2, params=SamplingParams(max_new_tokens=5)))
+    assert len(_collect(eng, 2)) == 2
+  finally:
+    eng.stop()

@@ -1,0 +1,65 @@
+"""Decode attention over the sampler's paged KV cache (``sampler/pages.py``): K and V each a pool
+``[K, L, M, P, D]`` (K/V heads, layers, pages with the trash page last, positions in a page,
+features) and a page table ``[B, N]`` per query row (page ids of positions ``[0, N*P)``).
+
+  * ``"pallas_tpu"``: ``jax.experimental.pallas.ops.tpu.paged_attention`` reads the pool in place
+    (a bfloat16 pool: the kernel loads K/V as bfloat16);
+  * ``"pallas_gpu"``: ``jax.experimental.pallas.ops.gpu.paged_attention`` reads it in place;
+  * every other form gathers each row's pages up to the kv bound ``t`` into a dense
+    ``[K, B, T, D]`` block and reads it as the dense form does (a copy of the rows' K/V at every
+    layer and step: the price of paging without a kernel).
+
+The pool viewed as ``[K, L*M, P, D]`` is the kernels' page layout; layer ``i``'s pages are
+``i * M + table``. On a mesh the kernels run per device under ``shard_map`` over the K/V heads (the
+pool's split; the sampler's paged cache is not split over slots).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from areal_jax import sharding
+from areal_jax.kernels import pallas_attention, pallas_tpu_attention, xla_attention
+
+POOL_AXES = ("cache_heads", None, None, None, None)  # logical axes of a pool
+
+
+def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN, pos_B, t: int,
+                           impl: str, interpret: bool = False):
+  """Pre-scaled queries ``[B, K, G, D]`` attending to their rows' positions ``0..pos_B[b]`` (``t``:
+  static bound) of layer ``layer`` (traced); float32 ``[B, K, G, D]``."""
+  b, kv, g, d = q_BxKxGxD.shape
+  _, n_layers, m, page, _ = k_KxLxMxPxD.shape
+  pages_BxN = layer * m + table_BxN  # page ids in the [K, L*M, P, D] view
+  flat = lambda x: x.reshape(x.shape[0], n_layers * m, page, d)  # noqa: E731  (a view)
+  if impl == "pallas_tpu" and k_KxLxMxPxD.dtype == jnp.bfloat16:
+    kernel = functools.partial(pallas_tpu_attention.kernel, interpret=interpret)
+    q_dtype = jnp.float32
+  elif impl == "pallas_gpu":
+    kernel = functools.partial(pallas_attention.paged, interpret=interpret)
+    q_dtype = k_KxLxMxPxD.dtype
+  else:  # gather the rows' pages up to the bound, then the dense read
+    n = min(-(-t // page), table_BxN.shape[1])
+    k_KxBxTxD, v_KxBxTxD = (flat(x)[:, pages_BxN[:, :n]].reshape(x.shape[0], b, n * page, d)
+                            for x in (k_KxLxMxPxD, v_KxLxMxPxD))
+    return xla_attention.dense_pages(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, n * page)
+
+  def local(q_BxKxGxD, k_pool, v_pool, pages_BxN, pos_B):
+    kl = k_pool.shape[0]  # this device's K/V heads
+    out_BxHxD = kernel(q_BxKxGxD.reshape(b, kl * g, d).astype(q_dtype), flat(k_pool),
+                       flat(v_pool), (pos_B + 1).astype(jnp.int32), pages_BxN.astype(jnp.int32),
+                       page)
+    return out_BxHxD.reshape(b, kl, g, d).astype(jnp.float32)
+
+  ctx = sharding.current()
+  if ctx is not None and ctx[0].size > 1:
+    mesh, rules = ctx
+    pool = sharding.spec(POOL_AXES, k_KxLxMxPxD.shape, mesh, rules)
+    local = jax.shard_map(local, mesh=mesh, check_vma=False,
+                          in_specs=(P(None, pool[0]), pool, pool, P(), P()),
+                          out_specs=P(None, pool[0]))
+  return local(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, pages_BxN, pos_B)

@@ -1,0 +1,52 @@
+"""The rollout service's bookkeeping of a request: a group waiting or admitted, each of its
+sequences (slot, tokens so far, their logprobs and versions), and the samples it becomes."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from areal_jax.rollout_api import GroupRequest, Sample
+
+
+@dataclasses.dataclass
+class Group:
+  request: GroupRequest
+  submitted_s: float
+  stop_ids: tuple[int, ...]
+  seqs: list["Seq"] = dataclasses.field(default_factory=list)
+  bypassed: int = 0  # later groups admitted while this one waited at the head of the queue
+
+
+@dataclasses.dataclass
+class Seq:
+  group: Group
+  index: int
+  slot: int
+  started_s: float
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  done: bool = False
+  kv_version: int = -1  # the weights that computed the prompt's KV
+  end: int = 0  # the length it stops at (max_new_tokens or the cache)
+  admitted: int = 0  # admission order (a paged cache preempts the latest first)
+
+  @property
+  def length(self) -> int:
+    return len(self.group.request.prompt_tokens) + len(self.tokens)
+
+  def sample(self, reason: str, error: str | None = None) -> Sample:
+    """This sequence as it stands, finished for ``reason``."""
+    r = self.group.request
+    return Sample(r.group_id, self.index, list(r.prompt_tokens), self.tokens, self.logprobs,
+                  self.versions, reason, self.group.submitted_s, self.started_s, time.time(),
+                  error, dict(r.metadata))
+
+
+def unstarted(group: Group, reason: str, error: str | None = None) -> list[Sample]:
+  """A group that never started (rejected, aborted or failed while waiting): empty samples."""
+  r, now = group.request, time.time()
+  return [Sample(r.group_id, i, list(r.prompt_tokens), [], [], [], reason, group.submitted_s,
+                 now if reason == "error" else 0.0, now, error, dict(r.metadata))
+          for i in range(r.n)]
