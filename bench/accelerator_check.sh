@@ -15,7 +15,9 @@
 #    shared by the floor and our programs (on an H200, jax 0.11.2, autotuning one such program took
 #    minutes: bench/results/h200-2026-11-26);
 # 4. the 1.5B shape again with cuBLAS for every matmul (--xla_gpu_enable_triton_gemm=false: less to
-#    autotune), the paged Pallas GPU kernel among the variants.
+#    autotune), the paged Pallas GPU kernel among the variants;
+# 5. the same with the paged KV cache (rollout.kv_pages): the paged GPU kernel and the dense read
+#    over gathered pages.
 # Every step has its own time limit, so one that hangs or fails leaves the others' results.
 set -u
 OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
@@ -45,4 +47,8 @@ log variants "$BIG" cublas; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_ge
   python3 bench/decode_variants.py --model="$BIG" --reps 3 \
   --variants dense:scan:16,dense:scan:16:separate,dense:unrolled:16,pallas_gpu:scan:16 \
   --json "$OUT/variants_big_cublas.json" 2>&1 | keep
+log variants "$BIG" paged cublas; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+  timeout 240 python3 bench/decode_variants.py --model="$BIG" --reps 3 --no-floor \
+  --variants pallas_gpu:scan:16:auto:paged,dense:scan:16:auto:paged \
+  --json "$OUT/variants_big_paged.json" 2>&1 | keep
 rm -rf "$JAX_COMPILATION_CACHE_DIR"; log done; ls -la "$OUT"

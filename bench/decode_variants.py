@@ -5,8 +5,9 @@
                                   [--json PATH] [--trace DIR] [--legacy]
 
 For finding where an accelerator's decode step goes (``bench/sampler.py`` reports the chosen path
-only). Each variant is ``attention:layers:steps[:projections]`` (``choice.ATTENTION``, ``choice.LAYERS``,
-steps per jitted call, ``choice.PROJECTIONS``), forced through ``$AREAL_JAX_DECODE_ATTENTION`` /
+only). Each variant is ``attention:layers:steps[:projections[:paged]]`` (``choice.ATTENTION``,
+``choice.LAYERS``, steps per jitted call, ``choice.PROJECTIONS``; ``paged``: the paged KV cache, a
+page table of 64-position pages per slot), forced through ``$AREAL_JAX_DECODE_ATTENTION`` /
 ``_LAYERS`` / ``_PROJECTIONS`` while its engine is built;
 every slot decodes from position ``context`` (random weights, bfloat16 off CPU, float32 on CPU), and
 a row is the best of ``--reps`` calls per step. The floor (``bench/decode_floor.py``) runs at the
@@ -39,47 +40,54 @@ _QWEN25_1P5B = dict(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, 
                     n_kv_heads=2, head_dim=128, d_ff=8960, rope_theta=1e6, norm_eps=1e-6,
                     qkv_bias=True, tie_embeddings=True)
 SHAPES = {"smollm2-135m": (_SMOLLM2, 64, 128), "qwen2.5-1.5b": (_QWEN25_1P5B, 128, 512)}
+PAGE = 64  # positions per page of the paged variants
 ENV = {"attention": "AREAL_JAX_DECODE_ATTENTION", "layers": "AREAL_JAX_DECODE_LAYERS",
        "matmul": "AREAL_JAX_DECODE_MATMUL", "projections": "AREAL_JAX_DECODE_PROJECTIONS"}
 
 
-def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=None):
+def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=None,
+                   paged=False):
   """Best milliseconds per decode step of our engine, every slot decoding from ``context``."""
   kv_len = context + steps * (reps + 2) + 1
   t_start = time.perf_counter()
   stage = lambda what: print(f"    {time.perf_counter() - t_start:7.1f} s {what}", flush=True)  # noqa: E731
+  per_slot = -(-(kv_len + steps) // PAGE)
   eng = JaxRolloutEngine(model, num_slots=slots, max_len=kv_len + steps, prefill_buckets=(16,),
-                         kv_buckets=(kv_len,), eos_token_ids=(), steps_per_call=steps)
+                         kv_buckets=(kv_len,), eos_token_ids=(), steps_per_call=steps,
+                         **({"kv_pages": slots * per_slot, "page_size": PAGE} if paged else {}))
   dev = eng.engine
+  # paged: every slot holds its own pages for all its positions (a whole pool's worth)
+  pages = {"pages": np.arange(slots * per_slot, dtype=np.int32).reshape(slots, per_slot)} \
+      if paged else {}
   stage("engine built")
   state = dev.init_state()
   stage("state made")
   keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
   state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
                      end=[kv_len + steps] * slots, keys=keys, temperature=1.0, top_k=0, top_p=1.0,
-                     greedy=False, stop_ids=[])
+                     greedy=False, stop_ids=[], **pages)
   jax.block_until_ready(state)
   stage("slots armed")
   t0 = time.perf_counter()
-  state, out = dev.generate(dev.params, state, kv_len)
+  state, out = dev.generate(dev.params, state, kv_len, **pages)
   jax.block_until_ready(out)
   first_s = time.perf_counter() - t0
   stage("first call")
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
-    state, out = dev.generate(dev.params, state, kv_len)
+    state, out = dev.generate(dev.params, state, kv_len, **pages)
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / steps * 1e3)
   if trace_dir:  # a short trace of steady calls
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(2):
-        state, out = dev.generate(dev.params, state, kv_len)
+        state, out = dev.generate(dev.params, state, kv_len, **pages)
       jax.block_until_ready(out)
   if hlo_path:  # the optimized program of the timed call (compiled again, not run)
     fn = dev._generate_fns[(kv_len, slots)]  # noqa: SLF001 (a benchmark's look inside)
     with open(hlo_path, "w") as f:
-      f.write(fn.lower(dev.params, state).compile().as_text())
+      f.write(fn.lower(dev.params, state, *pages.values()).compile().as_text())
   impl = {k: getattr(dev, f"{k}_impl", "legacy") for k in ("attention", "matmul", "layers")}
   impl["projections"] = getattr(dev, "projections", "legacy")
   return {"step_ms": min(times), "step_ms_all": times, "compile_and_first_s": first_s,
@@ -90,8 +98,8 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
   ap.add_argument("--variants", default="dense:scan:16",
-                  help="comma-separated attention:layers:steps[:projections] (auto allowed in "
-                       "each field; projections default auto)")
+                  help="comma-separated attention:layers:steps[:projections[:paged]] (auto "
+                       "allowed in each field; projections default auto)")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--json", default=None)
   ap.add_argument("--trace", default=None, help="directory for a profiler trace of the first variant")
@@ -130,7 +138,7 @@ def main():
                                                            reps=args.reps, fused=True)
       print(f"{'floor loop, fused weights':>28}: {result['floor_fused_step_ms']:8.3f} ms/step")
   for n, variant in enumerate(args.variants.split(",")):
-    attention, layers, steps, projections = (variant.split(":") + ["auto"])[:4]
+    attention, layers, steps, projections, paged = (variant.split(":") + ["auto", ""])[:5]
     saved = {k: os.environ.get(v) for k, v in ENV.items()}
     try:
       if not args.legacy:
@@ -138,7 +146,8 @@ def main():
         os.environ[ENV["matmul"]] = "xla" if layers == "scan" else "auto"  # scan takes XLA's
         os.environ[ENV["projections"]] = projections
       row = engine_step_ms(model, slots, context, int(steps), args.reps,
-                           args.trace if n == 0 else None, args.hlo if n == 0 else None)
+                           args.trace if n == 0 else None, args.hlo if n == 0 else None,
+                           paged=paged == "paged")
     except Exception as e:  # noqa: BLE001 (a variant that cannot run is reported, not fatal)
       row = {"error": f"{type(e).__name__}: {e}"[:500]}
     finally:

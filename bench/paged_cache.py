@@ -15,7 +15,9 @@ accelerator path, run on this backend):
   * ``rows``: ``rows`` slots, a row each (KV memory M);
   * ``paged``: ``4 x rows`` slots over a pool of M (pages gathered for the dense read);
   * ``rows_4x``: ``4 x rows`` slots, a row each (KV memory 4 M): what the paged engine's slots
-    would cost without paging.
+    would cost without paging;
+  * ``paged_half``: ``4 x rows`` slots over a pool of M / 2: memory pressure, so sequences are
+    preempted and re-prefilled (what that costs).
 Tokens/s counts generated tokens over wall time, prefill included; ``kv_positions`` is the KV
 memory in positions (x 2 x layers x kv heads x head dim x 4 bytes); ``preempted`` counts paged
 preemptions. SmolLM2-135M shape, random weights, float32.
@@ -86,7 +88,7 @@ def main():
             "groups": groups, "samples": groups * N, "max_len": max_len, "page_size": PAGE,
             "new_tokens": sum(length for _, length in work) * N, "rows": {}}
   cases = {"rows": (rows, 0), "paged": (4 * rows, rows * max_len // PAGE),
-           "rows_4x": (4 * rows, 0)}
+           "rows_4x": (4 * rows, 0), "paged_half": (4 * rows, rows * max_len // PAGE // 2)}
   print(f"{'engine':>8} {'slots':>6} {'KV positions':>13} {'tok/s':>8} {'wall s':>7} "
         f"{'calls':>6} {'preempted':>9}")
   for name, (slots, kv_pages) in cases.items():
@@ -96,8 +98,11 @@ def main():
   rr = result["rows"]
   result["paged_over_rows"] = round(rr["paged"]["tok_per_s"] / rr["rows"]["tok_per_s"], 2)
   result["paged_over_rows_4x"] = round(rr["paged"]["tok_per_s"] / rr["rows_4x"]["tok_per_s"], 2)
+  result["paged_half_over_rows"] = round(rr["paged_half"]["tok_per_s"] / rr["rows"]["tok_per_s"],
+                                         2)
   print(f"paged / rows at the same KV memory: {result['paged_over_rows']}x; paged / rows with 4x "
-        f"the memory: {result['paged_over_rows_4x']}x")
+        f"the memory: {result['paged_over_rows_4x']}x; paged with half the memory / rows: "
+        f"{result['paged_half_over_rows']}x")
   finish(result, args.json, t_start)
 
 

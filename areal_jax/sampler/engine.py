@@ -363,7 +363,7 @@ class DecodeEngine:
       raise ValueError("page tables are for a paged cache (kv_pages > 0)")
     if pages is None:
       raise ValueError("a paged cache's insert and generate take the slots' page tables")
-    return np.asarray(pages, np.int32)
+    return np.array(pages, np.int32)  # a copy: the caller's table changes after dispatch
 
   def insert_rows(self, k: int) -> int:
     """Rows an insert of ``k`` slots writes: the next power of two, at most the slot count (so an

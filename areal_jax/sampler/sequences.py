@@ -36,6 +36,20 @@ class Seq:
   def length(self) -> int:
     return len(self.group.request.prompt_tokens) + len(self.tokens)
 
+  def fed(self) -> list[int]:
+    """The tokens whose KV the sequence's cache holds: the prompt and all but the last token."""
+    return [int(t) for t in self.group.request.prompt_tokens] + self.tokens[:-1]
+
+  def finish_reason(self, token: int, eos_token_ids, max_len: int) -> str | None:
+    """Why the sequence ends with its new ``token`` (None: it goes on)."""
+    if token in self.group.stop_ids:  # the EOS ids too, unless the request ignores them
+      return "eos" if token in eos_token_ids else "stop"
+    if len(self.tokens) >= self.group.request.params.max_new_tokens:
+      return "length"
+    if self.length >= max_len:
+      return "cache_full"
+    return None
+
   def sample(self, reason: str, error: str | None = None) -> Sample:
     """This sequence as it stands, finished for ``reason``."""
     r = self.group.request

@@ -163,6 +163,10 @@ class JaxRolloutEngine(RolloutEngine):
       group.stop_ids = requests.validate(
           request, max_len=self.max_len, vocab_size=self.vocab_size, num_slots=self.num_slots,
           eos_token_ids=self.eos_token_ids, max_stop_ids=self.engine.config.max_stop_ids)
+      if self._pages_needed(group) > self.engine.config.kv_pages > 0:
+        raise ValueError(f"a group of {request.n} with a {len(request.prompt_tokens)}-token "
+                         f"prompt needs {self._pages_needed(group)} pages; the pool has "
+                         f"kv_pages={self.engine.config.kv_pages}")
     except ValueError as e:
       self._emit_group(group, "error", str(e))
       return
@@ -272,7 +276,7 @@ class JaxRolloutEngine(RolloutEngine):
     max_pos = max(s.length - 1 for s in active) + len(self._inflight) * \
         self.engine.config.steps_per_call
     kv_len = self.engine.kv_bucket(max_pos)
-    pages = None if self._paging is None else self._paging.table.table
+    pages = None if self._paging is None else self._paging.table.table.copy()  # (it changes)
     self._state, outputs = self.engine.generate(self._params, self._state, kv_len, width, pages)
     self._inflight.append((outputs, list(self._slots), self._version))
     self.stats["calls"] += 1
@@ -323,14 +327,13 @@ class JaxRolloutEngine(RolloutEngine):
         seq.logprobs.append(float(logprobs_KxS[k, s]))
         seq.versions.append(version)
         self.stats["tokens"] += 1
-        reason = self._finish_reason(seq, token)
+        reason = seq.finish_reason(token, self.eos_token_ids, self.max_len)
         if reason:
           self._keep_for_continuation(seq, reason)
           self._finish(seq, reason)
           if self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None
-            if self._paging is not None:
-              self._paging.table.release(seq.slot)
+            self._release([seq.slot])
     for s, n in before.items():
       seq = snapshot[s]
       if len(seq.tokens) > n:
@@ -342,23 +345,10 @@ class JaxRolloutEngine(RolloutEngine):
   def _keep_for_continuation(self, seq: Seq, reason: str) -> None:
     """Keeps the KV row of a finished sequence its request will continue, if all of it (prompt
     included) came from the weights in use."""
-    r = seq.group.request
-    if not r.metadata.get("continue") or reason not in ("eos", "stop", "length"):
-      return
-    if seq.kv_version != self._version or any(v != self._version for v in seq.versions):
-      return
-    fed = [int(t) for t in r.prompt_tokens] + seq.tokens[:-1]
-    pages = None if self._paging is None else self._paging.table.table[seq.slot]
-    self._continued.keep(self._state, seq.slot, fed, pages)
-
-  def _finish_reason(self, seq: Seq, token: int) -> str | None:
-    if token in seq.group.stop_ids:  # the EOS ids too, unless the request ignores them
-      return "eos" if token in self.eos_token_ids else "stop"
-    if len(seq.tokens) >= seq.group.request.params.max_new_tokens:
-      return "length"
-    if seq.length >= self.max_len:
-      return "cache_full"
-    return None
+    if seq.group.request.metadata.get("continue") and reason in ("eos", "stop", "length") and \
+        seq.kv_version == self._version and all(v == self._version for v in seq.versions):
+      pages = None if self._paging is None else self._paging.table.table[seq.slot].copy()
+      self._continued.keep(self._state, seq.slot, seq.fed(), pages)
 
   def _admit(self):
     """Admits waiting groups into free slots (``admission.pick``; a paged cache's preempted
@@ -368,9 +358,17 @@ class JaxRolloutEngine(RolloutEngine):
       free = self._resume(free)
       if self._paging.preempted:  # (still waiting for pages: new groups wait behind them)
         return
-    pages = 0 if self._paging is None else self._paging.table.free_pages
+    pages, live, cost = 0, 0, self._pages_needed
+    if self._paging is not None:  # a page of headroom per live sample (its next), new ones too
+      live = sum(s is not None and not s.done for s in self._slots)
+      pages = self._paging.table.free_pages - live
+      cost = lambda g: self._pages_needed(g) + g.request.n  # noqa: E731
     with self._lock:
-      groups = admission.pick(self._waiting, len(free), pages, self.num_slots, self._pages_needed)
+      groups = admission.pick(self._waiting, len(free), pages, self.num_slots, cost)
+      if not groups and self._paging is not None and not live and self._waiting:
+        # nothing runs: one group without headroom (any group the pool holds gets to run)
+        groups = admission.pick(self._waiting, min(len(free), self._waiting[0].request.n), pages,
+                                self.num_slots, self._pages_needed)
     admitted = []
     for group in groups:
       admitted.append((group, free[:group.request.n]))
@@ -404,10 +402,14 @@ class JaxRolloutEngine(RolloutEngine):
       if not self._paging.table.share(slots, len(prompt) - 1):
         raise RuntimeError("paged cache: admitted a group its free pages cannot hold")
       pages = self._paging.table.table[slots]
-    self._state = self.engine.insert(
-        self._state, prefix, slots, token=[prompt[-1]] * r.n, pos=[len(prompt) - 1] * r.n,
-        end=[end] * r.n, keys=keys, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-        greedy=p.greedy, stop_ids=list(group.stop_ids), pages=pages)
+    try:
+      self._state = self.engine.insert(
+          self._state, prefix, slots, token=[prompt[-1]] * r.n, pos=[len(prompt) - 1] * r.n,
+          end=[end] * r.n, keys=keys, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+          greedy=p.greedy, stop_ids=list(group.stop_ids), pages=pages)
+    except Exception:  # the group fails alone: its pages go back
+      self._release(slots)
+      raise
     now = time.time()
     for i, slot in enumerate(slots):
       self._admissions += 1
@@ -425,8 +427,12 @@ class JaxRolloutEngine(RolloutEngine):
     if self._paging.grow(live, len(self._inflight) + 1):
       return
     self._drain_inflight()  # exact lengths, nothing in flight
-    live = [s for s in self._slots if s is not None and not s.done]
-    for seq in self._paging.preempt_until_fit(live):
+    self._preempt(self._paging.preempt_until_fit(
+        [s for s in self._slots if s is not None and not s.done]))
+
+  def _preempt(self, seqs: list[Seq]) -> None:
+    """Empties the slots of ``seqs`` (their pages already back, ``paging`` holds them)."""
+    for seq in seqs:
       self._state = self.engine.deactivate(self._state, [seq.slot])
       self._slots[seq.slot] = None
       self.stats["preempted"] += 1
@@ -435,15 +441,15 @@ class JaxRolloutEngine(RolloutEngine):
     """Re-prefills preempted sequences into free slots while their pages fit; returns the slots
     still free."""
     while free and (seq := self._paging.resumable()) is not None:
+      if not self._reinsert(seq, free[0]):  # (resumable checked its pages)
+        raise RuntimeError("paged cache: no pages for a resumable sequence")
       self._paging.preempted.remove(seq)
-      self._reinsert(seq, free.pop(0))
-      self._slots[seq.slot] = seq
+      self._slots[free.pop(0)] = seq
       self.stats["resumed"] += 1
     return free
 
   def _preempted(self) -> list[Seq]:
     return [] if self._paging is None else list(self._paging.preempted)
-
   def _pages_needed(self, group: Group) -> int:
     if self._paging is None:
       return 0
@@ -451,22 +457,34 @@ class JaxRolloutEngine(RolloutEngine):
     end = min(len(r.prompt_tokens) + r.params.max_new_tokens, self.max_len)
     return self._paging.admission_cost(r.n, len(r.prompt_tokens), end)
 
-  def _reinsert(self, seq: Seq, slot: int):
-    """Re-prefills ``seq`` (prompt + generated so far) under the weights in use into ``slot``."""
+  def _reinsert(self, seq: Seq, slot: int) -> bool:
+    """Re-prefills ``seq`` (prompt + generated so far) under the weights in use into ``slot``;
+    False (nothing done) when a paged cache has not the pages for it."""
     r, p = seq.group.request, seq.group.request.params
     tokens = [int(t) for t in r.prompt_tokens] + seq.tokens
-    prefix = self._prefixes.get(self._params, tokens[:-1])
     pages = None
     if self._paging is not None:
       if not self._paging.table.share([slot], len(tokens) - 1):
-        raise RuntimeError("paged cache: no pages for a sequence's re-prefill")
+        return False
       pages = self._paging.table.table[[slot]]
-    key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
-    self._state = self.engine.insert(
-        self._state, prefix, [slot], token=[tokens[-1]], pos=[len(tokens) - 1],
-        end=[seq.end], keys=key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-        greedy=p.greedy, stop_ids=list(seq.group.stop_ids), pages=pages)
+    try:
+      prefix = self._prefixes.get(self._params, tokens[:-1])
+      key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
+      self._state = self.engine.insert(
+          self._state, prefix, [slot], token=[tokens[-1]], pos=[len(tokens) - 1],
+          end=[seq.end], keys=key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+          greedy=p.greedy, stop_ids=list(seq.group.stop_ids), pages=pages)
+    except Exception:
+      self._release([slot])
+      raise
     seq.slot, seq.kv_version = slot, self._version
+    return True
+
+  def _release(self, slots: list[int]) -> None:
+    """A paged cache's pages of ``slots`` go back."""
+    if self._paging is not None:
+      for slot in slots:
+        self._paging.table.release(slot)
 
   def _handle_aborts(self):
     with self._lock:
@@ -492,9 +510,7 @@ class JaxRolloutEngine(RolloutEngine):
       self._finish(seq, "abort")
     if freed:
       self._state = self.engine.deactivate(self._state, freed)
-      if self._paging is not None:
-        for i in freed:
-          self._paging.table.release(i)
+      self._release(freed)
 
   def _apply_params(self):
     with self._lock:
@@ -511,9 +527,9 @@ class JaxRolloutEngine(RolloutEngine):
     live = [seq for seq in self._slots if seq is not None and not seq.done]
     self._prefixes.fill(self._params, [[int(t) for t in seq.group.request.prompt_tokens] + seq.tokens[:-1]
                         for seq in live])
-    if self._paging is not None:  # each gets its own pages again (fewer than it gives back)
-      for seq in live:
-        self._paging.table.release(seq.slot)
-    for seq in live:
-      self._reinsert(seq, seq.slot)
-      self.stats["reprefills"] += 1
+    self._release([seq.slot for seq in live])  # (a paged cache: each takes its own pages again)
+    for seq in sorted(live, key=lambda s: s.admitted):
+      if self._reinsert(seq, seq.slot):
+        self.stats["reprefills"] += 1
+      else:  # a group's shared prompt pages are now one copy each: the pool may not hold them all
+        self._preempt([self._paging.wait(seq)])

@@ -309,5 +309,45 @@ def test_aborting_a_group_with_preempted_samples_gives_every_page_back(model):
     assert eng._paging.table.free_pages == 8 and not eng._paging.preempted
     eng.submit(GroupRequest(1, [5, 6, 7], n=2, params=SamplingParams(max_new_tokens=5)))
     assert len(_collect(eng, 2)) == 2
+    # a group whose prompt pages alone exceed the pool is refused, not left waiting for ever
+    eng.submit(GroupRequest(2, list(range(1, 61)), n=8, params=SamplingParams(max_new_tokens=2)))
+    refused = _collect(eng, 8)
+    assert all(s.finish_reason == "error" for s in refused)
+    assert "needs 15 pages; the pool has kv_pages=8" in refused[0].error
   finally:
     eng.stop()
+
+
+def test_a_reprefill_swap_that_unshares_prompt_pages_preempts_and_resumes(model, other_model):
+  """A group of four shares a 40-token prompt's pages; the swap re-prefills each sample alone (one
+  copy of the prompt each), more than the pool holds: the samples that do not fit wait and resume
+  later, and every token after the swap still carries the new weights' exact logprob."""
+  eng = _engine(model, num_slots=4, continuation="reprefill", eos_token_ids=(), steps_per_call=2,
+                decode_layers="scan", decode_matmul="xla", decode_attention="dense",
+                kv_pages=14, page_size=8, prefill_buckets=(48, 63))
+  prompt = [(5 * i) % 120 + 1 for i in range(40)]
+  eng.start()
+  try:
+    eng.pause()
+    eng.submit(GroupRequest(0, prompt, n=4, params=SamplingParams(
+        temperature=0.8, max_new_tokens=20, seed=5)))
+    eng.resume()
+    deadline = time.time() + 60
+    while eng.stats["tokens"] < 8 and time.time() < deadline:
+      time.sleep(0.001)
+    eng.pause()
+    eng.update_params(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)), version=1)
+    time.sleep(0.2)
+    eng.resume()
+    samples = _collect(eng, 4)
+  finally:
+    eng.stop()
+  assert eng.stats["preempted"] >= 1 and eng.stats["resumed"] == eng.stats["preempted"]
+  for s in samples:
+    assert s.finish_reason == "length" and len(s.tokens) == 20
+    j = s.versions.index(1)
+    assert 0 < j and s.versions == [0] * j + [1] * (20 - j)
+    np.testing.assert_allclose(s.logprobs[:j], _logprobs(model, prompt, s.tokens, 0.8)[:j],
+                               atol=1e-4)
+    np.testing.assert_allclose(s.logprobs[j:], _logprobs(other_model, prompt, s.tokens, 0.8)[j:],
+                               atol=1e-4)
