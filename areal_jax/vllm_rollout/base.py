@@ -27,6 +27,7 @@ import queue
 import time
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, SamplingParams
+from areal_jax.sampler import requests
 
 
 def attempt_seed(seed: int, index: int, offset: int) -> int:
@@ -136,30 +137,9 @@ class VllmEngineBase(RolloutEngine):
 
   def validate(self, r: GroupRequest) -> tuple[int, ...]:
     """The request's stop ids (EOS first); raises ``ValueError`` for a bad request."""
-    p: SamplingParams = r.params
-    prompt = r.prompt_tokens
-    if not prompt:
-      raise ValueError("empty prompt")
-    if len(prompt) >= self.max_model_len:
-      raise ValueError(f"prompt of {len(prompt)} tokens leaves no room within max_model_len="
-                       f"{self.max_model_len}")
-    if any(not 0 <= int(t) < self.vocab_size for t in prompt):
-      raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-    if r.n < 1:
-      raise ValueError(f"n={r.n} must be >= 1")
-    if not p.greedy and not p.temperature > 0:
-      raise ValueError(f"temperature={p.temperature} must be > 0 (or set greedy=True)")
-    if not 0 < p.top_p <= 1:
-      raise ValueError(f"top_p={p.top_p} must lie in (0, 1]")
-    if p.top_k < 0:
-      raise ValueError(f"top_k={p.top_k} must be >= 0 (0 disables it)")
-    if p.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={p.max_new_tokens} must be >= 1")
-    eos = () if p.ignore_eos else self.eos_token_ids
-    stop_ids = tuple(dict.fromkeys([*eos, *(int(t) for t in p.stop_token_ids)]))
-    if any(not 0 <= t < self.vocab_size for t in stop_ids):
-      raise ValueError("stop token ids must be valid vocabulary ids")
-    return stop_ids
+    return requests.validate(r, max_len=self.max_model_len, vocab_size=self.vocab_size,
+                             eos_token_ids=self.eos_token_ids,
+                             room=f"within max_model_len={self.max_model_len}")
 
   def new_group(self, request: GroupRequest) -> tuple[Group, list[Seq]] | None:
     """Validates ``request``; a bad one is answered at once with ``n`` error samples (None)."""
