@@ -70,8 +70,8 @@ def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, 
         q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes, interpret)
   k_BxKxTxD, v_BxKxTxD = (jax.lax.dynamic_slice(x, (layer, 0, 0, 0, 0), (1, b, kv, t, d))[0]
                           for x in (k_LxRxKxTxD, v_LxRxKxTxD))
-  return decode_attention_heads_major(q_BxKxGxD, k_BxKxTxD, v_BxKxTxD, pos_B, t,
-                                      "dense" if impl == "pallas_tpu" else impl, chunk, group)
+  return decode_attention_heads_major(q_BxKxGxD, k_BxKxTxD, v_BxKxTxD, pos_B, t, impl, chunk,
+                                      group)
 
 
 def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN, pos_B, t: int,

@@ -115,79 +115,73 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
     return _extend_paged(graph, params, tokens_BxL, start_B, cache, kv_len, attention_impl,
                          pages_BxN, writes_B)
   t = cache["k"].shape[3] if kv_len is None else kv_len
-  model = nnx.merge(graph.shell, {k: v for k, v in params.items() if k != "layers"})
-  cfg = model.cfg  # n_layers is 0 there: the depth is the cache's
   positions_BxL = start_B[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
   mask_BxLxT = jnp.arange(t)[None, None, :] <= positions_BxL[:, :, None]
-  rope_BxLxF = rope_tables(positions_BxL, cfg.head_dim, cfg.rope_theta)
   rows_Bx1 = jnp.arange(b)[:, None]
 
-  def layer(carry, xs):
-    x, k_all, v_all = carry
-    i, weights = xs
-    block = nnx.merge(graph.block, weights)
-    written = {}
+  def attend_layer(i, q, k, v, k_all, v_all):
+    # new [B, L, Hkv, D] into [i, row, :, position, :] (the indexed axes lead the value)
+    k_all, v_all = (sharding.constrain(full.at[i, rows_Bx1, :, positions_BxL].set(
+        new.astype(full.dtype)), CACHE_AXES) for full, new in ((k_all, k), (v_all, v)))
+    if l == 1:  # the decode attention reads layer i of the stack (the kernels' choice how)
+      return decode_attention(q, k_all, v_all, start_B, t, impl=attention_impl, heads_major=True,
+                              layer=i, cache_axes=CACHE_AXES), k_all, v_all
+    # prefill and continuation chunks (once per group): this layer's rows [0, b) and positions
+    # [0, t) in the prompt attention's layout
+    kv, d = k.shape[2:]
+    k_BxKxTxD, v_BxKxTxD = (jax.lax.dynamic_slice(x, (i, 0, 0, 0, 0), (1, b, kv, t, d))[0]
+                            for x in (k_all, v_all))
+    return attention(q, jnp.swapaxes(k_BxKxTxD, 1, 2), jnp.swapaxes(v_BxKxTxD, 1, 2),
+                     mask_BxLxT), k_all, v_all
 
-    def attend(q, k, v):
-      for name, full, new in (("k", k_all, k), ("v", v_all, v)):
-        # new [B, L, Hkv, D] into [i, row, :, position, :] (the indexed axes lead the value)
-        full = full.at[i, rows_Bx1, :, positions_BxL].set(new.astype(full.dtype))
-        written[name] = sharding.constrain(full, CACHE_AXES)
-      if l == 1:  # the decode attention reads layer i of the stack (the kernels' choice how)
-        return decode_attention(q, written["k"], written["v"], start_B, t, impl=attention_impl,
-                                heads_major=True, layer=i, cache_axes=CACHE_AXES)
-      # this layer's cache, rows [0, b) and positions [0, t)
-      kv, d = k.shape[2:]
-      k_BxKxTxD, v_BxKxTxD = (
-          jax.lax.dynamic_slice(written[n], (i, 0, 0, 0, 0), (1, b, kv, t, d))[0]
-          for n in ("k", "v"))
-      # prefill and continuation chunks (once per group): the prompt attention's layout
-      return attention(q, jnp.swapaxes(k_BxKxTxD, 1, 2), jnp.swapaxes(v_BxKxTxD, 1, 2),
-                       mask_BxLxT)
-
-    x = block(x, rope_BxLxF, attend)
-    return (x, written["k"], written["v"]), None
-
-  x = model._embed(tokens_BxL)  # the model's own embedding and head
-  layer_ids = jnp.arange(cache["k"].shape[0])
-  (x, k_all, v_all), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
-                                      (layer_ids, params["layers"]))
-  return model._logits(x), {"k": k_all, "v": v_all}
+  return _scan_layers(graph, params, tokens_BxL, positions_BxL, cache, cache["k"].shape[0],
+                      attend_layer)
 
 
 def _extend_paged(graph: Graphs, params: dict, tokens_Bx1, start_B, pool: StackedCache,
                   kv_len: int, attention_impl, pages_BxN, writes_B):
   """``extend``'s decode step over a paged cache (see there)."""
   b = tokens_Bx1.shape[0]
-  model = nnx.merge(graph.shell, {k: v for k, v in params.items() if k != "layers"})
-  cfg = model.cfg
-  rope_Bx1xF = rope_tables(start_B[:, None], cfg.head_dim, cfg.rope_theta)
   page_size, trash = pool["k"].shape[3], pool["k"].shape[2] - 1
   page_B = pages_BxN[jnp.arange(b), start_B // page_size]
   if writes_B is not None:
     page_B = jnp.where(writes_B, page_B, trash)
   offset_B = start_B % page_size
 
+  def attend_layer(i, q, k, v, k_pool, v_pool):
+    # new [B, 1, Hkv, D] into [:, i, page, offset, :] (the indexed axes' [B] lands after Hkv)
+    k_pool, v_pool = (sharding.constrain(pool_.at[:, i, page_B, offset_B].set(
+        jnp.swapaxes(new[:, 0], 0, 1).astype(pool_.dtype)), POOL_AXES)
+                      for pool_, new in ((k_pool, k), (v_pool, v)))
+    return decode_attention(q, k_pool, v_pool, start_B, kv_len, impl=attention_impl, layer=i,
+                            pages=pages_BxN), k_pool, v_pool
+
+  return _scan_layers(graph, params, tokens_Bx1, start_B[:, None], pool, pool["k"].shape[1],
+                      attend_layer)
+
+
+def _scan_layers(graph: Graphs, params: dict, tokens_BxL, positions_BxL, cache: StackedCache,
+                 n_layers: int, attend_layer):
+  """The model over stacked parameters with its layers in one ``lax.scan``, the cache's keys and
+  values riding in the carry: ``attend_layer(i, q, k, v, k_all, v_all)`` writes layer ``i``'s new
+  keys and values and attends, returning ``(out, k_all, v_all)``. Returns ``(logits, cache)``."""
+  model = nnx.merge(graph.shell, {k: v for k, v in params.items() if k != "layers"})
+  cfg = model.cfg  # n_layers is 0 there: the depth is the cache's
+  rope_BxLxF = rope_tables(positions_BxL, cfg.head_dim, cfg.rope_theta)
+
   def layer(carry, xs):
-    x, k_pool, v_pool = carry
+    x, k_all, v_all = carry
     i, weights = xs
-    block = nnx.merge(graph.block, weights)
     written = {}
 
     def attend(q, k, v):
-      for name, pool_, new in (("k", k_pool, k), ("v", v_pool, v)):
-        # new [B, 1, Hkv, D] into [:, i, page, offset, :] (the indexed axes' [B] lands after Hkv)
-        pool_ = pool_.at[:, i, page_B, offset_B].set(jnp.swapaxes(new[:, 0], 0, 1)
-                                                     .astype(pool_.dtype))
-        written[name] = sharding.constrain(pool_, POOL_AXES)
-      return decode_attention(q, written["k"], written["v"], start_B, kv_len, impl=attention_impl,
-                              layer=i, pages=pages_BxN)
+      out, written["k"], written["v"] = attend_layer(i, q, k, v, k_all, v_all)
+      return out
 
-    x = block(x, rope_Bx1xF, attend)
+    x = nnx.merge(graph.block, weights)(x, rope_BxLxF, attend)
     return (x, written["k"], written["v"]), None
 
-  x = model._embed(tokens_Bx1)
-  layer_ids = jnp.arange(pool["k"].shape[1])
-  (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, pool["k"], pool["v"]),
-                                        (layer_ids, params["layers"]))
-  return model._logits(x), {"k": k_pool, "v": v_pool}
+  x = model._embed(tokens_BxL)  # the model's own embedding and head
+  (x, k_all, v_all), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
+                                      (jnp.arange(n_layers), params["layers"]))
+  return model._logits(x), {"k": k_all, "v": v_all}

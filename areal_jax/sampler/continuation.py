@@ -70,7 +70,8 @@ class Continuations:
     if "take" not in self._fns:
       self._fns["take"] = self._make_take()
     key = tuple(int(t) for t in tokens)
-    where = np.asarray(pages, np.int32) if self.engine.paged else np.int32(slot)
+    # (a copy of the page table row: the caller's table changes after dispatch)
+    where = np.array(pages, np.int32) if self.engine.paged else np.int32(slot)
     self._rows[key] = self._fns["take"](state["cache"], where)
     self._rows.move_to_end(key)
     self.stats["kept"] += 1

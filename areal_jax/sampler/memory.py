@@ -142,7 +142,9 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
   holder = make(num_slots)
   first = p = plan(holder.engine, **budget)
   max_len, mesh = holder.engine.config.max_len, holder.engine.mesh
-  for _ in range(0 if p.kv_pages and not p.fits else 4):  # paged: the pool, not the slots, is it  # slots_that_fit extrapolates: a second look settles it
+  if p.kv_pages and not p.fits:  # paged: the pool, not the slots, is what to lower
+    raise _too_big(first, max_len, mesh, min_slots)
+  for _ in range(4):  # slots_that_fit extrapolates: a second look settles it
     if p.fits:
       if p.num_slots != num_slots:
         print(f"sampler memory plan: rollout.num_slots={num_slots} does not fit "

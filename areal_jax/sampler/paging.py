@@ -9,7 +9,7 @@ The service admits a group when its prompt's pages and first call's growth fit w
 headroom left per live sample, its own included (when nothing runs, the first group needs no
 headroom): without it, admission would fill the pool with first pages and the next call's growth
 would preempt at once (measured on CPU, ``bench/paged_cache.py``: a pool of half the rows' memory
-went from 44 preemptions of 96 sequences and 122 tokens/s to none and 166 tokens/s).
+went from 44 preemptions of 96 sequences and 122 tokens/s to none and 170 tokens/s).
 
 Sequences are the service's: anything with ``slot``, ``length`` (tokens so far, prompt included),
 ``end`` (the length it stops at) and ``admitted`` (admission order).
@@ -66,8 +66,11 @@ class Paging:
     are free, else None."""
     if not self.preempted:
       return None
-    seq = self.preempted[0]
-    prefix = seq.length - 1
-    need = (self.table.share_cost(1, prefix) + self.table.pages_for(self.written(seq, 1))
-            - self.table.pages_for(prefix))
+    seq = self.preempted[0]  # its "prompt" now: prompt + generated so far
+    need = self.admission_cost(1, seq.length, seq.end)
     return seq if need <= self.table.free_pages else None
+
+  def reset(self) -> None:
+    """Every page free, nothing preempted (the service failed or stopped)."""
+    self.table.reset()
+    self.preempted = []

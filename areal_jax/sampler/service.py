@@ -150,8 +150,7 @@ class JaxRolloutEngine(RolloutEngine):
         self._finish(seq, "abort")
     self._slots = [None] * self.num_slots
     if self._paging is not None:
-      self._paging.table.reset()
-      self._paging.preempted = []
+      self._paging.reset()
     with self._lock:
       while self._waiting:
         self._emit_group(self._waiting.popleft(), "abort")
@@ -253,8 +252,7 @@ class JaxRolloutEngine(RolloutEngine):
     self._inflight.clear()
     preempted = self._preempted()
     if self._paging is not None:
-      self._paging.table.reset()
-      self._paging.preempted = []
+      self._paging.reset()
     for i, seq in enumerate([*self._slots, *preempted]):
       if seq is not None and not seq.done:
         seq.done = True
@@ -276,7 +274,7 @@ class JaxRolloutEngine(RolloutEngine):
     max_pos = max(s.length - 1 for s in active) + len(self._inflight) * \
         self.engine.config.steps_per_call
     kv_len = self.engine.kv_bucket(max_pos)
-    pages = None if self._paging is None else self._paging.table.table.copy()  # (it changes)
+    pages = None if self._paging is None else self._paging.table.table  # (the engine copies it)
     self._state, outputs = self.engine.generate(self._params, self._state, kv_len, width, pages)
     self._inflight.append((outputs, list(self._slots), self._version))
     self.stats["calls"] += 1
@@ -347,7 +345,7 @@ class JaxRolloutEngine(RolloutEngine):
     included) came from the weights in use."""
     if seq.group.request.metadata.get("continue") and reason in ("eos", "stop", "length") and \
         seq.kv_version == self._version and all(v == self._version for v in seq.versions):
-      pages = None if self._paging is None else self._paging.table.table[seq.slot].copy()
+      pages = None if self._paging is None else self._paging.table.table[seq.slot]
       self._continued.keep(self._state, seq.slot, seq.fed(), pages)
 
   def _admit(self):
