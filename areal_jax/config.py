@@ -80,6 +80,10 @@ def base_config() -> ConfigDict:
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
   c.rollout.kv_pages = 0  # paged KV cache: pages in the pool (0: max_len positions per slot)
   c.rollout.page_size = 64  # positions per page of the paged KV cache
+  # The JAX sampler over the sampler mesh's data axis: "replicas" (an engine per data index, each
+  # with num_slots / data slots; areal_jax/sampler/replicas.py) | "sharded" (one engine, its
+  # slots split over the axis)
+  c.rollout.data_parallel = "replicas"
   c.rollout.filter_uniform_groups = True  # drop groups whose rewards are all equal
   c.rollout.reward_timeout_s = 5.0
   c.rollout.reward_workers = 2
@@ -311,6 +315,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   elif kv_pages and r.decode_layers == "unrolled":
     errors.append("rollout.kv_pages > 0 (a paged KV cache) needs rollout.decode_layers='scan' "
                   "(or 'auto' on GPU/TPU)")
+  if r.get("data_parallel", "replicas") not in ("replicas", "sharded"):
+    errors.append(f"rollout.data_parallel={r.data_parallel!r} must be 'replicas' or 'sharded'")
   if r.max_concurrent_rollouts < 0:
     errors.append(f"rollout.max_concurrent_rollouts={r.max_concurrent_rollouts} must be >= 0")
   if r.temperature <= 0:
@@ -353,14 +359,17 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
                     "set mesh.colocated=False")
   if n_devices is not None:
     errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots,
-                           remote_sampler=config.runtime.mode == "ray")
+                           remote_sampler=config.runtime.mode == "ray",
+                           group=r.n_samples if r.get("data_parallel", "replicas") == "replicas"
+                           and r.backend == "jax" else 0)
   if errors:
     raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
 
 def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int,
-                 remote_sampler: bool = False) -> list[str]:
-  """``remote_sampler``: rollout workers bring their own devices; ``n_devices`` are the learner's."""
+                 remote_sampler: bool = False, group: int = 0) -> list[str]:
+  """``remote_sampler``: rollout workers bring their own devices; ``n_devices`` are the learner's.
+  ``group``: a group's samples, which must fit one sampler replica's slots (0: no replicas)."""
   errors = []
   if remote_sampler and m.learner_devices > n_devices:
     return [f"mesh.learner_devices={m.learner_devices} exceeds the {n_devices} devices of the "
@@ -386,6 +395,11 @@ def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int,
     if name == "sampler" and num_slots % dp:
       errors.append(f"rollout.num_slots={num_slots} is not divisible by the sampler's data-parallel "
                     f"size {dp} (mesh.sampler {sizes})")
+    elif name == "sampler" and group > num_slots // sizes["data"]:
+      errors.append(f"rollout.n_samples={group} exceeds the {num_slots // sizes['data']} slots of "
+                    f"one sampler replica (rollout.num_slots={num_slots} over data="
+                    f"{sizes['data']}, mesh.sampler {sizes}): raise rollout.num_slots or set "
+                    "rollout.data_parallel='sharded'")
   return errors
 
 

@@ -58,6 +58,14 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
+def split_mesh(mesh: Mesh, axis: str) -> list[Mesh]:
+  """One mesh per index of ``mesh``'s axis ``axis`` (that axis of size 1 in each, the others
+  kept)."""
+  k = mesh.axis_names.index(axis)
+  return [Mesh(np.take(mesh.devices, [i], axis=k), mesh.axis_names)
+          for i in range(mesh.devices.shape[k])]
+
+
 def spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
          rules: Mapping | None = None) -> P:
   """PartitionSpec for an array of ``shape`` whose dimensions carry ``logical`` names."""

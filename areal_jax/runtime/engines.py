@@ -4,6 +4,10 @@ With LoRA (``actor.lora.rank > 0``) the learner publishes adapters only. The JAX
 them into its own copy of the base weights once per version; the in-process vLLM engine loads them
 with vLLM's own LoRA support (a PEFT directory per version); the vLLM server engine gets merged
 weights from ``MergingEngine`` (a host-side merge before each reload).
+
+A sampler mesh with a data axis gets one JAX engine per data index (``sampler.replicas``), each
+with ``rollout.num_slots / data`` slots on its own devices, unless ``rollout.data_parallel`` is
+``"sharded"`` (one engine, its slots split over the data axis).
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from areal_jax import sharding
 from areal_jax.learner import memory as learner_memory
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import RolloutEngine
+
+DATA_PARALLEL = ("replicas", "sharded")  # rollout.data_parallel: the JAX sampler over a data axis
 
 
 def sampler_budget(config, sampler_mesh, learner_plan=None) -> dict | None:
@@ -44,25 +51,42 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
   r = config.rollout
   lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
   if r.backend == "jax":
-    from areal_jax.sampler import memory
+    from areal_jax.sampler import memory, replicas
     from areal_jax.sampler.service import JaxRolloutEngine
 
-    def make(num_slots):
+    def make(num_slots, mesh=sampler_mesh, output=None):
       return JaxRolloutEngine(
-          model, mesh=sampler_mesh, num_slots=num_slots,
+          model, mesh=mesh, num_slots=num_slots,
           max_len=max(r.prefill_buckets) + r.max_new_tokens,
           prefill_buckets=tuple(r.prefill_buckets), continuation=r.continuation,
           eos_token_ids=tuple(tokenizer.eos_token_ids), steps_per_call=r.steps_per_call,
           decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
           decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
-          lora=lora, kv_pages=r.get("kv_pages", 0), page_size=r.get("page_size", 64))
+          lora=lora, kv_pages=r.get("kv_pages", 0), page_size=r.get("page_size", 64),
+          output=output)
 
-    if memory_budget is None:
-      return make(r.num_slots)
-    budget = memory_budget if isinstance(memory_budget, dict) else {"budget_bytes": memory_budget}
-    engine, plan = memory.fit(make, r.num_slots, min_slots=r.n_samples, **budget)
-    print(f"sampler memory plan: {plan.summary()}", flush=True)
-    return engine
+    budget = memory_budget if isinstance(memory_budget, dict) or memory_budget is None \
+        else {"budget_bytes": memory_budget}
+    meshes = replica_meshes(sampler_mesh, r.get("data_parallel", "replicas"))
+    if meshes is None:  # one engine (its slots split over the data axis, if any)
+      if budget is None:
+        return make(r.num_slots)
+      engine, plan = memory.fit(make, r.num_slots, min_slots=r.n_samples, **budget)
+      print(f"sampler memory plan: {plan.summary()}", flush=True)
+      return engine
+    slots = r.num_slots // len(meshes)  # per replica (the first one's memory plan may lower it)
+
+    def make_replica(mesh, output):
+      nonlocal slots
+      if budget is None or mesh is not meshes[0]:
+        return make(slots, mesh, output)
+      engine, plan = memory.fit(lambda s: make(s, mesh, output), slots, min_slots=r.n_samples,
+                                **budget)
+      slots = plan.num_slots
+      print(f"sampler memory plan (each of {len(meshes)} replicas): {plan.summary()}", flush=True)
+      return engine
+
+    return replicas.ReplicatedRolloutEngine(make_replica, meshes)
   if r.backend == "vllm":  # optional: needs vLLM (make install-vllm), raises a clear error without
     from areal_jax.vllm_rollout.factory import build as build_vllm
 
@@ -70,6 +94,18 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
     native = getattr(engine, "lora", None) is not None  # vLLM applies the adapters itself
     return engine if lora is None or native else MergingEngine(engine, model, lora)
   raise ValueError(f"rollout.backend={r.backend!r} is not one of ('jax', 'vllm')")
+
+
+def replica_meshes(sampler_mesh, data_parallel: str):
+  """The sub-meshes of the JAX sampler's replicas (``sampler.replicas``: one per index of the
+  data axis), or None for one engine: ``rollout.data_parallel="sharded"``, no data axis, or a
+  mesh with devices of other processes (a multi-process mesh runs one program on all of them)."""
+  if data_parallel not in DATA_PARALLEL:
+    raise ValueError(f"rollout.data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}")
+  local = all(d.process_index == jax.process_index() for d in sampler_mesh.devices.flat)
+  if data_parallel == "sharded" or sampler_mesh.shape.get("data", 1) == 1 or not local:
+    return None
+  return sharding.split_mesh(sampler_mesh, "data")
 
 
 class MergingEngine:

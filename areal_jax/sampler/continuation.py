@@ -38,7 +38,7 @@ def chunk_bucket(n: int) -> int:
   return max(MIN_CHUNK, 1 << max(n - 1, 0).bit_length())
 
 
-def _common_prefix(a, b) -> int:
+def shared_start(a, b) -> int:
   n = 0
   for x, y in zip(a, b):
     if x != y:
@@ -84,7 +84,7 @@ class Continuations:
     that start, if at least half of ``tokens``; else ``(None, 0)``."""
     best, shared = None, 0
     for key in self._rows:
-      n = _common_prefix(key, tokens)
+      n = shared_start(key, tokens)
       if n > shared:
         best, shared = key, n
     if best is None or 2 * shared < len(tokens):

@@ -47,9 +47,12 @@ CPU matmul kernel. With ``lora`` (a ``models.lora.LoraConfig``) it also accepts 
 (what the learner publishes), merged into the base weights once per version, so decoding runs at
 full-model speed.
 
-``width_buckets`` (default: powers of two from ``num_slots / 8`` up, multiples of the mesh's
-data-axis size) are the slot counts a decode step can run at: a step over w slots costs
-~w/num_slots of the per-slot work (the weights are read once per step whatever the width).
+``width_buckets`` (default: powers of two from ``num_slots / 8`` up) are the slot counts a decode
+step can run at: a step over w slots costs ~w/num_slots of the per-slot work (the weights are read
+once per step whatever the width). Slots split over devices default to the full width only: slots
+``[0, w)`` of a split live on the first devices, and XLA gathers the whole cache onto every device
+for such a call (seen in the compiled program); data-parallel sampling runs an engine per data
+index instead (``replicas``).
 
 Compiled functions are shared by engines of the same model structure, config and mesh; they close
 over static structure only (graph definition, shapes, shardings), never over an engine or its
@@ -188,9 +191,9 @@ class DecodeEngine:
 
   def _width_buckets(self) -> tuple[int, ...]:
     s, requested = self.config.num_slots, self.config.width_buckets
-    if requested is None:
-      shards = self.mesh.shape.get("data", 1)
-      requested = [w for w in (s // 8, s // 4, s // 2) if w >= 1 and w % shards == 0]
+    if requested is None:  # slots split over devices: full width only (see the module doc)
+      split = sharding.spec(("cache_batch",), (s,), self.mesh)[0] is not None
+      requested = [] if split else [w for w in (s // 8, s // 4, s // 2) if w >= 1]
     if any(not 1 <= int(w) <= s for w in requested):
       raise ValueError(f"width_buckets={requested} must lie in [1, num_slots={s}]")
     return tuple(sorted({int(w) for w in requested} | {s}))

@@ -25,8 +25,9 @@ def check(layers: str, slots_split: bool, config) -> None:
     raise ValueError("a paged KV cache (kv_pages > 0) needs the layers in a scan "
                      "(decode_layers='scan', decode_matmul='xla' on CPU)")
   if slots_split:
-    raise ValueError("a paged KV cache is not split over slots: give the sampler mesh no data "
-                     "axis, or kv_pages=0")
+    raise ValueError("a paged KV cache is not split over slots: with a data axis use an engine "
+                     "per data index (rollout.data_parallel='replicas', sampler/replicas.py), or "
+                     "give the mesh no data (or fsdp) axis, or kv_pages=0")
   if config.kv_pages * config.page_size < config.max_len:
     raise ValueError(f"kv_pages={config.kv_pages} pages of {config.page_size} positions cannot "
                      f"hold one sequence of max_len={config.max_len} positions")

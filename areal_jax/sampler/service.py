@@ -74,7 +74,9 @@ class JaxRolloutEngine(RolloutEngine):
                max_stop_ids: int = 8, cache_dtype: str | None = None, params: Any = None,
                version: int = 0, decode_attention: str = "auto", decode_matmul: str = "auto",
                decode_layers: str = "auto", decode_projections: str = "auto", lora=None,
-               kv_pages: int = 0, page_size: int = 64):
+               kv_pages: int = 0, page_size: int = 64, output=None):
+    """``output``: where finished samples go (anything with ``put``; default: this engine's own
+    queue, drained by ``poll``): ``replicas`` routes several engines' samples to one queue."""
     if continuation not in CONTINUATION_MODES:
       raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
     self.continuation = continuation
@@ -97,7 +99,7 @@ class JaxRolloutEngine(RolloutEngine):
     self._slots: list[Seq | None] = [None] * num_slots
     self._waiting: collections.deque[Group] = collections.deque()
     self._inflight: collections.deque = collections.deque()  # (outputs, slot snapshot, version)
-    self._out: queue.Queue[Sample] = queue.Queue()
+    self._out: queue.Queue[Sample] = queue.Queue() if output is None else output
     self._lock = threading.Condition()
     self._pending_params = None
     self._aborts: list[int] = []

@@ -1,0 +1,216 @@
+"""Data-parallel sampling as replicas: an engine per data index behind one RolloutEngine."""
+
+import re
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from areal_jax import sharding
+from areal_jax.rollout_api import GroupRequest, SamplingParams
+from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+from areal_jax.sampler.replicas import ReplicatedRolloutEngine
+from areal_jax.sampler.service import JaxRolloutEngine
+
+KW = dict(max_len=64, prefill_buckets=(16, 32), kv_buckets=(32, 64), steps_per_call=2,
+          decode_attention="xla", decode_matmul="xla", decode_layers="scan")
+
+
+def _collect(engine, count, timeout=120.0):
+  out, deadline = [], time.time() + timeout
+  while len(out) < count and time.time() < deadline:
+    out += engine.poll(timeout=0.5)
+  assert len(out) == count, f"got {len(out)} of {count} samples"
+  return out
+
+
+def _replicated(model, data=4, slots=4, **kw):
+  mesh = sharding.make_mesh({"data": data}, jax.devices()[:data])
+  return ReplicatedRolloutEngine(
+      lambda m, out: JaxRolloutEngine(model, mesh=m, num_slots=slots, output=out, **{**KW, **kw}),
+      sharding.split_mesh(mesh, "data"))
+
+
+def _requests(count=6, n=2, budget=(5, 9, 14)):
+  return [GroupRequest(g, [g + 1, 3, 5, 7][: 2 + g % 3], n=n, params=SamplingParams(
+      temperature=1.0, max_new_tokens=budget[g % len(budget)], seed=g)) for g in range(count)]
+
+
+def _run(engine, requests):
+  engine.start()
+  try:
+    for r in requests:
+      engine.submit(r)
+    samples = _collect(engine, sum(r.n for r in requests))
+  finally:
+    engine.stop()
+  return {(s.group_id, s.index): s for s in samples}
+
+
+def test_split_mesh_gives_one_sub_mesh_per_data_index():
+  mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+  subs = sharding.split_mesh(mesh, "data")
+  assert [dict(m.shape) for m in subs] == [{"data": 1, "fsdp": 1, "tensor": 2}] * 2
+  assert [list(m.devices.flat) for m in subs] == [list(mesh.devices[i].flat) for i in range(2)]
+
+
+@pytest.mark.parametrize("pages", [0, 12])
+def test_replicas_draw_what_one_engine_draws(model, pages):
+  """Four replicas of 4 slots (a paged cache each: one engine over a data axis cannot hold one)
+  give every sample one 16-slot engine gives: same tokens, logprobs, versions; the groups spread
+  over the replicas and every sample is counted back."""
+  page_kw = dict(kv_pages=pages, page_size=16) if pages else {}
+  eng = _replicated(model, **page_kw)
+  got = _run(eng, _requests(8))
+  ref = _run(JaxRolloutEngine(model, num_slots=16, **KW), _requests(8))
+  assert got.keys() == ref.keys()
+  for key, s in got.items():
+    assert s.tokens == ref[key].tokens and s.versions == ref[key].versions
+    np.testing.assert_allclose(s.logprobs, ref[key].logprobs, atol=1e-5)
+    assert s.finish_reason == ref[key].finish_reason == "length"
+  assert all(r.stats["finished"] >= 2 for r in eng.replicas)  # 8 groups of 2 over 4 replicas
+  assert eng.load() == [0, 0, 0, 0] and eng.stats["finished"] == 16
+  assert eng.num_slots == 16 and eng.engine is eng.replicas[0].engine
+  if pages:
+    assert all(r._paging.table.free_pages == pages for r in eng.replicas)
+
+
+def test_the_least_loaded_replica_takes_the_next_group(model):
+  eng = _replicated(model, data=2, slots=4)  # not started: requests wait where they were sent
+  for r in _requests(3, n=2):
+    eng.submit(r)
+  assert eng.load() == [4, 2]  # groups 0, 2 -> replica 0 (ties: the lowest); group 1 -> 1
+  eng.submit(GroupRequest(9, [1, 2], n=1))
+  assert eng.load() == [4, 3]
+  eng.abort(1)  # the group's own replica returns its samples
+  eng.start()
+  try:
+    aborted = _collect(eng, 2, timeout=30)
+  finally:
+    eng.stop()
+  assert {(s.group_id, s.finish_reason) for s in aborted} == {(1, "abort")}
+  rest = eng.poll(timeout=1.0)  # stop() aborted the others
+  assert len(rest) == 5 and eng.load() == [0, 0]
+
+
+def test_a_conversation_continues_on_the_replica_that_kept_its_turn(model):
+  """The next turn goes where the last turn's KV is kept (not to the least loaded replica), so
+  that replica continues it instead of prefilling the history."""
+  eng = _replicated(model, data=2, slots=4)
+  eng.start()
+  try:
+    eng.submit(GroupRequest(0, [9, 9, 9], n=1, params=SamplingParams(max_new_tokens=40, seed=1)))
+    first = [1, 2, 3, 4, 5]
+    eng.submit(GroupRequest(1, first, n=1, params=SamplingParams(max_new_tokens=6, seed=2),
+                            metadata={"continue": True}))
+    (turn,) = [s for s in _collect(eng, 2) if s.group_id == 1] or [None]
+    assert eng.replicas[1].stats["finished"] >= 1  # turn 1 ran on replica 1 (0 was busier)
+    nxt = first + turn.tokens + [7, 7]
+    eng.submit(GroupRequest(2, nxt, n=1, params=SamplingParams(max_new_tokens=4, seed=3),
+                            metadata={"continue": True}))
+    _collect(eng, 1)
+  finally:
+    eng.stop()
+  assert eng.replicas[1].stats["continued"] == 1 and eng.replicas[0].stats["continued"] == 0
+
+
+def test_a_weight_version_reaches_every_replica(model, other_model):
+  from flax import nnx
+
+  new = nnx.to_pure_dict(nnx.state(other_model, nnx.Param))
+  eng = _replicated(model, data=2, slots=2)
+  eng.update_params(new, 3)  # before start: in use at once
+  assert eng.version == 3
+  got = _run(eng, _requests(4))
+  ref = _run(JaxRolloutEngine(other_model, num_slots=4, **KW), _requests(4))
+  for key, s in got.items():
+    assert set(s.versions) == {3} and s.tokens == ref[key].tokens
+  # in flight: each replica swaps between its calls
+  eng = _replicated(model, data=2, slots=2, prefill_buckets=(16,), kv_buckets=(64,))
+  eng.warmup()  # (the replicas compile at once)
+  assert eng.compile_stats()["compiles"] == sum(r.compile_stats()["compiles"]
+                                                for r in eng.replicas) > 0
+  eng.start()
+  try:
+    for r in _requests(4, budget=(30,)):
+      eng.submit(r)
+    eng.update_params(new, 1)
+    samples = _collect(eng, 8)
+  finally:
+    eng.stop()
+  assert eng.version == 1 and all(r.stats["swaps"] == 1 for r in eng.replicas)
+  for s in samples:
+    assert s.versions == sorted(s.versions) and set(s.versions) <= {0, 1}
+
+
+def _collectives(compiled_text: str) -> list[str]:
+  return re.findall(r"= (\S+) (?:all-gather|all-to-all|collective-permute|all-reduce)\(",
+                    compiled_text)
+
+
+def test_an_engine_over_a_data_axis_decodes_at_full_width_without_moving_its_cache(model):
+  """Slots split over devices: one width (the full one), whose decode program moves nothing of
+  cache size between devices; a replica's program has no collective at all."""
+  mesh = sharding.make_mesh({"data": 4}, jax.devices()[:4])
+  config = EngineConfig(num_slots=16, max_len=64, steps_per_call=2, decode_attention="dense",
+                        decode_matmul="xla", decode_layers="scan")
+  eng = DecodeEngine(model, config, mesh)
+  assert eng.width_buckets == (16,)
+  cache_elems = int(np.prod(eng.state_shardings["cache"]["k"].shard_shape(
+      eng.state_shapes()["cache"]["k"].shape)))
+  text = eng._make_generate(64, 16).lower(eng.params, eng.state_shapes()).compile().as_text()
+  sizes = [int(np.prod([int(d) for d in re.search(r"\[([\d,]*)\]", shape)[1].split(",") if d]))
+           for shape in _collectives(text)]
+  assert max(sizes) < cache_elems
+  one = DecodeEngine(model, config, sharding.split_mesh(mesh, "data")[0])
+  assert one.width_buckets == (2, 4, 8, 16)
+  text = one._make_generate(64, 4).lower(one.params, one.state_shapes()).compile().as_text()
+  assert _collectives(text) == []
+
+
+def test_engines_build_makes_a_replica_per_data_index_and_plans_one(capsys):
+  from areal_jax import config as config_lib
+  from areal_jax.models import tokenizer as tok_lib
+  from areal_jax.runtime import engines
+  from areal_jax.sampler import memory
+
+  from .conftest import tiny_model
+
+  c = config_lib.base_config()
+  c.rollout.num_slots, c.rollout.prefill_buckets, c.rollout.max_new_tokens = 8, (16,), 16
+  c.rollout.n_samples = 2
+  model, tokenizer = tiny_model(0), tok_lib.byte_tokenizer()
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+  eng = engines.build(c, model, tokenizer, mesh)
+  assert isinstance(eng, ReplicatedRolloutEngine) and eng.num_slots == 8
+  assert [r.engine.mesh.devices.tolist() for r in eng.replicas] == [[[[d]]] for d in mesh.devices.flat]
+  # a budget four slots do not fit: the first replica's plan lowers every replica's slots
+  four = memory.plan(eng.engine, None)
+  room = four.peak_bytes - four.state // 3
+  eng = engines.build(c, model, tokenizer, mesh, memory_budget=room)
+  out = capsys.readouterr().out
+  assert "each of 2 replicas" in out and "rollout.num_slots=4 does not fit" in out
+  slots = {r.engine.config.num_slots for r in eng.replicas}
+  assert len(slots) == 1 and 2 <= slots.pop() < 4
+  c.rollout.data_parallel = "sharded"  # one engine, its slots split over the data axis
+  eng = engines.build(c, model, tokenizer, mesh)
+  assert isinstance(eng, JaxRolloutEngine) and eng.engine.width_buckets == (8,)
+  assert engines.replica_meshes(sharding.make_mesh({}, jax.devices()[:1]), "replicas") is None
+  with pytest.raises(ValueError, match="rollout.data_parallel='rows'"):
+    engines.replica_meshes(mesh, "rows")
+
+
+def test_config_checks_that_a_group_fits_one_replica():
+  from areal_jax import config as config_lib
+
+  c = config_lib.base_config()
+  c.mesh.sampler_devices, c.rollout.num_slots, c.rollout.n_samples = 4, 8, 4
+  with pytest.raises(ValueError, match="rollout.n_samples=4 exceeds the 2 slots of one sampler "
+                                       "replica"):
+    config_lib.validate(c, n_devices=8)
+  c.rollout.data_parallel = "sharded"
+  config_lib.validate(c, n_devices=8)
+  c.rollout.data_parallel = "rows"
+  with pytest.raises(ValueError, match="rollout.data_parallel='rows' must be"):
+    config_lib.validate(c, n_devices=8)
