@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import queue
 from typing import Any
 
 
@@ -115,3 +116,17 @@ class RolloutEngine(abc.ABC):
     """``{"compiles", "compile_s"}``: the programs this engine compiled so far and the seconds
     their first calls took; {} from engines that do not count them."""
     return {}
+
+
+def drain(samples: queue.Queue, timeout: float | None = 0.0) -> list:
+  """``RolloutEngine.poll`` over a queue of samples: everything queued, after waiting up to
+  ``timeout`` seconds (None: without limit) for the first."""
+  out = []
+  try:
+    if timeout is None or timeout > 0:
+      out.append(samples.get(timeout=timeout))
+    while True:
+      out.append(samples.get_nowait())
+  except queue.Empty:
+    pass
+  return out

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from jax.sharding import Mesh
 
-from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample
+from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
 from areal_jax.sampler.continuation import shared_start
 
 
@@ -108,15 +108,7 @@ class ReplicatedRolloutEngine(RolloutEngine):
     self.replicas[i].submit(request)
 
   def poll(self, timeout: float | None = 0.0) -> list[Sample]:
-    out = []
-    try:
-      if timeout is None or timeout > 0:
-        out.append(self._out.get(timeout=timeout))
-      while True:
-        out.append(self._out.get_nowait())
-    except queue.Empty:
-      pass
-    return out
+    return drain(self._out, timeout)
 
   def update_params(self, params: Any, version: int) -> None:
     for r in self.replicas:

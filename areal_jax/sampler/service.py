@@ -52,7 +52,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from areal_jax.models.transformer import Transformer
-from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample
+from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
 from areal_jax.sampler import admission, paging, prefix_memo, requests, sampling, sequences
 from areal_jax.sampler import continuation as continuation_lib
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
@@ -176,15 +176,7 @@ class JaxRolloutEngine(RolloutEngine):
       self._lock.notify_all()
 
   def poll(self, timeout: float | None = 0.0) -> list[Sample]:
-    out = []
-    try:
-      if timeout is None or timeout > 0:
-        out.append(self._out.get(timeout=timeout))
-      while True:
-        out.append(self._out.get_nowait())
-    except queue.Empty:
-      pass
-    return out
+    return drain(self._out, timeout)
 
   def update_params(self, params: Any, version: int) -> None:
     placed = self.engine.put_params(params)

@@ -26,7 +26,7 @@ import hashlib
 import queue
 import time
 
-from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, SamplingParams
+from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, SamplingParams, drain
 from areal_jax.sampler import requests
 
 
@@ -123,15 +123,7 @@ class VllmEngineBase(RolloutEngine):
     return self._version
 
   def poll(self, timeout: float | None = 0.0) -> list[Sample]:
-    out = []
-    try:
-      if timeout is None or timeout > 0:
-        out.append(self._out.get(timeout=timeout))
-      while True:
-        out.append(self._out.get_nowait())
-    except queue.Empty:
-      pass
-    return out
+    return drain(self._out, timeout)
 
   # ---- requests --------------------------------------------------------------------------------
 

@@ -13,16 +13,10 @@ from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 from areal_jax.sampler.replicas import ReplicatedRolloutEngine
 from areal_jax.sampler.service import JaxRolloutEngine
 
+from .test_service import _collect
+
 KW = dict(max_len=64, prefill_buckets=(16, 32), kv_buckets=(32, 64), steps_per_call=2,
           decode_attention="xla", decode_matmul="xla", decode_layers="scan")
-
-
-def _collect(engine, count, timeout=120.0):
-  out, deadline = [], time.time() + timeout
-  while len(out) < count and time.time() < deadline:
-    out += engine.poll(timeout=0.5)
-  assert len(out) == count, f"got {len(out)} of {count} samples"
-  return out
 
 
 def _replicated(model, data=4, slots=4, **kw):
