@@ -1,6 +1,7 @@
 r"""GSM8K with GRPO and the decoupled PPO objective, asynchronous (eta = 2).
 
-Default preset: the reference recipe (AReaL's GSM8K run) on 8 accelerators split 4 + 4.
+Default preset: the reference recipe (AReaL's GSM8K run) on 8 accelerators split 4 + 4 (the
+sampler's 4: an engine per chip with 64 of the 256 slots, rollout.data_parallel="replicas").
   python launch.py --config=configs/gsm8k.py --workdir=$HOME/runs/gsm8k \
       --config.model.source=$HOME/models/Qwen2.5-1.5B-Instruct
 Qwen2.5-1.5B-Instruct must be a local Hugging Face directory (download it once with

@@ -1,5 +1,6 @@
 """Data-parallel sampling as replicas: an engine per data index behind one RolloutEngine."""
 
+import functools
 import re
 import time
 
@@ -49,23 +50,27 @@ def test_split_mesh_gives_one_sub_mesh_per_data_index():
   assert [list(m.devices.flat) for m in subs] == [list(mesh.devices[i].flat) for i in range(2)]
 
 
-@pytest.mark.parametrize("pages", [0, 12])
-def test_replicas_draw_what_one_engine_draws(model, pages):
-  """Four replicas of 4 slots (a paged cache each: one engine over a data axis cannot hold one)
-  give every sample one 16-slot engine gives: same tokens, logprobs, versions; the groups spread
-  over the replicas and every sample is counted back."""
+@functools.lru_cache(maxsize=1)
+def _reference(model):
+  return _run(JaxRolloutEngine(model, num_slots=16, **KW), _requests(8))
+
+
+@pytest.mark.parametrize("data,pages", [(2, 0), (4, 12)])
+def test_replicas_draw_what_one_engine_draws(model, data, pages):
+  """Replicas of 4 slots (a paged cache each: one engine over a data axis cannot hold one) give
+  every sample one 16-slot engine gives: same tokens, logprobs, versions; the groups spread over
+  the replicas and every sample is counted back."""
   page_kw = dict(kv_pages=pages, page_size=16) if pages else {}
-  eng = _replicated(model, **page_kw)
-  got = _run(eng, _requests(8))
-  ref = _run(JaxRolloutEngine(model, num_slots=16, **KW), _requests(8))
+  eng = _replicated(model, data=data, **page_kw)
+  got, ref = _run(eng, _requests(8)), _reference(model)
   assert got.keys() == ref.keys()
   for key, s in got.items():
     assert s.tokens == ref[key].tokens and s.versions == ref[key].versions
     np.testing.assert_allclose(s.logprobs, ref[key].logprobs, atol=1e-5)
     assert s.finish_reason == ref[key].finish_reason == "length"
-  assert all(r.stats["finished"] >= 2 for r in eng.replicas)  # 8 groups of 2 over 4 replicas
-  assert eng.load() == [0, 0, 0, 0] and eng.stats["finished"] == 16
-  assert eng.num_slots == 16 and eng.engine is eng.replicas[0].engine
+  assert all(r.stats["finished"] >= 2 for r in eng.replicas)  # 8 groups of 2 over the replicas
+  assert eng.load() == [0] * data and eng.stats["finished"] == 16
+  assert eng.num_slots == 4 * data and eng.engine is eng.replicas[0].engine
   if pages:
     assert all(r._paging.table.free_pages == pages for r in eng.replicas)
 
@@ -112,30 +117,38 @@ def test_a_conversation_continues_on_the_replica_that_kept_its_turn(model):
 def test_a_weight_version_reaches_every_replica(model, other_model):
   from flax import nnx
 
-  new = nnx.to_pure_dict(nnx.state(other_model, nnx.Param))
+  # as a weight transfer hands them over: replicated over the whole sampler mesh
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+  new = jax.device_put(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   eng = _replicated(model, data=2, slots=2)
   eng.update_params(new, 3)  # before start: in use at once
+  for r in eng.replicas:  # each replica's copy on its own device
+    assert {frozenset(leaf.sharding.device_set) for leaf in jax.tree.leaves(r._params)} == {
+        frozenset(r.engine.mesh.devices.flat)}
   assert eng.version == 3
   got = _run(eng, _requests(4))
   ref = _run(JaxRolloutEngine(other_model, num_slots=4, **KW), _requests(4))
   for key, s in got.items():
     assert set(s.versions) == {3} and s.tokens == ref[key].tokens
-  # in flight: each replica swaps between its calls
-  eng = _replicated(model, data=2, slots=2, prefill_buckets=(16,), kv_buckets=(64,))
-  eng.warmup()  # (the replicas compile at once)
-  assert eng.compile_stats()["compiles"] == sum(r.compile_stats()["compiles"]
-                                                for r in eng.replicas) > 0
-  eng.start()
+  eng.start()  # in flight, on the same (stopped) replicas: each swaps between its own calls
   try:
     for r in _requests(4, budget=(30,)):
       eng.submit(r)
-    eng.update_params(new, 1)
+    eng.update_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), 4)
     samples = _collect(eng, 8)
   finally:
     eng.stop()
-  assert eng.version == 1 and all(r.stats["swaps"] == 1 for r in eng.replicas)
+  assert eng.version == 4 and all(r.stats["swaps"] == 2 for r in eng.replicas)
   for s in samples:
-    assert s.versions == sorted(s.versions) and set(s.versions) <= {0, 1}
+    assert s.versions == sorted(s.versions) and set(s.versions) <= {3, 4}
+
+
+def test_warmup_compiles_every_replica_at_once(model):
+  eng = _replicated(model, data=2, slots=1, prefill_buckets=(16,), kv_buckets=(64,))
+  eng.warmup()
+  counts = [r.compile_stats()["compiles"] for r in eng.replicas]
+  assert counts[0] == counts[1] > 0 and eng.compile_stats()["compiles"] == sum(counts)
 
 
 def _collectives(compiled_text: str) -> list[str]:
