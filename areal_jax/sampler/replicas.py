@@ -17,8 +17,10 @@ matches); every other request to the replica with the fewest samples outstanding
 yet returned) per slot, the lowest index among equals. Samples are the same whichever replica draws
 them: sampling keys come from the request's seed and the sample's index, never from a slot.
 
-Weights: ``update_params`` hands every replica the new version (each places its own copy on its
-devices); ``version`` is the oldest in use, so a caller waiting for a version waits for all.
+Weights: ``update_params`` hands every replica the new version as the shards already on its
+devices (``on_mesh``: weights arrive replicated over the sampler mesh, and no replica copies
+them); each converts them to the layout it holds. ``version`` is the oldest in use, so a caller
+waiting for a version waits for all.
 """
 
 from __future__ import annotations
@@ -29,10 +31,28 @@ import queue
 import threading
 from typing import Any, Callable
 
-from jax.sharding import Mesh
+import jax
+from jax.sharding import Mesh, NamedSharding
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
 from areal_jax.sampler.continuation import shared_start
+
+
+def on_mesh(x, mesh: Mesh):
+  """``x`` as an array on ``mesh`` (a replica's sub-mesh) made of the shards it already has on
+  that mesh's devices: no copy (weights arrive replicated over the whole sampler mesh; a copy per
+  replica would hold a second float32 copy of the weights on every device during the swap).
+  Anything else is returned as it is (the engine places it)."""
+  sh = getattr(x, "sharding", None)
+  if not isinstance(sh, NamedSharding) or "data" in jax.tree.leaves(tuple(sh.spec)) or \
+      set(sh.mesh.axis_names) != set(mesh.axis_names):
+    return x
+  target = NamedSharding(mesh, sh.spec)
+  shards = {s.device: s.data for s in x.addressable_shards}
+  if not all(d in shards for d in mesh.devices.flat):
+    return x
+  return jax.make_array_from_single_device_arrays(
+      x.shape, target, [shards[d] for d in target.addressable_devices])
 
 
 class _Output:
@@ -112,7 +132,7 @@ class ReplicatedRolloutEngine(RolloutEngine):
 
   def update_params(self, params: Any, version: int) -> None:
     for r in self.replicas:
-      r.update_params(params, version)
+      r.update_params(jax.tree.map(lambda x: on_mesh(x, r.engine.mesh), params), version)
 
   def pause(self) -> None:
     for r in self.replicas:

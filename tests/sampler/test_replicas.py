@@ -11,7 +11,7 @@ import pytest
 from areal_jax import sharding
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
-from areal_jax.sampler.replicas import ReplicatedRolloutEngine
+from areal_jax.sampler.replicas import ReplicatedRolloutEngine, on_mesh
 from areal_jax.sampler.service import JaxRolloutEngine
 
 from .test_service import _collect
@@ -48,6 +48,17 @@ def test_split_mesh_gives_one_sub_mesh_per_data_index():
   subs = sharding.split_mesh(mesh, "data")
   assert [dict(m.shape) for m in subs] == [{"data": 1, "fsdp": 1, "tensor": 2}] * 2
   assert [list(m.devices.flat) for m in subs] == [list(mesh.devices[i].flat) for i in range(2)]
+  # an array on the whole mesh (split over the tensor axis, replicated over data) viewed on a
+  # sub-mesh: its own shards there, no copy
+  x = jax.device_put(np.arange(32.0).reshape(4, 8), jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, "tensor")))
+  y = on_mesh(x, subs[1])
+  assert y.sharding.mesh == subs[1] and y.sharding.spec == x.sharding.spec
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+  src = {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+  assert all(s.data.unsafe_buffer_pointer() == src[s.device] for s in y.addressable_shards)
+  split = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  assert on_mesh(split, subs[1]) is split and on_mesh(np.ones(3), subs[1]).shape == (3,)
 
 
 @functools.lru_cache(maxsize=1)
