@@ -9,13 +9,17 @@ to name pages on other devices. A replica decodes its own slots on its own devic
 over the data axis at all, its own width as its own batch drains, a paged cache each, its own host
 loop (one replica's sync or prefill never holds up another's decode calls).
 
-Routing: a group goes whole to one replica (its samples share a prefill and, paged, their
-prompt's pages), so ``rollout.n_samples`` must fit one replica's slots. A request that continues a
-conversation (``metadata["continue"]``) goes to the replica that kept the KV of the earlier turn
-sharing the longest start with its prompt (at least half of that turn, as ``continuation``
-matches); every other request to the replica with the fewest samples outstanding (submitted, not
-yet returned) per slot, the lowest index among equals. Samples are the same whichever replica draws
-them: sampling keys come from the request's seed and the sample's index, never from a slot.
+Routing (a thread of its own, ``start``): a group goes whole to one replica (its samples share a
+prefill and, paged, their prompt's pages), so ``rollout.n_samples`` must fit one replica's slots.
+Groups wait here, in order, until a replica has room for them (its samples outstanding, handed
+over and not yet returned, leave slots for the group; or it has none outstanding): bound late, a
+group never queues behind one replica's long sequences while another replica's slots are free.
+Among replicas with room, the one with the fewest samples outstanding per slot takes it (the lowest
+index among equals). A request that continues a conversation (``metadata["continue"]``) goes at
+once to the replica that kept the KV of the earlier turn sharing the longest start with its prompt
+(at least half of that turn, as ``continuation`` matches), which continues it instead of
+prefilling the history. Samples are the same whichever replica draws them: sampling keys come
+from the request's seed and the sample's index, never from a slot.
 
 Weights: ``update_params`` hands every replica the new version as the shards already on its
 devices (``on_mesh``: weights arrive replicated over the sampler mesh, and no replica copies
@@ -29,13 +33,16 @@ import collections
 import concurrent.futures
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
+from areal_jax.sampler import requests, sequences
 from areal_jax.sampler.continuation import shared_start
+from areal_jax.sampler.sequences import Group
 
 
 def on_mesh(x, mesh: Mesh):
@@ -76,6 +83,10 @@ class ReplicatedRolloutEngine(RolloutEngine):
     self._outstanding = [0] * len(meshes)
     self._groups: dict[int, list[int]] = {}  # group_id -> [replica, samples not yet returned]
     self._kept: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
+    self._pending: collections.deque[Group] = collections.deque()  # not yet handed to a replica
+    self._wake = threading.Condition(self._lock)  # a request came in or samples came back
+    self._router: threading.Thread | None = None
+    self._stopping = False
     self.replicas = [make(mesh, _Output(self, i)) for i, mesh in enumerate(meshes)]
     self.num_slots = sum(r.num_slots for r in self.replicas)
     self.max_len = self.replicas[0].max_len
@@ -99,10 +110,11 @@ class ReplicatedRolloutEngine(RolloutEngine):
       total.update(r.compile_stats())
     return dict(total)
 
-  def load(self) -> list[int]:
-    """Samples outstanding per replica."""
+  def load(self) -> tuple[list[int], int]:
+    """Samples outstanding per replica (handed over, not yet returned), and groups waiting for a
+    replica."""
     with self._lock:
-      return list(self._outstanding)
+      return list(self._outstanding), len(self._pending)
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
 
@@ -114,18 +126,40 @@ class ReplicatedRolloutEngine(RolloutEngine):
   def start(self) -> None:
     for r in self.replicas:
       r.start()
+    if self._router is None:
+      self._stopping = False
+      self._router = threading.Thread(target=self._route_loop, name="replica-router", daemon=True)
+      self._router.start()
 
   def stop(self) -> None:
+    """Stops routing, then every replica (its sequences come back aborted), then aborts the groups
+    still waiting for one."""
+    with self._wake:
+      self._stopping = True
+      self._wake.notify_all()
+    if self._router is not None:
+      self._router.join()
+      self._router = None
     for r in self.replicas:
       r.stop()
+    with self._lock:
+      pending, self._pending = list(self._pending), collections.deque()
+    for group in pending:
+      self._emit(group, "abort")
 
   def submit(self, request: GroupRequest) -> None:
-    with self._lock:
-      i = self._pick(request)
-      self._outstanding[i] += request.n
-      group = self._groups.setdefault(request.group_id, [i, 0])
-      group[1] += request.n if group[0] == i else 0
-    self.replicas[i].submit(request)
+    group, first = Group(request, time.time(), ()), self.replicas[0]
+    try:  # checked now (a replica checks it again), not after waiting for room
+      requests.validate(request, max_len=self.max_len, vocab_size=first.vocab_size,
+                        num_slots=min(r.num_slots for r in self.replicas),
+                        eos_token_ids=first.eos_token_ids,
+                        max_stop_ids=first.engine.config.max_stop_ids)
+    except ValueError as e:
+      self._emit(group, "error", str(e))
+      return
+    with self._wake:
+      self._pending.append(group)
+      self._wake.notify_all()
 
   def poll(self, timeout: float | None = 0.0) -> list[Sample]:
     return drain(self._out, timeout)
@@ -144,9 +178,14 @@ class ReplicatedRolloutEngine(RolloutEngine):
 
   def abort(self, group_id: int) -> None:
     with self._lock:
+      waiting = [g for g in self._pending if g.request.group_id == group_id]
+      for g in waiting:
+        self._pending.remove(g)
       group = self._groups.get(group_id)
-    for i in ([group[0]] if group else range(len(self.replicas))):
-      self.replicas[i].abort(group_id)
+    for g in waiting:
+      self._emit(g, "abort")
+    if group is not None:
+      self.replicas[group[0]].abort(group_id)
 
   def set_token_listener(self, listener) -> None:
     for r in self.replicas:
@@ -154,22 +193,55 @@ class ReplicatedRolloutEngine(RolloutEngine):
 
   # ---- routing ---------------------------------------------------------------------------------
 
-  def _pick(self, request: GroupRequest) -> int:
-    """The replica for ``request`` (under the lock)."""
-    if request.metadata.get("continue") and self._kept:
-      prompt = request.prompt_tokens[:-1]
-      best, best_n = None, 0
-      for key in self._kept:
-        n = shared_start(key, prompt)
-        if 2 * n >= len(key) and n > best_n:
-          best, best_n = key, n
-      if best is not None:  # its row is taken by this request (rows are used once)
-        return self._kept.pop(best)
-    load = [n / r.num_slots for n, r in zip(self._outstanding, self.replicas)]
-    return load.index(min(load))
+  def _route_loop(self) -> None:
+    while True:
+      with self._wake:
+        if self._stopping:
+          return
+        routed = self._assign()
+        if not routed:
+          self._wake.wait(0.05)
+          continue
+      for i, group in routed:  # (no lock held: a replica's submit takes its own)
+        self.replicas[i].submit(group.request, submitted_s=group.submitted_s)
+
+  def _assign(self) -> list[tuple[int, Group]]:
+    """Waiting groups that a replica takes now, in order, and their replicas (under the lock)."""
+    routed = []
+    for group in list(self._pending):
+      r = group.request
+      i = self._kept_by(r) if r.metadata.get("continue") else None
+      if i is None:
+        room = [j for j, rep in enumerate(self.replicas)
+                if self._outstanding[j] == 0 or self._outstanding[j] + r.n <= rep.num_slots]
+        if not room:
+          continue
+        i = min(room, key=lambda j: (self._outstanding[j] / self.replicas[j].num_slots, j))
+      self._pending.remove(group)
+      self._outstanding[i] += r.n
+      owner = self._groups.setdefault(r.group_id, [i, 0])
+      owner[1] += r.n if owner[0] == i else 0
+      routed.append((i, group))
+    return routed
+
+  def _kept_by(self, request: GroupRequest) -> int | None:
+    """The replica that kept the turn ``request`` continues (its row is then taken: rows are used
+    once), or None."""
+    prompt = request.prompt_tokens[:-1]
+    best, best_n = None, 0
+    for key in self._kept:
+      n = shared_start(key, prompt)
+      if 2 * n >= len(key) and n > best_n:
+        best, best_n = key, n
+    return None if best is None else self._kept.pop(best)
+
+  def _emit(self, group: Group, reason: str, error: str | None = None) -> None:
+    for sample in sequences.unstarted(group, reason, error):
+      self._out.put(sample)
 
   def _returned(self, i: int, sample: Sample) -> None:
-    with self._lock:
+    with self._wake:
+      self._wake.notify_all()  # room, maybe, for a waiting group
       self._outstanding[i] = max(self._outstanding[i] - 1, 0)
       group = self._groups.get(sample.group_id)
       if group is not None and group[0] == i:

@@ -157,9 +157,10 @@ class JaxRolloutEngine(RolloutEngine):
       while self._waiting:
         self._emit_group(self._waiting.popleft(), "abort")
 
-  def submit(self, request: GroupRequest) -> None:
-    now = time.time()
-    group = Group(request, now, ())
+  def submit(self, request: GroupRequest, submitted_s: float | None = None) -> None:
+    """``submitted_s``: when the request was made, if earlier than now (``replicas`` holds a
+    request until a replica has room)."""
+    group = Group(request, time.time() if submitted_s is None else submitted_s, ())
     try:
       group.stop_ids = requests.validate(
           request, max_len=self.max_len, vocab_size=self.vocab_size, num_slots=self.num_slots,

@@ -80,28 +80,48 @@ def test_replicas_draw_what_one_engine_draws(model, data, pages):
     np.testing.assert_allclose(s.logprobs, ref[key].logprobs, atol=1e-5)
     assert s.finish_reason == ref[key].finish_reason == "length"
   assert all(r.stats["finished"] >= 2 for r in eng.replicas)  # 8 groups of 2 over the replicas
-  assert eng.load() == [0] * data and eng.stats["finished"] == 16
+  assert eng.load() == ([0] * data, 0) and eng.stats["finished"] == 16
   assert eng.num_slots == 4 * data and eng.engine is eng.replicas[0].engine
   if pages:
     assert all(r._paging.table.free_pages == pages for r in eng.replicas)
 
 
-def test_the_least_loaded_replica_takes_the_next_group(model):
-  eng = _replicated(model, data=2, slots=4)  # not started: requests wait where they were sent
-  for r in _requests(3, n=2):
-    eng.submit(r)
-  assert eng.load() == [4, 2]  # groups 0, 2 -> replica 0 (ties: the lowest); group 1 -> 1
-  eng.submit(GroupRequest(9, [1, 2], n=1))
-  assert eng.load() == [4, 3]
-  eng.abort(1)  # the group's own replica returns its samples
+def _wait_for(condition, timeout=30.0):
+  deadline = time.time() + timeout
+  while not condition() and time.time() < deadline:
+    time.sleep(0.02)
+  assert condition()
+
+
+def test_groups_wait_for_a_replica_with_room_and_go_to_the_least_loaded(model):
+  eng = _replicated(model, data=2, slots=4)
+  eng.submit(GroupRequest(20, [1, 2], n=1))  # not started: waits here; stop aborts it
+  eng.stop()
+  assert [(s.group_id, s.finish_reason) for s in eng.poll()] == [(20, "abort")]
   eng.start()
+  eng.pause()  # the replicas take groups but decode nothing
   try:
-    aborted = _collect(eng, 2, timeout=30)
+    for r in _requests(3, n=2) + [GroupRequest(9, [1, 2], n=1), GroupRequest(10, [3, 4], n=2)]:
+      eng.submit(r)
+    # groups 0 and 2 -> replica 0 (equal loads: the lowest index), 1 and 9 -> replica 1; group 10
+    # waits: neither replica has two slots left
+    _wait_for(lambda: eng.load() == ([4, 3], 1))
+    eng.abort(1)  # its replica gives its samples back: room for group 10 there
+    assert {(s.group_id, s.finish_reason) for s in _collect(eng, 2)} == {(1, "abort")}
+    _wait_for(lambda: eng.load() == ([4, 3], 0))
+    eng.submit(GroupRequest(12, [5, 6], n=2))  # waits, then is aborted while waiting
+    _wait_for(lambda: eng.load()[1] == 1)
+    eng.abort(12)
+    assert {(s.group_id, s.finish_reason) for s in _collect(eng, 2)} == {(12, "abort")}
+    eng.submit(GroupRequest(13, [5, 6], n=5))  # more than a replica's slots: refused at once
+    (bad,) = [s for s in _collect(eng, 5) if s.index == 0]
+    assert bad.finish_reason == "error" and "slot count 4" in bad.error
+    eng.resume()
+    done = _collect(eng, 7)
   finally:
     eng.stop()
-  assert {(s.group_id, s.finish_reason) for s in aborted} == {(1, "abort")}
-  rest = eng.poll(timeout=1.0)  # stop() aborted the others
-  assert len(rest) == 5 and eng.load() == [0, 0]
+  assert {s.group_id for s in done} == {0, 2, 9, 10} and eng.load() == ([0, 0], 0)
+  assert not {s.finish_reason for s in done} & {"abort", "error"}
 
 
 def test_a_conversation_continues_on_the_replica_that_kept_its_turn(model):
