@@ -33,6 +33,12 @@ from areal_jax.sampler import slot_cache
 MIN_CHUNK = 16
 
 
+def wanted(metadata: dict, finish_reason: str) -> bool:
+  """Whether a finished sequence's KV row is kept for its request's next turn (it asked, and it
+  ended on its own; the service also needs every position from the weights in use)."""
+  return bool(metadata.get("continue")) and finish_reason in ("eos", "stop", "length")
+
+
 def chunk_bucket(n: int) -> int:
   """Padded length of an ``n``-token continuation chunk: a power of two, at least ``MIN_CHUNK``."""
   return max(MIN_CHUNK, 1 << max(n - 1, 0).bit_length())

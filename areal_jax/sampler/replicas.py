@@ -40,8 +40,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
-from areal_jax.sampler import requests, sequences
-from areal_jax.sampler.continuation import shared_start
+from areal_jax.sampler import continuation, requests, sequences
 from areal_jax.sampler.sequences import Group
 
 
@@ -199,8 +198,8 @@ class ReplicatedRolloutEngine(RolloutEngine):
         if self._stopping:
           return
         routed = self._assign()
-        if not routed:
-          self._wake.wait(0.05)
+        if not routed:  # until a request comes in, samples come back or stop
+          self._wake.wait()
           continue
       for i, group in routed:  # (no lock held: a replica's submit takes its own)
         self.replicas[i].submit(group.request, submitted_s=group.submitted_s)
@@ -230,7 +229,7 @@ class ReplicatedRolloutEngine(RolloutEngine):
     prompt = request.prompt_tokens[:-1]
     best, best_n = None, 0
     for key in self._kept:
-      n = shared_start(key, prompt)
+      n = continuation.shared_start(key, prompt)
       if 2 * n >= len(key) and n > best_n:
         best, best_n = key, n
     return None if best is None else self._kept.pop(best)
@@ -248,8 +247,7 @@ class ReplicatedRolloutEngine(RolloutEngine):
         group[1] -= 1
         if group[1] <= 0:
           del self._groups[sample.group_id]
-      if sample.metadata.get("continue") and sample.finish_reason in ("eos", "stop", "length") \
-          and sample.tokens:
+      if continuation.wanted(sample.metadata, sample.finish_reason) and sample.tokens:
         # the KV the replica may keep: prompt + generated[:-1] (``continuation``)
         key = tuple(int(t) for t in [*sample.prompt_tokens, *sample.tokens[:-1]])
         self._kept[key] = i

@@ -338,7 +338,7 @@ class JaxRolloutEngine(RolloutEngine):
   def _keep_for_continuation(self, seq: Seq, reason: str) -> None:
     """Keeps the KV row of a finished sequence its request will continue, if all of it (prompt
     included) came from the weights in use."""
-    if seq.group.request.metadata.get("continue") and reason in ("eos", "stop", "length") and \
+    if continuation_lib.wanted(seq.group.request.metadata, reason) and \
         seq.kv_version == self._version and all(v == self._version for v in seq.versions):
       pages = None if self._paging is None else self._paging.table.table[seq.slot]
       self._continued.keep(self._state, seq.slot, seq.fed(), pages)
@@ -443,6 +443,7 @@ class JaxRolloutEngine(RolloutEngine):
 
   def _preempted(self) -> list[Seq]:
     return [] if self._paging is None else list(self._paging.preempted)
+
   def _pages_needed(self, group: Group) -> int:
     if self._paging is None:
       return 0

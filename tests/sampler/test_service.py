@@ -113,28 +113,31 @@ def test_stop_tokens_eos_and_cache_full(model):
   assert explicit.finish_reason == "eos" and explicit.tokens == stopped.tokens
 
 
-def _swap_run(model, new_model, continuation, steps_per_call, **kw):
+def _swap_run(model, new_model, continuation, steps_per_call, prompt=(3, 1, 4, 1, 5), n=2,
+              max_new_tokens=40, tokens_before=6, **kw):
+  """Samples of one group whose weights swap to ``new_model``'s (version 1) once the engine has
+  drawn ``tokens_before`` tokens; the engine (stopped) too."""
   eng = _engine(model, num_slots=4, continuation=continuation, eos_token_ids=(),
                 steps_per_call=steps_per_call, **kw)
   new_params = nnx.to_pure_dict(nnx.state(new_model, nnx.Param))
   eng.start()
   try:
     eng.pause()
-    eng.submit(GroupRequest(0, [3, 1, 4, 1, 5], n=2, params=SamplingParams(
-        temperature=0.8, max_new_tokens=40, seed=5)))
+    eng.submit(GroupRequest(0, list(prompt), n=n, params=SamplingParams(
+        temperature=0.8, max_new_tokens=max_new_tokens, seed=5)))
     eng.resume()
     deadline = time.time() + 60
-    while eng.stats["tokens"] < 6 and time.time() < deadline:
+    while eng.stats["tokens"] < tokens_before and time.time() < deadline:
       time.sleep(0.001)
     eng.pause()
     eng.update_params(new_params, version=1)
     time.sleep(0.2)
     assert eng.version == 1
     eng.resume()
-    samples = _collect(eng, 2)
+    samples = _collect(eng, n)
   finally:
     eng.stop()
-  return samples
+  return samples, eng
 
 
 @pytest.mark.parametrize("continuation,steps_per_call,layers",
@@ -153,7 +156,7 @@ def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call,
         "decode_projections": "fused"} if layers != "unrolled" else {}  # the GPU/TPU default
   if layers == "paged":  # pages of 8: the swap lands while the slots hold several
     kw.update(kv_pages=24, page_size=8)
-  for s in _swap_run(model, new_model, continuation, steps_per_call, **kw):
+  for s in _swap_run(model, new_model, continuation, steps_per_call, **kw)[0]:
     assert len(s.tokens) == 40
     j = s.versions.index(1)  # first token drawn by the new weights
     assert 0 < j < 40 and s.versions == [0] * j + [1] * (40 - j)
@@ -322,26 +325,11 @@ def test_a_reprefill_swap_that_unshares_prompt_pages_preempts_and_resumes(model,
   """A group of four shares a 40-token prompt's pages; the swap re-prefills each sample alone (one
   copy of the prompt each), more than the pool holds: the samples that do not fit wait and resume
   later, and every token after the swap still carries the new weights' exact logprob."""
-  eng = _engine(model, num_slots=4, continuation="reprefill", eos_token_ids=(), steps_per_call=2,
-                decode_layers="scan", decode_matmul="xla", decode_attention="dense",
-                kv_pages=14, page_size=8, prefill_buckets=(48, 63))
   prompt = [(5 * i) % 120 + 1 for i in range(40)]
-  eng.start()
-  try:
-    eng.pause()
-    eng.submit(GroupRequest(0, prompt, n=4, params=SamplingParams(
-        temperature=0.8, max_new_tokens=20, seed=5)))
-    eng.resume()
-    deadline = time.time() + 60
-    while eng.stats["tokens"] < 8 and time.time() < deadline:
-      time.sleep(0.001)
-    eng.pause()
-    eng.update_params(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)), version=1)
-    time.sleep(0.2)
-    eng.resume()
-    samples = _collect(eng, 4)
-  finally:
-    eng.stop()
+  samples, eng = _swap_run(model, other_model, "reprefill", 2, prompt=prompt, n=4,
+                           max_new_tokens=20, tokens_before=8, decode_layers="scan",
+                           decode_matmul="xla", decode_attention="dense", kv_pages=14,
+                           page_size=8, prefill_buckets=(48, 63))
   assert eng.stats["preempted"] >= 1 and eng.stats["resumed"] == eng.stats["preempted"]
   for s in samples:
     assert s.finish_reason == "length" and len(s.tokens) == 20
