@@ -24,7 +24,7 @@ def decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, impl: str |
     return cpu_attention.decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t)
   if impl == "pallas_gpu" and pallas_attention.usable(t):
     return pallas_attention.decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t,
-                                             interpret=jax.default_backend() == "cpu")
+                                             interpret=choice.interpret())
   if impl in ("dense", "pallas_gpu", "pallas_tpu"):  # the TPU kernel: stacked cache only
     return xla_attention.dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t)
   # "xla", and "cpu" where the kernel cannot take the call (a bfloat16 cache, split rows)
@@ -42,7 +42,7 @@ def decode_attention_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int,
   impl = impl or choice.attention(choice.platform_of(None))
   if impl == "pallas_gpu" and pallas_attention.usable(t):
     return pallas_attention.decode_attention_heads_major(
-        q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t, interpret=jax.default_backend() == "cpu")
+        q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t, interpret=choice.interpret())
   if impl in ("dense", "pallas_gpu", "pallas_tpu"):  # the TPU kernel: stacked cache only
     return xla_attention.dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t)
   b = q_BxKxGxD.shape[0]
@@ -60,9 +60,9 @@ def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, 
   gets that layer's rows ``[0, B)`` and positions ``[0, t)`` (``decode_attention_heads_major``)."""
   impl = impl or choice.attention(choice.platform_of(None))
   b, kv, _, d = q_BxKxGxD.shape
-  interpret = jax.default_backend() == "cpu"
+  interpret = choice.interpret()
   if impl == "pallas_tpu" and pallas_tpu_attention.unusable(
-      "scan", k_LxRxKxTxD.dtype, k_LxRxKxTxD.shape[3]) is None:
+      "scan", k_LxRxKxTxD.dtype, k_LxRxKxTxD.shape[3], d, compiled=not interpret) is None:
     return pallas_tpu_attention.decode_attention_stacked(
         q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes, interpret)
   if impl == "pallas_gpu" and pallas_attention.stacked_usable(k_LxRxKxTxD.shape[3]):
@@ -81,4 +81,4 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
   impl = impl or choice.attention(choice.platform_of(None))
   return paged_attention.decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer,
                                                 table_BxN, pos_B, t, impl,
-                                                interpret=jax.default_backend() == "cpu")
+                                                interpret=choice.interpret())

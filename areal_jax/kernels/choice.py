@@ -49,6 +49,12 @@ The Pallas GPU kernel is not the default there: on one H200 (SmolLM2 shape, 64 s
 layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, when it still took
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
 ``mqa`` over (row, head) pairs without that copy (not measured on a GPU since).
+Pallas kernels run compiled on GPU and TPU and in Pallas interpret mode on a CPU backend (tests);
+``lowering_for(platform)`` traces them compiled for ``platform`` from any backend, for programs
+lowered for another platform (``jit(f).trace(...).lower(lowering_platforms=...)``): on a CPU machine
+that checks that the kernels lower as a GPU or TPU would compile them (Mosaic's and Triton's
+constraints on block shapes are checked there, not in interpret mode).
+
 A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` /
 ``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` / ``$AREAL_JAX_DECODE_PROJECTIONS``
 when set; else the platform's default.
@@ -56,6 +62,8 @@ when set; else the platform's default.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import jax.numpy as jnp
@@ -75,13 +83,37 @@ _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
               "gpu": ("xla", "dense", "pallas_gpu"), "tpu": ("xla", "dense", "pallas_tpu")}
 
 
+_LOWERING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowering_for",
+                                                                           default=None)
+
+
 def platform_of(mesh: Mesh | None) -> str:
   """``"cpu"``, ``"gpu"`` or ``"tpu"`` (CUDA and ROCm are both ``"gpu"``) of a mesh's devices, or of
-  the default backend without a mesh."""
+  the default backend without a mesh (the platform of ``lowering_for`` inside it)."""
   import jax  # noqa: PLC0415 (kept local: the module is imported by the model layer)
 
-  name = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  if mesh is not None:
+    name = mesh.devices.flat[0].platform
+  else:
+    name = _LOWERING_FOR.get() or jax.default_backend()
   return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+  """Inside it, Pallas kernels are traced compiled for ``platform`` (``"gpu"``/``"cuda"`` or
+  ``"tpu"``), not interpreted, whatever the default backend (see the module docstring). A function
+  jitted and traced outside it keeps that trace (jit caches by arguments): lower fresh ones."""
+  token = _LOWERING_FOR.set(platform)
+  try:
+    yield
+  finally:
+    _LOWERING_FOR.reset(token)
+
+
+def interpret() -> bool:
+  """Whether Pallas kernels run in interpret mode: on a CPU backend, outside ``lowering_for``."""
+  return platform_of(None) == "cpu"
 
 
 def _requested(requested: str, env: str, valid: tuple[str, ...], what: str) -> str:
@@ -105,10 +137,12 @@ def attention(platform: str, requested: str = "auto") -> str:
   return value
 
 
-def check_attention(impl: str, layers: str, cache_dtype, max_len: int) -> None:
+def check_attention(impl: str, layers: str, cache_dtype, max_len: int, head_dim: int) -> None:
   """Raises ValueError when an engine's decode attention cannot run with its layers (``LAYERS``),
-  cache dtype and positions per slot (the Pallas TPU kernel's needs)."""
-  if impl == "pallas_tpu" and (why := pallas_tpu_attention.unusable(layers, cache_dtype, max_len)):
+  cache dtype, positions per slot and head size (the Pallas TPU kernel's needs; its head size
+  only where it is compiled, not interpreted)."""
+  if impl == "pallas_tpu" and (why := pallas_tpu_attention.unusable(
+      layers, cache_dtype, max_len, head_dim, compiled=not interpret())):
     raise ValueError(f"decode attention 'pallas_tpu' cannot run here: {why}")
 
 

@@ -3,7 +3,8 @@
 features) and a page table ``[B, N]`` per query row (page ids of positions ``[0, N*P)``).
 
   * ``"pallas_tpu"``: ``jax.experimental.pallas.ops.tpu.paged_attention`` reads the pool in place
-    (a bfloat16 pool: the kernel loads K/V as bfloat16);
+    (a bfloat16 pool: the kernel loads K/V as bfloat16; on a TPU a head size that is a multiple of
+    128);
   * ``"pallas_gpu"``: ``jax.experimental.pallas.ops.gpu.paged_attention`` reads it in place;
   * every other form gathers each row's pages up to the kv bound ``t`` into a dense
     ``[K, B, T, D]`` block and reads it as the dense form does (a copy of the rows' K/V at every
@@ -36,7 +37,8 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
   _, n_layers, m, page, _ = k_KxLxMxPxD.shape
   pages_BxN = layer * m + table_BxN  # page ids in the [K, L*M, P, D] view
   flat = lambda x: x.reshape(x.shape[0], n_layers * m, page, d)  # noqa: E731  (a view)
-  if impl == "pallas_tpu" and k_KxLxMxPxD.dtype == jnp.bfloat16:
+  if impl == "pallas_tpu" and k_KxLxMxPxD.dtype == jnp.bfloat16 and (
+      interpret or d % pallas_tpu_attention.LANES == 0):  # (``pallas_tpu_attention.unusable``)
     kernel = functools.partial(pallas_tpu_attention.kernel, interpret=interpret)
     q_dtype = jnp.float32
   elif impl == "pallas_gpu":

@@ -8,7 +8,9 @@ The kernel loads K/V as bfloat16 whatever their dtype (a float32 cache would com
 (``unusable``). Its accumulation is float32 (queries and probabilities too): over the same
 bfloat16 cache it equals a float64 reference to float32 rounding.
 
-On a CPU device it runs in Pallas TPU interpret mode (tests). Not run on a TPU by this project (no
+On a CPU device it runs in Pallas TPU interpret mode (tests). Compiled for a TPU it needs a head size
+that is a multiple of 128 (Qwen2.5 and Qwen3 have 128; SmolLM2 has 64: ``unusable``), which interpret
+mode does not check: tests lower it for TPU (``choice.lowering_for``). Not run on a TPU by this project (no
 TPU was available to it): the TPU default stays the dense read (``choice``).
 """
 
@@ -25,10 +27,13 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 from areal_jax.kernels import stacked_pages
 
 BLOCK = 512  # positions per kernel block (pages per compute block x page size, at most)
+LANES = 128  # a TPU vector register's lanes: the kernel's head size must be a multiple
 
 
-def unusable(layers: str, cache_dtype, max_len: int) -> str | None:
-  """Why an engine cannot run this kernel (None when it can)."""
+def unusable(layers: str, cache_dtype, max_len: int, head_dim: int = LANES,
+             compiled: bool = False) -> str | None:
+  """Why an engine cannot run this kernel (None when it can); ``compiled``: for a TPU (not in
+  interpret mode), where the head size must be a multiple of ``LANES``."""
   if layers != "scan":
     return "it reads the stacked cache of the layers in a scan: set decode_layers='scan'"
   if jnp.dtype(cache_dtype) != jnp.bfloat16:
@@ -36,6 +41,10 @@ def unusable(layers: str, cache_dtype, max_len: int) -> str | None:
             "rounded): set cache_dtype='bfloat16' or a bfloat16 model")
   if stacked_pages.page_size(max_len) is None:
     return f"max_len={max_len} must be a multiple of {stacked_pages.MIN_PAGE} (the kernel's pages)"
+  if compiled and head_dim % LANES:
+    return (f"head_dim={head_dim} is not a multiple of {LANES}: the kernel's blocks of its "
+            f"softmax statistics are head_dim wide, which Mosaic refuses on a TPU (found by "
+            f"lowering it for TPU): set decode_attention='dense'")
   return None
 
 

@@ -156,7 +156,8 @@ class DecodeEngine:
                                config.max_len, 64)
     self.width_buckets = self._width_buckets()
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
-    choice.check_attention(self.attention_impl, self.layers_impl, self._cache_dtype, config.max_len)
+    choice.check_attention(self.attention_impl, self.layers_impl, self._cache_dtype,
+                           config.max_len, self.model_cfg.head_dim)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
     # choice of decode attention and of weight layout).

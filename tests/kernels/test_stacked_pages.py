@@ -86,8 +86,8 @@ def test_pages_and_where_the_kernel_cannot_run():
                      (("scan", jnp.bfloat16, 40), "multiple of 16")):
     assert what in pallas_tpu_attention.unusable(*args)
     with pytest.raises(ValueError, match="'pallas_tpu' cannot run here"):
-      choice.check_attention("pallas_tpu", *args)
-  choice.check_attention("dense", "unrolled", jnp.float32, 40)  # the other forms have no such needs
+      choice.check_attention("pallas_tpu", *args, 128)
+  choice.check_attention("dense", "unrolled", jnp.float32, 40, 64)  # the other forms have no such needs
 
 
 def test_gpu_positions_that_do_not_split_into_pages_take_the_layers_slice():
