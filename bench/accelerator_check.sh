@@ -19,7 +19,10 @@
 #    autotune), the paged Pallas GPU kernel among the variants;
 # 5. the same with the paged KV cache (rollout.kv_pages): the paged GPU kernel and the dense read
 #    over gathered pages;
-# 6. the SmolLM2 shape with XLA's DotMerger off (--xla_gpu_dot_merger_threshold_mb=0): the floor and
+# 6. the SmolLM2 shape with XLA's dynamic-slice fusion on (--xla_gpu_enable_dynamic_slice_fusion):
+#    whether the scan's extra time over the unrolled layers on the H200 (1.95 against 1.50 ms) is
+#    the copy of each layer's weight slices out of the stacked weights before its matmuls;
+# 7. the SmolLM2 shape with XLA's DotMerger off (--xla_gpu_dot_merger_threshold_mb=0): the floor and
 #    our separate-weights variants, so the cost of the weight concatenations it makes is measured.
 set -u
 OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
@@ -55,6 +58,10 @@ log variants "$BIG" paged cublas; t=$(limit 240) && \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 --no-floor \
   --variants pallas_gpu:scan:16:auto:paged,dense:scan:16:auto:paged \
   --json "$OUT/variants_big_paged.json" 2>&1 | keep
+log variants smollm2 dynamic-slice-fusion; t=$(limit 90) && \
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout "$t" python3 \
+  bench/decode_variants.py --model=smollm2-135m --reps 5 --variants dense:scan:16,dense:unrolled:16 \
+  --fused-floor --json "$OUT/variants_smollm2_dsfusion.json" 2>&1 | keep
 log variants smollm2 no-dot-merger; t=$(limit 90) && \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_dot_merger_threshold_mb=0" timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
   --variants dense:scan:16:separate,dense:unrolled:16:separate,dense:scan:16 \
