@@ -8,10 +8,11 @@ The kernel loads K/V as bfloat16 whatever their dtype (a float32 cache would com
 (``unusable``). Its accumulation is float32 (queries and probabilities too): over the same
 bfloat16 cache it equals a float64 reference to float32 rounding.
 
-On a CPU device it runs in Pallas TPU interpret mode (tests). Compiled for a TPU it needs a head size
-that is a multiple of 128 (Qwen2.5 and Qwen3 have 128; SmolLM2 has 64: ``unusable``), which interpret
-mode does not check: tests lower it for TPU (``choice.lowering_for``). Not run on a TPU by this project (no
-TPU was available to it): the TPU default stays the dense read (``choice``).
+On a CPU device it runs in Pallas TPU interpret mode (tests). Compiled for a TPU it needs a head
+size that is a multiple of 128 (Qwen2.5's and Qwen3's; not SmolLM2's 64: ``unusable``), which
+interpret mode does not check: tests also lower it for TPU (``choice.lowering_for``). Not run on a
+TPU by this project (no TPU was available to it): the TPU default stays the dense read
+(``choice``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def unusable(layers: str, cache_dtype, max_len: int, head_dim: int = LANES,
     return f"max_len={max_len} must be a multiple of {stacked_pages.MIN_PAGE} (the kernel's pages)"
   if compiled and head_dim % LANES:
     return (f"head_dim={head_dim} is not a multiple of {LANES}: the kernel's blocks of its "
-            f"softmax statistics are head_dim wide, which Mosaic refuses on a TPU (found by "
-            f"lowering it for TPU): set decode_attention='dense'")
+            f"softmax statistics are head_dim wide, which Mosaic refuses on a TPU: set "
+            "decode_attention='dense'")
   return None
 
 
