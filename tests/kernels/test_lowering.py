@@ -5,6 +5,7 @@ same dispatch the decode step uses, and a whole engine's decode program. Interpr
 other kernel tests) checks what the kernels compute; Mosaic's and Triton's constraints on block
 shapes are only checked here."""
 
+import math
 import pathlib
 import sys
 
@@ -92,23 +93,29 @@ def test_interpret_mode_outside_lowering_for():
   assert choice.interpret()
 
 
+@pytest.mark.parametrize("mesh", [{}, {"data": 2, "tensor": 2}])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_an_engine_decode_program_lowers_with_the_compiled_kernel(platform, paged):
+def test_an_engine_decode_program_lowers_with_the_compiled_kernel(platform, paged, mesh):
   """A sampler engine configured as on the platform (bfloat16, the layers in a scan, fused
-  projections, 16 steps per call, its Pallas kernel; a row cache or a paged one) built and lowered
-  for it: the whole decode call lowers, the kernel compiled in it."""
+  projections, 16 steps per call, its Pallas kernel; a row cache or a paged one; one device, or
+  slots and K/V heads split over a mesh, the kernel under shard_map) built and lowered for it: the
+  whole decode call lowers, the kernel compiled in it."""
   from flax import nnx
 
+  from areal_jax import sharding
   from areal_jax.models import ModelConfig, Transformer
   from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+  if paged and mesh:
+    mesh = {"tensor": 2}  # a paged cache is not split over slots
+  mesh = sharding.make_mesh(mesh, jax.devices()[:math.prod(mesh.values())]) if mesh else None
   cfg = ModelConfig(arch="qwen2", vocab_size=256, d_model=256, n_layers=2, n_heads=4,
                     n_kv_heads=2, head_dim=128, d_ff=256, qkv_bias=True, dtype="bfloat16")
   with choice.lowering_for(platform):
     eng = DecodeEngine(Transformer(cfg, nnx.Rngs(0)), EngineConfig(
         num_slots=4, max_len=256, prefill_buckets=(32,), steps_per_call=16,
         decode_attention=IMPL[platform], decode_layers="scan", decode_matmul="xla",
-        decode_projections="fused", kv_pages=24 if paged else 0, page_size=32))
+        decode_projections="fused", kv_pages=24 if paged else 0, page_size=32), mesh=mesh)
     pages = (_spec(4, eng.pages_per_slot, dtype=jnp.int32),) if paged else ()
     generate = eng._make_generate(eng.kv_buckets[-1], 4)  # noqa: SLF001
     text = generate.trace(eng.params, eng.state_shapes(), *pages).lower(
