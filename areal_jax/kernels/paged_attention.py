@@ -37,8 +37,8 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
   _, n_layers, m, page, _ = k_KxLxMxPxD.shape
   pages_BxN = layer * m + table_BxN  # page ids in the [K, L*M, P, D] view
   flat = lambda x: x.reshape(x.shape[0], n_layers * m, page, d)  # noqa: E731  (a view)
-  if impl == "pallas_tpu" and k_KxLxMxPxD.dtype == jnp.bfloat16 and (
-      interpret or d % pallas_tpu_attention.LANES == 0):  # (``pallas_tpu_attention.unusable``)
+  if impl == "pallas_tpu" and pallas_tpu_attention.unreadable(
+      k_KxLxMxPxD.dtype, d, compiled=not interpret) is None:
     kernel = functools.partial(pallas_tpu_attention.kernel, interpret=interpret)
     q_dtype = jnp.float32
   elif impl == "pallas_gpu":

@@ -33,15 +33,22 @@ LANES = 128  # a TPU vector register's lanes: the kernel's head size must be a m
 
 def unusable(layers: str, cache_dtype, max_len: int, head_dim: int = LANES,
              compiled: bool = False) -> str | None:
-  """Why an engine cannot run this kernel (None when it can); ``compiled``: for a TPU (not in
-  interpret mode), where the head size must be a multiple of ``LANES``."""
+  """Why an engine cannot run this kernel (None when it can): ``unreadable``, and the stacked
+  cache it reads (the layers in a scan, positions that split into pages)."""
   if layers != "scan":
     return "it reads the stacked cache of the layers in a scan: set decode_layers='scan'"
+  if stacked_pages.page_size(max_len) is None:
+    return f"max_len={max_len} must be a multiple of {stacked_pages.MIN_PAGE} (the kernel's pages)"
+  return unreadable(cache_dtype, head_dim, compiled)
+
+
+def unreadable(cache_dtype, head_dim: int, compiled: bool) -> str | None:
+  """Why the kernel cannot read a cache of ``cache_dtype`` and ``head_dim`` (None when it can);
+  ``compiled``: for a TPU (not in interpret mode), where the head size must be a multiple of
+  ``LANES``."""
   if jnp.dtype(cache_dtype) != jnp.bfloat16:
     return (f"the kernel reads K/V as bfloat16 (a {jnp.dtype(cache_dtype).name} cache would be "
             "rounded): set cache_dtype='bfloat16' or a bfloat16 model")
-  if stacked_pages.page_size(max_len) is None:
-    return f"max_len={max_len} must be a multiple of {stacked_pages.MIN_PAGE} (the kernel's pages)"
   if compiled and head_dim % LANES:
     return (f"head_dim={head_dim} is not a multiple of {LANES}: the kernel's blocks of its "
             f"softmax statistics are head_dim wide, which Mosaic refuses on a TPU: set "

@@ -53,6 +53,20 @@ def shared_start(a, b) -> int:
   return n
 
 
+def longest_match(keys, tokens) -> tuple[tuple[int, ...] | None, int]:
+  """``(key, shared)``: the key of ``keys`` sharing the longest start with ``tokens`` and the
+  length of that start, if at least half of ``tokens`` (a continuation then pays); else
+  ``(None, 0)``."""
+  best, shared = None, 0
+  for key in keys:
+    n = shared_start(key, tokens)
+    if n > shared:
+      best, shared = key, n
+  if best is None or 2 * shared < len(tokens):
+    return None, 0
+  return best, shared
+
+
 class Continuations:
   """Kept KV rows of finished sequences, keyed by the tokens whose KV they hold."""
 
@@ -86,16 +100,8 @@ class Continuations:
       self.stats["dropped"] += 1
 
   def match(self, tokens: list[int]) -> tuple[tuple[int, ...] | None, int]:
-    """``(key, shared)``: the kept key sharing the longest start with ``tokens`` and the length of
-    that start, if at least half of ``tokens``; else ``(None, 0)``."""
-    best, shared = None, 0
-    for key in self._rows:
-      n = shared_start(key, tokens)
-      if n > shared:
-        best, shared = key, n
-    if best is None or 2 * shared < len(tokens):
-      return None, 0
-    return best, shared
+    """``longest_match`` among the kept rows' keys."""
+    return longest_match(self._rows, tokens)
 
   def take(self, params, tokens: list[int]):
     """A KV prefix of ``tokens`` (as ``DecodeEngine.prefill`` gives, but ``max_len`` long) built on

@@ -17,8 +17,8 @@ group never queues behind one replica's long sequences while another replica's s
 Among replicas with room, the one with the fewest samples outstanding per slot takes it (the lowest
 index among equals). A request that continues a conversation (``metadata["continue"]``) goes at
 once to the replica that kept the KV of the earlier turn sharing the longest start with its prompt
-(at least half of that turn, as ``continuation`` matches), which continues it instead of
-prefilling the history. Samples are the same whichever replica draws them: sampling keys come
+(``continuation.longest_match``, the rule that replica's store then applies), which continues it
+instead of prefilling the history. Samples are the same whichever replica draws them: sampling keys come
 from the request's seed and the sample's index, never from a slot.
 
 Weights: ``update_params`` hands every replica the new version as the shards already on its
@@ -226,13 +226,8 @@ class ReplicatedRolloutEngine(RolloutEngine):
   def _kept_by(self, request: GroupRequest) -> int | None:
     """The replica that kept the turn ``request`` continues (its row is then taken: rows are used
     once), or None."""
-    prompt = request.prompt_tokens[:-1]
-    best, best_n = None, 0
-    for key in self._kept:
-      n = continuation.shared_start(key, prompt)
-      if 2 * n >= len(key) and n > best_n:
-        best, best_n = key, n
-    return None if best is None else self._kept.pop(best)
+    key, _ = continuation.longest_match(self._kept, request.prompt_tokens[:-1])
+    return None if key is None else self._kept.pop(key)
 
   def _emit(self, group: Group, reason: str, error: str | None = None) -> None:
     for sample in sequences.unstarted(group, reason, error):
