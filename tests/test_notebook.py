@@ -22,7 +22,9 @@ def test_quickstart_notebook_executes(monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   # The kernel inherits this environment: one CPU device (the colocated Colab set-up), and the
   # checkout importable without an install, so the install cell is skipped.
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  monkeypatch.setenv("XLA_FLAGS", " ".join(  # (the tests' other compile flags kept)
+      [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+      + ["--xla_force_host_platform_device_count=1"]))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",

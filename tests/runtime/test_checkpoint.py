@@ -224,7 +224,7 @@ def test_launch_prints_no_usable_checkpoint_briefly(run, verbosity):
     os.remove(workdir / "checkpoints" / str(step) / "meta" / "metadata")
   cmd = [sys.executable, str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={workdir}",
          f"--config.train.total_steps={STEPS}"] + ([f"--verbosity={verbosity}"] if verbosity else [])
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)  # (conftest.py's XLA_FLAGS: 8 devices, the tests' compile flags)
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   if verbosity:

@@ -129,7 +129,7 @@ def test_killed_learner_process_restarts_the_run_from_its_checkpoint(tmp_path):
          f"--config.train.total_steps={steps}", "--config.train.checkpoint_every=1",
          "--config.train.dump_trajectories=True", f"--config.rollout.max_head_offpolicyness={eta}",
          "--config.rollout.max_new_tokens=16"] + [f"--config.{k}={v}" for k, v in GROUP.items()]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)  # (conftest.py's XLA_FLAGS: 8 devices, the tests' compile flags)
   out, err = open(tmp_path / "out.txt", "w+"), open(tmp_path / "err.txt", "w+")
   proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
   pids_file, ckpt_dir = tmp_path / "learner_processes.json", tmp_path / "checkpoints"

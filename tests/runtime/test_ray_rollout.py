@@ -290,13 +290,18 @@ def test_lora_in_ray_mode_ships_adapters_and_the_worker_samples_the_merged_polic
     start = len(s["prompt_tokens"]) - 1
     return logp[v][k, np.arange(start, start + len(s["tokens"])), s["tokens"]]
 
+  base_gaps = []
   for k, s in enumerate(checked):
     v = s["versions"][0]
     j = s["versions"].count(v)
     want = teacher_forced(v, k)[:j]
     np.testing.assert_allclose(s["logprobs"][:j], want, atol=1e-4, err_msg=f"version {v}")
-    if v >= 1:  # the adapters matter: the base alone would not pass
-      assert np.abs(teacher_forced(0, k)[:j] - want).max() > 1e-3
+    if v >= 1:
+      base_gaps.append(np.abs(teacher_forced(0, k)[:j] - want))
+  # The adapters matter: the base alone would fail that parity, by far more than its tolerance. (Over
+  # all the trained samples checked: one whose first version ran a single token can sit on a token
+  # the few adapter steps barely moved.)
+  assert np.concatenate(base_gaps).max() > 1e-3, np.concatenate(base_gaps)
 
 
 @pytest.mark.slow

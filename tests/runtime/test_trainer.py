@@ -87,7 +87,7 @@ def test_sigkill_then_rerun_resumes(tmp_path, tmp_path_factory):
          f"--config.train.total_steps={steps}", "--config.train.checkpoint_every=1",
          "--config.train.dump_trajectories=True", "--config.rollout.max_head_offpolicyness=1",
          f"--config.runtime.compile_cache_dir={cache}"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)  # (conftest.py's XLA_FLAGS: 8 devices, the tests' compile flags)
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the session's (conftest.py): the run's key takes over
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpt_dir = tmp_path / "checkpoints"
@@ -163,7 +163,7 @@ def test_launch_stops_a_sampler_that_cannot_fit_with_a_brief_message(tmp_path):
   cmd = [sys.executable, str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={tmp_path}",
          "--config.train.total_steps=1", "--config.mesh.device_memory_gib=0.02",
          "--config.actor.micro_batch_tokens=1024"]  # one halving (each larger plan compiles ~10 s)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ)  # (conftest.py's XLA_FLAGS: 8 devices, the tests' compile flags)
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-3000:]
   assert "Traceback" not in out.stderr
