@@ -497,9 +497,10 @@ class DecodeEngine:
 
   # ---- warmup ----------------------------------------------------------------------------------
 
-  def warmup(self, state: State) -> State:
-    """Compiles every prefill, insert, generate and move variant (no slot is armed afterwards)."""
-    return warmup_lib.warmup(self, state)
+  def warmup(self, state: State, progress: warmup_lib.Progress | None = None) -> State:
+    """Compiles every prefill, insert, generate and move variant (no slot is armed afterwards);
+    ``progress(done, total, what)`` after each (``sampler.warmup``)."""
+    return warmup_lib.warmup(self, state, progress)
 
   def num_compiled(self) -> int:
     """Number of compiled variants of prefill / insert / generate / move (bounded by the buckets)."""

@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
 from areal_jax.sampler import continuation, requests, sequences
+from areal_jax.sampler import warmup as warmup_lib
 from areal_jax.sampler.sequences import Group
 
 
@@ -117,10 +118,22 @@ class ReplicatedRolloutEngine(RolloutEngine):
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
 
-  def warmup(self) -> None:
-    """Compiles every replica's programs, the replicas at once (XLA compiles without the GIL)."""
+  def warmup(self, progress=None) -> None:
+    """Compiles every replica's programs, the replicas at once (XLA compiles without the GIL);
+    ``progress(done, total, what)`` after each program, counted over all replicas."""
+    total, done, lock = sum(warmup_lib.count(r.engine) for r in self.replicas), 0, threading.Lock()
+
+    def tick(i: int):
+      def report(_done, _total, what):
+        nonlocal done
+        with lock:
+          done += 1
+          if progress is not None:
+            progress(done, total, f"replica {i}: {what}")
+      return report
+
     with concurrent.futures.ThreadPoolExecutor(len(self.replicas)) as pool:
-      list(pool.map(lambda r: r.warmup(), self.replicas))
+      list(pool.map(lambda ir: ir[1].warmup(tick(ir[0])), enumerate(self.replicas)))
 
   def start(self) -> None:
     for r in self.replicas:

@@ -120,11 +120,12 @@ class JaxRolloutEngine(RolloutEngine):
   def compile_stats(self) -> dict[str, float]:
     return dict(self.engine.compile_stats)
 
-  def warmup(self) -> None:
-    """Compiles every bucket now (optional; otherwise the first use of a bucket compiles it)."""
+  def warmup(self, progress=None) -> None:
+    """Compiles every bucket now (optional; otherwise the first use of a bucket compiles it);
+    ``progress(done, total, what)`` after each program (``sampler.warmup``)."""
     if self._thread is not None:
       raise RuntimeError("warmup() must run before start()")
-    self._state = self.engine.warmup(self._state or self.engine.init_state())
+    self._state = self.engine.warmup(self._state or self.engine.init_state(), progress)
     n = 1
     while n <= 2 * self.num_slots:  # the per-request sampling keys (padded to powers of two)
       sampling.slot_keys(0, n)

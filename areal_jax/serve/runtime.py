@@ -149,7 +149,7 @@ class ServeRuntime:
       self.trainer.start()
     if self.config.serve.warmup and hasattr(self.engine, "warmup"):
       t0 = time.time()
-      self.engine.warmup()
+      self.engine.warmup(_WarmupProgress(t0))
       print(f"engine warm-up (every decode bucket compiled): {time.time() - t0:.0f} s", flush=True)
     if self.trainer_in_process:  # serve the trainer's restored version from the first request
       self.trainer.wait_announced(trainer_timeout)
@@ -222,3 +222,18 @@ class ServeRuntime:
       out["trainer"].update(process=True, weights_swaps=self.watcher.swaps,
                             weights_error=self.watcher.error)
     return out
+
+
+class _WarmupProgress:
+  """Prints how far the engine's warm-up compiling is, at most every ``every`` seconds (one decode
+  program can take minutes to compile on a GPU)."""
+
+  def __init__(self, t0: float, every: float = 10.0, clock=time.time):
+    self.t0, self.every, self.last, self.clock = t0, every, t0, clock
+
+  def __call__(self, done: int, total: int, what: str) -> None:
+    now = self.clock()
+    if now - self.last >= self.every and done < total:
+      self.last = now
+      print(f"engine warm-up: {done}/{total} programs compiled in {now - self.t0:.0f} s "
+            f"(last: {what})", flush=True)

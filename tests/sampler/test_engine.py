@@ -100,14 +100,18 @@ def test_no_recompilation_in_steady_state(model):
   listener = lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    eng.warmup(eng.init_state())  # every prefill, insert and kv bucket
+    ticks = []  # every prefill, insert and kv bucket, each reported once compiled
+    eng.warmup(eng.init_state(), lambda done, total, what: ticks.append((done, total, what)))
     _decode(eng, [1, 2, 3], 1, 2)  # and the test's own helpers (sampling keys)
     warm = len(compiles)
     n_fns = eng.num_compiled()
     # every variant this engine built was timed once, at its first call (deactivate is built with
-    # the engine)
+    # the engine), and the warm-up's progress counted each of them once, out of a total known first
     stats = dict(eng.compile_stats)
     assert stats["compiles"] == n_fns - 1 and stats["compile_s"] > 0
+    assert [t[:2] for t in ticks] == [(k, n_fns - 1) for k in range(1, n_fns)]
+    whats = [t[2] for t in ticks]
+    assert len(set(whats)) == len(whats) and "generate kv 64 width 4" in whats
     for prompt_len, n in ((4, 3), (5, 1), (18, 2), (25, 4), (31, 3), (2, 1)):
       _decode(eng, list(range(2, prompt_len + 2)), n, 64 - prompt_len - 1)
     assert len(compiles) == warm, compiles[warm:]

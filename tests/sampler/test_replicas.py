@@ -177,9 +177,13 @@ def test_a_weight_version_reaches_every_replica(model, other_model):
 
 def test_warmup_compiles_every_replica_at_once(model):
   eng = _replicated(model, data=2, slots=1, prefill_buckets=(16,), kv_buckets=(64,))
-  eng.warmup()
+  ticks = []
+  eng.warmup(lambda done, total, what: ticks.append((done, total, what)))
   counts = [r.compile_stats()["compiles"] for r in eng.replicas]
   assert counts[0] == counts[1] > 0 and eng.compile_stats()["compiles"] == sum(counts)
+  # progress over both replicas: each program once, counted up to a total known from the start
+  assert [t[:2] for t in ticks] == [(k, sum(counts)) for k in range(1, sum(counts) + 1)]
+  assert sum(t[2].startswith("replica 1: ") for t in ticks) == counts[1]
 
 
 def _collectives(compiled_text: str) -> list[str]:

@@ -5,6 +5,7 @@ names the keys to change)."""
 import pytest
 
 from areal_jax import config as config_lib
+from areal_jax.serve import runtime
 from areal_jax.serve.runtime import ServeRuntime
 
 
@@ -41,3 +42,17 @@ def test_the_cli_prints_a_plan_that_cannot_fit_without_a_traceback(tmp_path):
   assert out.returncode == 1, out.stderr[-2000:]
   assert "error: sampler memory plan: does not fit" in out.stderr
   assert "Traceback" not in out.stderr
+
+
+def test_warmup_progress_prints_at_most_every_interval_and_not_the_end(capsys):
+  clock = [100.0]
+  progress = runtime._WarmupProgress(t0=100.0, every=10.0, clock=lambda: clock[0])
+  for done, t in enumerate([3.0, 12.0, 15.0, 130.0, 131.0], start=1):
+    clock[0] = 100.0 + t
+    progress(done, 6, f"generate kv 512 width {done}")
+  clock[0] = 240.0
+  progress(6, 6, "move 1")  # the end: the runtime's own line says it
+  lines = capsys.readouterr().out.splitlines()
+  assert lines == ["engine warm-up: 2/6 programs compiled in 12 s (last: generate kv 512 width 2)",
+                   "engine warm-up: 4/6 programs compiled in 130 s (last: generate kv 512 width 4)"]
+
