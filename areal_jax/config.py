@@ -75,7 +75,7 @@ def base_config() -> ConfigDict:
   c.rollout.prefill_buckets = (64, 128, 256, 512)
   c.rollout.steps_per_call = 0  # decode steps per jitted call (host sync); 0: 1 on CPU, 16 on GPU/TPU
   c.rollout.decode_attention = "auto"  # "auto" | "cpu" | "xla" | "dense" | "pallas_gpu" | "pallas_tpu"
-  c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla"
+  c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla" | "blas" (auto: blas on GPU)
   c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan on GPU/TPU)
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
   c.rollout.kv_pages = 0  # paged KV cache: pages in the pool (0: max_len positions per slot)
@@ -300,8 +300,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if r.max_head_offpolicyness < 0:
     errors.append(f"rollout.max_head_offpolicyness={r.max_head_offpolicyness} must be >= 0")
   if r.decode_layers == "scan" and r.decode_matmul == "cpu_packed":
-    errors.append("rollout.decode_layers='scan' needs rollout.decode_matmul='xla' or 'auto' (the "
-                  "CPU kernel's packed weights are per layer)")
+    errors.append("rollout.decode_layers='scan' needs XLA matmuls (rollout.decode_matmul 'xla', "
+                  "'blas' or 'auto'): the CPU kernel's packed weights are per layer")
   if r.steps_per_call < 0:
     errors.append(f"rollout.steps_per_call={r.steps_per_call} must be >= 0 (0: per platform)")
   kv_pages, page_size = r.get("kv_pages", 0), r.get("page_size", 64)

@@ -32,8 +32,10 @@ def _rope(x_SxHxD, pos, theta):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_SxHxD.dtype)
 
 
-def make(cfg: ModelConfig, slots: int, max_len: int, dtype, steps: int = 16, fused: bool = False):
-  """``(run, state)``: ``run(state) -> state`` advances every slot by ``steps`` tokens."""
+def make(cfg: ModelConfig, slots: int, max_len: int, dtype, steps: int = 16, fused: bool = False,
+         compiler_options: dict | None = None):
+  """``(run, state)``: ``run(state) -> state`` advances every slot by ``steps`` tokens, compiled
+  with ``compiler_options`` (XLA's, e.g. the GEMM choice our engine's programs get)."""
   n, e, h, kv, d, f = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   shapes = {"q": (n, e, h * d), "k": (n, e, kv * d), "v": (n, e, kv * d), "o": (n, h * d, e),
             "gate": (n, e, f), "up": (n, e, f), "down": (n, f, e)}
@@ -75,15 +77,16 @@ def make(cfg: ModelConfig, slots: int, max_len: int, dtype, steps: int = 16, fus
     logits = _rms(x, 1.0, cfg.norm_eps) @ embed.T
     return jnp.argmax(logits, -1).astype(jnp.int32), pos + 1, ck, cv
 
-  run = jax.jit(lambda state: jax.lax.fori_loop(0, steps, step, state), donate_argnums=0)
+  run = jax.jit(lambda state: jax.lax.fori_loop(0, steps, step, state), donate_argnums=0,
+                compiler_options=compiler_options)
   cache = lambda: jnp.zeros((n, slots, max_len, kv, d), dtype)
   return run, (jnp.ones((slots,), jnp.int32), jnp.int32(0), cache(), cache())
 
 
 def step_ms(cfg: ModelConfig, slots: int, context: int, dtype, steps: int = 16, reps: int = 3,
-            fused: bool = False):
+            fused: bool = False, compiler_options: dict | None = None):
   """Best milliseconds per decode step of the floor loop, ``slots`` slots from position ``context``."""
-  run, state = make(cfg, slots, context + steps * (reps + 2), dtype, steps, fused)
+  run, state = make(cfg, slots, context + steps * (reps + 2), dtype, steps, fused, compiler_options)
   tokens, _, ck, cv = state
   state = jax.block_until_ready(run((tokens, jnp.int32(context), ck, cv)))
   best = float("inf")

@@ -5,10 +5,12 @@
                                   [--json PATH] [--trace DIR] [--legacy]
 
 For finding where an accelerator's decode step goes (``bench/sampler.py`` reports the chosen path
-only). Each variant is ``attention:layers:steps[:projections[:paged]]`` (``choice.ATTENTION``,
-``choice.LAYERS``, steps per jitted call, ``choice.PROJECTIONS``; ``paged``: the paged KV cache, a
-page table of 64-position pages per slot), forced through ``$AREAL_JAX_DECODE_ATTENTION`` /
-``_LAYERS`` / ``_PROJECTIONS`` while its engine is built;
+only). Each variant is ``attention:layers:steps[:option...]`` (``choice.ATTENTION``,
+``choice.LAYERS``, steps per jitted call; options in any order: a ``choice.PROJECTIONS``, a
+``choice.MATMUL``, ``paged``: the paged KV cache, a page table of 64-position pages per slot),
+forced through ``$AREAL_JAX_DECODE_ATTENTION`` / ``_LAYERS`` / ``_PROJECTIONS`` / ``_MATMUL`` while
+its engine is built; the floor's matmuls are compiled as ``--floor-matmul`` says (default: the
+platform's choice for our engine, so both run the same GEMMs);
 every slot decodes from position ``context`` (random weights, bfloat16 off CPU, float32 on CPU), and
 a row is the best of ``--reps`` calls per step. The floor (``bench/decode_floor.py``) runs at the
 same shape in the same process. ``--trace DIR`` records a JAX profiler trace (Perfetto JSON) of a few
@@ -27,10 +29,16 @@ import jax
 import numpy as np
 from flax import nnx
 
+from areal_jax import sharding
 from areal_jax.models import ModelConfig, Transformer
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
 import decode_floor
+
+try:
+  from areal_jax.kernels import choice
+except ImportError:  # an older checkout's areal_jax (--legacy) has no kernel choice
+  choice = None
 
 # bench/common.py's two decode shapes, spelled with the fields every checkout's ModelConfig has
 # (common.py itself builds configs older checkouts cannot: --legacy)
@@ -94,12 +102,26 @@ def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=
           "kv_len": kv_len, **impl}
 
 
+def parse_variant(variant: str, on_cpu: bool):
+  """``(attention, layers, steps, projections, matmul, paged)`` of a variant's spelling."""
+  attention, layers, steps, *options = variant.split(":")
+  projections = next((o for o in options if o in choice.PROJECTIONS + ("auto",)), "auto")
+  matmul = next((o for o in options if o in choice.MATMUL),
+                "xla" if layers == "scan" and on_cpu else "auto")  # scan takes XLA's
+  paged = "paged" if "paged" in options else ""
+  if unknown := set(options) - {projections, matmul, paged, ""}:
+    raise SystemExit(f"variant {variant!r}: unknown option(s) {sorted(unknown)}")
+  return attention, layers, steps, projections, matmul, paged
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
   ap.add_argument("--variants", default="dense:scan:16",
-                  help="comma-separated attention:layers:steps[:projections[:paged]] (auto "
-                       "allowed in each field; projections default auto)")
+                  help="comma-separated attention:layers:steps[:option...], options: a "
+                       "projections, a matmul choice, paged (auto allowed in each field)")
+  ap.add_argument("--floor-matmul", choices=("auto", "xla", "blas"), default="auto",
+                  help="GEMMs of the floor loop's program: auto = our engine's choice here")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--json", default=None)
   ap.add_argument("--trace", default=None, help="directory for a profiler trace of the first variant")
@@ -111,6 +133,8 @@ def main():
   args = ap.parse_args()
   shape, slots, context = SHAPES[args.model]
   on_cpu = jax.default_backend() == "cpu"
+  parsed = {v: parse_variant(v, on_cpu) if not args.legacy else (*v.split(":")[:3], "", "", "")
+            for v in args.variants.split(",")}
   cfg = ModelConfig(**shape, dtype="float32" if on_cpu else "bfloat16")
   model = Transformer(cfg, nnx.Rngs(0))
   dev0 = jax.devices()[0]
@@ -126,24 +150,32 @@ def main():
     result["bytes_per_step"] = decode_step_cost(cfg, slots, context)[0]
     print(f"read {result['hardware']['read_GBps']:.0f} GB/s; a step must read "
           f"{result['bytes_per_step'] / 1e6:.0f} MB")
+  floor_options = None
+  if not args.legacy:
+    floor_matmul = args.floor_matmul if args.floor_matmul != "auto" else \
+        choice.matmul(sharding.make_mesh({}, jax.devices()[:1]), cfg.compute_dtype)
+    floor_options = choice.compiler_options(floor_matmul)
+    result["floor_matmul"] = floor_matmul
   if not args.no_floor:
     result["floor_step_ms"] = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype,
-                                                   reps=args.reps)
+                                                   reps=args.reps, compiler_options=floor_options)
     if hw is not None:
       result["floor_hbm_roofline_frac"] = (result["bytes_per_step"] / (hw.figures()["read_GBps"] * 1e9)
                                            / (result["floor_step_ms"] / 1e3))
-    print(f"{'floor loop':>28}: {result['floor_step_ms']:8.3f} ms/step")
+    print(f"{'floor loop':>28}: {result['floor_step_ms']:8.3f} ms/step"
+          + (f" ({result['floor_matmul']} matmuls)" if "floor_matmul" in result else ""))
     if args.fused_floor:
-      result["floor_fused_step_ms"] = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype,
-                                                           reps=args.reps, fused=True)
+      result["floor_fused_step_ms"] = decode_floor.step_ms(
+          cfg, slots, context, cfg.compute_dtype, reps=args.reps, fused=True,
+          compiler_options=floor_options)
       print(f"{'floor loop, fused weights':>28}: {result['floor_fused_step_ms']:8.3f} ms/step")
   for n, variant in enumerate(args.variants.split(",")):
-    attention, layers, steps, projections, paged = (variant.split(":") + ["auto", ""])[:5]
+    attention, layers, steps, projections, matmul, paged = parsed[variant]
     saved = {k: os.environ.get(v) for k, v in ENV.items()}
     try:
       if not args.legacy:
         os.environ[ENV["attention"]], os.environ[ENV["layers"]] = attention, layers
-        os.environ[ENV["matmul"]] = "xla" if layers == "scan" else "auto"  # scan takes XLA's
+        os.environ[ENV["matmul"]] = matmul
         os.environ[ENV["projections"]] = projections
       row = engine_step_ms(model, slots, context, int(steps), args.reps,
                            args.trace if n == 0 else None, args.hlo if n == 0 else None,
@@ -166,7 +198,8 @@ def main():
       print(f"{variant:>28}: {row['error']}")
     else:
       print(f"{variant:>28}: {row['step_ms']:8.3f} ms/step ({row['attention']} attention, "
-            f"{row['layers']} layers; first call {row['compile_and_first_s']:.1f} s)"
+            f"{row['layers']} layers, {row['matmul']} matmuls; first call "
+            f"{row['compile_and_first_s']:.1f} s)"
             + (f", {row['floor_ratio']:.2f}x floor" if "floor_ratio" in row else "")
             + (f", {100 * row['hbm_roofline_frac']:.0f}% of the HBM roofline"
                if "hbm_roofline_frac" in row else ""))

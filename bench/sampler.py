@@ -215,9 +215,13 @@ def decode_rows(name, quick, probe):
       out["roof_xla_mm"] = roofline(model, cfg, slots, context, probe, reps=reps)
     with cpu_attention.disabled(), cpu_matmul.disabled():  # both: the accelerators' XLA path
       out["roof_off"] = roofline(model, cfg, slots, context, probe, reps=reps)
-  floor = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype, reps=reps)
+  # the floor's program gets the GEMMs our engine's programs get (compiler options, per program)
+  floor = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype, reps=reps,
+                               compiler_options=choice.compiler_options(
+                                   out["roof"]["decode_matmul"]))
   for r in out.values():
-    r.update(floor_step_ms=floor, floor_ratio=r["step_ms"] / floor)
+    r.update(floor_step_ms=floor, floor_ratio=r["step_ms"] / floor,
+             floor_matmul=out["roof"]["decode_matmul"])
   return out
 
 

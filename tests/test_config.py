@@ -85,10 +85,11 @@ def test_decode_kernel_keys_are_checked():
   with pytest.raises(ValueError, match="rollout.decode_layers='loop'"):
     config_lib.validate(c)
   c.rollout.decode_layers, c.rollout.decode_matmul = "scan", "cpu_packed"
-  with pytest.raises(ValueError, match="decode_layers='scan' needs rollout.decode_matmul"):
+  with pytest.raises(ValueError, match="decode_layers='scan' needs XLA matmuls"):
     config_lib.validate(c)
-  c.rollout.decode_matmul = "xla"
-  config_lib.validate(c)
+  for matmul in ("xla", "blas"):
+    c.rollout.decode_matmul = matmul
+    config_lib.validate(c)
   c.rollout.decode_projections = "merged"
   with pytest.raises(ValueError, match="rollout.decode_projections='merged'"):
     config_lib.validate(c)

@@ -18,7 +18,13 @@ Decode attention (``ATTENTION``):
     project had no TPU to measure it on, so TPU keeps the dense read until it is measured.
 
 Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version for the C++ kernel,
-``cpu_matmul``: one CPU device, float32, AVX-512) or ``"xla"``.
+``cpu_matmul``: one CPU device, float32, AVX-512), ``"xla"`` (XLA's own matmuls; on a GPU it
+autotunes its Triton GEMMs against the vendor library's per program at compile time) or ``"blas"``
+(GPU only: XLA with its Triton GEMM emitter off for the sampler's programs, every matmul a call of
+the vendor library, cuBLAS or hipBLASLt: ``compiler_options``). Why ``"blas"`` is the GPU default:
+on an H200 (jax 0.11.2) autotuning the Triton GEMMs of one decode program at the Qwen2.5-1.5B shape
+took minutes (a first call that did not return within 140 s), where the decode step at that
+shape is a stream of weight reads at 128 rows that the library serves at memory speed.
 
 Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
 weights and a stacked cache, ``models/decode_scan``: compile time flat in depth) or ``"unrolled"``
@@ -44,7 +50,8 @@ CPU keeps the model's layout.
 
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
-step measured no faster on CPU), on GPU and TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
+step measured no faster on CPU), on GPU ``"dense"``, ``"blas"`` matmuls and the layers in a scan, on TPU ``"dense"``, ``"xla"``
+matmuls and the layers in a scan.
 The Pallas GPU kernel is not the default there: on one H200 (SmolLM2 shape, 64 slots, context 128,
 layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, when it still took
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
@@ -72,7 +79,7 @@ from jax.sharding import Mesh
 from areal_jax.kernels import cpu_attention, cpu_matmul, pallas_attention, pallas_tpu_attention
 
 ATTENTION = ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu")
-MATMUL = ("cpu_packed", "xla")
+MATMUL = ("cpu_packed", "xla", "blas")
 LAYERS = ("scan", "unrolled")
 PROJECTIONS = ("fused", "separate")
 ATTENTION_ENV = "AREAL_JAX_DECODE_ATTENTION"
@@ -163,12 +170,23 @@ def matmul(mesh: Mesh, compute_dtype, requested: str = "auto") -> str:
   """The decode matmuls of an engine on ``mesh`` computing in ``compute_dtype``."""
   value = _requested(requested, MATMUL_ENV, MATMUL, "decode_matmul")
   packable = cpu_matmul.enabled(mesh, compute_dtype)
+  platform = platform_of(mesh)
   if value == "auto":
-    return "cpu_packed" if packable else "xla"
+    return "cpu_packed" if packable else "blas" if platform == "gpu" else "xla"
   if value == "cpu_packed" and not packable:
     raise ValueError("decode matmul 'cpu_packed' needs one CPU device with AVX-512, float32 compute "
                      f"(model dtype {jnp.dtype(compute_dtype).name}) and the kernel built")
+  if value == "blas" and platform != "gpu":
+    raise ValueError(f"decode matmul 'blas' (the GPU vendor library's GEMMs) cannot run on "
+                     f"{platform!r} devices; use 'xla' or 'auto' there")
   return value
+
+
+def compiler_options(matmul_impl: str) -> dict[str, bool] | None:
+  """XLA options for the sampler's programs that run matmuls (prefill, generate, continuation),
+  given to ``jax.jit(compiler_options=...)``: per program, so the learner's and everyone else's
+  programs keep the process's flags."""
+  return {"xla_gpu_enable_triton_gemm": False} if matmul_impl == "blas" else None
 
 
 def layers(platform: str, matmul_impl: str, requested: str = "auto") -> str:

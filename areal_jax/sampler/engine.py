@@ -321,7 +321,8 @@ class DecodeEngine:
       return [slot_cache.row(cache, i, stacked) for i in range(n)]
 
     prefix = slot_cache.shardings(self._named, cfg, 1, bucket, stacked, prefix=True)
-    return jax.jit(fn, in_shardings=(self.held_shardings, None), out_shardings=[prefix] * n)
+    return jax.jit(fn, in_shardings=(self.held_shardings, None), out_shardings=[prefix] * n,
+                   compiler_options=choice.compiler_options(self.matmul_impl))
 
   # ---- insert ----------------------------------------------------------------------------------
 
@@ -462,7 +463,8 @@ class DecodeEngine:
 
     in_shardings = (self.held_shardings, self.state_shardings) + ((None,) if self.paged else ())
     return jax.jit(fn, in_shardings=in_shardings,
-                   out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1)
+                   out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1,
+                   compiler_options=choice.compiler_options(self.matmul_impl))
 
   # ---- move ------------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 clear errors for choices a platform cannot run."""
 
 import jax
+import numpy as np
 import pytest
 
 from areal_jax import sharding
@@ -48,6 +49,25 @@ def test_bad_choices_name_the_setting(monkeypatch):
     assert choice.matmul(mesh8, "float32") == "xla"
   with pytest.raises(ValueError, match="decode_matmul='mkl'"):
     choice.matmul(sharding.make_mesh({}, jax.devices()[:1]), "float32", "mkl")
+
+
+def test_decode_matmul_blas_is_the_gpu_default_and_only_runs_there(monkeypatch):
+  monkeypatch.delenv(choice.MATMUL_ENV, raising=False)
+  one = sharding.make_mesh({}, jax.devices()[:1])
+  with pytest.raises(ValueError, match="'blas'.*cannot run on 'cpu'"):
+    choice.matmul(one, "float32", "blas")
+  monkeypatch.setattr(choice, "platform_of", lambda mesh: "gpu")
+  assert choice.matmul(one, "bfloat16") == "blas"
+  assert choice.matmul(one, "bfloat16", "xla") == "xla"
+  monkeypatch.setenv(choice.MATMUL_ENV, "xla")
+  assert choice.matmul(one, "bfloat16") == "xla"
+  assert choice.layers("gpu", "blas") == "scan"
+  assert choice.compiler_options("xla") is None and choice.compiler_options("cpu_packed") is None
+  # the option is one XLA knows (a misspelt one is refused at compile time), and it leaves the
+  # program's result as it was
+  a = jax.random.normal(jax.random.key(0), (8, 8))
+  blas = jax.jit(lambda x: x @ x, compiler_options=choice.compiler_options("blas"))
+  np.testing.assert_allclose(blas(a), a @ a, rtol=1e-6)
 
 
 def test_decode_layers_per_platform_config_and_environment(monkeypatch):
