@@ -21,10 +21,16 @@ Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version f
 ``cpu_matmul``: one CPU device, float32, AVX-512), ``"xla"`` (XLA's own matmuls; on a GPU it
 autotunes its Triton GEMMs against the vendor library's per program at compile time) or ``"blas"``
 (GPU only: XLA with its Triton GEMM emitter off for the sampler's programs, every matmul a call of
-the vendor library, cuBLAS or hipBLASLt: ``compiler_options``). Why ``"blas"`` is the GPU default:
-on an H200 (jax 0.11.2) autotuning the Triton GEMMs of one decode program at the Qwen2.5-1.5B shape
-took minutes (a first call that did not return within 140 s), where the decode step at that
-shape is a stream of weight reads at 128 rows that the library serves at memory speed.
+the vendor library, cuBLAS or hipBLASLt: ``compiler_options``: Triton GEMMs off and no autotuning, the library's heuristics pick each
+GEMM's algorithm). ``"blas"`` is a forced choice, not the GPU default: it was built because XLA's
+autotuning of one decode program at the Qwen2.5-1.5B shape took minutes on an H200 (jax 0.11.2),
+but on one H100 (jax 0.11.2, 2026-11-27) the floor loop's program at that shape still had not
+compiled after 80 s with these options, and with the Triton GEMMs off but autotuning on neither the
+floor nor our program compiled within 150 s. At the SmolLM2 shape our scanned decode program
+compiled in 1.5 s with ``"blas"`` and ran 1.89 ms a step (the floor loop with the same options
+1.49 ms); with the Triton GEMMs off and autotuning on the floor loop compiled and ran (1.48 ms)
+but its fused-weights form did not compile within ~90 s. XLA's autotuned default at that shape on
+that H100: not measured.
 
 Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
 weights and a stacked cache, ``models/decode_scan``: compile time flat in depth) or ``"unrolled"``
@@ -50,8 +56,7 @@ CPU keeps the model's layout.
 
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
-step measured no faster on CPU), on GPU ``"dense"``, ``"blas"`` matmuls and the layers in a scan, on TPU ``"dense"``, ``"xla"``
-matmuls and the layers in a scan.
+step measured no faster on CPU), on GPU and TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
 The Pallas GPU kernel is not the default there: on one H200 (SmolLM2 shape, 64 slots, context 128,
 layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, when it still took
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
@@ -172,7 +177,7 @@ def matmul(mesh: Mesh, compute_dtype, requested: str = "auto") -> str:
   packable = cpu_matmul.enabled(mesh, compute_dtype)
   platform = platform_of(mesh)
   if value == "auto":
-    return "cpu_packed" if packable else "blas" if platform == "gpu" else "xla"
+    return "cpu_packed" if packable else "xla"
   if value == "cpu_packed" and not packable:
     raise ValueError("decode matmul 'cpu_packed' needs one CPU device with AVX-512, float32 compute "
                      f"(model dtype {jnp.dtype(compute_dtype).name}) and the kernel built")
@@ -186,7 +191,10 @@ def compiler_options(matmul_impl: str) -> dict[str, bool] | None:
   """XLA options for the sampler's programs that run matmuls (prefill, generate, continuation),
   given to ``jax.jit(compiler_options=...)``: per program, so the learner's and everyone else's
   programs keep the process's flags."""
-  return {"xla_gpu_enable_triton_gemm": False} if matmul_impl == "blas" else None
+  if matmul_impl != "blas":
+    return None
+  # Triton GEMMs off, and no autotuning: the library's own heuristics pick each GEMM's algorithm
+  return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
 def layers(platform: str, matmul_impl: str, requested: str = "auto") -> str:

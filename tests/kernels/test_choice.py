@@ -51,16 +51,17 @@ def test_bad_choices_name_the_setting(monkeypatch):
     choice.matmul(sharding.make_mesh({}, jax.devices()[:1]), "float32", "mkl")
 
 
-def test_decode_matmul_blas_is_the_gpu_default_and_only_runs_there(monkeypatch):
+def test_decode_matmul_blas_runs_on_gpu_only_when_asked(monkeypatch):
   monkeypatch.delenv(choice.MATMUL_ENV, raising=False)
   one = sharding.make_mesh({}, jax.devices()[:1])
   with pytest.raises(ValueError, match="'blas'.*cannot run on 'cpu'"):
     choice.matmul(one, "float32", "blas")
   monkeypatch.setattr(choice, "platform_of", lambda mesh: "gpu")
+  assert choice.matmul(one, "bfloat16") == "xla"
+  assert choice.matmul(one, "bfloat16", "blas") == "blas"
+  monkeypatch.setenv(choice.MATMUL_ENV, "blas")
   assert choice.matmul(one, "bfloat16") == "blas"
   assert choice.matmul(one, "bfloat16", "xla") == "xla"
-  monkeypatch.setenv(choice.MATMUL_ENV, "xla")
-  assert choice.matmul(one, "bfloat16") == "xla"
   assert choice.layers("gpu", "blas") == "scan"
   assert choice.compiler_options("xla") is None and choice.compiler_options("cpu_packed") is None
   # the option is one XLA knows (a misspelt one is refused at compile time), and it leaves the

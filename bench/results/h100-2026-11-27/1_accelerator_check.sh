@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The sampler's accelerator measurements in one go, most telling first (for a GPU/TPU machine):
+#   OUT=/some/dir bash bench/accelerator_check.sh [legacy_checkout_root]
+# The whole script keeps to $ACC_DEADLINE seconds (default 560: one device call may run 600 s);
+# each step gets its own limit or what is left, whichever is less, and a step with under 30 s left
+# is skipped (its log line says so), so one that hangs or fails leaves the others' results.
+# At most 8 files land in $OUT (what one device call brings back).
+# 1. Qwen2.5-1.5B shape (128 slots, context 512): bench/sampler.py --decode-only, the issue's keys
+#    (floor_ratio, hbm_roofline_frac) as shipped: on a GPU the engine's matmuls are the vendor
+#    library's (decode_matmul 'blas') and the floor loop's program gets the same GEMMs;
+# 2. the same shape under several kernel choices (bench/decode_variants.py), with a profiler trace
+#    of the default variant summarized per kernel (bench/trace_top.py);
+# 3. SmolLM2-135M shape (64 slots, context 128): variants, XLA's autotuned GEMMs against the
+#    library's, with a trace summary;
+# 4. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
+#    same SmolLM2 step as that code ran it (the issue's "today");
+# 5. the 1.5B shape with XLA's autotuned GEMMs (decode_matmul 'xla'), the floor loop likewise (the
+#    issue's floor as written), with what time is left: on an H200 one such program's autotuning
+#    took minutes (bench/results/h200-2026-11-26).
+set -u
+OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/bench"
+export JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
+BIG=${ACC_BIG:-qwen2.5-1.5b}
+keep() { grep -v -E "Warning|warnings.warn" | grep -E "ms/step|read |first call| s |error|Error|bench took|decode at"; }
+log() { echo "=== $(date +%T) $*"; }
+DEADLINE=${ACC_DEADLINE:-560}
+# limit SECS: prints the step's time limit (SECS or what is left before DEADLINE, less 10 s);
+# fails (the step is skipped) when under 30 s are left
+limit() { local left=$((DEADLINE - SECONDS - 10)); [ "$left" -lt "$1" ] && set -- "$left"
+  [ "$1" -ge 30 ] || { echo "=== skipped: $((DEADLINE - SECONDS)) s left of $DEADLINE" >&2; return 1; }
+  echo "$1"; }
+# trace NAME: moves the profile under $OUT/trace to $OUT/NAME_trace.json.gz and prints its top kernels
+trace() { local f; f=$(ls "$OUT"/trace/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)
+  [ -n "$f" ] && mv "$f" "$OUT/$1_trace.json.gz" && python3 bench/trace_top.py "$OUT/$1_trace.json.gz" \
+    --top 22 2>&1 | head -60; rm -rf "$OUT/trace"; }
+log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tail -2
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+log sampler "$BIG"; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --decode-only --model="$BIG" \
+  --json "$OUT/sampler_big.json" 2>&1 | keep
+log variants "$BIG"; t=$(limit 170) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
+  --variants dense:scan:16,dense:scan:16:separate,dense:unrolled:16,pallas_gpu:scan:16,pallas_gpu:scan:16:paged,dense:scan:16:paged,dense:scan:8 \
+  --fused-floor --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
+trace big
+log variants smollm2; t=$(limit 100) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
+  --variants dense:scan:16,dense:scan:16:xla,dense:unrolled:16,dense:unrolled:16:xla,pallas_gpu:scan:16,dense:scan:16:separate \
+  --fused-floor --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
+trace smollm2
+if [ -n "${1:-}" ]; then
+  log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
+    --no-floor --model=smollm2-135m --variants x:x:1,x:x:8 --json "$OUT/legacy_smollm2.json" 2>&1 | keep
+fi
+log variants "$BIG" autotuned; t=$(limit 400) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
+  --floor-matmul xla --variants dense:scan:16:xla --json "$OUT/variants_big_xla.json" 2>&1 | keep
+rm -rf "$JAX_COMPILATION_CACHE_DIR"; log done; ls -la "$OUT"
