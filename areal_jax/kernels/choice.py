@@ -20,9 +20,9 @@ Decode attention (``ATTENTION``):
 Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version for the C++ kernel,
 ``cpu_matmul``: one CPU device, float32, AVX-512), ``"xla"`` (XLA's own matmuls; on a GPU it
 autotunes its Triton GEMMs against the vendor library's per program at compile time) or ``"blas"``
-(GPU only: XLA with its Triton GEMM emitter off for the sampler's programs, every matmul a call of
-the vendor library, cuBLAS or hipBLASLt: ``compiler_options``: Triton GEMMs off and no autotuning, the library's heuristics pick each
-GEMM's algorithm). ``"blas"`` is a forced choice, not the GPU default: it was built because XLA's
+(GPU only: XLA with its Triton GEMM emitter and its autotuning off for the sampler's programs,
+``compiler_options``: every matmul a call of the vendor library, cuBLAS or hipBLASLt, whose own
+heuristics pick each GEMM's algorithm). ``"blas"`` is a forced choice, not the GPU default: it was built because XLA's
 autotuning of one decode program at the Qwen2.5-1.5B shape took minutes on an H200 (jax 0.11.2),
 but on one H100 (jax 0.11.2, 2026-11-27) the floor loop's program at that shape still had not
 compiled after 80 s with these options, and with the Triton GEMMs off but autotuning on neither the
