@@ -11,6 +11,7 @@ every step (its DotMerger pass); the default keeps them separate, as the plain l
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -34,7 +35,8 @@ def _rope(x_SxHxD, pos, theta):
 
 def make(cfg: ModelConfig, slots: int, max_len: int, dtype, steps: int = 16, fused: bool = False,
          compiler_options: dict | None = None):
-  """``(run, state)``: ``run(state) -> state`` advances every slot by ``steps`` tokens, compiled
+  """``(run, state)``: ``run(state) -> state`` advances every slot by ``steps`` tokens (the weights
+  bound as the jitted loop's first argument), compiled
   with ``compiler_options`` (XLA's, e.g. the GEMM choice our engine's programs get)."""
   n, e, h, kv, d, f = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   shapes = {"q": (n, e, h * d), "k": (n, e, kv * d), "v": (n, e, kv * d), "o": (n, h * d, e),
@@ -71,14 +73,18 @@ def make(cfg: ModelConfig, slots: int, max_len: int, dtype, steps: int = 16, fus
     x = x + (jax.nn.silu(gate) * up) @ lw["down"]
     return (x, pos, ck, cv, i + 1), None
 
-  def step(_, state):
+  def step(_, state, weights):
+    w, embed = weights
     tokens, pos, ck, cv = state
     (x, _, ck, cv, _), _ = jax.lax.scan(layer, (embed[tokens], pos, ck, cv, 0), w)
     logits = _rms(x, 1.0, cfg.norm_eps) @ embed.T
     return jnp.argmax(logits, -1).astype(jnp.int32), pos + 1, ck, cv
 
-  run = jax.jit(lambda state: jax.lax.fori_loop(0, steps, step, state), donate_argnums=0,
-                compiler_options=compiler_options)
+  # the weights are the program's arguments: closed over, they would be constants in its HLO
+  # (3 GB of them at the Qwen2.5-1.5B shape, for XLA to compile into the program)
+  loop = jax.jit(lambda weights, state: jax.lax.fori_loop(0, steps, lambda i, st: step(
+      i, st, weights), state), donate_argnums=1, compiler_options=compiler_options)
+  run = functools.partial(loop, (w, embed))
   cache = lambda: jnp.zeros((n, slots, max_len, kv, d), dtype)
   return run, (jnp.ones((slots,), jnp.int32), jnp.int32(0), cache(), cache())
 

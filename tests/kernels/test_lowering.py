@@ -137,3 +137,36 @@ def test_pallas_tpu_on_a_tpu_refuses_a_head_size_mosaic_cannot_take():
   with choice.lowering_for("tpu"), pytest.raises(ValueError, match=r"head_dim=64 .*'dense'"):
     DecodeEngine(model, config)
   assert DecodeEngine(model, config).attention_impl == "pallas_tpu"
+
+
+def _largest_constant_bytes(hlo_text: str) -> int:
+  """Bytes of the largest dense constant (hex-encoded) in a StableHLO module."""
+  import re
+  return max((len(c) // 2 for c in re.findall(r'dense<"0x([0-9A-F]*)"', hlo_text)), default=0)
+
+
+@pytest.mark.parametrize("layers", ["scan", "unrolled"])
+def test_decode_programs_take_the_weights_as_arguments(layers):
+  """The weights reach the sampler's prefill and decode programs, and the benchmarks' floor loop,
+  as arguments, never as constants baked into the program: closed over, a model's weights land in
+  the HLO (3 GB at the Qwen2.5-1.5B shape) for the compiler to fold and copy, and the floor loop's
+  program did exactly that until it compiled in no configuration within minutes on an H100."""
+  import numpy as np
+  from flax import nnx
+
+  import decode_floor
+  from areal_jax.models import ModelConfig, Transformer
+  from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+  cfg = ModelConfig(arch="llama", vocab_size=512, d_model=128, n_layers=2, n_heads=4,
+                    n_kv_heads=2, head_dim=32, d_ff=256, dtype="float32")  # 0.5 MB of weights
+  eng = DecodeEngine(Transformer(cfg, nnx.Rngs(0)), EngineConfig(
+      num_slots=4, max_len=64, prefill_buckets=(16,), steps_per_call=2, decode_attention="dense",
+      decode_layers=layers, decode_matmul="xla"))
+  programs = {
+      "generate": eng._make_generate(64, 4).lower(eng.params, eng.state_shapes()),  # noqa: SLF001
+      "prefill": eng._make_prefill(16, 1).lower(eng.params, np.zeros((1, 16), np.int32)),  # noqa: SLF001
+  }
+  run, state = decode_floor.make(cfg, 4, 64, jnp.float32, steps=2)
+  programs["floor"] = run.func.lower(*run.args, state)
+  for name, lowered in programs.items():
+    assert _largest_constant_bytes(lowered.as_text()) < 16 * 1024, name
