@@ -36,8 +36,8 @@ def _rope(x_SxHxD, pos, theta):
 def make(cfg: ModelConfig, slots: int, max_len: int, dtype, steps: int = 16, fused: bool = False,
          compiler_options: dict | None = None):
   """``(run, state)``: ``run(state) -> state`` advances every slot by ``steps`` tokens (the weights
-  bound as the jitted loop's first argument), compiled
-  with ``compiler_options`` (XLA's, e.g. the GEMM choice our engine's programs get)."""
+  bound as the jitted loop's first argument), compiled with ``compiler_options`` (XLA's, e.g. the
+  GEMM choice our engine's programs get)."""
   n, e, h, kv, d, f = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   shapes = {"q": (n, e, h * d), "k": (n, e, kv * d), "v": (n, e, kv * d), "o": (n, h * d, e),
             "gate": (n, e, f), "up": (n, e, f), "down": (n, f, e)}
