@@ -216,12 +216,11 @@ def decode_rows(name, quick, probe):
     with cpu_attention.disabled(), cpu_matmul.disabled():  # both: the accelerators' XLA path
       out["roof_off"] = roofline(model, cfg, slots, context, probe, reps=reps)
   # the floor's program gets the GEMMs our engine's programs get (compiler options, per program)
+  matmul = out["roof"]["decode_matmul"]
   floor = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype, reps=reps,
-                               compiler_options=choice.compiler_options(
-                                   out["roof"]["decode_matmul"]))
+                               compiler_options=choice.compiler_options(matmul))
   for r in out.values():
-    r.update(floor_step_ms=floor, floor_ratio=r["step_ms"] / floor,
-             floor_matmul=out["roof"]["decode_matmul"])
+    r.update(floor_step_ms=floor, floor_ratio=r["step_ms"] / floor, floor_matmul=matmul)
   return out
 
 

@@ -22,15 +22,15 @@ Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version f
 autotunes its Triton GEMMs against the vendor library's per program at compile time) or ``"blas"``
 (GPU only: XLA with its Triton GEMM emitter and its autotuning off for the sampler's programs,
 ``compiler_options``: every matmul a call of the vendor library, cuBLAS or hipBLASLt, whose own
-heuristics pick each GEMM's algorithm). ``"blas"`` is a forced choice, not the GPU default: it was built because XLA's
-autotuning of one decode program at the Qwen2.5-1.5B shape took minutes on an H200 (jax 0.11.2),
-but on one H100 (jax 0.11.2, 2026-11-27) the floor loop's program at that shape still had not
-compiled after 80 s with these options, and with the Triton GEMMs off but autotuning on neither the
-floor nor our program compiled within 150 s. At the SmolLM2 shape our scanned decode program
-compiled in 1.5 s with ``"blas"`` and ran 1.89 ms a step (the floor loop with the same options
-1.49 ms); with the Triton GEMMs off and autotuning on the floor loop compiled and ran (1.48 ms)
-but its fused-weights form did not compile within ~90 s. XLA's autotuned default at that shape on
-that H100: not measured.
+heuristics pick each GEMM's algorithm). ``"blas"`` is a forced choice, not the GPU default: it was
+built because XLA's autotuning of one decode program at the Qwen2.5-1.5B shape took minutes on an
+H200 (jax 0.11.2), but on one H100 (jax 0.11.2, 2026-11-27) nothing at that shape compiled in time
+with the Triton GEMMs off: our program with autotuning on did not return within 150 s, the floor
+loop (then holding its weights as constants) with autotuning off too not within 80 s; our program
+with both off was not tried. At the SmolLM2
+shape our scanned decode program compiled in 1.5 s with ``"blas"`` and ran 1.89 ms a step (the
+floor loop with the same options 1.49 ms); XLA's autotuned default there on that H100: not
+measured.
 
 Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
 weights and a stacked cache, ``models/decode_scan``: compile time flat in depth) or ``"unrolled"``

@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.kernels import choice
 from areal_jax.models import decode_scan
 from areal_jax.sampler import slot_cache
 
@@ -159,4 +158,4 @@ class Continuations:
     rows = self._row_shardings()
     del bucket  # one compiled function per chunk bucket (the tokens' shape)
     return jax.jit(fn, in_shardings=(e.held_shardings, rows, None, None), out_shardings=rows,
-                   donate_argnums=1, compiler_options=choice.compiler_options(e.matmul_impl))
+                   donate_argnums=1, compiler_options=e.compiler_options)

@@ -130,6 +130,8 @@ class DecodeEngine:
     self.attention_impl = choice.attention(platform, config.decode_attention)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers)
+    # XLA options of the programs that run the model's matmuls (prefill, generate, continuation)
+    self.compiler_options = choice.compiler_options(self.matmul_impl)
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
     # The weights as the engine holds them (``held_weights``): fused projections or not
@@ -322,7 +324,7 @@ class DecodeEngine:
 
     prefix = slot_cache.shardings(self._named, cfg, 1, bucket, stacked, prefix=True)
     return jax.jit(fn, in_shardings=(self.held_shardings, None), out_shardings=[prefix] * n,
-                   compiler_options=choice.compiler_options(self.matmul_impl))
+                   compiler_options=self.compiler_options)
 
   # ---- insert ----------------------------------------------------------------------------------
 
@@ -464,7 +466,7 @@ class DecodeEngine:
     in_shardings = (self.held_shardings, self.state_shardings) + ((None,) if self.paged else ())
     return jax.jit(fn, in_shardings=in_shardings,
                    out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1,
-                   compiler_options=choice.compiler_options(self.matmul_impl))
+                   compiler_options=self.compiler_options)
 
   # ---- move ------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ shapes are only checked here."""
 
 import math
 import pathlib
+import re
 import sys
 
 import jax
@@ -141,7 +142,6 @@ def test_pallas_tpu_on_a_tpu_refuses_a_head_size_mosaic_cannot_take():
 
 def _largest_constant_bytes(hlo_text: str) -> int:
   """Bytes of the largest dense constant (hex-encoded) in a StableHLO module."""
-  import re
   return max((len(c) // 2 for c in re.findall(r'dense<"0x([0-9A-F]*)"', hlo_text)), default=0)
 
 
