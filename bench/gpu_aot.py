@@ -1,0 +1,268 @@
+"""The sampler's decode programs compiled for a GPU on a machine without one (XLA's deviceless AOT).
+
+  python -m venv /tmp/cuda && /tmp/cuda/bin/pip install --no-deps -r requirements.lock -e . &&
+  /tmp/cuda/bin/pip install "jax[cuda12]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
+  /tmp/cuda/bin/python bench/gpu_aot.py [--model qwen2.5-1.5b] [--target h100] [--json PATH]
+                                        [--programs ours,floor] [--matmul xla,blas]
+
+Compiles, for the GPU described by ``bench/gpu_targets/<target>*.txtpb`` (XLA's GPU target
+config), our engine's decode call as it is built for a GPU (``--attention``, ``--layers``, fused
+projections, 16 steps per call) and the floor loop of ``bench/decode_floor.py`` at the decode
+shape, once per GEMM choice: ``xla`` (XLA's flags as they are; with no device XLA cannot autotune,
+so its Triton GEMMs take default tilings) and ``blas`` (``choice.compiler_options('blas')``: every
+matmul a cuBLAS call). The CUDA plugin and its ptxas (~5.5 GB) live in a venv of their own.
+Per program: seconds to lower and to compile on this machine, and from the
+compiled program the kernels it launches per decode step (each loop body counted by its trip
+count), the matmuls among them by kind. Takes ~2-4 minutes on 2 cores (building the 1.5B shape's
+random weights on the CPU is most of it).
+
+What it cannot say: run time, and the time XLA spends autotuning on a real GPU (that needs the
+device). What it can: whether a program compiles for the GPU and how long XLA's passes take
+without autotuning, which library runs each matmul, and how many kernels a step launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import pathlib
+import re
+import sys
+import time
+
+# no GPU here: the CUDA plugin is loaded for its compiler only (its version check needs a driver)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import QWEN25_1P5B, SMOLLM2, decode_step_cost, finish  # noqa: E402
+
+SHAPES = {"smollm2-135m": (SMOLLM2, 64, 128), "qwen2.5-1.5b": (QWEN25_1P5B, 128, 512)}
+TARGETS = pathlib.Path(__file__).resolve().parent / "gpu_targets"
+# instructions that run nothing on the device (views, tuples, control flow counted by its bodies)
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+         "call", "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency",
+         "domain", "async-done", "copy-done", "all-reduce-done", "all-gather-done",
+         "collective-permute-done", "send-done", "recv-done"}
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+  """``({name: instruction lines}, entry name)`` of an HLO module's text."""
+  comps, cur, entry = {}, None, None
+  for line in hlo.splitlines():
+    m = re.match(r"^(ENTRY )?%(\S+) .*\{\s*$", line)
+    if m:
+      cur, comps[m.group(2)] = m.group(2), []
+      entry = m.group(2) if m.group(1) else entry
+    elif line.startswith("}"):
+      cur = None
+    elif cur is not None and " = " in line:
+      comps[cur].append(line)
+  return comps, entry
+
+
+def _opcode(line: str) -> str | None:
+  rest = line.split(" = ", 1)[1]
+  if rest.startswith("("):  # a tuple-shaped result: skip to its closing parenthesis
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += (ch == "(") - (ch == ")")
+      if depth == 0:
+        break
+    rest = rest[i + 1:].lstrip()
+  else:
+    rest = rest.split(" ", 1)[1] if " " in rest else ""
+  m = re.match(r"([\w-]+)\(", rest)
+  return m.group(1) if m else None
+
+
+def _kind(op: str, line: str) -> str:
+  """What a launching instruction is: a matmul by its library (``gemm:cublas``, ``gemm:triton``) or
+  ``fusion:<kind>``, else its opcode."""
+  if op == "custom-call":
+    target = re.search(r'custom_call_target="([^"]+)"', line).group(1)
+    return "gemm:cublas" if "cublas" in target else f"custom-call:{target}"
+  if op == "fusion":
+    backend = re.search(r'"kind":"(\w+)"', line)
+    if backend and "gemm" in backend.group(1):
+      return "gemm:triton"
+    kind = backend.group(1) if backend else re.search(r"kind=(\w+)", line).group(1)
+    return f"fusion:{kind}"
+  return "gemm:xla" if op in ("dot", "convolution") else op
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+          "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_MOVES = {"parameter", "dynamic-slice", "slice", "copy", "bitcast", "tuple", "get-tuple-element",
+          "constant", "reshape", "transpose", "broadcast", "concatenate", "pad"}
+
+
+def _result_bytes(line: str) -> int:
+  """Bytes of an instruction's result (all leaves of a tuple)."""
+  head = line.split(" = ", 1)[1]
+  head = head[:head.find(")") + 1] if head.startswith("(") else head.split(" ", 1)[0]
+  return sum(_BYTES.get(t, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+             for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", head))
+
+
+def launches(hlo: str) -> collections.Counter:
+  """Device operations one run of a compiled HLO module launches, by ``_kind``: every instruction
+  that runs something (fusions, library calls, copies, ...; not views or tuples), each loop's body
+  counted its known trip count times (a loop whose count is unknown: once; loop conditions are
+  not counted), a conditional by its cheapest branch (the sampler's top-k/top-p branch runs only
+  when a slot asks for it). Also ``"copied_bytes"``: bytes written by the launches that only move
+  data (a copy, or a fusion of slices, copies, pads, transposes and reshapes: no arithmetic but on
+  scalars), e.g. a layer's weights sliced out of the stacked weights into a buffer of their own."""
+  comps, entry = _computations(hlo)
+
+  def moves_only(line: str, op: str) -> bool:
+    if op == "copy":
+      return True
+    callee = re.search(r"calls=%([^,\s]+)", line)
+    # (scalar arithmetic inside is index computation: a dynamic slice's clamped offsets)
+    return (op == "fusion" and callee is not None and callee.group(1) in comps
+            and all(_opcode(x) in _MOVES or _result_bytes(x) <= 8 for x in comps[callee.group(1)]))
+
+  def count(name: str) -> collections.Counter:
+    out = collections.Counter()
+    for line in comps[name]:
+      op = _opcode(line)
+      if op == "while":
+        body = count(re.search(r"body=%([^,\s]+)", line).group(1))
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        out.update({k: v * (int(trip.group(1)) if trip else 1) for k, v in body.items()})
+      elif op == "conditional":
+        names = re.search(r"branch_computations=\{([^}]*)\}", line)
+        names = (re.findall(r"%([^,\s]+)", names.group(1)) if names else
+                 [re.search(r"true_computation=%([^,\s]+)", line).group(1),
+                  re.search(r"false_computation=%([^,\s]+)", line).group(1)])
+        out.update(min((count(n) for n in names),
+                       key=lambda c: sum(v for k, v in c.items() if k != "copied_bytes")))
+      elif op == "call":
+        out.update(count(re.search(r"to_apply=%([^,\s]+)", line).group(1)))
+      elif op is not None and op not in _FREE:
+        out[_kind(op, line)] += 1
+        if moves_only(line, op):
+          out["copied_bytes"] += _result_bytes(line)
+    return out
+
+  return count(entry)
+
+
+def target_device(target: str):
+  """A compile-only device of the GPU ``target`` (a file under ``bench/gpu_targets``)."""
+  from jax.experimental import topologies
+  paths = sorted(TARGETS.glob(f"{target}*.txtpb"))
+  if not paths:
+    raise SystemExit(f"no GPU target {target!r} in {TARGETS} (have: "
+                     f"{sorted(p.stem for p in TARGETS.glob('*.txtpb'))})")
+  try:
+    topo = topologies.get_topology_desc("aot", "cuda", target_config=paths[0].read_text(),
+                                        topology="1x1x1")
+  except (NotImplementedError, KeyError, RuntimeError) as e:
+    raise SystemExit(f"compiling for a GPU needs JAX's CUDA plugin, jax[cuda12]=={jax.__version__} "
+                     f"(see this script's docstring): {type(e).__name__}: {e}") from e
+  return topo.devices[0]
+
+
+def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, layers: str,
+             device, matmul_options, model=None):
+  """``(jitted function, its abstract arguments on ``device``)``: our engine's decode call (of
+  ``model``, a ``Transformer`` of ``cfg``; built when None) or the floor loop, built on the CPU and
+  re-targeted."""
+  from areal_jax.kernels import choice
+  abstract = lambda tree: jax.tree.map(  # noqa: E731
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(
+          device)), tree)
+  if what == "floor":
+    import decode_floor
+    run, state = decode_floor.make(cfg, slots, ctx + 16 * steps, jnp.bfloat16, steps, fused=True,
+                                   compiler_options=matmul_options)
+    return run.func, (abstract(run.args[0]), abstract(state))
+  from flax import nnx
+
+  from areal_jax.models import Transformer
+  from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+  with choice.lowering_for("cuda"):  # Pallas kernels traced compiled for a GPU
+    eng = DecodeEngine(model or Transformer(cfg, nnx.Rngs(0)), EngineConfig(
+        num_slots=slots, max_len=ctx + 16 * steps, prefill_buckets=(16,),
+        kv_buckets=(ctx + 4 * steps + 1,), steps_per_call=steps, decode_attention=attention,
+        decode_layers=layers, decode_matmul="xla", decode_projections="fused"))
+    # the engine lives on this CPU: its programs' mesh is the GPU's, their shardings unpinned
+    eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
+                                 eng.mesh.axis_names)
+    fn = eng._make_generate(eng.kv_buckets[-1], slots).__wrapped__  # noqa: SLF001
+    args = (abstract(eng.params), abstract(eng.state_shapes()))
+    return jax.jit(fn, donate_argnums=1, compiler_options=matmul_options), args
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+  ap.add_argument("--target", default="h100", help="a GPU target under bench/gpu_targets")
+  ap.add_argument("--programs", default="ours,floor")
+  ap.add_argument("--matmul", default="xla,blas", help="GEMM choices (choice.MATMUL's xla, blas)")
+  ap.add_argument("--attention", default="dense", help="our engine's decode attention")
+  ap.add_argument("--layers", default="unrolled,scan",
+                  help="our engine's decode layers (choice.LAYERS; the GPU default: unrolled)")
+  ap.add_argument("--steps", type=int, default=16, help="decode steps per call")
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--dump", default=None, help="write each compiled program's HLO text here")
+  args = ap.parse_args()
+  from areal_jax.kernels import choice
+  t_start = time.perf_counter()
+  device = target_device(args.target)
+  cfg, slots, ctx = SHAPES[args.model]
+  cfg = dataclasses.replace(cfg, dtype="bfloat16")
+  read_MB = decode_step_cost(cfg, slots, ctx)[0] / 1e6
+  print(f"compiling for {device.device_kind} on this CPU ({os.cpu_count()} cores), jax "
+        f"{jax.__version__}: {args.model} shape, {slots} slots, context {ctx}, {args.steps} steps "
+        f"per call; a step must read {read_MB:.0f} MB")
+  rows, model = [], None
+  if "ours" in args.programs.split(","):
+    from flax import nnx
+
+    from areal_jax.models import Transformer
+    model = Transformer(cfg, nnx.Rngs(0))  # random weights, once
+  configs = [(what, layers, matmul) for what in args.programs.split(",")
+             for layers in (args.layers.split(",") if what == "ours" else ["scan"])
+             for matmul in args.matmul.split(",")]
+  for what, layers, matmul in configs:
+    fn, fargs = _program(what, cfg, slots, ctx, args.steps, args.attention, layers, device,
+                         choice.compiler_options(matmul), model)
+    t0 = time.perf_counter()
+    lowered = fn.trace(*fargs).lower(lowering_platforms=("cuda",))
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    hlo = compiled.as_text()
+    if args.dump:
+      os.makedirs(args.dump, exist_ok=True)
+      pathlib.Path(args.dump, f"{what}_{layers}_{matmul}.hlo").write_text(hlo)
+    per_step = {k: v / args.steps for k, v in sorted(launches(hlo).items())}
+    copied = per_step.pop("copied_bytes", 0.0)
+    row = {"program": what, "layers": layers, "matmul": matmul, "lower_s": t1 - t0,
+           "compile_s": t2 - t1, "launches_per_step": sum(per_step.values()),
+           "copied_MB_per_step": copied / 1e6,
+           "gemms_per_step": {k: v for k, v in per_step.items() if k.startswith("gemm")},
+           "by_kind_per_step": per_step}
+    if what == "ours":
+      row.update(attention=args.attention)
+    rows.append(row)
+    print(f"{what:>6} {layers:>8} {matmul:>5}: lower {row['lower_s']:5.1f} s, compile "
+          f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "
+          f"{row['copied_MB_per_step']:7.1f} MB copied, matmuls {row['gemms_per_step']}",
+          flush=True)
+  finish({"target": device.device_kind, "model": args.model, "slots": slots, "context": ctx,
+          "step_read_MB": read_MB,
+          "steps_per_call": args.steps, "jax": jax.__version__, "cpu_cores": os.cpu_count(),
+          "rows": rows}, args.json, t_start)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,108 @@
+"""``bench/gpu_aot.launches``: the kernels and copies of a compiled program, counted per run, on a
+hand-written GPU-style HLO module and on programs XLA:CPU compiles here (the CUDA plugin that
+``bench/gpu_aot.py`` compiles with is not installed in CI)."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+import gpu_aot  # noqa: E402
+
+# a layer loop as XLA:GPU compiles one (trimmed): a weight sliced out of the stacked weights into a
+# buffer of its own (a copy), a cuBLAS call on it, an elementwise fusion; 4 trips, from an entry
+# that also runs one Triton GEMM fusion
+_HLO = """HloModule m
+
+%slice_w (p0: bf16[4,16,16], p1: s32[]) -> bf16[1,16,16] {
+  %p0 = bf16[4,16,16]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %four = s32[] constant(4)
+  %wrapped = s32[] remainder(%p1, %four)
+  %ds = bf16[1,16,16]{2,1,0} dynamic-slice(%p0, %wrapped, %c0, %c0), dynamic_slice_sizes={1,16,16}
+  ROOT %cp = bf16[1,16,16]{2,1,0} copy(%ds)
+}
+
+%act (p0.1: f32[8,16]) -> f32[8,16] {
+  %p0.1 = f32[8,16]{1,0} parameter(0)
+  ROOT %t = f32[8,16]{1,0} tanh(%p0.1)
+}
+
+%body (arg: (s32[], f32[8,16], bf16[4,16,16])) -> (s32[], f32[8,16], bf16[4,16,16]) {
+  %arg = (s32[], f32[8,16]{1,0}, bf16[4,16,16]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[8,16]{1,0} get-tuple-element(%arg), index=1
+  %w = bf16[4,16,16]{2,1,0} get-tuple-element(%arg), index=2
+  %wi = bf16[1,16,16]{2,1,0} fusion(%w, %i), kind=kCustom, calls=%slice_w, backend_config={"fusion_backend_config":{"kind":"__custom_fusion"}}
+  %mm = (f32[8,16]{1,0}, s8[0]{0}) custom-call(%x, %wi), custom_call_target="__cublas$lt$matmul"
+  %y = f32[8,16]{1,0} get-tuple-element(%mm), index=0
+  %z = f32[8,16]{1,0} fusion(%y), kind=kLoop, calls=%act
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[8,16]{1,0}, bf16[4,16,16]{2,1,0}) tuple(%next, %z, %w)
+}
+
+%cond (arg.1: (s32[], f32[8,16], bf16[4,16,16])) -> pred[] {
+  %arg.1 = (s32[], f32[8,16]{1,0}, bf16[4,16,16]{2,1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%arg.1), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+%gemm (a: f32[8,16], b: f32[16,16]) -> f32[8,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,16]{1,0} parameter(1)
+  ROOT %d = f32[8,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x.0: f32[8,16], w.0: bf16[4,16,16], v.0: f32[16,16]) -> f32[8,16] {
+  %x.0 = f32[8,16]{1,0} parameter(0)
+  %w.0 = bf16[4,16,16]{2,1,0} parameter(1)
+  %v.0 = f32[16,16]{1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}, bf16[4,16,16]{2,1,0}) tuple(%zero, %x.0, %w.0)
+  %loop = (s32[], f32[8,16]{1,0}, bf16[4,16,16]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %h = f32[8,16]{1,0} get-tuple-element(%loop), index=1
+  ROOT %g = f32[8,16]{1,0} fusion(%h, %v.0), kind=kCustom, calls=%gemm, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+}
+"""
+
+
+def test_counts_a_gpu_layer_loop_by_its_trip_count():
+  """Each launch in the loop body counted 4 times, the matmuls by library, and the weight slice's
+  bytes as copied (its fusion only moves data: a slice, a copy and scalar index arithmetic)."""
+  n = gpu_aot.launches(_HLO)
+  assert n == {"fusion:__custom_fusion": 4, "gemm:cublas": 4, "fusion:kLoop": 4,
+               "add": 4,  # the loop counter's increment, unfused here: an instruction of its own
+               "gemm:triton": 1, "copied_bytes": 4 * 16 * 16 * 2}
+
+
+def _compiled(fn, *args) -> str:
+  return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def test_counts_scale_with_the_trip_counts_of_nested_loops():
+  """A scan of ``layers`` matmuls inside a loop of ``steps``, compiled here: the matmul's kind
+  launches steps x layers times, and a loop's trip count multiplies everything in its body."""
+  def program(steps, layers):
+    def f(w, x):
+      def layer(x, wi):
+        return jnp.tanh(x @ wi), None
+      return jax.lax.fori_loop(0, steps, lambda i, x: jax.lax.scan(layer, x, w)[0], x)
+    return gpu_aot.launches(_compiled(f, jnp.ones((layers, 32, 32)), jnp.ones((4, 32))))
+
+  base, steps2, layers2 = program(3, 5), program(6, 5), program(3, 10)
+  assert any(base[k] == 15 and steps2[k] == 30 and layers2[k] == 30 for k in base), base
+  assert sum(steps2.values()) > sum(base.values())
+
+
+def test_a_conditional_counts_its_cheapest_branch():
+  """The sampler's top-k/top-p branch (a sort of the vocabulary) runs only when asked: a
+  conditional counts as its cheapest branch, so the sort is not counted."""
+  def f(p, x):
+    return jax.lax.cond(p, lambda x: jnp.sort(jnp.exp(x) * 2, axis=-1), lambda x: x + 1, x)
+  n = gpu_aot.launches(_compiled(f, True, jnp.ones((4, 64))))
+  assert not any("sort" in k for k in n) and 1 <= sum(v for k, v in n.items() if k != "copied_bytes") <= 3
