@@ -22,20 +22,30 @@ Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version f
 autotunes its Triton GEMMs against the vendor library's per program at compile time) or ``"blas"``
 (GPU only: XLA with its Triton GEMM emitter and its autotuning off for the sampler's programs,
 ``compiler_options``: every matmul a call of the vendor library, cuBLAS or hipBLASLt, whose own
-heuristics pick each GEMM's algorithm). ``"blas"`` is a forced choice, not the GPU default: it was
-built because XLA's autotuning of one decode program at the Qwen2.5-1.5B shape took minutes on an
-H200 (jax 0.11.2), but on one H100 (jax 0.11.2, 2026-11-27) nothing at that shape compiled in time
-with the Triton GEMMs off: our program with autotuning on did not return within 150 s, the floor
-loop (then holding its weights as constants) with autotuning off too not within 80 s; our program
-with both off was not tried. At the SmolLM2
-shape our scanned decode program compiled in 1.5 s with ``"blas"`` and ran 1.89 ms a step (the
-floor loop with the same options 1.49 ms); XLA's autotuned default there on that H100: not
-measured.
+heuristics pick each GEMM's algorithm). ``"blas"`` is the GPU default, for compile time: XLA's
+autotuning of one decode program at the Qwen2.5-1.5B shape took minutes on an H200 (jax 0.11.2;
+with autotuning off, XLA's untuned Triton GEMMs ran that step 6x slower than the autotuned floor).
+With ``"blas"`` the scanned decode program compiled in 1.5 s at the SmolLM2 shape on an H100 and
+ran 1.89 ms a step (the floor loop with the same options 1.49 ms; XLA's autotuned default there:
+not measured); at the 1.5B shape, compiled for an H100 on a 2-core CPU with no GPU
+(``bench/gpu_aot.py``, XLA's passes without autotuning), the decode program compiles in 5-9 s.
+Its run time at the 1.5B shape on a GPU: not measured.
 
 Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
 weights and a stacked cache, ``models/decode_scan``: compile time flat in depth) or ``"unrolled"``
 (``Transformer.extend``, one traced body per layer, per-layer caches). ``"scan"`` needs XLA matmuls
-(the CPU kernel's packed weights are per layer).
+(the CPU kernel's packed weights are per layer); a paged KV cache needs ``"scan"``. The GPU default
+is ``"unrolled"`` (``"scan"`` with a paged cache): XLA:GPU copies each layer's slice of the
+stacked weights, and its keys and values, into buffers of their own before the matmuls read them,
+every layer of every step. Counted in the programs compiled for an H100 (``bench/gpu_aot.py``, 16
+steps per call): at the Qwen2.5-1.5B shape (128 slots, context 512, a step must read 4970 MB) the
+scanned step copies 5.4-5.5 GB, the unrolled one 0.35-0.44 GB (the per-layer caches' layout
+changed on entering and leaving each call), and the unrolled program compiled in 6-10 s against
+the scanned one's 5-16 s (two runs); at the SmolLM2 shape 0.8 GB against 0.1 GB for 459 MB to
+read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
+scan's 1.89 ms on an H100 (``"blas"``), 1.50 against 1.95 ms on an H200 (XLA's matmuls); at the
+1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms. The 1.5B step
+with ``"blas"`` on a GPU: not measured. TPU keeps ``"scan"`` (not measured there).
 
 Decode projections (``PROJECTIONS``): ``"fused"`` (the engine holds q, k, v as one weight and gate,
 up as one, ``transformer.fuse_projections``: three matmuls a layer fewer, each of the rest reading
@@ -56,7 +66,8 @@ CPU keeps the model's layout.
 
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
-step measured no faster on CPU), on GPU and TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
+step measured no faster on CPU); on GPU ``"dense"``, ``"blas"`` matmuls and the layers unrolled
+(in a scan with a paged cache); on TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
 The Pallas GPU kernel is not the default there: on one H200 (SmolLM2 shape, 64 slots, context 128,
 layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, when it still took
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
@@ -177,7 +188,7 @@ def matmul(mesh: Mesh, compute_dtype, requested: str = "auto") -> str:
   packable = cpu_matmul.enabled(mesh, compute_dtype)
   platform = platform_of(mesh)
   if value == "auto":
-    return "cpu_packed" if packable else "xla"
+    return "cpu_packed" if packable else "blas" if platform == "gpu" else "xla"
   if value == "cpu_packed" and not packable:
     raise ValueError("decode matmul 'cpu_packed' needs one CPU device with AVX-512, float32 compute "
                      f"(model dtype {jnp.dtype(compute_dtype).name}) and the kernel built")
@@ -197,11 +208,14 @@ def compiler_options(matmul_impl: str) -> dict[str, bool] | None:
   return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
-def layers(platform: str, matmul_impl: str, requested: str = "auto") -> str:
-  """How a decode step runs the layers (``LAYERS``) on ``platform`` with ``matmul_impl`` matmuls."""
+def layers(platform: str, matmul_impl: str, requested: str = "auto", paged: bool = False) -> str:
+  """How a decode step runs the layers (``LAYERS``) on ``platform`` with ``matmul_impl`` matmuls
+  (``paged``: over a paged KV cache, which needs them in a scan)."""
   value = _requested(requested, LAYERS_ENV, LAYERS, "decode_layers")
   if value == "auto":
-    return "unrolled" if platform == "cpu" or matmul_impl == "cpu_packed" else "scan"
+    if platform == "cpu" or matmul_impl == "cpu_packed":
+      return "unrolled"
+    return "scan" if platform == "tpu" or paged else "unrolled"
   if value == "scan" and matmul_impl == "cpu_packed":
     raise ValueError("decode_layers 'scan' needs XLA matmuls (decode_matmul='xla'): the CPU "
                      "kernel's packed weights are per layer")

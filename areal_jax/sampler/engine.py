@@ -19,7 +19,7 @@ comes out of ``generate``. Re-prefilling a sequence under new weights is the sam
 
 Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer (``slot_cache``), slots
 sharded over the mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like
-the slots. With ``decode_layers`` ``"scan"`` (the default on GPU and TPU, ``kernels.choice.layers``)
+the slots. With ``decode_layers`` ``"scan"`` (the default on TPU, ``kernels.choice.layers``)
 the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode compile one layer
 body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
 once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, kv_heads,
@@ -129,7 +129,8 @@ class DecodeEngine:
     platform = choice.platform_of(self.mesh)
     self.attention_impl = choice.attention(platform, config.decode_attention)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
-    self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers)
+    self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers,
+                                     paged=config.kv_pages > 0)
     # XLA options of the programs that run the model's matmuls (prefill, generate, continuation)
     self.compiler_options = choice.compiler_options(self.matmul_impl)
     self.config = config = dataclasses.replace(

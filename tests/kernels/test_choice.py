@@ -51,18 +51,19 @@ def test_bad_choices_name_the_setting(monkeypatch):
     choice.matmul(sharding.make_mesh({}, jax.devices()[:1]), "float32", "mkl")
 
 
-def test_decode_matmul_blas_runs_on_gpu_only_when_asked(monkeypatch):
+def test_decode_matmul_blas_is_the_gpu_default_and_runs_on_gpu_only(monkeypatch):
   monkeypatch.delenv(choice.MATMUL_ENV, raising=False)
   one = sharding.make_mesh({}, jax.devices()[:1])
   with pytest.raises(ValueError, match="'blas'.*cannot run on 'cpu'"):
     choice.matmul(one, "float32", "blas")
+  assert choice.matmul(one, "bfloat16") == "xla"  # off GPU
   monkeypatch.setattr(choice, "platform_of", lambda mesh: "gpu")
-  assert choice.matmul(one, "bfloat16") == "xla"
-  assert choice.matmul(one, "bfloat16", "blas") == "blas"
-  monkeypatch.setenv(choice.MATMUL_ENV, "blas")
   assert choice.matmul(one, "bfloat16") == "blas"
   assert choice.matmul(one, "bfloat16", "xla") == "xla"
-  assert choice.layers("gpu", "blas") == "scan"
+  monkeypatch.setenv(choice.MATMUL_ENV, "xla")
+  assert choice.matmul(one, "bfloat16") == "xla"
+  assert choice.matmul(one, "bfloat16", "blas") == "blas"
+  assert choice.layers("gpu", "blas", "scan") == "scan"
   assert choice.compiler_options("xla") is None and choice.compiler_options("cpu_packed") is None
   # the option is one XLA knows (a misspelt one is refused at compile time), and it leaves the
   # program's result as it was
@@ -74,7 +75,11 @@ def test_decode_matmul_blas_runs_on_gpu_only_when_asked(monkeypatch):
 def test_decode_layers_per_platform_config_and_environment(monkeypatch):
   monkeypatch.delenv(choice.LAYERS_ENV, raising=False)
   assert choice.layers("cpu", "xla") == choice.layers("cpu", "cpu_packed") == "unrolled"
-  assert choice.layers("gpu", "xla") == choice.layers("tpu", "xla") == "scan"
+  # GPU: unrolled (XLA:GPU copies a scanned layer's weights and cache slices every step), in a
+  # scan over a paged cache (which needs one); TPU: in a scan
+  assert choice.layers("gpu", "blas") == choice.layers("gpu", "xla") == "unrolled"
+  assert choice.layers("gpu", "blas", paged=True) == choice.layers("tpu", "xla") == "scan"
+  assert choice.layers("tpu", "xla", paged=True) == "scan"
   assert choice.layers("cpu", "xla", "scan") == "scan"
   monkeypatch.setenv(choice.LAYERS_ENV, "scan")
   assert choice.layers("cpu", "xla") == "scan"

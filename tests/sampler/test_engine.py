@@ -397,6 +397,23 @@ def test_a_paged_cache_needs_the_scan_one_slot_split_and_room_for_a_sequence(mod
                                      decode_layers="scan", decode_matmul="xla"))
 
 
+def test_on_a_gpu_the_layers_default_to_unrolled_and_to_the_scan_with_a_paged_cache(
+    model, monkeypatch):
+  """A GPU engine left to choose runs the layers unrolled (XLA:GPU copies a scanned layer's weight
+  and cache slices every step), except over a paged cache, which needs the scan; the platform
+  forced here, XLA's matmuls asked for (the GPU default's options are for a GPU compiler)."""
+  from areal_jax.kernels import choice
+  monkeypatch.setattr(choice, "platform_of", lambda mesh: "gpu")
+  for env in (choice.LAYERS_ENV, choice.ATTENTION_ENV):
+    monkeypatch.delenv(env, raising=False)
+  rows = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, decode_matmul="xla"))
+  paged = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=8, page_size=16,
+                                           decode_matmul="xla"))
+  assert (rows.layers_impl, rows.attention_impl) == ("unrolled", "dense")
+  assert (paged.layers_impl, paged.attention_impl) == ("scan", "dense")
+  assert len(rows.init_state()["cache"]) == model.cfg.n_layers  # per-layer caches
+
+
 def test_pallas_tpu_refuses_what_its_kernel_cannot_read(model):
   for kw, what in (({"decode_layers": "unrolled", "cache_dtype": "bfloat16"}, "decode_layers"),
                    ({"decode_layers": "scan"}, "cache_dtype='bfloat16'"),
