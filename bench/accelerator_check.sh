@@ -8,7 +8,7 @@
 # decode programs' compile times are kept in the log: on an H100 (bench/results/h100-2026-11-27)
 # no program at the 1.5B shape compiled within 60-170 s, the floor loop then holding its weights
 # as 3 GB of constants in its program (now arguments; compiled for an H100 on a CPU with
-# bench/gpu_aot.py the 1.5B programs take 2-16 s without autotuning).
+# bench/aot_decode.py the 1.5B programs take 2-16 s without autotuning).
 # 1. Qwen2.5-1.5B shape (128 slots, context 512): bench/sampler.py --decode-only as shipped (on a
 #    GPU: the layers unrolled, decode_matmul 'blas', the library's GEMMs with no autotuning; the
 #    floor loop's program gets the same options), the issue's keys (floor_ratio, hbm_roofline_frac);

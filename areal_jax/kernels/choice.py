@@ -28,7 +28,7 @@ with autotuning off, XLA's untuned Triton GEMMs ran that step 6x slower than the
 With ``"blas"`` the scanned decode program compiled in 1.5 s at the SmolLM2 shape on an H100 and
 ran 1.89 ms a step (the floor loop with the same options 1.49 ms; XLA's autotuned default there:
 not measured); at the 1.5B shape, compiled for an H100 on a 2-core CPU with no GPU
-(``bench/gpu_aot.py``, XLA's passes without autotuning), the decode program compiles in 5-9 s.
+(``bench/aot_decode.py``, XLA's passes without autotuning), the decode program compiles in 5-9 s.
 Its run time at the 1.5B shape on a GPU: not measured.
 
 Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
@@ -37,7 +37,7 @@ weights and a stacked cache, ``models/decode_scan``: compile time flat in depth)
 (the CPU kernel's packed weights are per layer); a paged KV cache needs ``"scan"``. The GPU default
 is ``"unrolled"`` (``"scan"`` with a paged cache): XLA:GPU copies each layer's slice of the
 stacked weights, and its keys and values, into buffers of their own before the matmuls read them,
-every layer of every step. Counted in the programs compiled for an H100 (``bench/gpu_aot.py``, 16
+every layer of every step. Counted in the programs compiled for an H100 (``bench/aot_decode.py``, 16
 steps per call): at the Qwen2.5-1.5B shape (128 slots, context 512, a step must read 4970 MB) the
 scanned step copies 5.4-5.5 GB, the unrolled one 0.35-0.44 GB (the per-layer caches' layout
 changed on entering and leaving each call), and the unrolled program compiled in 6-10 s against
@@ -45,7 +45,10 @@ the scanned one's 5-16 s (two runs); at the SmolLM2 shape 0.8 GB against 0.1 GB 
 read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
 scan's 1.89 ms on an H100 (``"blas"``), 1.50 against 1.95 ms on an H200 (XLA's matmuls); at the
 1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms. The 1.5B step
-with ``"blas"`` on a GPU: not measured. TPU keeps ``"scan"`` (not measured there).
+with ``"blas"`` on a GPU: not measured. TPU keeps ``"scan"``, not measured there: compiled for a
+TPU v5e chip the scanned step copies each layer's keys and values too (5.2 GB a step at the 1.5B
+shape), but the unrolled one turns each layer's cache write into a loop over the slots
+(``bench/results/cpu-aot-tpu-v5e-2026-11-27``).
 
 Decode projections (``PROJECTIONS``): ``"fused"`` (the engine holds q, k, v as one weight and gate,
 up as one, ``transformer.fuse_projections``: three matmuls a layer fewer, each of the rest reading

@@ -1,6 +1,6 @@
-"""``bench/gpu_aot.launches``: the kernels and copies of a compiled program, counted per run, on a
+"""``bench/aot_decode.launches``: the kernels and copies of a compiled program, counted per run, on a
 hand-written GPU-style HLO module and on programs XLA:CPU compiles here (the CUDA plugin that
-``bench/gpu_aot.py`` compiles with is not installed in CI)."""
+``bench/aot_decode.py`` compiles with is not installed in CI)."""
 
 import pathlib
 import sys
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-import gpu_aot  # noqa: E402
+import aot_decode  # noqa: E402
 
 # a layer loop as XLA:GPU compiles one (trimmed): a weight sliced out of the stacked weights into a
 # buffer of its own (a copy), a cuBLAS call on it, an elementwise fusion; 4 trips, from an entry
@@ -74,10 +74,20 @@ ENTRY %main (x.0: f32[8,16], w.0: bf16[4,16,16], v.0: f32[16,16]) -> f32[8,16] {
 def test_counts_a_gpu_layer_loop_by_its_trip_count():
   """Each launch in the loop body counted 4 times, the matmuls by library, and the weight slice's
   bytes as copied (its fusion only moves data: a slice, a copy and scalar index arithmetic)."""
-  n = gpu_aot.launches(_HLO)
+  n = aot_decode.launches(_HLO)
   assert n == {"fusion:__custom_fusion": 4, "gemm:cublas": 4, "fusion:kLoop": 4,
                "add": 4,  # the loop counter's increment, unfused here: an instruction of its own
                "gemm:triton": 1, "copied_bytes": 4 * 16 * 16 * 2}
+
+
+def test_a_loop_without_a_known_trip_count_takes_its_conditions_bound():
+  """TPU programs carry no ``known_trip_count``: the bound of the loop's ``i < N`` condition
+  stands in (layouts annotated as a TPU program's are), and a loop with neither counts once."""
+  tpu = (_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+         .replace("%n = s32[] constant(4)", "%n = s32[]{:T(128)} constant(4)"))
+  assert aot_decode.launches(tpu) == aot_decode.launches(_HLO)
+  unknown = tpu.replace("direction=LT", "direction=NE")
+  assert aot_decode.launches(unknown)["gemm:cublas"] == 1
 
 
 def _compiled(fn, *args) -> str:
@@ -92,7 +102,7 @@ def test_counts_scale_with_the_trip_counts_of_nested_loops():
       def layer(x, wi):
         return jnp.tanh(x @ wi), None
       return jax.lax.fori_loop(0, steps, lambda i, x: jax.lax.scan(layer, x, w)[0], x)
-    return gpu_aot.launches(_compiled(f, jnp.ones((layers, 32, 32)), jnp.ones((4, 32))))
+    return aot_decode.launches(_compiled(f, jnp.ones((layers, 32, 32)), jnp.ones((4, 32))))
 
   base, steps2, layers2 = program(3, 5), program(6, 5), program(3, 10)
   assert any(base[k] == 15 and steps2[k] == 30 and layers2[k] == 30 for k in base), base
@@ -104,5 +114,5 @@ def test_a_conditional_counts_its_cheapest_branch():
   conditional counts as its cheapest branch, so the sort is not counted."""
   def f(p, x):
     return jax.lax.cond(p, lambda x: jnp.sort(jnp.exp(x) * 2, axis=-1), lambda x: x + 1, x)
-  n = gpu_aot.launches(_compiled(f, True, jnp.ones((4, 64))))
+  n = aot_decode.launches(_compiled(f, True, jnp.ones((4, 64))))
   assert not any("sort" in k for k in n) and 1 <= sum(v for k, v in n.items() if k != "copied_bytes") <= 3

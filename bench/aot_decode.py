@@ -1,24 +1,28 @@
-"""The sampler's decode programs compiled for a GPU on a machine without one (XLA's deviceless AOT).
+"""The sampler's decode programs compiled for a GPU or a TPU on a machine without one (XLA's AOT).
 
   python -m venv /tmp/cuda && /tmp/cuda/bin/pip install --no-deps -r requirements.lock -e . &&
   /tmp/cuda/bin/pip install "jax[cuda12]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
-  /tmp/cuda/bin/python bench/gpu_aot.py [--model qwen2.5-1.5b] [--target h100] [--json PATH]
-                                        [--programs ours,floor] [--matmul xla,blas]
+  /tmp/cuda/bin/python bench/aot_decode.py [--model qwen2.5-1.5b] [--target h100] [--json PATH]
+                                           [--programs ours,floor] [--matmul xla,blas]
+  # a TPU: the same with "jax[tpu]==<version>" (libtpu) in its own venv and --target v5e:2x2
 
-Compiles, for the GPU described by ``bench/gpu_targets/<target>*.txtpb`` (XLA's GPU target
-config), our engine's decode call as it is built for a GPU (``--attention``, ``--layers``, fused
-projections, 16 steps per call) and the floor loop of ``bench/decode_floor.py`` at the decode
-shape, once per GEMM choice: ``xla`` (XLA's flags as they are; with no device XLA cannot autotune,
-so its Triton GEMMs take default tilings) and ``blas`` (``choice.compiler_options('blas')``: every
-matmul a cuBLAS call). The CUDA plugin and its ptxas (~5.5 GB) live in a venv of their own.
-Per program: seconds to lower and to compile on this machine, and from the
-compiled program the kernels it launches per decode step (each loop body counted by its trip
-count), the matmuls among them by kind. Takes ~2-4 minutes on 2 cores (building the 1.5B shape's
-random weights on the CPU is most of it).
+Compiles, for the GPU described by ``bench/aot_targets/<target>*.txtpb`` (XLA's GPU target
+config; JAX's CUDA plugin and its ptxas, ~5.5 GB, in a venv of their own) or for one chip of a TPU
+topology (``--target`` with a colon, e.g. ``v5e:2x2``: libtpu's compiler), our engine's decode call
+as it is built for that platform (``--attention``, ``--layers``, fused projections, 16 steps per
+call) and the floor loop of ``bench/decode_floor.py`` at the decode shape, once per GEMM choice:
+``xla`` (XLA's flags as they are; with no device XLA cannot autotune, so on a GPU its Triton GEMMs
+take default tilings) and, on a GPU, ``blas`` (``choice.compiler_options('blas')``: every matmul a
+cuBLAS call). Per program: seconds to lower and to compile on this machine, and from the compiled
+program, per decode step (each loop body counted by its trip count): the operations it launches
+(on a GPU, kernels; a TPU runs one program, so there the count is only a size) with the matmuls by
+library, and the bytes it copies (operations that only move data). Takes ~2-4 minutes on 2 cores
+(building the 1.5B shape's random weights on the CPU is much of it).
 
 What it cannot say: run time, and the time XLA spends autotuning on a real GPU (that needs the
-device). What it can: whether a program compiles for the GPU and how long XLA's passes take
-without autotuning, which library runs each matmul, and how many kernels a step launches.
+device). What it can: whether a program compiles for the platform and how long XLA's passes take
+without autotuning, which library runs each matmul, how many kernels a GPU step launches, and
+what the program copies that the step does not need to read.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import re
 import sys
 import time
 
-# no GPU here: the CUDA plugin is loaded for its compiler only (its version check needs a driver)
+# no GPU or TPU here: the CUDA plugin (or libtpu) is loaded for its compiler only (the plugin's
+# version check needs a driver)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
@@ -43,7 +48,7 @@ import numpy as np  # noqa: E402
 from common import QWEN25_1P5B, SMOLLM2, decode_step_cost, finish  # noqa: E402
 
 SHAPES = {"smollm2-135m": (SMOLLM2, 64, 128), "qwen2.5-1.5b": (QWEN25_1P5B, 128, 512)}
-TARGETS = pathlib.Path(__file__).resolve().parent / "gpu_targets"
+TARGETS = pathlib.Path(__file__).resolve().parent / "aot_targets"
 # instructions that run nothing on the device (views, tuples, control flow counted by its bodies)
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
          "call", "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency",
@@ -110,14 +115,29 @@ def _result_bytes(line: str) -> int:
              for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", head))
 
 
+def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+  """A while loop's trip count: XLA's ``known_trip_count`` (GPU and CPU programs), else the bound
+  of its condition when that is one comparison of the counter with one integer constant (``i <
+  N``, as TPU programs' loops from ``lax.scan``/``fori_loop`` have it); else 1."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+  if known:
+    return int(known.group(1))
+  cond = comps.get(re.search(r"condition=%([^,\s]+)", line).group(1), [])
+  constant = re.compile(r"s32\[\](?:\{[^}]*\})? constant\((\d+)\)")
+  bounds = [int(m.group(1)) for m in map(constant.search, cond) if m]
+  lt = [x for x in cond if "compare(" in x and "direction=LT" in x]
+  return bounds[0] if len(bounds) == 1 and len(lt) == 1 else 1
+
+
 def launches(hlo: str) -> collections.Counter:
   """Device operations one run of a compiled HLO module launches, by ``_kind``: every instruction
   that runs something (fusions, library calls, copies, ...; not views or tuples), each loop's body
-  counted its known trip count times (a loop whose count is unknown: once; loop conditions are
-  not counted), a conditional by its cheapest branch (the sampler's top-k/top-p branch runs only
-  when a slot asks for it). Also ``"copied_bytes"``: bytes written by the launches that only move
-  data (a copy, or a fusion of slices, copies, pads, transposes and reshapes: no arithmetic but on
-  scalars), e.g. a layer's weights sliced out of the stacked weights into a buffer of their own."""
+  counted its trip count times (``_trip_count``; a loop whose count is unknown: once; loop
+  conditions are not counted), a conditional by its cheapest branch (the sampler's top-k/top-p
+  branch runs only when a slot asks for it). Also ``"copied_bytes"``: bytes written by the
+  launches that only move data (a copy, or a fusion of slices, copies, pads, transposes and
+  reshapes: no arithmetic but on scalars), e.g. a layer's weights sliced out of the stacked
+  weights into a buffer of their own."""
   comps, entry = _computations(hlo)
 
   def moves_only(line: str, op: str) -> bool:
@@ -134,8 +154,8 @@ def launches(hlo: str) -> collections.Counter:
       op = _opcode(line)
       if op == "while":
         body = count(re.search(r"body=%([^,\s]+)", line).group(1))
-        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-        out.update({k: v * (int(trip.group(1)) if trip else 1) for k, v in body.items()})
+        trip = _trip_count(line, comps)
+        out.update({k: v * trip for k, v in body.items()})
       elif op == "conditional":
         names = re.search(r"branch_computations=\{([^}]*)\}", line)
         names = (re.findall(r"%([^,\s]+)", names.group(1)) if names else
@@ -155,8 +175,15 @@ def launches(hlo: str) -> collections.Counter:
 
 
 def target_device(target: str):
-  """A compile-only device of the GPU ``target`` (a file under ``bench/gpu_targets``)."""
+  """A compile-only device of ``target``: one chip of a TPU topology (``v5e:2x2``) or the GPU
+  a file under ``bench/aot_targets`` describes (``h100``)."""
   from jax.experimental import topologies
+  if ":" in target:
+    try:
+      return topologies.get_topology_desc(target, "tpu").devices[0]
+    except Exception as e:  # noqa: BLE001 (libtpu's errors have no common type)
+      raise SystemExit(f"compiling for TPU {target!r} needs libtpu, jax[tpu]=={jax.__version__} "
+                       f"(see this script's docstring): {type(e).__name__}: {e}") from e
   paths = sorted(TARGETS.glob(f"{target}*.txtpb"))
   if not paths:
     raise SystemExit(f"no GPU target {target!r} in {TARGETS} (have: "
@@ -168,6 +195,10 @@ def target_device(target: str):
     raise SystemExit(f"compiling for a GPU needs JAX's CUDA plugin, jax[cuda12]=={jax.__version__} "
                      f"(see this script's docstring): {type(e).__name__}: {e}") from e
   return topo.devices[0]
+
+
+def _platform(device) -> str:
+  return "tpu" if "TPU" in device.device_kind else "cuda"
 
 
 def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, layers: str,
@@ -188,7 +219,7 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
 
   from areal_jax.models import Transformer
   from areal_jax.sampler.engine import DecodeEngine, EngineConfig
-  with choice.lowering_for("cuda"):  # Pallas kernels traced compiled for a GPU
+  with choice.lowering_for(_platform(device)):  # Pallas kernels traced compiled for it
     eng = DecodeEngine(model or Transformer(cfg, nnx.Rngs(0)), EngineConfig(
         num_slots=slots, max_len=ctx + 16 * steps, prefill_buckets=(16,),
         kv_buckets=(ctx + 4 * steps + 1,), steps_per_call=steps, decode_attention=attention,
@@ -204,9 +235,11 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
-  ap.add_argument("--target", default="h100", help="a GPU target under bench/gpu_targets")
+  ap.add_argument("--target", default="h100",
+                  help="a GPU under bench/aot_targets (h100) or a TPU topology (v5e:2x2)")
   ap.add_argument("--programs", default="ours,floor")
-  ap.add_argument("--matmul", default="xla,blas", help="GEMM choices (choice.MATMUL's xla, blas)")
+  ap.add_argument("--matmul", default=None,
+                  help="GEMM choices (choice.MATMUL's xla, blas; default: xla,blas on a GPU, xla)")
   ap.add_argument("--attention", default="dense", help="our engine's decode attention")
   ap.add_argument("--layers", default="unrolled,scan",
                   help="our engine's decode layers (choice.LAYERS; the GPU default: unrolled)")
@@ -217,6 +250,7 @@ def main():
   from areal_jax.kernels import choice
   t_start = time.perf_counter()
   device = target_device(args.target)
+  matmuls = (args.matmul or ("xla,blas" if _platform(device) == "cuda" else "xla")).split(",")
   cfg, slots, ctx = SHAPES[args.model]
   cfg = dataclasses.replace(cfg, dtype="bfloat16")
   read_MB = decode_step_cost(cfg, slots, ctx)[0] / 1e6
@@ -231,12 +265,12 @@ def main():
     model = Transformer(cfg, nnx.Rngs(0))  # random weights, once
   configs = [(what, layers, matmul) for what in args.programs.split(",")
              for layers in (args.layers.split(",") if what == "ours" else ["scan"])
-             for matmul in args.matmul.split(",")]
+             for matmul in matmuls]
   for what, layers, matmul in configs:
     fn, fargs = _program(what, cfg, slots, ctx, args.steps, args.attention, layers, device,
                          choice.compiler_options(matmul), model)
     t0 = time.perf_counter()
-    lowered = fn.trace(*fargs).lower(lowering_platforms=("cuda",))
+    lowered = fn.trace(*fargs).lower(lowering_platforms=(_platform(device),))
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
