@@ -29,6 +29,8 @@ from areal_jax.kernels import attention as attention_kernels
 from areal_jax.kernels import cpu_matmul, xla_attention
 
 Cache = list[dict[str, jax.Array]]  # per layer: {"k": [B, T, Hkv, D], "v": [B, T, Hkv, D]}
+CACHE_AXES = ("cache_batch", None, "cache_heads", None)  # logical axes of a layer's cache
+CACHE_AXES_HEADS_MAJOR = ("cache_batch", "cache_heads", None, None)  # ... held heads-major
 
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -385,17 +387,21 @@ class Transformer(nnx.Module):
     return self._logits(x)
 
   def extend(self, tokens_BxL, start_B, cache: Cache, kv_len: int | None = None,
-             attention_impl: str | None = None):
+             attention_impl: str | None = None, heads_major: bool = False):
     """Append L tokens per row at ``start_B`` to ``cache``; returns logits and the updated cache.
 
     The cache may have more rows than ``tokens_BxL``: row b of the tokens uses cache row b and rows
     from B on are left as they are (a decode step over the first B slots of a bigger cache).
-    ``attention_impl``: the decode attention a single-token step runs (``decode_attention``)."""
+    ``attention_impl``: the decode attention a single-token step runs (``decode_attention``).
+    ``heads_major``: each layer's cache is ``[rows, kv_heads, T, D]`` (``init_cache``'s
+    ``heads_major``) instead of ``[rows, T, kv_heads, D]``."""
     b, l = tokens_BxL.shape
     rows = cache[0]["k"].shape[0]
+    t_axis = 2 if heads_major else 1
     positions_BxL = start_B[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
-    t = cache[0]["k"].shape[1] if kv_len is None else kv_len
+    t = cache[0]["k"].shape[t_axis] if kv_len is None else kv_len
     mask_BxLxT = jnp.arange(t)[None, None, :] <= positions_BxL[:, :, None]
+    axes = CACHE_AXES_HEADS_MAJOR if heads_major else CACHE_AXES
     x = self._embed(tokens_BxL)
     rope_BxLxF = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta)
     new_cache = []
@@ -406,22 +412,30 @@ class Transformer(nnx.Module):
         for name, new in (("k", k), ("v", v)):
           new = new.astype(layer_cache[name].dtype)
           if rows == b:
-            full = _write_rows(layer_cache[name], new, start_B)
-          else:  # scatter into rows [0, b), in place
+            full = _write_rows(layer_cache[name], new, start_B, heads_major)
+          elif heads_major:  # scatter into rows [0, b), in place ([B, L] lead the value)
+            full = layer_cache[name].at[jnp.arange(b)[:, None], :, positions_BxL].set(new)
+          else:
             full = layer_cache[name].at[jnp.arange(b)[:, None], positions_BxL].set(new)
-          updated[name] = sharding.constrain(full, ("cache_batch", None, "cache_heads", None))
-        if l == 1:  # decode: a dynamic loop over the needed cache chunks (no copy of the cache)
+          updated[name] = sharding.constrain(full, axes)
+        if l == 1:  # decode: the kernels' choice how to read the cache
           return decode_attention(q, updated["k"], updated["v"], start_B, t,
-                                  impl=attention_impl)
-        return attention(q, updated["k"][:b, :t], updated["v"][:b, :t], mask_BxLxT)
+                                  impl=attention_impl, heads_major=heads_major)
+        k_all, v_all = updated["k"][:b], updated["v"][:b]
+        if heads_major:
+          k_all, v_all = jnp.swapaxes(k_all[:, :, :t], 1, 2), jnp.swapaxes(v_all[:, :, :t], 1, 2)
+        return attention(q, k_all[:, :t], v_all[:, :t], mask_BxLxT)
 
       x = block(x, rope_BxLxF, attend)
       new_cache.append(updated)
     return self._logits(x), new_cache
 
 
-def _write_rows(cache_BxTxKxD, new_BxLxKxD, start_B):
-  write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
+def _write_rows(cache_BxTxKxD, new_BxLxKxD, start_B, heads_major: bool = False):
+  if heads_major:  # the cache [B, K, T, D]
+    write = lambda c, n, s: jax.lax.dynamic_update_slice(c, jnp.swapaxes(n, 0, 1), (0, s, 0))
+  else:
+    write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
   return jax.vmap(write)(cache_BxTxKxD, new_BxLxKxD, start_B)
 
 
@@ -464,8 +478,12 @@ def cast_weights(params, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
-  """An empty KV cache of ``batch`` rows and ``max_len`` positions."""
-  shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None,
+               heads_major: bool = False) -> Cache:
+  """An empty KV cache of ``batch`` rows and ``max_len`` positions: per layer ``{"k", "v"}`` of
+  ``[batch, max_len, kv_heads, head_dim]`` (``heads_major``: ``[batch, kv_heads, max_len,
+  head_dim]``, what a GPU's decode attention reads without a transposed copy)."""
+  shape = ((batch, cfg.n_kv_heads, max_len, cfg.head_dim) if heads_major
+           else (batch, max_len, cfg.n_kv_heads, cfg.head_dim))
   dtype = dtype or cfg.compute_dtype
   return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.n_layers)]

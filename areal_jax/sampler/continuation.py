@@ -130,7 +130,8 @@ class Continuations:
   # ---- device functions ------------------------------------------------------------------------
   def _row_shardings(self):
     e = self.engine
-    return slot_cache.shardings(e._named, e.model_cfg, 1, e.config.max_len, e._stacked, prefix=True)
+    return slot_cache.shardings(e._named, e.model_cfg, 1, e.config.max_len, e.cache_layout,
+                                prefix=True)
 
   def _make_take(self):
     axis = 1 if self.engine._stacked else 0
@@ -146,13 +147,15 @@ class Continuations:
   def _make_extend(self, bucket: int):
     e = self.engine
     graphdef, graph, mesh, max_len = e.graphdef, e._scan, e.mesh, e.config.max_len
+    heads_major = e.cache_layout == slot_cache.HEADS
 
     def fn(params, row, tokens_1xL, start_1):
       with sharding.use(mesh):
         if graph is not None:
           _, row = decode_scan.extend(graph, params, tokens_1xL, start_1, row, kv_len=max_len)
         else:
-          _, row = nnx.merge(graphdef, params).extend(tokens_1xL, start_1, row, kv_len=max_len)
+          _, row = nnx.merge(graphdef, params).extend(tokens_1xL, start_1, row, kv_len=max_len,
+                                                      heads_major=heads_major)
       return row
 
     rows = self._row_shardings()

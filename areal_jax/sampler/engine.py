@@ -17,7 +17,9 @@ decode step feeds the last prompt token, so every generated token (and its logpr
 comes out of ``generate``. Re-prefilling a sequence under new weights is the same: prefill
 ``prompt + generated[:-1]`` and feed the last generated token.
 
-Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer (``slot_cache``), slots
+Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer (``slot_cache``; heads
+before positions, ``[slots, kv_heads, max_len, head_dim]``, under the dense and Pallas GPU decode
+attention, which read that layout in place: ``cache_layout``), slots
 sharded over the mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like
 the slots. With ``decode_layers`` ``"scan"`` (the default on TPU, ``kernels.choice.layers``)
 the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode compile one layer
@@ -193,6 +195,17 @@ class DecodeEngine:
     """Whether the layers run in a scan: the weights and the cache are held stacked."""
     return self._scan is not None
 
+  @property
+  def cache_layout(self) -> str:
+    """The slots' cache layout (``slot_cache``): stacked with the layers in a scan; else per layer,
+    heads before positions where the decode attention reads that layout in place (the dense and
+    Pallas GPU forms: compiled for a GPU, the positions-first cache is copied into heads-major
+    order on entering each decode call and back on leaving it, ``bench/aot_cache_layout.py``),
+    positions first for the CPU and chunked forms."""
+    if self._scan is not None:
+      return slot_cache.STACKED
+    return slot_cache.HEADS if self.attention_impl in ("dense", "pallas_gpu") else slot_cache.ROWS
+
   def _width_buckets(self) -> tuple[int, ...]:
     s, requested = self.config.num_slots, self.config.width_buckets
     if requested is None:  # slots split over devices: full width only (see the module doc)
@@ -223,7 +236,7 @@ class DecodeEngine:
                          decode_scan.pool_shape(cfg, c.kv_pages, c.page_size))
       cache = {"k": pool, "v": pool}
     else:
-      cache = slot_cache.shardings(self._named, cfg, c.num_slots, c.max_len, self._stacked)
+      cache = slot_cache.shardings(self._named, cfg, c.num_slots, c.max_len, self.cache_layout)
     return {
         "cache": cache,
         "tokens": vec, "pos": vec, "end": vec, "active": vec,
@@ -252,12 +265,12 @@ class DecodeEngine:
   def _new_state(self):
     """A function making an empty decode state (closing over static structure only)."""
     cfg, c, cache_dtype = self.model_cfg, self.config, self._cache_dtype
-    s, stacked, paged = c.num_slots, self._stacked, self.paged
+    s, layout, paged = c.num_slots, self.cache_layout, self.paged
 
     def make() -> State:
       return {
           "cache": (decode_scan.init_pool(cfg, c.kv_pages, c.page_size, cache_dtype) if paged
-                    else slot_cache.make(cfg, s, c.max_len, cache_dtype, stacked)),
+                    else slot_cache.make(cfg, s, c.max_len, cache_dtype, layout)),
           "tokens": jnp.zeros((s,), jnp.int32), "pos": jnp.zeros((s,), jnp.int32),
           "end": jnp.zeros((s,), jnp.int32), "active": jnp.zeros((s,), jnp.bool_),
           "temperature": jnp.ones((s,), jnp.float32), "top_k": jnp.zeros((s,), jnp.int32),
@@ -310,20 +323,22 @@ class DecodeEngine:
 
   def _make_prefill(self, bucket: int, n: int):
     cfg, mesh, graphdef, cache_dtype = self.model_cfg, self.mesh, self.graphdef, self._cache_dtype
-    graph, stacked = self._scan, self._stacked
+    graph, stacked, layout = self._scan, self._stacked, self.cache_layout
+    heads_major = layout == slot_cache.HEADS
 
     def fn(params, tokens_NxL):
       with sharding.use(mesh):
-        cache = slot_cache.make(cfg, n, bucket, cache_dtype, stacked)
+        cache = slot_cache.make(cfg, n, bucket, cache_dtype, layout)
         start = jnp.zeros((n,), jnp.int32)
         if stacked:  # the layers in a scan over the stacked weights
           _, cache = decode_scan.extend(graph, params, tokens_NxL, start, cache, kv_len=bucket)
         else:
-          _, cache = nnx.merge(graphdef, params).extend(tokens_NxL, start, cache, kv_len=bucket)
+          _, cache = nnx.merge(graphdef, params).extend(tokens_NxL, start, cache, kv_len=bucket,
+                                                        heads_major=heads_major)
       # one prefix per prompt, as separate buffers
-      return [slot_cache.row(cache, i, stacked) for i in range(n)]
+      return [slot_cache.row(cache, i, layout) for i in range(n)]
 
-    prefix = slot_cache.shardings(self._named, cfg, 1, bucket, stacked, prefix=True)
+    prefix = slot_cache.shardings(self._named, cfg, 1, bucket, layout, prefix=True)
     return jax.jit(fn, in_shardings=(self.held_shardings, None), out_shardings=[prefix] * n,
                    compiler_options=self.compiler_options)
 
@@ -357,7 +372,7 @@ class DecodeEngine:
     stops = np.full((n, m), -1, np.int32)
     stops[:, :len(stop_ids)] = stop_ids
     vals["stop_ids"] = stops
-    bucket = 0 if prefix is None else slot_cache.prefix_len(prefix, self._stacked)
+    bucket = 0 if prefix is None else slot_cache.prefix_len(prefix, self.cache_layout)
     fn = self._variant(self._insert_fns, (bucket, n), lambda: self._make_insert(bucket),
                        f"insert bucket={bucket} rows={n}")
     if not self.paged:
@@ -379,7 +394,7 @@ class DecodeEngine:
     return min(1 << max(k - 1, 0).bit_length(), self.config.num_slots)
 
   def _make_insert(self, bucket: int):
-    stacked, paged = self._stacked, self.paged
+    layout, paged = self.cache_layout, self.paged
 
     def fn(state, prefix, slots_N, vals, pages_N=None):
       state = dict(state)
@@ -387,7 +402,7 @@ class DecodeEngine:
         state["cache"] = slot_cache.write_prefix_pages(state["cache"], prefix, pages_N,
                                                        vals["pos"], bucket)
       elif prefix is not None:
-        state["cache"] = slot_cache.write_prefix(state["cache"], prefix, slots_N, bucket, stacked)
+        state["cache"] = slot_cache.write_prefix(state["cache"], prefix, slots_N, bucket, layout)
       for name, value in vals.items():
         state[name] = state[name].at[slots_N].set(value, mode="drop")
       state["active"] = state["active"].at[slots_N].set(True, mode="drop")
@@ -429,6 +444,7 @@ class DecodeEngine:
   def _make_generate(self, kv_len: int, width: int):
     steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
     impl, scan = self.attention_impl, self._scan
+    heads = self.cache_layout == slot_cache.HEADS
     out = self._named((None, "cache_batch"), (steps, width))
 
     def one_step(extend, state):
@@ -450,7 +466,8 @@ class DecodeEngine:
       with sharding.use(mesh):
         if scan is None:
           model = nnx.merge(graphdef, params)
-          extend = lambda *a, writes_B, **kw: model.extend(*a, **kw)  # noqa: E731
+          def extend(*a, writes_B, **kw):
+            return model.extend(*a, **kw, heads_major=heads)
         else:  # the layers in a scan over the stacked weights and cache (or pages)
           extend = functools.partial(decode_scan.extend, scan, params, pages_BxN=pages_WxN)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
@@ -484,14 +501,14 @@ class DecodeEngine:
     return fn(state, src_N, dst_N)
 
   def _make_move(self):
-    stacked, paged = self._stacked, self.paged
+    layout, paged = self.cache_layout, self.paged
 
     def fn(state, src_N, dst_N):
       def moved(x):
         return x.at[dst_N].set(x.at[src_N].get(mode="fill", fill_value=0), mode="drop")
 
       def cache(x):  # a paged cache stays: the slots' page table rows move on the host
-        return x if paged else slot_cache.move(x, src_N, dst_N, stacked)
+        return x if paged else slot_cache.move(x, src_N, dst_N, layout)
 
       state = {k: cache(v) if k == "cache" else moved(v) for k, v in state.items()}
       state["active"] = state["active"].at[src_N].set(False, mode="drop")

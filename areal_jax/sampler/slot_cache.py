@@ -1,9 +1,13 @@
-"""The sampler's KV cache over decode slots, in the two layouts the engine runs:
+"""The sampler's KV cache over decode slots, in the layouts the engine runs (``layout``):
 
-  * per layer (``stacked=False``: the layers unrolled, ``Transformer.extend``): a list of
-    ``{"k", "v"}`` of ``[slots, max_len, kv_heads, head_dim]``; a prefix is such a list of
+  * ``ROWS``, per layer (the layers unrolled, ``Transformer.extend``): a list of ``{"k", "v"}`` of
+    ``[slots, max_len, kv_heads, head_dim]``; a prefix is such a list of
     ``[1, bucket, kv_heads, head_dim]``;
-  * stacked (``stacked=True``: the layers in a scan, ``models/decode_scan``): one ``{"k", "v"}`` of
+  * ``HEADS``, per layer with heads before positions (the layers unrolled on GPU:
+    ``Transformer.extend(heads_major=True)``; read by the dense and Pallas GPU attention without a
+    transposed copy): ``[slots, kv_heads, max_len, head_dim]``, a prefix
+    ``[1, kv_heads, bucket, head_dim]``;
+  * ``STACKED`` (the layers in a scan, ``models/decode_scan``): one ``{"k", "v"}`` of
     ``[n_layers, slots, kv_heads, max_len, head_dim]`` (heads before positions: see
     ``decode_scan``); a prefix ``[n_layers, 1, kv_heads, bucket, head_dim]``.
 
@@ -18,50 +22,57 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from areal_jax.models import decode_scan
-from areal_jax.models.transformer import ModelConfig, init_cache
+from areal_jax.models.transformer import (CACHE_AXES, CACHE_AXES_HEADS_MAJOR, ModelConfig,
+                                          init_cache)
 
-_AXES = ("cache_batch", None, "cache_heads", None)
+ROWS, HEADS, STACKED = "rows", "heads", "stacked"  # the layouts (see the module docstring)
 
 
-def make(cfg: ModelConfig, slots: int, max_len: int, dtype: Any, stacked: bool):
+def make(cfg: ModelConfig, slots: int, max_len: int, dtype: Any, layout: str):
   """An empty cache of ``slots`` rows."""
-  return (decode_scan.init_cache if stacked else init_cache)(cfg, slots, max_len, dtype)
+  if layout == STACKED:
+    return decode_scan.init_cache(cfg, slots, max_len, dtype)
+  return init_cache(cfg, slots, max_len, dtype, heads_major=layout == HEADS)
 
 
-def shardings(named: Callable, cfg: ModelConfig, slots: int, max_len: int, stacked: bool,
+def shardings(named: Callable, cfg: ModelConfig, slots: int, max_len: int, layout: str,
               prefix: bool = False):
   """The cache's shardings (a prefix's with ``prefix``: one row, not split over slots);
   ``named(logical_axes, shape) -> NamedSharding``."""
-  if stacked:
+  if layout == STACKED:
     axes = decode_scan.CACHE_AXES
     axes = axes[:1] + (None,) + axes[2:] if prefix else axes
     kv = named(axes, decode_scan.cache_shape(cfg, slots, max_len))
     return {"k": kv, "v": kv}
-  kv = named((None,) + _AXES[1:] if prefix else _AXES,
-             (slots, max_len, cfg.n_kv_heads, cfg.head_dim))
-  return [{"k": kv, "v": kv} for _ in range(cfg.n_layers)]
+  kv, d = cfg.n_kv_heads, cfg.head_dim
+  axes, shape = ((CACHE_AXES_HEADS_MAJOR, (slots, kv, max_len, d)) if layout == HEADS
+                 else (CACHE_AXES, (slots, max_len, kv, d)))
+  named_kv = named((None,) + axes[1:] if prefix else axes, shape)
+  return [{"k": named_kv, "v": named_kv} for _ in range(cfg.n_layers)]
 
 
-def row(cache, i: int, stacked: bool):
+def row(cache, i: int, layout: str):
   """Row ``i`` of a cache as a prefix (one row, its own buffers)."""
-  if stacked:
+  if layout == STACKED:
     return {name: x[:, i:i + 1] for name, x in cache.items()}
   return [{name: layer[name][i:i + 1] for name in ("k", "v")} for layer in cache]
 
 
-def prefix_len(prefix, stacked: bool) -> int:
+def prefix_len(prefix, layout: str) -> int:
   """Positions a prefix holds (its prefill bucket)."""
-  return prefix["k"].shape[3] if stacked else prefix[0]["k"].shape[1]
+  return prefix["k"].shape[3] if layout == STACKED else prefix[0]["k"].shape[
+      2 if layout == HEADS else 1]
 
 
-def write_prefix(cache, prefix, slots_N, bucket: int, stacked: bool):
+def write_prefix(cache, prefix, slots_N, bucket: int, layout: str):
   """``cache`` with ``prefix`` copied into positions ``[0, bucket)`` of each slot in ``slots_N``."""
   n = slots_N.shape[0]
-  if stacked:
+  if layout == STACKED:
     return {name: cache[name].at[:, slots_N, :, :bucket].set(
         jnp.broadcast_to(pre, (pre.shape[0], n) + pre.shape[2:]), mode="drop")
             for name, pre in prefix.items()}
-  return [{name: layer[name].at[slots_N, :bucket].set(
+  positions = (slice(None), slice(None, bucket)) if layout == HEADS else (slice(None, bucket),)
+  return [{name: layer[name].at[(slots_N,) + positions].set(
       jnp.broadcast_to(pre[name], (n,) + pre[name].shape[1:]), mode="drop") for name in ("k", "v")}
           for layer, pre in zip(cache, prefix)]
 
@@ -95,7 +106,7 @@ def read_pages(pool, pages_M, max_len: int):
   return out
 
 
-def move(cache, src_N, dst_N, stacked: bool):
+def move(cache, src_N, dst_N, layout: str):
   """``cache`` with slots ``src_N`` copied to slots ``dst_N`` (rows whole)."""
 
   def moved(x, axis):
@@ -103,6 +114,6 @@ def move(cache, src_N, dst_N, stacked: bool):
     got = x.at[at + (src_N,)].get(mode="fill", fill_value=0)
     return x.at[at + (dst_N,)].set(got, mode="drop")
 
-  if stacked:
+  if layout == STACKED:
     return {name: moved(x, 1) for name, x in cache.items()}
   return [{name: moved(x, 0) for name, x in layer.items()} for layer in cache]

@@ -18,9 +18,14 @@ def forward(model, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
   return model(tokens_BxL, positions_BxL, segment_ids_BxL)
 
 
-@nnx.jit(static_argnames="kv_len")
-def extend(model, tokens_BxL, start_B, cache, kv_len=None):
-  return model.extend(tokens_BxL, start_B, cache, kv_len)
+@nnx.jit(static_argnames=("kv_len", "heads_major", "impl"))
+def extend(model, tokens_BxL, start_B, cache, kv_len=None, heads_major=False, impl=None):
+  return model.extend(tokens_BxL, start_B, cache, kv_len, attention_impl=impl,
+                      heads_major=heads_major)
+
+
+# the positions-first cache (the CPU's) and the heads-major one (a GPU's, read by the dense form)
+LAYOUTS = {"rows": {}, "heads": {"heads_major": True, "impl": "dense"}}
 
 
 def _tokens(b, l, seed=0):
@@ -42,34 +47,63 @@ def test_full_forward_matches_transformers(hf_checkpoint, torch_logits, causal_b
   np.testing.assert_allclose(ours, torch_logits(torch_model, tokens), atol=1e-4, rtol=0)
 
 
-def test_prefill_and_decode_match_transformers(hf_checkpoint, torch_logits):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_and_decode_match_transformers(hf_checkpoint, torch_logits, layout):
   _, path, torch_model = hf_checkpoint
   model, _ = hf.load_hf(path)
   tokens = _tokens(2, 12, seed=1)
   ref = torch_logits(torch_model, tokens)
-  cache = init_cache(model.cfg, 2, 16)
+  kw = LAYOUTS[layout]
+  cache = init_cache(model.cfg, 2, 16, heads_major=layout == "heads")
   # Prefill 6 tokens, one chunk of 2, then 4 single-token decode steps.
   chunks = [(0, 6), (6, 8), (8, 9), (9, 10), (10, 11), (11, 12)]
   for begin, end in chunks:
     start = jnp.full((2,), begin, jnp.int32)
-    logits, cache = extend(model, jnp.asarray(tokens[:, begin:end]), start, cache, kv_len=16)
+    logits, cache = extend(model, jnp.asarray(tokens[:, begin:end]), start, cache, kv_len=16,
+                           **kw)
     np.testing.assert_allclose(np.asarray(logits), ref[:, begin:end], atol=1e-4, rtol=0,
                                err_msg=f"tokens [{begin}, {end})")
 
 
-def test_extend_rows_at_different_positions(hf_checkpoint, torch_logits):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_extend_rows_at_different_positions(hf_checkpoint, torch_logits, layout):
   _, path, torch_model = hf_checkpoint
   model, _ = hf.load_hf(path)
   a, b = _tokens(1, 7, seed=2)[0], _tokens(1, 4, seed=3)[0]
-  cache = init_cache(model.cfg, 2, 12)
+  kw = LAYOUTS[layout]
+  cache = init_cache(model.cfg, 2, 12, heads_major=layout == "heads")
   _, cache = extend(model, jnp.asarray([a[:6], np.r_[b[:3], 0, 0, 0]]), jnp.zeros(2, jnp.int32),
-                          cache)
+                    cache, **kw)
   # Row 0 continues at 6, row 1 at 3 (its padding slots are overwritten / masked).
-  logits, _ = extend(model, jnp.asarray([[a[6]], [b[3]]]), jnp.asarray([6, 3], jnp.int32), cache)
+  logits, _ = extend(model, jnp.asarray([[a[6]], [b[3]]]), jnp.asarray([6, 3], jnp.int32), cache,
+                     **kw)
   np.testing.assert_allclose(np.asarray(logits[0, 0]), torch_logits(torch_model, a[None])[0, -1],
                              atol=1e-4, rtol=0)
   np.testing.assert_allclose(np.asarray(logits[1, 0]), torch_logits(torch_model, b[None])[0, -1],
                              atol=1e-4, rtol=0)
+
+
+def test_a_heads_major_cache_holds_the_same_keys_and_values(hf_checkpoint):
+  """Extending the first rows of a bigger cache (a decode call narrower than the slots: a scatter)
+  and all of it (a per-row update), the heads-major cache ends up the positions-first one with
+  heads and positions swapped, and the logits agree (to float32 rounding: the two layouts' dense
+  attentions sum in different orders)."""
+  _, path, _ = hf_checkpoint
+  model, _ = hf.load_hf(path)
+  caches = {layout: init_cache(model.cfg, 3, 12, heads_major=layout == "heads")
+            for layout in LAYOUTS}
+  steps = [(_tokens(3, 5, seed=4), [0, 0, 0]), (_tokens(2, 1, seed=5), [5, 5]),
+           (_tokens(3, 1, seed=6), [6, 6, 5])]
+  for tokens, start in steps:
+    out = {}
+    for layout, kw in LAYOUTS.items():
+      out[layout], caches[layout] = extend(model, jnp.asarray(tokens), jnp.asarray(start, jnp.int32),
+                                           caches[layout], **{**kw, "impl": "dense"})
+    np.testing.assert_allclose(np.asarray(out["heads"]), np.asarray(out["rows"]), atol=1e-5)
+  for rows, heads in zip(caches["rows"], caches["heads"]):
+    for name in ("k", "v"):
+      np.testing.assert_allclose(np.swapaxes(np.asarray(rows[name]), 1, 2),
+                                 np.asarray(heads[name]), atol=1e-5, rtol=0)
 
 
 def test_rope_tables_are_the_exact_cosines_and_sines():
