@@ -39,10 +39,11 @@ is ``"unrolled"`` (``"scan"`` with a paged cache): XLA:GPU copies each layer's s
 stacked weights, and its keys and values, into buffers of their own before the matmuls read them,
 every layer of every step. Counted in the programs compiled for an H100 (``bench/aot_decode.py``, 16
 steps per call): at the Qwen2.5-1.5B shape (128 slots, context 512, a step must read 4970 MB) the
-scanned step copies 5.4-5.5 GB, the unrolled one 0.35-0.44 GB (the per-layer caches' layout
-changed on entering and leaving each call), and the unrolled program compiled in 6-10 s against
-the scanned one's 5-16 s (two runs); at the SmolLM2 shape 0.8 GB against 0.1 GB for 459 MB to
-read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
+scanned step copies 5.4-5.5 GB, the unrolled one 0.6 MB with XLA's GEMMs and 89 MB with cuBLAS
+(its attention operands padded; 0.35-0.44 GB before the per-layer cache was held heads-major,
+``sampler/slot_cache``: the positions-first one was relaid out at each call's entry and exit),
+and the unrolled program compiled in 5-10 s against the scanned one's 5-16 s (three runs); at the
+SmolLM2 shape 0.8 GB against 0.1-35 MB for 459 MB to read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
 scan's 1.89 ms on an H100 (``"blas"``), 1.50 against 1.95 ms on an H200 (XLA's matmuls); at the
 1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms. The 1.5B step
 with ``"blas"`` on a GPU: not measured. TPU keeps ``"scan"``, not measured there: compiled for a
