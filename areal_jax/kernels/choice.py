@@ -9,8 +9,9 @@ Decode attention (``ATTENTION``):
   * ``"pallas_gpu"``: JAX's Pallas GPU kernels (``pallas_attention``): on the scan's stacked cache
     ``jax.experimental.pallas.ops.gpu.paged_attention`` reading it in place as pages
     (``stacked_pages``, when ``max_len`` is a multiple of 16; else ``decode_attention.mqa`` per
-    (row, head) on the layer's slice), on a per-layer cache ``decode_attention.gqa``; each row
-    read up to its own length; runs in Pallas interpret mode on a CPU device (tests).
+    (row, head) on the layer's slice), on a per-layer cache (the layers unrolled: held
+    heads-major for it, ``sampler/slot_cache``) ``decode_attention.mqa`` per (row, head) in place;
+    each row read up to its own length; runs in Pallas interpret mode on a CPU device (tests).
   * ``"pallas_tpu"``: ``jax.experimental.pallas.ops.tpu.paged_attention`` over the scan's stacked
     cache read in place as pages (``pallas_tpu_attention``), each row read up to its own length;
     needs the layers in a scan, a bfloat16 cache and ``max_len`` a multiple of 16 (the engine says
