@@ -98,6 +98,7 @@ def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=
       f.write(fn.lower(dev.params, state, *pages.values()).compile().as_text())
   impl = {k: getattr(dev, f"{k}_impl", "legacy") for k in ("attention", "matmul", "layers")}
   impl["projections"] = getattr(dev, "projections", "legacy")
+  impl["cache_layout"] = getattr(dev, "cache_layout", "legacy")
   return {"step_ms": min(times), "step_ms_all": times, "compile_and_first_s": first_s,
           "kv_len": kv_len, **impl}
 

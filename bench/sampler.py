@@ -193,6 +193,7 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
           "hbm_roofline_frac": t_mem / step_s, "steps_per_call": steps,
           "decode_attention": dev.attention_impl, "decode_matmul": dev.matmul_impl,
           "decode_layers": dev.layers_impl, "decode_projections": dev.projections,
+          "cache_layout": dev.cache_layout,
           "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
 
 
