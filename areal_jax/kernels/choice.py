@@ -213,6 +213,15 @@ def compiler_options(matmul_impl: str) -> dict[str, bool] | None:
   return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
+def heads_major_per_layer(attention_impl: str) -> bool:
+  """Whether the unrolled layers' per-layer cache is held heads before positions for
+  ``attention_impl``: the forms that read that layout in place (the dense read, the Pallas GPU
+  kernel's ``mqa``); compiled for a GPU the positions-first cache is copied into heads-major order
+  on entering each decode call and back on leaving it (``bench/aot_cache_layout.py``). The CPU and
+  chunked forms read positions first."""
+  return attention_impl in ("dense", "pallas_gpu")
+
+
 def layers(platform: str, matmul_impl: str, requested: str = "auto", paged: bool = False) -> str:
   """How a decode step runs the layers (``LAYERS``) on ``platform`` with ``matmul_impl`` matmuls
   (``paged``: over a paged KV cache, which needs them in a scan)."""

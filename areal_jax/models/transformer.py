@@ -422,8 +422,8 @@ class Transformer(nnx.Module):
           return decode_attention(q, updated["k"], updated["v"], start_B, t,
                                   impl=attention_impl, heads_major=heads_major)
         k_all, v_all = updated["k"][:b], updated["v"][:b]
-        if heads_major:
-          k_all, v_all = jnp.swapaxes(k_all[:, :, :t], 1, 2), jnp.swapaxes(v_all[:, :, :t], 1, 2)
+        if heads_major:  # the prompt attention's [B, T, K, D]
+          k_all, v_all = jnp.swapaxes(k_all, 1, 2), jnp.swapaxes(v_all, 1, 2)
         return attention(q, k_all[:, :t], v_all[:, :t], mask_BxLxT)
 
       x = block(x, rope_BxLxF, attend)

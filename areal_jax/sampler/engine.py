@@ -198,13 +198,12 @@ class DecodeEngine:
   @property
   def cache_layout(self) -> str:
     """The slots' cache layout (``slot_cache``): stacked with the layers in a scan; else per layer,
-    heads before positions where the decode attention reads that layout in place (the dense and
-    Pallas GPU forms: compiled for a GPU, the positions-first cache is copied into heads-major
-    order on entering each decode call and back on leaving it, ``bench/aot_cache_layout.py``),
-    positions first for the CPU and chunked forms."""
+    heads before positions where the decode attention reads that layout in place
+    (``choice.heads_major_per_layer``), positions first otherwise."""
     if self._scan is not None:
       return slot_cache.STACKED
-    return slot_cache.HEADS if self.attention_impl in ("dense", "pallas_gpu") else slot_cache.ROWS
+    return (slot_cache.HEADS if choice.heads_major_per_layer(self.attention_impl)
+            else slot_cache.ROWS)
 
   def _width_buckets(self) -> tuple[int, ...]:
     s, requested = self.config.num_slots, self.config.width_buckets
