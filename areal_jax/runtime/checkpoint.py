@@ -8,13 +8,19 @@ checkpoint holds two items:
     trained (redone first after a resume, so the data order is unchanged), the next group id,
     staleness counters and cumulative run statistics.
 Orbax writes into a temporary directory and renames it when complete, so a crash mid-save leaves the
-previous checkpoint as the latest one; unfinished temporaries are ignored and cleaned up.
+previous checkpoint as the latest one; unfinished temporaries are ignored and cleaned up. A save that
+fails after Orbax committed the step (a learner process lost at the save's last barrier) keeps it:
+it is complete (:func:`committed`).
 
 Damage (an interrupted copy of a workdir, another model's checkpoint, a full disk) is an expected
 fault. ``restore_latest`` tries the checkpoints newest first and uses the first one that restores
 completely and matches the config; each one that does not is moved aside (never deleted) as
 ``<step>.corrupt-<UTC time>`` with a one-line warning. Faults a person must act on raise
 :class:`RunDirError`, whose message is meant to be printed as is, without a traceback.
+
+With several learner processes (``runtime.learner_processes``) every process runs the same restore
+and they agree on each checkpoint (unusable if any process found it so); only process 0 moves
+directories aside.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import warnings
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
@@ -36,6 +43,8 @@ from areal_jax.runtime.errors import RunDirError  # noqa: F401 (re-exported)
 # What ``meta`` must hold for a resume to rewind the run consistently (written by trainer._save).
 REQUIRED_META = ("version", "data_state", "next_group_id", "pending", "staleness", "totals")
 _CORRUPT = re.compile(r"^\d+\.corrupt-")
+# What Orbax writes into a step directory when it commits it (the last files of a save).
+COMMIT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")
 
 
 def utc_tag() -> str:
@@ -87,7 +96,11 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       _quiet_orphaned_reads()
       self._discard_unfinished(step, keep_final=step in before)
-      kept = f"checkpoint {before[-1]} is intact" if before else "no checkpoint was written before"
+      if committed(os.path.join(self.directory, str(step))):
+        kept = f"checkpoint {step} was written completely before the failure and is kept"
+      else:
+        kept = (f"checkpoint {before[-1]} is intact" if before
+                else "no checkpoint was written before")
       raise RunDirError(
           f"could not save checkpoint {step} under {self.directory}: {_reason(e, self.directory)}\n"
           f"The run stopped; {kept}. Fix the cause (disk space, permissions, the bucket) and rerun "
@@ -98,7 +111,10 @@ class Checkpointer:
 
     The other item's writes may still be finishing in Orbax's background threads when the save
     raises (and recreate files under the temporary directory, even after a first look found it
-    gone: seen once in CI): remove until it has stayed gone for a second.
+    gone: seen once in CI): remove until it has stayed gone for a second. A step directory Orbax
+    committed (:func:`committed`) is complete and kept: the failure came after the commit (in CI a
+    learner process killed just after the rename failed process 0's last barrier, and removing the
+    committed checkpoint, interrupted by the group's kill, left it half deleted).
     """
     try:
       self._mgr.wait_until_finished()
@@ -107,7 +123,8 @@ class Checkpointer:
     quiet = 0
     for _ in range(150):
       leftovers = [os.path.join(self.directory, n) for n in os.listdir(self.directory)
-                   if (n == str(step) and not keep_final)
+                   if (n == str(step) and not keep_final
+                       and not committed(os.path.join(self.directory, n)))
                    or n.startswith(f"{step}.orbax-checkpoint-tmp")]
       quiet = 0 if leftovers else quiet + 1
       if quiet >= 10:
@@ -121,6 +138,9 @@ class Checkpointer:
     """Restores ``step``, every array read and checked against ``abstract_state`` (shapes, dtypes,
     target shardings) and ``meta`` checked for :data:`REQUIRED_META`. Raises on any damage."""
     self._check_shapes(step, abstract_state)
+    return self._read(step, abstract_state)
+
+  def _read(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         abstract_state)
@@ -137,27 +157,33 @@ class Checkpointer:
     A checkpoint that fails :meth:`restore` is reported in one warning and moved aside as
     ``<step>.corrupt-<UTC time>``; then the next older one is tried. Raises
     :class:`RunDirError` when checkpoints exist (or were moved aside) but none is usable.
+    Several processes: each checkpoint is checked (its stored shapes), then read, by all of them,
+    agreeing after each part (an Orbax read waits for every process at its end).
     """
     tried = []
     candidates = self.steps()
+    _agree_on_steps(candidates, self.directory)
     for step in reversed(candidates):
-      try:
-        state, meta = self.restore(step, abstract_state)
-        return step, state, meta
-      except Exception as e:  # pylint: disable=broad-except
-        reason = _reason(e, os.path.join(self.directory, str(step)))
-        _quiet_orphaned_reads()
-      try:
-        moved = os.path.basename(move_aside(os.path.join(self.directory, str(step)),
-                                            f".corrupt-{utc_tag()}"))
-        where = f"moved aside to {moved}"
-      except OSError as e:
-        where = f"could not be moved aside ({e.strerror or e})"
-      self._mgr.reload()
+      step_dir = os.path.join(self.directory, str(step))
+      found, local = None, None
+      for part in (lambda: self._check_shapes(step, abstract_state),
+                   lambda: self._read(step, abstract_state)):
+        try:
+          found = part()
+        except Exception as e:  # pylint: disable=broad-except
+          local = _reason(e, step_dir)
+          _quiet_orphaned_reads()
+        reason = _agree(local)
+        if reason is not None:
+          break
+      else:
+        return (step, *found)
+      where = self._set_aside(step)
       tried.append(f"checkpoint {step}: {reason} ({where})")
       then = "trying an older one" if step > candidates[0] else "no older one"
-      print(f"warning: checkpoint {step} is unusable: {reason}; {where}, {then}",
-            file=sys.stderr, flush=True)
+      if jax.process_index() == 0 or local is not None:
+        print(f"warning: checkpoint {step} is unusable: {reason}; {where}, {then}",
+              file=sys.stderr, flush=True)
     earlier = sorted(n for n in os.listdir(self.directory) if _CORRUPT.match(n))
     if not tried and not earlier:
       return None
@@ -166,6 +192,22 @@ class Checkpointer:
         f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(lines) + "\n"
         "To start over, rerun with --config.train.resume=False (the old checkpoints are kept in "
         "checkpoints.old-<time>); or restore the checkpoints directory from a good copy and rerun.")
+
+  def _set_aside(self, step: int) -> str:
+    """Moves ``step`` aside as damaged (process 0; the others wait for it); says where."""
+    where = "moved aside by learner process 0"
+    if jax.process_index() == 0:
+      try:
+        moved = move_aside(os.path.join(self.directory, str(step)), f".corrupt-{utc_tag()}")
+        where = (f"moved aside to {os.path.basename(moved)}" if moved
+                 else "gone before it could be moved aside")
+      except OSError as e:
+        where = f"could not be moved aside ({e.strerror or e})"
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # noqa: PLC0415
+      multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
+    self._mgr.reload()
+    return where
 
   def close(self) -> None:
     self._mgr.close()
@@ -189,6 +231,38 @@ class Checkpointer:
         raise ValueError(f"state/{path} is {h.dtype}{list(h.shape)} in the "
                          f"checkpoint, the config's model needs {w.dtype}{list(w.shape)} "
                          "(a checkpoint of another model?)")
+
+
+def committed(step_dir: str) -> bool:
+  """Whether Orbax committed ``step_dir`` (both of :data:`COMMIT_FILES` are there): a complete
+  checkpoint, as opposed to one being written in place or half deleted."""
+  return all(os.path.isfile(os.path.join(step_dir, n)) for n in COMMIT_FILES)
+
+
+def _agree(reason: str | None) -> str | None:
+  """Across the learner processes: None when every process found the checkpoint usable; else this
+  process's reason, or which process found it unusable (that process's warning says why)."""
+  if jax.process_count() == 1:
+    return reason
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  bad = np.asarray(multihost_utils.process_allgather(np.int32(reason is not None))).reshape(-1)
+  if reason is None and bad.any():
+    return f"unusable on learner process {int(np.flatnonzero(bad)[0])} (its warning says why)"
+  return reason
+
+
+def _agree_on_steps(steps: list[int], directory: str) -> None:
+  """Every learner process must see the same checkpoints (one shared filesystem)."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  mine = np.array([len(steps), steps[-1] if steps else -1, sum(steps)], np.int32)
+  seen = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), 3)
+  if (seen != seen[0]).any():
+    raise RunDirError(
+        f"the learner processes see different checkpoints in {directory} (count, newest step and "
+        f"step sum per process: {seen.tolist()}): the workdir must be one filesystem that every "
+        "learner host shares (a network or bucket path), not a local disk per host.")
 
 
 def _flat(tree) -> dict[str, Any]:

@@ -5,6 +5,7 @@ faults end in short messages."""
 
 import errno
 import glob
+import json
 import os
 import pathlib
 import shutil
@@ -155,6 +156,66 @@ def test_failed_save_leaves_the_previous_checkpoint(run, monkeypatch, err):
   ckpt = ckpt_lib.Checkpointer(str(workdir), keep=3)
   assert ckpt.restore_latest(state)[0] == 3
   ckpt.close()
+
+
+def test_save_failing_after_its_commit_keeps_the_checkpoint(run, monkeypatch):
+  """A learner process lost just after Orbax renamed the step into place fails the save at its last
+  barrier: the committed checkpoint is complete and stays; the next run resumes from it."""
+  from orbax.checkpoint._src.path import atomicity
+
+  workdir, state = run
+  ckpt = ckpt_lib.Checkpointer(str(workdir), keep=5)
+  _, restored, meta = ckpt.restore_latest(state)
+  commit = atomicity.on_commit_callback
+
+  async def commit_then_fail(*args, **kwargs):
+    await commit(*args, **kwargs)
+    raise RuntimeError("Barrier timed out: learner process 1 is gone")
+
+  monkeypatch.setattr(atomicity, "on_commit_callback", commit_then_fail)
+  with pytest.raises(RunDirError) as e:
+    ckpt.save(4, restored, dict(meta, version=4))
+  assert "checkpoint 4 was written completely" in str(e.value) and "Barrier" in str(e.value)
+  monkeypatch.undo()
+  ckpt.close()
+  assert ckpt_lib.committed(str(workdir / "checkpoints" / "4"))
+  ckpt = ckpt_lib.Checkpointer(str(workdir), keep=5)
+  step, _, meta4 = ckpt.restore_latest(state)
+  ckpt.close()
+  assert step == 4 and meta4["version"] == 4
+
+
+def test_learner_processes_agree_on_each_checkpoint(tmp_path):
+  """Two processes restore one run directory: a checkpoint one process cannot use is unusable for
+  both, they fall back to the same older one, and only process 0 moves it aside."""
+  from areal_jax.runtime import distributed
+
+  coordinator = f"127.0.0.1:{distributed.free_port()}"
+  worker = pathlib.Path(__file__).parent / "checkpoint_worker.py"
+  procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", coordinator, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+  got = [json.loads((tmp_path / f"restored.{i}.json").read_text()) for i in range(2)]
+  step1 = (np.arange(32, dtype=np.float32).reshape(8, 4)).tolist()
+  for out in got:
+    for case in ("one_host", "all_hosts"):
+      assert out[case] == dict(step=1, w=step1, version=1), (case, out[case])
+  listing = got[0]["listing"]
+  assert listing[0] == "1" and len(listing) == 3, listing
+  assert listing[1].startswith("2.corrupt-") and listing[2].startswith("3.corrupt-"), listing
+  warned = [[line for line in log.splitlines() if line.startswith("warning: checkpoint")]
+            for log in logs]
+  assert "checkpoint 2 is unusable: unusable on learner process 1" in warned[0][0], warned
+  assert "simulated" in warned[1][0] and "moved aside by learner process 0" in warned[1][0], warned
+  assert "checkpoint 3 is unusable" in warned[0][1] and "meta/metadata" in warned[0][1], warned
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
