@@ -76,7 +76,7 @@ def base_config() -> ConfigDict:
   c.rollout.steps_per_call = 0  # decode steps per jitted call (host sync); 0: 1 on CPU, 16 on GPU/TPU
   c.rollout.decode_attention = "auto"  # "auto" | "cpu" | "xla" | "dense" | "pallas_gpu" | "pallas_tpu"
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla" | "blas" (GPU library GEMMs)
-  c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan on TPU or paged)
+  c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan if paged or pallas_tpu)
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
   c.rollout.kv_pages = 0  # paged KV cache: pages in the pool (0: max_len positions per slot)
   c.rollout.page_size = 64  # positions per page of the paged KV cache

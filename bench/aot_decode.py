@@ -224,9 +224,11 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
         num_slots=slots, max_len=ctx + 16 * steps, prefill_buckets=(16,),
         kv_buckets=(ctx + 4 * steps + 1,), steps_per_call=steps, decode_attention=attention,
         decode_layers=layers, decode_matmul="xla", decode_projections="fused"))
-    # the engine lives on this CPU: its programs' mesh is the GPU's, their shardings unpinned
+    # the engine lives on this CPU: its programs' mesh is the GPU's, their shardings unpinned,
+    # and the layout choices the target platform's (choice.heads_major_per_layer, scatter writes)
     eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
                                  eng.mesh.axis_names)
+    eng.platform = "tpu" if _platform(device) == "tpu" else "gpu"
     fn = eng._make_generate(eng.kv_buckets[-1], slots).__wrapped__  # noqa: SLF001
     args = (abstract(eng.params), abstract(eng.state_shapes()))
     return jax.jit(fn, donate_argnums=1, compiler_options=matmul_options), args
@@ -285,8 +287,13 @@ def main():
            "copied_MB_per_step": copied / 1e6,
            "gemms_per_step": {k: v for k, v in per_step.items() if k.startswith("gemm")},
            "by_kind_per_step": per_step}
-    if what == "ours":
-      row.update(attention=args.attention)
+    if what == "ours":  # the per-layer cache's layout and writes as the engine picks them there
+      platform = "tpu" if _platform(device) == "tpu" else "gpu"
+      unrolled = layers == "unrolled"
+      row.update(attention=args.attention, cache_layout=(
+          "stacked" if not unrolled else
+          "heads" if choice.heads_major_per_layer(args.attention, platform) else "rows"),
+          scatter_writes=unrolled and choice.scatter_cache_writes(platform))
     rows.append(row)
     print(f"{what:>6} {layers:>8} {matmul:>5}: lower {row['lower_s']:5.1f} s, compile "
           f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "

@@ -47,10 +47,16 @@ and the unrolled program compiled in 5-10 s against the scanned one's 5-16 s (th
 SmolLM2 shape 0.8 GB against 0.1-35 MB for 459 MB to read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
 scan's 1.89 ms on an H100 (``"blas"``), 1.50 against 1.95 ms on an H200 (XLA's matmuls); at the
 1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms. The 1.5B step
-with ``"blas"`` on a GPU: not measured. TPU keeps ``"scan"``, not measured there: compiled for a
-TPU v5e chip the scanned step copies each layer's keys and values too (5.2 GB a step at the 1.5B
-shape), but the unrolled one turns each layer's cache write into a loop over the slots
-(``bench/results/cpu-aot-tpu-v5e-2026-11-27``).
+with ``"blas"`` on a GPU: not measured. The TPU default is ``"unrolled"`` too (``"scan"`` with a
+paged cache or the Pallas TPU kernel), its per-layer cache positions first and written by one
+scatter a layer (``heads_major_per_layer``, ``scatter_cache_writes``); compiled for one TPU v5e
+chip (libtpu, no TPU: ``bench/results/cpu-aot-tpu-v5e-2026-11-27``) at the 1.5B shape the scanned
+step copies 5.2 GB a step (each layer's keys and values, relaid out, at every layer and step), the
+unrolled one with per-row writes 0.3 GB but as ~59,000 operations a step (each layer's write a loop
+over the slots), the unrolled one as chosen 0.3 GB in ~1,600 operations (half of it the float32
+logits relaid out for sampling, a third the MLP and attention weights relaid out at each call's
+entry, once per 16 steps); the floor loop 0.4 GB. Its run time on a TPU:
+not measured (this project had no TPU).
 
 Decode projections (``PROJECTIONS``): ``"fused"`` (the engine holds q, k, v as one weight and gate,
 up as one, ``transformer.fuse_projections``: three matmuls a layer fewer, each of the rest reading
@@ -72,7 +78,7 @@ CPU keeps the model's layout.
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
 step measured no faster on CPU); on GPU ``"dense"``, ``"blas"`` matmuls and the layers unrolled
-(in a scan with a paged cache); on TPU ``"dense"``, ``"xla"`` matmuls and the layers in a scan.
+(in a scan with a paged cache); on TPU ``"dense"``, ``"xla"`` matmuls and the layers unrolled.
 The Pallas GPU kernel is not the default there: on one H200 (SmolLM2 shape, 64 slots, context 128,
 layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, when it still took
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
@@ -213,23 +219,38 @@ def compiler_options(matmul_impl: str) -> dict[str, bool] | None:
   return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
-def heads_major_per_layer(attention_impl: str) -> bool:
+def heads_major_per_layer(attention_impl: str, platform: str) -> bool:
   """Whether the unrolled layers' per-layer cache is held heads before positions for
-  ``attention_impl``: the forms that read that layout in place (the dense read, the Pallas GPU
-  kernel's ``mqa``); compiled for a GPU the positions-first cache is copied into heads-major order
-  on entering each decode call and back on leaving it (``bench/aot_cache_layout.py``). The CPU and
-  chunked forms read positions first."""
-  return attention_impl in ("dense", "pallas_gpu")
+  ``attention_impl`` on ``platform``: the forms that read that layout in place (the dense read, the
+  Pallas GPU kernel's ``mqa``); compiled for a GPU the positions-first cache is copied into
+  heads-major order on entering each decode call and back on leaving it
+  (``bench/aot_cache_layout.py``). The CPU and chunked forms read positions first; so does a TPU:
+  compiled for a TPU v5e chip, the positions-first cache written by one scatter a layer
+  (:func:`scatter_cache_writes`) is neither copied nor looped over, the heads-major one written so
+  is copied (354 MB a step at the Qwen2.5-1.5B shape)."""
+  return attention_impl in ("dense", "pallas_gpu") and platform != "tpu"
 
 
-def layers(platform: str, matmul_impl: str, requested: str = "auto", paged: bool = False) -> str:
+def scatter_cache_writes(platform: str) -> bool:
+  """Whether a decode step over every slot writes each layer's new keys and values with one
+  scatter (``Transformer.extend``'s ``scatter_writes``) rather than a per-row update (a ``vmap`` of
+  ``dynamic_update_slice``): on TPU, whose compiler turns the per-row update into a loop over the
+  rows (compiled for a TPU v5e chip at the Qwen2.5-1.5B shape: ~57,600 operations a step against
+  285 with the scatter, ``bench/aot_cache_layout.py``). CPU and GPU keep the per-row update (on a
+  GPU the compiled step shows no loop for it: 481 operations a step at that shape)."""
+  return platform == "tpu"
+
+
+def layers(platform: str, matmul_impl: str, requested: str = "auto", paged: bool = False,
+           attention_impl: str = "") -> str:
   """How a decode step runs the layers (``LAYERS``) on ``platform`` with ``matmul_impl`` matmuls
-  (``paged``: over a paged KV cache, which needs them in a scan)."""
+  (``paged``: over a paged KV cache, which needs them in a scan; so does the ``attention_impl``
+  ``"pallas_tpu"``, which reads the scan's stacked cache)."""
   value = _requested(requested, LAYERS_ENV, LAYERS, "decode_layers")
   if value == "auto":
     if platform == "cpu" or matmul_impl == "cpu_packed":
       return "unrolled"
-    return "scan" if platform == "tpu" or paged else "unrolled"
+    return "scan" if paged or attention_impl == "pallas_tpu" else "unrolled"
   if value == "scan" and matmul_impl == "cpu_packed":
     raise ValueError("decode_layers 'scan' needs XLA matmuls (decode_matmul='xla'): the CPU "
                      "kernel's packed weights are per layer")

@@ -387,14 +387,18 @@ class Transformer(nnx.Module):
     return self._logits(x)
 
   def extend(self, tokens_BxL, start_B, cache: Cache, kv_len: int | None = None,
-             attention_impl: str | None = None, heads_major: bool = False):
+             attention_impl: str | None = None, heads_major: bool = False,
+             scatter_writes: bool = False):
     """Append L tokens per row at ``start_B`` to ``cache``; returns logits and the updated cache.
 
     The cache may have more rows than ``tokens_BxL``: row b of the tokens uses cache row b and rows
     from B on are left as they are (a decode step over the first B slots of a bigger cache).
     ``attention_impl``: the decode attention a single-token step runs (``decode_attention``).
     ``heads_major``: each layer's cache is ``[rows, kv_heads, T, D]`` (``init_cache``'s
-    ``heads_major``) instead of ``[rows, T, kv_heads, D]``."""
+    ``heads_major``) instead of ``[rows, T, kv_heads, D]``.
+    ``scatter_writes``: the new keys and values go into each layer's cache by one scatter even when
+    the call covers every row (else there a per-row update, one ``dynamic_update_slice`` per row,
+    which a TPU compiles into a loop over the rows)."""
     b, l = tokens_BxL.shape
     rows = cache[0]["k"].shape[0]
     t_axis = 2 if heads_major else 1
@@ -411,7 +415,7 @@ class Transformer(nnx.Module):
       def attend(q, k, v, layer_cache=layer_cache, updated=updated):
         for name, new in (("k", k), ("v", v)):
           new = new.astype(layer_cache[name].dtype)
-          if rows == b:
+          if rows == b and not scatter_writes:
             full = _write_rows(layer_cache[name], new, start_B, heads_major)
           elif heads_major:  # scatter into rows [0, b), in place ([B, L] lead the value)
             full = layer_cache[name].at[jnp.arange(b)[:, None], :, positions_BxL].set(new)

@@ -19,9 +19,11 @@ comes out of ``generate``. Re-prefilling a sequence under new weights is the sam
 
 Layout: the cache is ``[slots, max_len, kv_heads, head_dim]`` per layer (``slot_cache``; heads
 before positions, ``[slots, kv_heads, max_len, head_dim]``, under the dense and Pallas GPU decode
-attention, which read that layout in place: ``cache_layout``), slots
+attention on a GPU, which read that layout in place: ``cache_layout``; on a TPU each layer's new
+keys and values are written by one scatter, ``choice.scatter_cache_writes``), slots
 sharded over the mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like
-the slots. With ``decode_layers`` ``"scan"`` (the default on TPU, ``kernels.choice.layers``)
+the slots. With ``decode_layers`` ``"scan"`` (the default with a paged cache or the Pallas TPU
+kernel, ``kernels.choice.layers``)
 the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode compile one layer
 body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
 once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, kv_heads,
@@ -128,11 +130,11 @@ class DecodeEngine:
     self.model_cfg: ModelConfig = model.cfg
     self.mesh = mesh or sharding.make_mesh({}, jax.devices()[:1])
     # the kernels (and steps per call) for this mesh's platform: ``kernels.choice``
-    platform = choice.platform_of(self.mesh)
+    self.platform = platform = choice.platform_of(self.mesh)
     self.attention_impl = choice.attention(platform, config.decode_attention)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers,
-                                     paged=config.kv_pages > 0)
+                                     paged=config.kv_pages > 0, attention_impl=self.attention_impl)
     # XLA options of the programs that run the model's matmuls (prefill, generate, continuation)
     self.compiler_options = choice.compiler_options(self.matmul_impl)
     self.config = config = dataclasses.replace(
@@ -202,7 +204,7 @@ class DecodeEngine:
     (``choice.heads_major_per_layer``), positions first otherwise."""
     if self._scan is not None:
       return slot_cache.STACKED
-    return (slot_cache.HEADS if choice.heads_major_per_layer(self.attention_impl)
+    return (slot_cache.HEADS if choice.heads_major_per_layer(self.attention_impl, self.platform)
             else slot_cache.ROWS)
 
   def _width_buckets(self) -> tuple[int, ...]:
@@ -444,6 +446,7 @@ class DecodeEngine:
     steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
     impl, scan = self.attention_impl, self._scan
     heads = self.cache_layout == slot_cache.HEADS
+    scatter = choice.scatter_cache_writes(self.platform)
     out = self._named((None, "cache_batch"), (steps, width))
 
     def one_step(extend, state):
@@ -466,7 +469,7 @@ class DecodeEngine:
         if scan is None:
           model = nnx.merge(graphdef, params)
           def extend(*a, writes_B, **kw):
-            return model.extend(*a, **kw, heads_major=heads)
+            return model.extend(*a, **kw, heads_major=heads, scatter_writes=scatter)
         else:  # the layers in a scan over the stacked weights and cache (or pages)
           extend = functools.partial(decode_scan.extend, scan, params, pages_BxN=pages_WxN)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)

@@ -75,11 +75,14 @@ def test_decode_matmul_blas_is_the_gpu_default_and_runs_on_gpu_only(monkeypatch)
 def test_decode_layers_per_platform_config_and_environment(monkeypatch):
   monkeypatch.delenv(choice.LAYERS_ENV, raising=False)
   assert choice.layers("cpu", "xla") == choice.layers("cpu", "cpu_packed") == "unrolled"
-  # GPU: unrolled (XLA:GPU copies a scanned layer's weights and cache slices every step), in a
-  # scan over a paged cache (which needs one); TPU: in a scan
+  # GPU and TPU: unrolled (compiled for either, a scanned layer's weights and cache slices are
+  # copied every step), in a scan over a paged cache (which needs one) or for the Pallas TPU kernel
+  # (which reads the scan's stacked cache)
   assert choice.layers("gpu", "blas") == choice.layers("gpu", "xla") == "unrolled"
-  assert choice.layers("gpu", "blas", paged=True) == choice.layers("tpu", "xla") == "scan"
-  assert choice.layers("tpu", "xla", paged=True) == "scan"
+  assert choice.layers("tpu", "xla") == "unrolled"
+  assert choice.layers("gpu", "blas", paged=True) == choice.layers("tpu", "xla", paged=True) == "scan"
+  assert choice.layers("tpu", "xla", attention_impl="pallas_tpu") == "scan"
+  assert choice.layers("tpu", "xla", "unrolled", attention_impl="pallas_tpu") == "unrolled"
   assert choice.layers("cpu", "xla", "scan") == "scan"
   monkeypatch.setenv(choice.LAYERS_ENV, "scan")
   assert choice.layers("cpu", "xla") == "scan"
@@ -117,3 +120,15 @@ def test_decode_projections_fused_on_accelerators_when_the_tensor_axis_splits_kv
   monkeypatch.setenv(choice.PROJECTIONS_ENV, "merged")
   with pytest.raises(ValueError, match=r"\$AREAL_JAX_DECODE_PROJECTIONS='merged'"):
     choice.projections(one, cfg)
+
+
+def test_per_layer_cache_layout_and_writes_per_platform():
+  # heads-major where the attention reads it in place on a GPU; a TPU holds positions first and
+  # writes each layer's new keys and values with one scatter (no loop over the rows)
+  assert choice.heads_major_per_layer("dense", "gpu")
+  assert choice.heads_major_per_layer("pallas_gpu", "gpu")
+  assert not choice.heads_major_per_layer("dense", "tpu")
+  assert not choice.heads_major_per_layer("cpu", "cpu")
+  assert not choice.heads_major_per_layer("xla", "gpu")
+  assert choice.scatter_cache_writes("tpu")
+  assert not choice.scatter_cache_writes("gpu") and not choice.scatter_cache_writes("cpu")

@@ -18,14 +18,17 @@ def forward(model, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
   return model(tokens_BxL, positions_BxL, segment_ids_BxL)
 
 
-@nnx.jit(static_argnames=("kv_len", "heads_major", "impl"))
-def extend(model, tokens_BxL, start_B, cache, kv_len=None, heads_major=False, impl=None):
+@nnx.jit(static_argnames=("kv_len", "heads_major", "impl", "scatter_writes"))
+def extend(model, tokens_BxL, start_B, cache, kv_len=None, heads_major=False, impl=None,
+           scatter_writes=False):
   return model.extend(tokens_BxL, start_B, cache, kv_len, attention_impl=impl,
-                      heads_major=heads_major)
+                      heads_major=heads_major, scatter_writes=scatter_writes)
 
 
-# the positions-first cache (the CPU's) and the heads-major one (a GPU's, read by the dense form)
-LAYOUTS = {"rows": {}, "heads": {"heads_major": True, "impl": "dense"}}
+# the positions-first cache (the CPU's), the heads-major one (a GPU's, read by the dense form) and
+# the positions-first one written by one scatter a layer (a TPU's)
+LAYOUTS = {"rows": {}, "heads": {"heads_major": True, "impl": "dense"},
+           "scatter": {"scatter_writes": True, "impl": "dense"}}
 
 
 def _tokens(b, l, seed=0):
@@ -87,7 +90,8 @@ def test_a_heads_major_cache_holds_the_same_keys_and_values(hf_checkpoint):
   """Extending the first rows of a bigger cache (a decode call narrower than the slots: a scatter)
   and all of it (a per-row update), the heads-major cache ends up the positions-first one with
   heads and positions swapped, and the logits agree (to float32 rounding: the two layouts' dense
-  attentions sum in different orders)."""
+  attentions sum in different orders); written by scatters throughout, the positions-first cache
+  and the logits are the same bits."""
   _, path, _ = hf_checkpoint
   model, _ = hf.load_hf(path)
   caches = {layout: init_cache(model.cfg, 3, 12, heads_major=layout == "heads")
@@ -100,10 +104,12 @@ def test_a_heads_major_cache_holds_the_same_keys_and_values(hf_checkpoint):
       out[layout], caches[layout] = extend(model, jnp.asarray(tokens), jnp.asarray(start, jnp.int32),
                                            caches[layout], **{**kw, "impl": "dense"})
     np.testing.assert_allclose(np.asarray(out["heads"]), np.asarray(out["rows"]), atol=1e-5)
-  for rows, heads in zip(caches["rows"], caches["heads"]):
+    np.testing.assert_array_equal(np.asarray(out["scatter"]), np.asarray(out["rows"]))
+  for rows, heads, scattered in zip(caches["rows"], caches["heads"], caches["scatter"]):
     for name in ("k", "v"):
       np.testing.assert_allclose(np.swapaxes(np.asarray(rows[name]), 1, 2),
                                  np.asarray(heads[name]), atol=1e-5, rtol=0)
+      np.testing.assert_array_equal(np.asarray(scattered[name]), np.asarray(rows[name]))
 
 
 def test_rope_tables_are_the_exact_cosines_and_sines():

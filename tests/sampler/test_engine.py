@@ -14,7 +14,7 @@ from jax._src import monitoring
 
 from areal_jax import sharding
 from areal_jax.models import ModelConfig, Transformer
-from areal_jax.sampler import sampling
+from areal_jax.sampler import sampling, slot_cache
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 from areal_jax.sampler.pages import PageTable
 
@@ -412,6 +412,32 @@ def test_on_a_gpu_the_layers_default_to_unrolled_and_to_the_scan_with_a_paged_ca
   assert (rows.layers_impl, rows.attention_impl) == ("unrolled", "dense")
   assert (paged.layers_impl, paged.attention_impl) == ("scan", "dense")
   assert len(rows.init_state()["cache"]) == model.cfg.n_layers  # per-layer caches
+
+
+def test_on_a_tpu_the_layers_default_to_unrolled_with_one_scatter_per_layer(model, monkeypatch):
+  """A TPU engine left to choose runs the layers unrolled over positions-first per-layer caches,
+  each layer's new keys and values written with one scatter (a TPU compiles a per-row update into a
+  loop over the rows), and decodes the naive greedy tokens; the platform forced here, XLA's matmuls
+  asked for (the matmul choice reads the mesh's devices)."""
+  from areal_jax.kernels import choice
+  monkeypatch.setattr(choice, "platform_of", lambda mesh: "tpu")
+  for env in (choice.LAYERS_ENV, choice.ATTENTION_ENV, choice.MATMUL_ENV):
+    monkeypatch.delenv(env, raising=False)
+  eng = DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,),
+                                         steps_per_call=4, width_buckets=(),
+                                         decode_matmul="xla"))
+  assert (eng.layers_impl, eng.attention_impl) == ("unrolled", "dense")
+  assert eng.cache_layout == slot_cache.ROWS
+  asked = []
+  extend = Transformer.extend
+  monkeypatch.setattr(Transformer, "extend", lambda self, *a, **kw: (
+      asked.append(kw.get("scatter_writes")), extend(self, *a, **kw))[1])
+  eng._make_generate(eng.kv_buckets[-1], 4).lower(eng.params, eng.state_shapes())
+  assert asked and all(asked)  # (a per-row update also lowers to a scatter, which XLA:TPU loops)
+  monkeypatch.setattr(Transformer, "extend", extend)
+  prompt = [5, 7, 9, 11, 3, 1, 2]
+  toks, _ = _decode(eng, prompt, 4, 10, greedy=True)
+  assert toks == [_naive_greedy(model, prompt, 10)] * 4
 
 
 def test_pallas_tpu_refuses_what_its_kernel_cannot_read(model):
