@@ -246,6 +246,8 @@ def main():
   ap.add_argument("--layers", default="unrolled,scan",
                   help="our engine's decode layers (choice.LAYERS; the GPU default: unrolled)")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per call")
+  ap.add_argument("--depth", type=int, default=0,
+                  help="layers of the model (0: the shape's own; compile time against depth)")
   ap.add_argument("--json", default=None)
   ap.add_argument("--dump", default=None, help="write each compiled program's HLO text here")
   args = ap.parse_args()
@@ -254,10 +256,11 @@ def main():
   device = target_device(args.target)
   matmuls = (args.matmul or ("xla,blas" if _platform(device) == "cuda" else "xla")).split(",")
   cfg, slots, ctx = SHAPES[args.model]
-  cfg = dataclasses.replace(cfg, dtype="bfloat16")
+  cfg = dataclasses.replace(cfg, dtype="bfloat16", n_layers=args.depth or cfg.n_layers)
   read_MB = decode_step_cost(cfg, slots, ctx)[0] / 1e6
   print(f"compiling for {device.device_kind} on this CPU ({os.cpu_count()} cores), jax "
-        f"{jax.__version__}: {args.model} shape, {slots} slots, context {ctx}, {args.steps} steps "
+        f"{jax.__version__}: {args.model} shape ({cfg.n_layers} layers), {slots} slots, context "
+        f"{ctx}, {args.steps} steps "
         f"per call; a step must read {read_MB:.0f} MB")
   rows, model = [], None
   if "ours" in args.programs.split(","):
@@ -299,7 +302,8 @@ def main():
           f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "
           f"{row['copied_MB_per_step']:7.1f} MB copied, matmuls {row['gemms_per_step']}",
           flush=True)
-  finish({"target": device.device_kind, "model": args.model, "slots": slots, "context": ctx,
+  finish({"target": device.device_kind, "model": args.model, "n_layers": cfg.n_layers,
+          "slots": slots, "context": ctx,
           "step_read_MB": read_MB,
           "steps_per_call": args.steps, "jax": jax.__version__, "cpu_cores": os.cpu_count(),
           "rows": rows}, args.json, t_start)

@@ -56,7 +56,11 @@ unrolled one with per-row writes 0.3 GB but as ~59,000 operations a step (each l
 over the slots), the unrolled one as chosen 0.3 GB in ~1,600 operations (half of it the float32
 logits relaid out for sampling, a third the MLP and attention weights relaid out at each call's
 entry, once per 16 steps); the floor loop 0.4 GB. Its run time on a TPU:
-not measured (this project had no TPU).
+not measured (this project had no TPU). The price of unrolling: the decode program's compile time
+grows with depth (compiled on a 2-core CPU at the SmolLM2 shape from 15 to 120 layers: ~0.1 s a
+layer for an H100, ~0.25 s for a TPU v5e, the scan's flat at 2-3 s and 10-12 s,
+``bench/results/cpu-aot-depth-2026-11-27``), once per (kv bucket, width) program an engine
+uses; ``decode_layers="scan"`` keeps it flat for very deep models, at the copies above.
 
 Decode projections (``PROJECTIONS``): ``"fused"`` (the engine holds q, k, v as one weight and gate,
 up as one, ``transformer.fuse_projections``: three matmuls a layer fewer, each of the rest reading
