@@ -76,7 +76,7 @@ def base_config() -> ConfigDict:
   c.rollout.steps_per_call = 0  # decode steps per jitted call (host sync); 0: 1 on CPU, 16 on GPU/TPU
   c.rollout.decode_attention = "auto"  # "auto" | "cpu" | "xla" | "dense" | "pallas_gpu" | "pallas_tpu"
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla" | "blas" (GPU library GEMMs)
-  c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan if paged or pallas_tpu)
+  c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan for pallas_tpu unpaged)
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
   c.rollout.kv_pages = 0  # paged KV cache: pages in the pool (0: max_len positions per slot)
   c.rollout.page_size = 64  # positions per page of the paged KV cache
@@ -312,9 +312,6 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"rollout.kv_pages={kv_pages} pages of rollout.page_size={page_size} positions "
                   f"cannot hold one sequence of {max(r.prefill_buckets) + r.max_new_tokens} "
                   "positions (the largest of rollout.prefill_buckets + rollout.max_new_tokens)")
-  elif kv_pages and r.decode_layers == "unrolled":
-    errors.append("rollout.kv_pages > 0 (a paged KV cache) needs rollout.decode_layers='scan' "
-                  "(or 'auto' off CPU)")
   if r.get("data_parallel", "replicas") not in ("replicas", "sharded"):
     errors.append(f"rollout.data_parallel={r.data_parallel!r} must be 'replicas' or 'sharded'")
   if r.max_concurrent_rollouts < 0:

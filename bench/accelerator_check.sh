@@ -42,7 +42,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
 log variants "$BIG" blas; t=$(limit 150) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants dense:unrolled:16:blas,dense:scan:16:blas,dense:unrolled:16:separate:blas,pallas_gpu:scan:16:blas:paged \
+  --floor-matmul blas --variants dense:unrolled:16:blas,dense:scan:16:blas,dense:unrolled:16:separate:blas,pallas_gpu:unrolled:16:blas:paged \
   --trace "$OUT/trace" --json "$OUT/variants_big_blas.json" 2>&1 | keep
 trace big
 log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \

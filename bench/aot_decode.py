@@ -202,7 +202,7 @@ def _platform(device) -> str:
 
 
 def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, layers: str,
-             device, matmul_options, model=None):
+             device, matmul_options, model=None, page_size: int = 0):
   """``(jitted function, its abstract arguments on ``device``)``: our engine's decode call (of
   ``model``, a ``Transformer`` of ``cfg``; built when None) or the floor loop, built on the CPU and
   re-targeted."""
@@ -219,11 +219,13 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
 
   from areal_jax.models import Transformer
   from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+  max_len = ctx + 16 * steps
+  paged = dict(kv_pages=slots * -(-max_len // page_size), page_size=page_size) if page_size else {}
   with choice.lowering_for(_platform(device)):  # Pallas kernels traced compiled for it
     eng = DecodeEngine(model or Transformer(cfg, nnx.Rngs(0)), EngineConfig(
-        num_slots=slots, max_len=ctx + 16 * steps, prefill_buckets=(16,),
+        num_slots=slots, max_len=max_len, prefill_buckets=(16,),
         kv_buckets=(ctx + 4 * steps + 1,), steps_per_call=steps, decode_attention=attention,
-        decode_layers=layers, decode_matmul="xla", decode_projections="fused"))
+        decode_layers=layers, decode_matmul="xla", decode_projections="fused", **paged))
     # the engine lives on this CPU: its programs' mesh is the GPU's, their shardings unpinned,
     # and the layout choices the target platform's (choice.heads_major_per_layer, scatter writes)
     eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
@@ -231,6 +233,8 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
     eng.platform = "tpu" if _platform(device) == "tpu" else "gpu"
     fn = eng._make_generate(eng.kv_buckets[-1], slots).__wrapped__  # noqa: SLF001
     args = (abstract(eng.params), abstract(eng.state_shapes()))
+    if page_size:  # the slots' page tables
+      args += (abstract(jax.ShapeDtypeStruct((slots, eng.pages_per_slot), jnp.int32)),)
     return jax.jit(fn, donate_argnums=1, compiler_options=matmul_options), args
 
 
@@ -246,6 +250,8 @@ def main():
   ap.add_argument("--layers", default="unrolled,scan",
                   help="our engine's decode layers (choice.LAYERS; the GPU default: unrolled)")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per call")
+  ap.add_argument("--page-size", type=int, default=0,
+                  help="our engine over a paged KV cache of pages this long (0: a row per slot)")
   ap.add_argument("--depth", type=int, default=0,
                   help="layers of the model (0: the shape's own; compile time against depth)")
   ap.add_argument("--json", default=None)
@@ -273,7 +279,7 @@ def main():
              for matmul in matmuls]
   for what, layers, matmul in configs:
     fn, fargs = _program(what, cfg, slots, ctx, args.steps, args.attention, layers, device,
-                         choice.compiler_options(matmul), model)
+                         choice.compiler_options(matmul), model, args.page_size)
     t0 = time.perf_counter()
     lowered = fn.trace(*fargs).lower(lowering_platforms=(_platform(device),))
     t1 = time.perf_counter()
@@ -293,8 +299,8 @@ def main():
     if what == "ours":  # the per-layer cache's layout and writes as the engine picks them there
       platform = "tpu" if _platform(device) == "tpu" else "gpu"
       unrolled = layers == "unrolled"
-      row.update(attention=args.attention, cache_layout=(
-          "stacked" if not unrolled else
+      row.update(attention=args.attention, page_size=args.page_size, cache_layout=(
+          "paged" if args.page_size else "stacked" if not unrolled else
           "heads" if choice.heads_major_per_layer(args.attention, platform) else "rows"),
           scatter_writes=unrolled and choice.scatter_cache_writes(platform))
     rows.append(row)

@@ -14,8 +14,9 @@ Decode attention (``ATTENTION``):
     each row read up to its own length; runs in Pallas interpret mode on a CPU device (tests).
   * ``"pallas_tpu"``: ``jax.experimental.pallas.ops.tpu.paged_attention`` over the scan's stacked
     cache read in place as pages (``pallas_tpu_attention``), each row read up to its own length;
-    needs the layers in a scan, a bfloat16 cache and ``max_len`` a multiple of 16 (the engine says
-    which is missing); Pallas TPU interpret mode on a CPU device (tests). Not the TPU default: this
+    over a paged cache's pools (the layers unrolled or in a scan); needs the layers in a scan
+    without pages, a bfloat16 cache and ``max_len`` a multiple of 16 (the engine says which is
+    missing); Pallas TPU interpret mode on a CPU device (tests). Not the TPU default: this
     project had no TPU to measure it on, so TPU keeps the dense read until it is measured.
 
 Decode matmuls (``MATMUL``): ``"cpu_packed"`` (weights packed once per version for the C++ kernel,
@@ -35,8 +36,9 @@ Its run time at the 1.5B shape on a GPU: not measured.
 Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
 weights and a stacked cache, ``models/decode_scan``: compile time flat in depth) or ``"unrolled"``
 (``Transformer.extend``, one traced body per layer, per-layer caches). ``"scan"`` needs XLA matmuls
-(the CPU kernel's packed weights are per layer); a paged KV cache needs ``"scan"``. The GPU default
-is ``"unrolled"`` (``"scan"`` with a paged cache): XLA:GPU copies each layer's slice of the
+(the CPU kernel's packed weights are per layer); a paged KV cache runs with either
+(``decode_scan.extend_unrolled``: the per-layer weights over the pools). The GPU default
+is ``"unrolled"``, with a paged cache too: XLA:GPU copies each layer's slice of the
 stacked weights, and its keys and values, into buffers of their own before the matmuls read them,
 every layer of every step. Counted in the programs compiled for an H100 (``bench/aot_decode.py``, 16
 steps per call): at the Qwen2.5-1.5B shape (128 slots, context 512, a step must read 4970 MB) the
@@ -82,7 +84,7 @@ CPU keeps the model's layout.
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
 step measured no faster on CPU); on GPU ``"dense"``, ``"blas"`` matmuls and the layers unrolled
-(in a scan with a paged cache); on TPU ``"dense"``, ``"xla"`` matmuls and the layers unrolled.
+(with a paged cache too); on TPU ``"dense"``, ``"xla"`` matmuls and the layers unrolled.
 The Pallas GPU kernel is not the default there: on one H200 (SmolLM2 shape, 64 slots, context 128,
 layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, when it still took
 the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
@@ -175,12 +177,14 @@ def attention(platform: str, requested: str = "auto") -> str:
   return value
 
 
-def check_attention(impl: str, layers: str, cache_dtype, max_len: int, head_dim: int) -> None:
+def check_attention(impl: str, layers: str, cache_dtype, max_len: int, head_dim: int,
+                    paged: bool = False) -> None:
   """Raises ValueError when an engine's decode attention cannot run with its layers (``LAYERS``),
   cache dtype, positions per slot and head size (the Pallas TPU kernel's needs; its head size
-  only where it is compiled, not interpreted)."""
+  only where it is compiled, not interpreted); over a paged cache (``paged``) the kernel reads the
+  pages whatever the layers."""
   if impl == "pallas_tpu" and (why := pallas_tpu_attention.unusable(
-      layers, cache_dtype, max_len, head_dim, compiled=not interpret())):
+      "scan" if paged else layers, cache_dtype, max_len, head_dim, compiled=not interpret())):
     raise ValueError(f"decode attention 'pallas_tpu' cannot run here: {why}")
 
 
@@ -248,13 +252,13 @@ def scatter_cache_writes(platform: str) -> bool:
 def layers(platform: str, matmul_impl: str, requested: str = "auto", paged: bool = False,
            attention_impl: str = "") -> str:
   """How a decode step runs the layers (``LAYERS``) on ``platform`` with ``matmul_impl`` matmuls
-  (``paged``: over a paged KV cache, which needs them in a scan; so does the ``attention_impl``
-  ``"pallas_tpu"``, which reads the scan's stacked cache)."""
+  (``paged``: over a paged KV cache; the ``attention_impl`` ``"pallas_tpu"`` without one reads
+  the scan's stacked cache, so it needs the scan)."""
   value = _requested(requested, LAYERS_ENV, LAYERS, "decode_layers")
   if value == "auto":
     if platform == "cpu" or matmul_impl == "cpu_packed":
       return "unrolled"
-    return "scan" if paged or attention_impl == "pallas_tpu" else "unrolled"
+    return "scan" if attention_impl == "pallas_tpu" and not paged else "unrolled"
   if value == "scan" and matmul_impl == "cpu_packed":
     raise ValueError("decode_layers 'scan' needs XLA matmuls (decode_matmul='xla'): the CPU "
                      "kernel's packed weights are per layer")

@@ -19,6 +19,7 @@ Same results as ``Transformer.extend`` (same ops per layer); knows nothing of sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -108,11 +109,30 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
   Paged (``pages_BxN``: each row's page table; decode steps only, L = 1, ``kv_len`` required):
   ``cache`` is a paged cache's pools (``init_pool``); a row writes its new K/V into its page of
   ``start_B`` where ``writes_B`` (default: every row), else into the trash page."""
+  layers = functools.partial(_scan_layers, graph, params)
+  return _extend(layers, tokens_BxL, start_B, cache, kv_len, attention_impl, pages_BxN, writes_B)
+
+
+def extend_unrolled(model: Transformer, tokens_BxL, start_B, cache: StackedCache,
+                    kv_len: int | None = None, attention_impl: str | None = None, pages_BxN=None,
+                    writes_B=None):
+  """``extend`` with ``model``'s own per-layer weights, the layers unrolled (one traced body per
+  layer, each layer's index static), over the same stacked cache or paged cache's pools: a paged
+  cache without the scan, whose slices of stacked weights a GPU or TPU compiler copies at every
+  layer and step (``kernels.choice``)."""
+  layers = functools.partial(_unrolled_layers, model)
+  return _extend(layers, tokens_BxL, start_B, cache, kv_len, attention_impl, pages_BxN, writes_B)
+
+
+def _extend(run_layers, tokens_BxL, start_B, cache: StackedCache, kv_len, attention_impl,
+            pages_BxN, writes_B):
+  """``extend``'s body; ``run_layers(tokens, positions, cache, n_layers, attend_layer)`` runs the
+  model's layers (``_scan_layers`` or ``_unrolled_layers``)."""
   b, l = tokens_BxL.shape
   if pages_BxN is not None:
     if l != 1 or kv_len is None:
       raise ValueError("a paged cache takes decode steps (one token per row) with a kv bound")
-    return _extend_paged(graph, params, tokens_BxL, start_B, cache, kv_len, attention_impl,
+    return _extend_paged(run_layers, tokens_BxL, start_B, cache, kv_len, attention_impl,
                          pages_BxN, writes_B)
   t = cache["k"].shape[3] if kv_len is None else kv_len
   positions_BxL = start_B[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
@@ -134,12 +154,11 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
     return attention(q, jnp.swapaxes(k_BxKxTxD, 1, 2), jnp.swapaxes(v_BxKxTxD, 1, 2),
                      mask_BxLxT), k_all, v_all
 
-  return _scan_layers(graph, params, tokens_BxL, positions_BxL, cache, cache["k"].shape[0],
-                      attend_layer)
+  return run_layers(tokens_BxL, positions_BxL, cache, cache["k"].shape[0], attend_layer)
 
 
-def _extend_paged(graph: Graphs, params: dict, tokens_Bx1, start_B, pool: StackedCache,
-                  kv_len: int, attention_impl, pages_BxN, writes_B):
+def _extend_paged(run_layers, tokens_Bx1, start_B, pool: StackedCache, kv_len: int,
+                  attention_impl, pages_BxN, writes_B):
   """``extend``'s decode step over a paged cache (see there)."""
   b = tokens_Bx1.shape[0]
   page_size, trash = pool["k"].shape[3], pool["k"].shape[2] - 1
@@ -156,8 +175,7 @@ def _extend_paged(graph: Graphs, params: dict, tokens_Bx1, start_B, pool: Stacke
     return decode_attention(q, k_pool, v_pool, start_B, kv_len, impl=attention_impl, layer=i,
                             pages=pages_BxN), k_pool, v_pool
 
-  return _scan_layers(graph, params, tokens_Bx1, start_B[:, None], pool, pool["k"].shape[1],
-                      attend_layer)
+  return run_layers(tokens_Bx1, start_B[:, None], pool, pool["k"].shape[1], attend_layer)
 
 
 def _scan_layers(graph: Graphs, params: dict, tokens_BxL, positions_BxL, cache: StackedCache,
@@ -184,4 +202,24 @@ def _scan_layers(graph: Graphs, params: dict, tokens_BxL, positions_BxL, cache: 
   x = model._embed(tokens_BxL)  # the model's own embedding and head
   (x, k_all, v_all), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
                                       (jnp.arange(n_layers), params["layers"]))
+  return model._logits(x), {"k": k_all, "v": v_all}
+
+
+def _unrolled_layers(model: Transformer, tokens_BxL, positions_BxL, cache: StackedCache,
+                     n_layers: int, attend_layer):
+  """``_scan_layers`` with ``model``'s per-layer weights: a Python loop over its layers, the
+  layer index passed to ``attend_layer`` a Python int."""
+  if len(model.layers) != n_layers:
+    raise ValueError(f"the cache holds {n_layers} layers, the model {len(model.layers)}")
+  rope_BxLxF = rope_tables(positions_BxL, model.cfg.head_dim, model.cfg.rope_theta)
+  x, k_all, v_all = model._embed(tokens_BxL), cache["k"], cache["v"]
+  for i, block in enumerate(model.layers):
+    written = {}
+
+    def attend(q, k, v, i=i, k_all=k_all, v_all=v_all, written=written):
+      out, written["k"], written["v"] = attend_layer(i, q, k, v, k_all, v_all)
+      return out
+
+    x = block(x, rope_BxLxF, attend)
+    k_all, v_all = written["k"], written["v"]
   return model._logits(x), {"k": k_all, "v": v_all}

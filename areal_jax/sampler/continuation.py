@@ -134,7 +134,7 @@ class Continuations:
                                 prefix=True)
 
   def _make_take(self):
-    axis = 1 if self.engine._stacked else 0
+    axis = 1 if self.engine.cache_layout == slot_cache.STACKED else 0
     paged, max_len = self.engine.paged, self.engine.config.max_len
 
     def fn(cache, slot):
@@ -147,12 +147,16 @@ class Continuations:
   def _make_extend(self, bucket: int):
     e = self.engine
     graphdef, graph, mesh, max_len = e.graphdef, e._scan, e.mesh, e.config.max_len
-    heads_major = e.cache_layout == slot_cache.HEADS
+    layout = e.cache_layout
+    heads_major = layout == slot_cache.HEADS
 
     def fn(params, row, tokens_1xL, start_1):
       with sharding.use(mesh):
         if graph is not None:
           _, row = decode_scan.extend(graph, params, tokens_1xL, start_1, row, kv_len=max_len)
+        elif layout == slot_cache.STACKED:  # unrolled, a stacked row (a paged cache's)
+          _, row = decode_scan.extend_unrolled(nnx.merge(graphdef, params), tokens_1xL, start_1,
+                                               row, kv_len=max_len)
         else:
           _, row = nnx.merge(graphdef, params).extend(tokens_1xL, start_1, row, kv_len=max_len,
                                                       heads_major=heads_major)

@@ -28,7 +28,9 @@ the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode c
 body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
 once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, kv_heads,
 max_len, head_dim]`` (heads before positions, so decode attention reads it without a transposed
-copy). Paged (``kv_pages > 0``, layers in a scan, slots not split over devices): the cache is a
+copy). Paged (``kv_pages > 0``, slots not split over devices; the layers unrolled, over the
+per-layer weights with a static layer index, ``decode_scan.extend_unrolled``, or in a scan): the
+cache is a
 pool of pages ``[kv_heads, n_layers, kv_pages + 1, page_size, head_dim]`` (the last page takes
 the writes of inactive slots and unheld positions) and the caller passes each slot's page table
 (``sampler.pages``) to ``insert`` and ``generate``; a group's slots may share their prompt's pages,
@@ -153,8 +155,8 @@ class DecodeEngine:
     self._scan = decode_scan.graphs(self.weights.cfg) if self.layers_impl == "scan" else None
     self.paged = config.kv_pages > 0
     if self.paged:  # slots split over devices: sharding.spec names the axes (None: not split)
-      pages_lib.check(self.layers_impl, sharding.spec(("cache_batch",), (config.num_slots,),
-                                                      self.mesh)[0] is not None, config)
+      pages_lib.check(sharding.spec(("cache_batch",), (config.num_slots,), self.mesh)[0]
+                      is not None, config)
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     # several kv buckets where a step reads up to the bound, not each slot up to its position
     dense = choice.reads_to_bound(self.attention_impl, self.layers_impl, config.max_len,
@@ -164,7 +166,7 @@ class DecodeEngine:
     self.width_buckets = self._width_buckets()
     self._cache_dtype = jnp.dtype(config.cache_dtype or self.model_cfg.compute_dtype)
     choice.check_attention(self.attention_impl, self.layers_impl, self._cache_dtype,
-                           config.max_len, self.model_cfg.head_dim)
+                           config.max_len, self.model_cfg.head_dim, self.paged)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
     # choice of decode attention and of weight layout).
@@ -193,16 +195,11 @@ class DecodeEngine:
     return -(-self.config.max_len // self.config.page_size)
 
   @property
-  def _stacked(self) -> bool:
-    """Whether the layers run in a scan: the weights and the cache are held stacked."""
-    return self._scan is not None
-
-  @property
   def cache_layout(self) -> str:
     """The slots' cache layout (``slot_cache``): stacked with the layers in a scan; else per layer,
     heads before positions where the decode attention reads that layout in place
     (``choice.heads_major_per_layer``), positions first otherwise."""
-    if self._scan is not None:
+    if self._scan is not None or self.paged:
       return slot_cache.STACKED
     return (slot_cache.HEADS if choice.heads_major_per_layer(self.attention_impl, self.platform)
             else slot_cache.ROWS)
@@ -324,15 +321,18 @@ class DecodeEngine:
 
   def _make_prefill(self, bucket: int, n: int):
     cfg, mesh, graphdef, cache_dtype = self.model_cfg, self.mesh, self.graphdef, self._cache_dtype
-    graph, stacked, layout = self._scan, self._stacked, self.cache_layout
+    graph, layout = self._scan, self.cache_layout
     heads_major = layout == slot_cache.HEADS
 
     def fn(params, tokens_NxL):
       with sharding.use(mesh):
         cache = slot_cache.make(cfg, n, bucket, cache_dtype, layout)
         start = jnp.zeros((n,), jnp.int32)
-        if stacked:  # the layers in a scan over the stacked weights
+        if graph is not None:  # the layers in a scan over the stacked weights
           _, cache = decode_scan.extend(graph, params, tokens_NxL, start, cache, kv_len=bucket)
+        elif layout == slot_cache.STACKED:  # unrolled, a stacked prefix for a paged cache
+          _, cache = decode_scan.extend_unrolled(nnx.merge(graphdef, params), tokens_NxL, start,
+                                                 cache, kv_len=bucket)
         else:
           _, cache = nnx.merge(graphdef, params).extend(tokens_NxL, start, cache, kv_len=bucket,
                                                         heads_major=heads_major)
@@ -466,7 +466,10 @@ class DecodeEngine:
 
     def fn(params, full, pages_WxN=None):
       with sharding.use(mesh):
-        if scan is None:
+        if scan is None and pages_WxN is not None:  # unrolled over a paged cache
+          extend = functools.partial(decode_scan.extend_unrolled, nnx.merge(graphdef, params),
+                                     pages_BxN=pages_WxN)
+        elif scan is None:
           model = nnx.merge(graphdef, params)
           def extend(*a, writes_B, **kw):
             return model.extend(*a, **kw, heads_major=heads, scatter_writes=scatter)

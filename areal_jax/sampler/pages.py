@@ -17,13 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def check(layers: str, slots_split: bool, config) -> None:
-  """Raises ValueError when a ``DecodeEngine`` (``config``: its ``EngineConfig``; ``layers``: how
-  it runs them; ``slots_split``: whether its slots are split over devices) cannot hold a paged
-  cache."""
-  if layers != "scan":
-    raise ValueError("a paged KV cache (kv_pages > 0) needs the layers in a scan "
-                     "(decode_layers='scan', decode_matmul='xla' on CPU)")
+def check(slots_split: bool, config) -> None:
+  """Raises ValueError when a ``DecodeEngine`` (``config``: its ``EngineConfig``; ``slots_split``:
+  whether its slots are split over devices) cannot hold a paged cache."""
   if slots_split:
     raise ValueError("a paged KV cache is not split over slots: with a data axis use an engine "
                      "per data index (rollout.data_parallel='replicas', sampler/replicas.py), or "

@@ -76,11 +76,12 @@ def test_decode_layers_per_platform_config_and_environment(monkeypatch):
   monkeypatch.delenv(choice.LAYERS_ENV, raising=False)
   assert choice.layers("cpu", "xla") == choice.layers("cpu", "cpu_packed") == "unrolled"
   # GPU and TPU: unrolled (compiled for either, a scanned layer's weights and cache slices are
-  # copied every step), in a scan over a paged cache (which needs one) or for the Pallas TPU kernel
-  # (which reads the scan's stacked cache)
+  # copied every step), a paged cache's pools included; in a scan for the Pallas TPU kernel without
+  # pages (it reads the scan's stacked cache)
   assert choice.layers("gpu", "blas") == choice.layers("gpu", "xla") == "unrolled"
   assert choice.layers("tpu", "xla") == "unrolled"
-  assert choice.layers("gpu", "blas", paged=True) == choice.layers("tpu", "xla", paged=True) == "scan"
+  assert choice.layers("gpu", "blas", paged=True) == choice.layers("tpu", "xla", paged=True) == "unrolled"
+  assert choice.layers("tpu", "xla", paged=True, attention_impl="pallas_tpu") == "unrolled"
   assert choice.layers("tpu", "xla", attention_impl="pallas_tpu") == "scan"
   assert choice.layers("tpu", "xla", "unrolled", attention_impl="pallas_tpu") == "unrolled"
   assert choice.layers("cpu", "xla", "scan") == "scan"

@@ -95,13 +95,13 @@ def test_interpret_mode_outside_lowering_for():
 
 
 @pytest.mark.parametrize("mesh", [{}, {"data": 2, "tensor": 2}])
-@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("paged,layers", [(False, "scan"), (True, "scan"), (True, "unrolled")])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_an_engine_decode_program_lowers_with_the_compiled_kernel(platform, paged, mesh):
-  """A sampler engine configured as on the platform (bfloat16, the layers in a scan, fused
-  projections, 16 steps per call, its Pallas kernel; a row cache or a paged one; one device, or
-  slots and K/V heads split over a mesh, the kernel under shard_map) built and lowered for it: the
-  whole decode call lowers, the kernel compiled in it."""
+def test_an_engine_decode_program_lowers_with_the_compiled_kernel(platform, paged, layers, mesh):
+  """A sampler engine configured as on the platform (bfloat16, fused projections, 16 steps per
+  call, its Pallas kernel; a row cache with the layers in a scan, or a paged one with them in a
+  scan or unrolled; one device, or slots and K/V heads split over a mesh, the kernel under
+  shard_map) built and lowered for it: the whole decode call lowers, the kernel compiled in it."""
   from flax import nnx
 
   from areal_jax import sharding
@@ -115,7 +115,7 @@ def test_an_engine_decode_program_lowers_with_the_compiled_kernel(platform, page
   with choice.lowering_for(platform):
     eng = DecodeEngine(Transformer(cfg, nnx.Rngs(0)), EngineConfig(
         num_slots=4, max_len=256, prefill_buckets=(32,), steps_per_call=16,
-        decode_attention=IMPL[platform], decode_layers="scan", decode_matmul="xla",
+        decode_attention=IMPL[platform], decode_layers=layers, decode_matmul="xla",
         decode_projections="fused", kv_pages=24 if paged else 0, page_size=32), mesh=mesh)
     pages = (_spec(4, eng.pages_per_slot, dtype=jnp.int32),) if paged else ()
     generate = eng._make_generate(eng.kv_buckets[-1], 4)  # noqa: SLF001

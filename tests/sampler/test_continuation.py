@@ -23,11 +23,11 @@ def _one(engine, request, timeout=120.0):
   raise AssertionError("no sample")
 
 
-@pytest.mark.parametrize("layers", ["unrolled", "scan", "paged"])
+@pytest.mark.parametrize("layers", ["unrolled", "scan", "paged", "paged-unrolled"])
 def test_continued_turn_equals_full_reprefill(model, other_model, layers):
   kw = dict(decode_layers="scan", decode_matmul="xla", decode_projections="fused") \
-      if layers != "unrolled" else {}
-  if layers == "paged":  # the kept row is read out of the slot's pages
+      if layers in ("scan", "paged") else {}
+  if layers.startswith("paged"):  # the kept row is read out of the slot's pages
     kw.update(kv_pages=24, page_size=16, decode_attention="dense")
   engine = JaxRolloutEngine(model, num_slots=4, max_len=128, prefill_buckets=(96,), **kw)
   engine.start()

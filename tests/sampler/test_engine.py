@@ -351,18 +351,27 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
   assert runs[0][-1][2][:, 2].sum() == min(steps, 64 - len(prompt) - 3 * steps)
 
 
-@pytest.mark.parametrize("impl", ["dense", "pallas_gpu", "pallas_tpu"])
-def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl):
+@pytest.mark.parametrize("impl,layers", [("dense", "scan"), ("pallas_gpu", "scan"),
+                                         ("pallas_tpu", "scan"), ("dense", "unrolled"),
+                                         ("pallas_tpu", "unrolled"), ("cpu", "unrolled")])
+def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers):
   """A group of three over a paged cache (its prompt's full page shared, the partial one copied,
-  pages taken as the slots grow): the same tokens and logprobs as the same engine with a cache row
-  per slot, through the dense read over gathered pages and both Pallas kernels (interpret mode)."""
+  pages taken as the slots grow): the same tokens and logprobs as an engine with a cache row per
+  slot and the layers in a scan, through the dense read over gathered pages and both Pallas
+  kernels (interpret mode), the paged engine's layers in a scan or unrolled (its per-layer weights
+  over the same pools; ``cpu``: the CPU defaults, C++ matmul kernel included)."""
   base = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(16, 32), steps_per_call=4,
                       decode_attention=impl, decode_matmul="xla", decode_layers="scan",
                       cache_dtype="bfloat16" if impl == "pallas_tpu" else None)
+  paged = dict(kv_pages=20, page_size=8, decode_layers=layers)
+  if impl == "cpu":
+    base = dataclasses.replace(base, decode_attention="dense")
+    paged.update(decode_attention="auto", decode_matmul="auto")
   prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3], []
   keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
   for kv_pages in (0, 20):
-    eng = DecodeEngine(model, dataclasses.replace(base, kv_pages=kv_pages, page_size=8))
+    eng = DecodeEngine(model, dataclasses.replace(base, **(paged if kv_pages else {})))
+    assert eng.layers_impl == (layers if kv_pages else "scan")
     table = PageTable(4, 20, 8, 64) if kv_pages else None
     if table is not None:
       assert table.share(slots, len(prompt) - 1) and table.free_pages == 20 - 1 - 3
@@ -382,12 +391,10 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl):
   for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(*runs):
     np.testing.assert_array_equal(valid, valid_ref)
     np.testing.assert_array_equal(tok[valid], tok_ref[valid])
-    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6)
+    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6 if impl != "cpu" else 2e-5)
 
 
-def test_a_paged_cache_needs_the_scan_one_slot_split_and_room_for_a_sequence(model):
-  with pytest.raises(ValueError, match="needs the layers in a scan"):
-    DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=8, decode_layers="unrolled"))
+def test_a_paged_cache_needs_one_slot_split_and_room_for_a_sequence(model):
   with pytest.raises(ValueError, match="not split over slots"):
     DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, kv_pages=8, decode_layers="scan",
                                      decode_matmul="xla"),
@@ -397,11 +404,11 @@ def test_a_paged_cache_needs_the_scan_one_slot_split_and_room_for_a_sequence(mod
                                      decode_layers="scan", decode_matmul="xla"))
 
 
-def test_on_a_gpu_the_layers_default_to_unrolled_and_to_the_scan_with_a_paged_cache(
-    model, monkeypatch):
+def test_on_a_gpu_the_layers_default_to_unrolled_also_with_a_paged_cache(model, monkeypatch):
   """A GPU engine left to choose runs the layers unrolled (XLA:GPU copies a scanned layer's weight
-  and cache slices every step), except over a paged cache, which needs the scan; the platform
-  forced here, XLA's matmuls asked for (the GPU default's options are for a GPU compiler)."""
+  and cache slices every step), over a cache row per slot or a paged cache's pools alike; the
+  platform forced here, XLA's matmuls asked for (the GPU default's options are for a GPU
+  compiler)."""
   from areal_jax.kernels import choice
   monkeypatch.setattr(choice, "platform_of", lambda mesh: "gpu")
   for env in (choice.LAYERS_ENV, choice.ATTENTION_ENV):
@@ -410,8 +417,9 @@ def test_on_a_gpu_the_layers_default_to_unrolled_and_to_the_scan_with_a_paged_ca
   paged = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=8, page_size=16,
                                            decode_matmul="xla"))
   assert (rows.layers_impl, rows.attention_impl) == ("unrolled", "dense")
-  assert (paged.layers_impl, paged.attention_impl) == ("scan", "dense")
+  assert (paged.layers_impl, paged.attention_impl) == ("unrolled", "dense")
   assert len(rows.init_state()["cache"]) == model.cfg.n_layers  # per-layer caches
+  assert paged.init_state()["cache"]["k"].shape[:3] == (model.cfg.n_kv_heads, model.cfg.n_layers, 9)
 
 
 def test_on_a_tpu_the_layers_default_to_unrolled_with_one_scatter_per_layer(model, monkeypatch):
