@@ -13,6 +13,9 @@ pairs the cache already holds contiguously, with no transposed copy of each laye
 step (the per-layer ``[rows, T, kv_heads, D]`` layout costs one: XLA:CPU's optimized program
 showed two per layer and step, keys and values).
 
+``extend_unrolled`` runs the same over the model's own per-layer weights, the layers unrolled
+(each layer's index static), for a stacked or paged cache without the scan.
+
 Same results as ``Transformer.extend`` (same ops per layer); knows nothing of sampling or training.
 """
 

@@ -22,8 +22,8 @@ before positions, ``[slots, kv_heads, max_len, head_dim]``, under the dense and 
 attention on a GPU, which read that layout in place: ``cache_layout``; on a TPU each layer's new
 keys and values are written by one scatter, ``choice.scatter_cache_writes``), slots
 sharded over the mesh's data axis and heads over its tensor axis; per-slot vectors are sharded like
-the slots. With ``decode_layers`` ``"scan"`` (the default with a paged cache or the Pallas TPU
-kernel, ``kernels.choice.layers``)
+the slots. With ``decode_layers`` ``"scan"`` (the default for the Pallas TPU kernel without a
+paged cache, ``kernels.choice.layers``)
 the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode compile one layer
 body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
 once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, kv_heads,
