@@ -281,7 +281,8 @@ def main():
     fn, fargs = _program(what, cfg, slots, ctx, args.steps, args.attention, layers, device,
                          choice.compiler_options(matmul), model, args.page_size)
     t0 = time.perf_counter()
-    lowered = fn.trace(*fargs).lower(lowering_platforms=(_platform(device),))
+    with choice.lowering_for(_platform(device)):  # Pallas kernels are traced here: compiled ones
+      lowered = fn.trace(*fargs).lower(lowering_platforms=(_platform(device),))
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
