@@ -24,10 +24,8 @@ import collections
 
 import jax
 import numpy as np
-from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.models import decode_scan
 from areal_jax.sampler import slot_cache
 
 MIN_CHUNK = 16
@@ -146,20 +144,11 @@ class Continuations:
 
   def _make_extend(self, bucket: int):
     e = self.engine
-    graphdef, graph, mesh, max_len = e.graphdef, e._scan, e.mesh, e.config.max_len
-    layout = e.cache_layout
-    heads_major = layout == slot_cache.HEADS
+    layers, mesh, max_len = e.layers, e.mesh, e.config.max_len
 
     def fn(params, row, tokens_1xL, start_1):
       with sharding.use(mesh):
-        if graph is not None:
-          _, row = decode_scan.extend(graph, params, tokens_1xL, start_1, row, kv_len=max_len)
-        elif layout == slot_cache.STACKED:  # unrolled, a stacked row (a paged cache's)
-          _, row = decode_scan.extend_unrolled(nnx.merge(graphdef, params), tokens_1xL, start_1,
-                                               row, kv_len=max_len)
-        else:
-          _, row = nnx.merge(graphdef, params).extend(tokens_1xL, start_1, row, kv_len=max_len,
-                                                      heads_major=heads_major)
+        _, row = layers.extend(params)(tokens_1xL, start_1, row, kv_len=max_len)
       return row
 
     rows = self._row_shardings()

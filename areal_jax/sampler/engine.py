@@ -101,6 +101,34 @@ def _buckets(requested, max_len: int, smallest: int) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Layers:
+  """How an engine's programs run the model's layers over its cache (prefill, generate, the
+  continuation's extend): the engine's choices held apart from it, so that compiled functions do
+  not keep the engine alive."""
+
+  graph: Any  # decode_scan.Graphs: the layers in a scan over stacked weights; None: unrolled
+  graphdef: Any  # the model's (held weights') graph definition
+  layout: str  # the cache layout (slot_cache)
+
+  def extend(self, params, pages_BxN=None, scatter_writes: bool = False):
+    """``extend(tokens_BxL, start_B, cache, kv_len=None, attention_impl=None, writes_B=None)``
+    over ``params`` (``pages_BxN``: a paged cache's page tables; ``scatter_writes``: the per-layer
+    caches written by one scatter a layer, ``Transformer.extend``)."""
+    if self.graph is not None:
+      return functools.partial(decode_scan.extend, self.graph, params, pages_BxN=pages_BxN)
+    model = nnx.merge(self.graphdef, params)
+    if self.layout == slot_cache.STACKED:  # unrolled over a stacked prefix or a paged cache
+      return functools.partial(decode_scan.extend_unrolled, model, pages_BxN=pages_BxN)
+    heads_major = self.layout == slot_cache.HEADS
+
+    def extend(*args, writes_B=None, **kwargs):
+      del writes_B  # a row cache: inactive slots are never read past their position
+      return model.extend(*args, **kwargs, heads_major=heads_major, scatter_writes=scatter_writes)
+
+    return extend
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
   num_slots: int = 8
   max_len: int = 512  # cache positions per slot: prompt + generated tokens never exceed it
@@ -193,6 +221,11 @@ class DecodeEngine:
   def pages_per_slot(self) -> int:
     """Page table entries per slot (paged cache)."""
     return -(-self.config.max_len // self.config.page_size)
+
+  @property
+  def layers(self) -> Layers:
+    """How this engine's programs run the model's layers (``Layers``)."""
+    return Layers(self._scan, self.graphdef, self.cache_layout)
 
   @property
   def cache_layout(self) -> str:
@@ -320,22 +353,14 @@ class DecodeEngine:
     return min(pow2(k), cap)
 
   def _make_prefill(self, bucket: int, n: int):
-    cfg, mesh, graphdef, cache_dtype = self.model_cfg, self.mesh, self.graphdef, self._cache_dtype
-    graph, layout = self._scan, self.cache_layout
-    heads_major = layout == slot_cache.HEADS
+    cfg, mesh, cache_dtype = self.model_cfg, self.mesh, self._cache_dtype
+    layers, layout = self.layers, self.cache_layout
 
     def fn(params, tokens_NxL):
       with sharding.use(mesh):
         cache = slot_cache.make(cfg, n, bucket, cache_dtype, layout)
         start = jnp.zeros((n,), jnp.int32)
-        if graph is not None:  # the layers in a scan over the stacked weights
-          _, cache = decode_scan.extend(graph, params, tokens_NxL, start, cache, kv_len=bucket)
-        elif layout == slot_cache.STACKED:  # unrolled, a stacked prefix for a paged cache
-          _, cache = decode_scan.extend_unrolled(nnx.merge(graphdef, params), tokens_NxL, start,
-                                                 cache, kv_len=bucket)
-        else:
-          _, cache = nnx.merge(graphdef, params).extend(tokens_NxL, start, cache, kv_len=bucket,
-                                                        heads_major=heads_major)
+        _, cache = layers.extend(params)(tokens_NxL, start, cache, kv_len=bucket)
       # one prefix per prompt, as separate buffers
       return [slot_cache.row(cache, i, layout) for i in range(n)]
 
@@ -443,9 +468,8 @@ class DecodeEngine:
     return fn(params, state)
 
   def _make_generate(self, kv_len: int, width: int):
-    steps, mesh, graphdef = self.config.steps_per_call, self.mesh, self.graphdef
-    impl, scan = self.attention_impl, self._scan
-    heads = self.cache_layout == slot_cache.HEADS
+    steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
+    layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
     out = self._named((None, "cache_batch"), (steps, width))
 
@@ -466,15 +490,7 @@ class DecodeEngine:
 
     def fn(params, full, pages_WxN=None):
       with sharding.use(mesh):
-        if scan is None and pages_WxN is not None:  # unrolled over a paged cache
-          extend = functools.partial(decode_scan.extend_unrolled, nnx.merge(graphdef, params),
-                                     pages_BxN=pages_WxN)
-        elif scan is None:
-          model = nnx.merge(graphdef, params)
-          def extend(*a, writes_B, **kw):
-            return model.extend(*a, **kw, heads_major=heads, scatter_writes=scatter)
-        else:  # the layers in a scan over the stacked weights and cache (or pages)
-          extend = functools.partial(decode_scan.extend, scan, params, pages_BxN=pages_WxN)
+        extend = layers.extend(params, pages_WxN, scatter_writes=scatter)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
         state = {k: v if k == "cache" else v[:width] for k, v in full.items()}
         if steps == 1:

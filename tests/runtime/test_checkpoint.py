@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from processes import running  # noqa: E402
 from test_trainer import ROOT, TINY, check_run, tiny_config  # noqa: E402
 
 from areal_jax.runtime import checkpoint as ckpt_lib  # noqa: E402
@@ -192,16 +193,9 @@ def test_learner_processes_agree_on_each_checkpoint(tmp_path):
 
   coordinator = f"127.0.0.1:{distributed.free_port()}"
   worker = pathlib.Path(__file__).parent / "checkpoint_worker.py"
-  procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", coordinator, str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  try:
+  with running([sys.executable, str(worker), str(i), "2", coordinator, str(tmp_path)]
+               for i in range(2)) as procs:
     logs = [p.communicate(timeout=240)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
   assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
   got = [json.loads((tmp_path / f"restored.{i}.json").read_text()) for i in range(2)]
   step1 = (np.arange(32, dtype=np.float32).reshape(8, 4)).tolist()

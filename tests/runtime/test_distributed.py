@@ -4,7 +4,6 @@ to the same parameters as over 4 devices of one process."""
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import jax
@@ -15,8 +14,9 @@ from areal_jax.learner import Learner
 from areal_jax.runtime import distributed
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "learner"))
+sys.path[:0] = [str(HERE), str(HERE.parent / "learner")]
 from learner_helpers import actor, batch, mesh, model  # noqa: E402
+from processes import running  # noqa: E402
 
 
 @pytest.mark.slow  # three processes start and compile (~50 s)
@@ -24,19 +24,12 @@ def test_two_processes_train_the_same_parameters_as_one(tmp_path):
   out = str(tmp_path / "params.npz")
   coordinator = f"127.0.0.1:{distributed.free_port()}"
   env = dict(os.environ)  # (the worker sets its own device count)
-  procs = [subprocess.Popen([sys.executable, str(HERE / "distributed_worker.py"), str(i), "2",
-                             coordinator, out], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  try:
+  with running(([sys.executable, str(HERE / "distributed_worker.py"), str(i), "2", coordinator,
+                 out] for i in range(2)), env=env) as procs:
     # the reference meanwhile: one process, the same 4-device FSDP mesh, batch and step
     one = Learner(model(), actor(ppo_n_minibatches=2), mesh(4))
     m1 = one.train_step(*batch(1, groups=4, n=4))
     logs = [p.communicate(timeout=240)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
   assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-3000:] for l in logs)
   got = np.load(out)
   want = {jax.tree_util.keystr(p): np.asarray(x)
