@@ -221,16 +221,23 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
   from areal_jax.sampler.engine import DecodeEngine, EngineConfig
   max_len = ctx + 16 * steps
   paged = dict(kv_pages=slots * -(-max_len // page_size), page_size=page_size) if page_size else {}
-  with choice.lowering_for(_platform(device)):  # Pallas kernels traced compiled for it
-    eng = DecodeEngine(model or Transformer(cfg, nnx.Rngs(0)), EngineConfig(
-        num_slots=slots, max_len=max_len, prefill_buckets=(16,),
-        kv_buckets=(ctx + 4 * steps + 1,), steps_per_call=steps, decode_attention=attention,
-        decode_layers=layers, decode_matmul="xla", decode_projections="fused", **paged))
-    # the engine lives on this CPU: its programs' mesh is the GPU's, their shardings unpinned,
-    # and the layout choices the target platform's (choice.heads_major_per_layer, scatter writes)
-    eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
-                                 eng.mesh.axis_names)
-    eng.platform = "tpu" if _platform(device) == "tpu" else "gpu"
+  platform = "tpu" if _platform(device) == "tpu" else "gpu"
+  on_cpu = choice.platform_of
+  # the engine lives on this CPU, built as for the target (its choices of layouts and forms:
+  # choice.heads_major_per_layer, scatter writes, vocabulary-major logits), its Pallas kernels
+  # traced compiled for it; its programs' mesh is the target's, their shardings unpinned
+  choice.platform_of = lambda mesh=None: platform
+  try:
+    with choice.lowering_for(_platform(device)):
+      eng = DecodeEngine(model or Transformer(cfg, nnx.Rngs(0)), EngineConfig(
+          num_slots=slots, max_len=max_len, prefill_buckets=(16,),
+          kv_buckets=(ctx + 4 * steps + 1,), steps_per_call=steps, decode_attention=attention,
+          decode_layers=layers, decode_matmul="xla", decode_projections="fused", **paged))
+  finally:
+    choice.platform_of = on_cpu
+  eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
+                               eng.mesh.axis_names)
+  with choice.lowering_for(_platform(device)):
     fn = eng._make_generate(eng.kv_buckets[-1], slots).__wrapped__  # noqa: SLF001
     args = (abstract(eng.params), abstract(eng.state_shapes()))
     if page_size:  # the slots' page tables

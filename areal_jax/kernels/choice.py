@@ -249,6 +249,18 @@ def scatter_cache_writes(platform: str) -> bool:
   return platform == "tpu"
 
 
+def vocab_major_logits(platform: str) -> bool:
+  """Whether the sampler's decode programs produce the logits with the vocabulary axis major
+  (``ModelConfig.vocab_major_logits``: the LM head as head weight x activations) and take each
+  slot's block of the vocabulary by a masked sum rather than a gather (``sampling.sample``'s
+  ``select_by_mask``): on TPU, whose compiler otherwise relays out the float32 logits twice a
+  step, once for the reductions over the vocabulary and once for the gather (compiled for a TPU
+  v5e chip at the Qwen2.5-1.5B shape, 128 slots: 2 x 78 MB copied a step; with both, neither,
+  ``bench/aot_decode.py``). CPU and GPU keep the gather and the activations x head form (their
+  compiled steps copy neither)."""
+  return platform == "tpu"
+
+
 def layers(platform: str, matmul_impl: str, requested: str = "auto", paged: bool = False,
            attention_impl: str = "") -> str:
   """How a decode step runs the layers (``LAYERS``) on ``platform`` with ``matmul_impl`` matmuls

@@ -58,6 +58,10 @@ class ModelConfig:
   # q, k, v as one weight ``qkv`` and gate, up as one ``gate_up`` (``fuse_projections``' layout):
   # fewer, larger matmuls; the sampler's choice for its own copy of the weights
   fused_projections: bool = False
+  # the LM head as head weight x activations, so the logits' vocabulary axis comes out major (the
+  # same values): what a TPU's reductions over the vocabulary read without relaying the logits
+  # out first (``kernels.choice.vocab_major_logits``); the sampler's choice for its own copy
+  vocab_major_logits: bool = False
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
 
@@ -364,11 +368,15 @@ class Transformer(nnx.Module):
 
   def _logits(self, x_BxLxE):
     x = self.final_norm(x_BxLxE)
-    if self.cfg.tie_embeddings:  # the embedding [V, E] is the head's weight, transposed
-      logits = linear(x, self.embed[...].astype(self.cfg.compute_dtype), transpose_w=True,
-                      out_dtype=jnp.float32)
+    dt = self.cfg.compute_dtype
+    tied = self.cfg.tie_embeddings  # the embedding [V, E] is the head's weight, transposed
+    w = self.embed[...] if tied else self.lm_head[...]
+    if self.cfg.vocab_major_logits and w.ndim == 2 and not hasattr(w, "apply_linear"):
+      # [V, B, L] from the head's product with the activations, then viewed as [B, L, V]
+      logits = jnp.moveaxis(jnp.einsum("ve,...e->v..." if tied else "ev,...e->v...",
+                                       w.astype(dt), x, preferred_element_type=jnp.float32), 0, -1)
     else:
-      logits = linear(x, self.lm_head[...].astype(self.cfg.compute_dtype), out_dtype=jnp.float32)
+      logits = linear(x, w.astype(dt), transpose_w=tied, out_dtype=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "act_vocab"))
 
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):

@@ -176,7 +176,8 @@ class DecodeEngine:
     self.projections = choice.projections(self.mesh, self.model_cfg, config.decode_projections)
     self.weights = held_weights.HeldWeights(
         model, self.mesh, fused=self.projections == "fused", stacked=self.layers_impl == "scan",
-        packed=self.matmul_impl == "cpu_packed", lora=lora)
+        packed=self.matmul_impl == "cpu_packed", lora=lora,
+        vocab_major_logits=choice.vocab_major_logits(platform))
     self.graphdef = self.weights.graphdef
     self.param_shardings, self.held_shardings = self.weights.param_shardings, self.weights.shardings
     # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
@@ -471,6 +472,7 @@ class DecodeEngine:
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
     layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
+    by_mask = choice.vocab_major_logits(self.platform)
     out = self._named((None, "cache_batch"), (steps, width))
 
     def one_step(extend, state):
@@ -478,7 +480,7 @@ class DecodeEngine:
                                    attention_impl=impl, writes_B=state["active"])
       token_S, logprob_S = sampling.sample(
           logits_Sx1xV[:, 0], state["key"], state["pos"], state["temperature"], state["top_k"],
-          state["top_p"], state["greedy"])
+          state["top_p"], state["greedy"], select_by_mask=by_mask)
       active = state["active"]
       hit_stop = jnp.any(token_S[:, None] == state["stop_ids"], axis=-1)
       new_len = state["pos"] + 2  # sequence length including the new token

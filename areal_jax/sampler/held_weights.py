@@ -9,6 +9,8 @@ per-layer parameter dict in the model's own layout, sharded like the model on th
   * matmul weights and the embedding in the compute dtype (norm scales and biases stay float32;
     the model casts what it reads anyway, so the results are the same); the learner's float32
     master weights are not touched;
+  * the logits computed vocabulary-major where the platform's sampling reads them so
+    (``kernels.choice.vocab_major_logits``: a form of the LM head's matmul, not a conversion);
   * the layers stacked ``[n_layers, ...]`` when they run in a scan (``decode_scan.stack_layers``),
     or the matmul weights packed for the CPU kernel (``cpu_matmul``: one CPU device, float32).
 
@@ -40,15 +42,18 @@ class HeldWeights:
   ``param_shardings``: what ``put`` takes; ``shardings``: what it returns."""
 
   def __init__(self, model: Transformer, mesh: Mesh, *, fused: bool, stacked: bool, packed: bool,
-               lora: lora_lib.LoraConfig | None = None):
+               lora: lora_lib.LoraConfig | None = None, vocab_major_logits: bool = False):
     given = model.cfg
-    self.cfg = dataclasses.replace(given, fused_projections=fused or given.fused_projections)
+    self.cfg = dataclasses.replace(
+        given, fused_projections=fused or given.fused_projections,
+        vocab_major_logits=vocab_major_logits or given.vocab_major_logits)
     held = model if self.cfg == given else nnx.eval_shape(
         lambda: Transformer(self.cfg, nnx.Rngs(0)))
     self.graphdef = nnx.graphdef(held)
     self.param_shardings = sharding.param_shardings(model, mesh)
     self.shardings = sharding.param_shardings(held, mesh)
-    fuse = (lambda params: fuse_projections(params, given)) if self.cfg != given else None
+    fuse = ((lambda params: fuse_projections(params, given))
+            if self.cfg.fused_projections != given.fused_projections else None)
     dtype = jnp.dtype(given.compute_dtype)
     if packed:  # one CPU device, float32: packed, never stacked
       which = cpu_matmul.packable(nnx.to_pure_dict(nnx.state(held, nnx.Param)))

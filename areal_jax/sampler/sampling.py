@@ -88,14 +88,28 @@ def _in_block(blocks_SxNbxB, blk_S):
   return jnp.take_along_axis(blocks_SxNbxB, blk_S[:, None, None], axis=1)[:, 0]
 
 
+def _masked_block(blocks_SxNbxB, blk_S):
+  """``_in_block`` as a sum over the blocks of the one block kept per row (exact: the other
+  terms are zeros)."""
+  s, nb, _ = blocks_SxNbxB.shape
+  hit_SxNbx1 = jax.lax.broadcasted_iota(jnp.int32, (s, nb, 1), 1) == blk_S[:, None, None]
+  return jnp.sum(jnp.where(hit_SxNbx1, blocks_SxNbxB, 0.0), axis=1)
+
+
 def _first(mask_SxN):
   """Index of the first true entry of every row (the row length if none)."""
   iota_SxN = jax.lax.broadcasted_iota(jnp.int32, mask_SxN.shape, 1)
   return jnp.min(jnp.where(mask_SxN, iota_SxN, mask_SxN.shape[1]), axis=-1)
 
 
-def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, greedy_S):
-  """Draws one token per slot; returns ``(token_S int32, logprob_S float32)``."""
+def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, greedy_S,
+           select_by_mask: bool = False):
+  """Draws one token per slot; returns ``(token_S int32, logprob_S float32)``.
+
+  ``select_by_mask``: each slot's block of the vocabulary (the argmax's, the drawn token's) is
+  taken by a masked sum over the blocks (a read of the whole vocabulary) instead of a gather (the
+  same values, so the same tokens and logprobs): what a TPU reads without relaying the logits out
+  first (``kernels.choice.vocab_major_logits``)."""
   s, v = logits_SxV.shape
   bs = _block(v)
   nb = v // bs
@@ -106,8 +120,9 @@ def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, gre
   bmax_SxNb = jax.lax.optimization_barrier(jnp.max(l_SxNbxB, axis=-1))  # pass 1
   lmax_S = jnp.max(bmax_SxNb, axis=-1)
   # the argmax (also the greedy token): the first maximum inside the first block that holds it
+  in_block = _masked_block if select_by_mask else _in_block
   mblk_S = jnp.minimum(_first(bmax_SxNb == lmax_S[:, None]), nb - 1)
-  argmax_S = mblk_S * bs + jnp.minimum(_first(_in_block(l_SxNbxB, mblk_S) == lmax_S[:, None]), bs - 1)
+  argmax_S = mblk_S * bs + jnp.minimum(_first(in_block(l_SxNbxB, mblk_S) == lmax_S[:, None]), bs - 1)
   # e = exp(x - max x) with x = logits / temperature; max x = max logits / temperature
   e_SxNbxB = jnp.exp((l_SxNbxB - lmax_S[:, None, None]) * inv_t_S[:, None, None])
   sums_SxNb = jax.lax.optimization_barrier(jnp.sum(e_SxNbxB, axis=-1))  # pass 2
@@ -132,7 +147,7 @@ def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, gre
   blk_S = jnp.minimum(jnp.sum(cum_SxNb <= target_S[:, None], axis=-1), nb - 1)
   below_S = jnp.take_along_axis(cum_SxNb - kept_SxNb, blk_S[:, None], axis=-1)[:, 0]
   # level 2: the token inside that block
-  lb_SxB = _in_block(l_SxNbxB, blk_S)
+  lb_SxB = in_block(l_SxNbxB, blk_S)
   xb_SxB = lb_SxB * inv_t_S[:, None]
   eb_SxB = jnp.where(xb_SxB >= floor_S[:, None], jnp.exp((lb_SxB - lmax_S[:, None]) * inv_t_S[:, None]), 0.0)
   j_S = jnp.minimum(jnp.sum(jnp.cumsum(eb_SxB, axis=-1) <= (target_S - below_S)[:, None], -1), bs - 1)

@@ -133,3 +133,5 @@ def test_per_layer_cache_layout_and_writes_per_platform():
   assert not choice.heads_major_per_layer("xla", "gpu")
   assert choice.scatter_cache_writes("tpu")
   assert not choice.scatter_cache_writes("gpu") and not choice.scatter_cache_writes("cpu")
+  assert choice.vocab_major_logits("tpu")
+  assert not choice.vocab_major_logits("gpu") and not choice.vocab_major_logits("cpu")

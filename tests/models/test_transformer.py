@@ -258,6 +258,32 @@ def test_model_gradient_equals_plain_autodiff(monkeypatch):
                                err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocab_major_logits_are_the_same_logits(tied):
+  """``vocab_major_logits`` (the head's matmul as weight x activations, a TPU's form) gives the
+  same logits as activations x weight, from the full forward, a prefill and a decode step, with a
+  tied embedding and with an LM head of its own."""
+  import dataclasses
+
+  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
+                                head_dim=8, d_ff=96, tie_embeddings=tied)
+  model = transformer.Transformer(cfg, nnx.Rngs(0))
+  major = nnx.eval_shape(lambda: transformer.Transformer(
+      dataclasses.replace(cfg, vocab_major_logits=True), nnx.Rngs(0)))
+  nnx.update(major, nnx.state(model, nnx.Param))
+  tokens = _tokens(2, 12)
+  np.testing.assert_allclose(forward(major, tokens), forward(model, tokens), atol=1e-5)
+  outs = []
+  for m in (model, major):
+    cache = init_cache(cfg, 2, 16)
+    logits, cache = extend(m, tokens[:, :9], jnp.zeros((2,), jnp.int32), cache)
+    step, _ = extend(m, tokens[:, 9:10], jnp.full((2,), 9, jnp.int32), cache)
+    outs.append((logits, step))
+  for a, b in zip(*outs):
+    assert a.shape == b.shape and b.dtype == jnp.float32
+    np.testing.assert_allclose(b, a, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {"qkv_bias": True}),
                                         ("qwen3", {"qk_norm": True})])
 def test_fused_projections_are_the_same_model(arch, extra):

@@ -231,6 +231,7 @@ def test_accelerator_paths_forced_on_cpu_match_the_reference(model, impl):
 def test_defaults_come_from_the_platform_and_the_attention(model):
   eng = DecodeEngine(model, EngineConfig(num_slots=2, max_len=300))
   assert eng.config.steps_per_call == 1 and eng.kv_buckets == (300,)  # per-slot reads on CPU
+  assert not eng.weights.cfg.vocab_major_logits  # (the TPU's form of the LM head)
   dense = DecodeEngine(model, EngineConfig(num_slots=2, max_len=300, decode_attention="dense"))
   assert dense.kv_buckets == (64, 128, 256, 300)  # the dense read stops at the furthest slot's
   assert dense.kv_bucket(100) == 128
@@ -443,6 +444,14 @@ def test_on_a_tpu_the_layers_default_to_unrolled_with_one_scatter_per_layer(mode
   eng._make_generate(eng.kv_buckets[-1], 4).lower(eng.params, eng.state_shapes())
   assert asked and all(asked)  # (a per-row update also lowers to a scatter, which XLA:TPU loops)
   monkeypatch.setattr(Transformer, "extend", extend)
+  # the logits vocabulary-major, each slot's block of them taken by a masked sum
+  assert eng.weights.cfg.vocab_major_logits and not model.cfg.vocab_major_logits
+  by_mask, sample = [], sampling.sample
+  monkeypatch.setattr(sampling, "sample", lambda *a, **kw: (
+      by_mask.append(kw.get("select_by_mask")), sample(*a, **kw))[1])
+  eng._make_generate(eng.kv_buckets[-1], 4).lower(eng.params, eng.state_shapes())
+  assert by_mask and all(by_mask)
+  monkeypatch.setattr(sampling, "sample", sample)
   prompt = [5, 7, 9, 11, 3, 1, 2]
   toks, _ = _decode(eng, prompt, 4, 10, greedy=True)
   assert toks == [_naive_greedy(model, prompt, 10)] * 4

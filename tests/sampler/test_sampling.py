@@ -7,13 +7,15 @@ import numpy as np
 from areal_jax.sampler import sampling
 
 
-def _run(logits_SxV, temperature=1.0, top_k=0, top_p=1.0, greedy=False, seed=0, pos=0):
+def _run(logits_SxV, temperature=1.0, top_k=0, top_p=1.0, greedy=False, seed=0, pos=0,
+         select_by_mask=False):
   s = logits_SxV.shape[0]
   keys = sampling.slot_keys(seed, s)
   full = lambda x, dt: jnp.full((s,), x, dt)
-  return jax.jit(sampling.sample)(
+  return jax.jit(sampling.sample, static_argnames="select_by_mask")(
       logits_SxV, keys, full(pos, jnp.int32), full(temperature, jnp.float32),
-      full(top_k, jnp.int32), full(top_p, jnp.float32), full(greedy, jnp.bool_))
+      full(top_k, jnp.int32), full(top_p, jnp.float32), full(greedy, jnp.bool_),
+      select_by_mask=select_by_mask)
 
 
 def test_logprob_is_temperature_scaled_softmax_before_truncation():
@@ -65,3 +67,20 @@ def test_draws_depend_on_seed_index_and_position_only():
   assert (np.asarray(a) != np.asarray(d)).mean() > 0.9
   assert len(set(np.asarray(a))) > 50  # different indices of one request differ
   np.testing.assert_array_equal(sampling.slot_keys(4, 3)[2], sampling.slot_key(4, 2))
+
+
+def test_blocks_taken_by_mask_draw_the_same_tokens_and_logprobs():
+  """``select_by_mask`` (a TPU's form: each slot's block of the vocabulary by a masked sum, not a
+  gather) draws bit for bit what the gather does: several blocks (768 = 3 x 256), ties, -inf
+  entries, the maximum in a later block, greedy, top-k, top-p and temperatures."""
+  logits = jax.random.normal(jax.random.key(7), (64, 768)) * 4
+  logits = logits.at[0].set(1.0).at[1, 600].set(50.0).at[2, :300].set(-jnp.inf)
+  logits = logits.at[3, [10, 700]].set(30.0).at[4].set(-0.0)
+  for kwargs in ({}, {"greedy": True}, {"temperature": 0.6, "top_k": 7},
+                 {"temperature": 1.4, "top_p": 0.8}, {"top_k": 1}):
+    for seed, pos in ((0, 0), (3, 17), (11, 500)):
+      ref = _run(logits, seed=seed, pos=pos, **kwargs)
+      got = _run(logits, seed=seed, pos=pos, select_by_mask=True, **kwargs)
+      np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]), err_msg=str(kwargs))
+      np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]), err_msg=str(kwargs))
+  assert _run(logits, greedy=True, select_by_mask=True)[0][1] == 600
