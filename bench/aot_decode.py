@@ -129,7 +129,7 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
   return bounds[0] if len(bounds) == 1 and len(lt) == 1 else 1
 
 
-def launches(hlo: str) -> collections.Counter:
+def launches(hlo: str, copies: collections.Counter | None = None) -> collections.Counter:
   """Device operations one run of a compiled HLO module launches, by ``_kind``: every instruction
   that runs something (fusions, library calls, copies, ...; not views or tuples), each loop's body
   counted its trip count times (``_trip_count``; a loop whose count is unknown: once; loop
@@ -137,7 +137,8 @@ def launches(hlo: str) -> collections.Counter:
   branch runs only when a slot asks for it). Also ``"copied_bytes"``: bytes written by the
   launches that only move data (a copy, or a fusion of slices, copies, pads, transposes and
   reshapes: no arithmetic but on scalars), e.g. a layer's weights sliced out of the stacked
-  weights into a buffer of their own."""
+  weights into a buffer of their own; ``copies`` (when given) gets those bytes by result type
+  (shape and layout: what is copied)."""
   comps, entry = _computations(hlo)
 
   def moves_only(line: str, op: str) -> bool:
@@ -162,16 +163,23 @@ def launches(hlo: str) -> collections.Counter:
                  [re.search(r"true_computation=%([^,\s]+)", line).group(1),
                   re.search(r"false_computation=%([^,\s]+)", line).group(1)])
         out.update(min((count(n) for n in names),
-                       key=lambda c: sum(v for k, v in c.items() if k != "copied_bytes")))
+                       key=lambda c: sum(v for k, v in c.items()
+                                         if isinstance(k, str) and k != "copied_bytes")))
       elif op == "call":
         out.update(count(re.search(r"to_apply=%([^,\s]+)", line).group(1)))
       elif op is not None and op not in _FREE:
         out[_kind(op, line)] += 1
         if moves_only(line, op):
           out["copied_bytes"] += _result_bytes(line)
+          out[("copied", line.split(" = ", 1)[1].split(" ", 1)[0])] += _result_bytes(line)
     return out
 
-  return count(entry)
+  counted = count(entry)
+  for key in [k for k in counted if isinstance(k, tuple)]:
+    if copies is not None:
+      copies[key[1]] += counted[key]
+    del counted[key]
+  return counted
 
 
 def target_device(target: str):
@@ -297,25 +305,28 @@ def main():
     if args.dump:
       os.makedirs(args.dump, exist_ok=True)
       pathlib.Path(args.dump, f"{what}_{layers}_{matmul}.hlo").write_text(hlo)
-    per_step = {k: v / args.steps for k, v in sorted(launches(hlo).items())}
+    by_type = collections.Counter()
+    per_step = {k: v / args.steps for k, v in sorted(launches(hlo, by_type).items())}
     copied = per_step.pop("copied_bytes", 0.0)
+    largest = {t: round(b / args.steps / 1e6, 2) for t, b in by_type.most_common(6)}
     row = {"program": what, "layers": layers, "matmul": matmul, "lower_s": t1 - t0,
            "compile_s": t2 - t1, "launches_per_step": sum(per_step.values()),
            "copied_MB_per_step": copied / 1e6,
            "gemms_per_step": {k: v for k, v in per_step.items() if k.startswith("gemm")},
-           "by_kind_per_step": per_step}
+           "by_kind_per_step": per_step, "largest_copies_MB_per_step": largest}
     if what == "ours":  # the per-layer cache's layout and writes as the engine picks them there
       platform = "tpu" if _platform(device) == "tpu" else "gpu"
       unrolled = layers == "unrolled"
       row.update(attention=args.attention, page_size=args.page_size, cache_layout=(
           "paged" if args.page_size else "stacked" if not unrolled else
           "heads" if choice.heads_major_per_layer(args.attention, platform) else "rows"),
-          scatter_writes=unrolled and choice.scatter_cache_writes(platform))
+          scatter_writes=unrolled and choice.scatter_cache_writes(platform),
+          vocab_major_logits=choice.vocab_major_logits(platform))
     rows.append(row)
     print(f"{what:>6} {layers:>8} {matmul:>5}: lower {row['lower_s']:5.1f} s, compile "
           f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "
-          f"{row['copied_MB_per_step']:7.1f} MB copied, matmuls {row['gemms_per_step']}",
-          flush=True)
+          f"{row['copied_MB_per_step']:7.1f} MB copied, matmuls {row['gemms_per_step']}\n"
+          f"{'':>22}largest copies (MB a step, by result): {largest}", flush=True)
   finish({"target": device.device_kind, "model": args.model, "n_layers": cfg.n_layers,
           "slots": slots, "context": ctx,
           "step_read_MB": read_MB,

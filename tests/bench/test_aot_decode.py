@@ -2,6 +2,7 @@
 hand-written GPU-style HLO module and on programs XLA:CPU compiles here (the CUDA plugin that
 ``bench/aot_decode.py`` compiles with is not installed in CI)."""
 
+import collections
 import pathlib
 import sys
 
@@ -74,10 +75,12 @@ ENTRY %main (x.0: f32[8,16], w.0: bf16[4,16,16], v.0: f32[16,16]) -> f32[8,16] {
 def test_counts_a_gpu_layer_loop_by_its_trip_count():
   """Each launch in the loop body counted 4 times, the matmuls by library, and the weight slice's
   bytes as copied (its fusion only moves data: a slice, a copy and scalar index arithmetic)."""
-  n = aot_decode.launches(_HLO)
+  copies = collections.Counter()
+  n = aot_decode.launches(_HLO, copies)
   assert n == {"fusion:__custom_fusion": 4, "gemm:cublas": 4, "fusion:kLoop": 4,
                "add": 4,  # the loop counter's increment, unfused here: an instruction of its own
                "gemm:triton": 1, "copied_bytes": 4 * 16 * 16 * 2}
+  assert copies == {"bf16[1,16,16]{2,1,0}": 4 * 16 * 16 * 2}  # what was copied, by result type
 
 
 def test_a_loop_without_a_known_trip_count_takes_its_conditions_bound():
