@@ -4,7 +4,7 @@
   /tmp/cuda/bin/pip install "jax[cuda12]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
   /tmp/cuda/bin/python bench/aot_decode.py [--model qwen2.5-1.5b] [--target h100] [--json PATH]
                                            [--programs ours,floor] [--matmul xla,blas]
-                                           [--auto-layouts]
+                                           [--held-layouts default,compiler]
   # a TPU: the same with "jax[tpu]==<version>" (libtpu) in its own venv and --target v5e:2x2
 
 Compiles, for the GPU described by ``bench/aot_targets/<target>*.txtpb`` (XLA's GPU target
@@ -24,8 +24,9 @@ What it cannot say: run time, and the time XLA spends autotuning on a real GPU (
 device). What it can: whether a program compiles for the platform and how long XLA's passes take
 without autotuning, which library runs each matmul, how many kernels a GPU step launches, and
 what the program copies that the step does not need to read (the largest copies by result shape
-and layout), and with ``--auto-layouts`` what of it holding the weights and the decode state in
-the program's own layouts (JAX's ``Layout.AUTO``) would save.
+and layout). Our program is compiled as the engine runs it on the target: on a TPU with the
+weights and decode state held in the layouts the compiler picks (``choice.held_layouts``: JAX's
+``Layout.AUTO``), on a GPU in the default ones; ``--held-layouts default,compiler`` compiles both.
 """
 
 from __future__ import annotations
@@ -238,6 +239,8 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
   # choice.heads_major_per_layer, scatter writes, vocabulary-major logits), its Pallas kernels
   # traced compiled for it; its programs' mesh is the target's, their shardings unpinned
   choice.platform_of = lambda mesh=None: platform
+  held_env = os.environ.get(choice.HELD_LAYOUTS_ENV)
+  os.environ[choice.HELD_LAYOUTS_ENV] = "default"  # (the compiler's: _with_auto_layouts)
   try:
     with choice.lowering_for(_platform(device)):
       eng = DecodeEngine(model or Transformer(cfg, nnx.Rngs(0)), EngineConfig(
@@ -246,6 +249,9 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
           decode_layers=layers, decode_matmul="xla", decode_projections="fused", **paged))
   finally:
     choice.platform_of = on_cpu
+    os.environ.pop(choice.HELD_LAYOUTS_ENV)
+    if held_env is not None:
+      os.environ[choice.HELD_LAYOUTS_ENV] = held_env
   eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
                                eng.mesh.axis_names)
   with choice.lowering_for(_platform(device)):
@@ -256,16 +262,24 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
     return jax.jit(fn, donate_argnums=1, compiler_options=matmul_options), args
 
 
-def _with_auto_layouts(fn, fargs, compiler_options):
-  """``fn`` (our decode call, ``(params, state)``) jitted with every input's and the returned
-  state's layout left to the compiler (``Layout.AUTO``), the state still donated: the program as
-  it would run with the weights and the decode state held in the layouts it picks."""
+def _with_auto_layouts(fn, fargs, compiler_options, platform: str):
+  """``fn`` (our decode call, ``(params, state)``) as the engine runs it with the weights and the
+  decode state held in the layouts the compiler picks (``DecodeEngine._compiler_layouts``):
+  compiled once with their layouts left to it (``Layout.AUTO``), then jitted with the layouts it
+  picked for them, the state taken and returned in them (donated)."""
+  from areal_jax.kernels import choice
   from jax.experimental.layout import Format, Layout
   auto = lambda tree: jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), tree)  # noqa: E731
   params, state = fargs[:2]
   extra = tuple(x.sharding for x in fargs[2:])
-  return jax.jit(fn.__wrapped__, in_shardings=(auto(params), auto(state)) + extra,
-                 out_shardings=(auto(state), None), donate_argnums=1,
+  found = jax.jit(fn.__wrapped__, in_shardings=(auto(params), auto(state)) + extra,
+                  out_shardings=(auto(state), None), donate_argnums=1,
+                  compiler_options=compiler_options)
+  with choice.lowering_for(platform):
+    held, state_formats = found.trace(*fargs).lower(
+        lowering_platforms=(platform,)).compile().input_formats[0][:2]
+  return jax.jit(fn.__wrapped__, in_shardings=(held, state_formats) + extra,
+                 out_shardings=(state_formats, None), donate_argnums=1,
                  compiler_options=compiler_options)
 
 
@@ -285,10 +299,10 @@ def main():
                   help="our engine over a paged KV cache of pages this long (0: a row per slot)")
   ap.add_argument("--depth", type=int, default=0,
                   help="layers of the model (0: the shape's own; compile time against depth)")
-  ap.add_argument("--auto-layouts", action="store_true",
-                  help="also compile ours with the weights' and the decode state's layouts left "
-                       "to the compiler (JAX's Layout.AUTO; what holding them in the program's "
-                       "own layouts would save)")
+  ap.add_argument("--held-layouts", default=None,
+                  help="ours with the weights and the decode state held in the 'default' layouts "
+                       "or the 'compiler's (JAX's Layout.AUTO), comma-separated (default: the "
+                       "target's, choice.held_layouts)")
   ap.add_argument("--json", default=None)
   ap.add_argument("--dump", default=None, help="write each compiled program's HLO text here")
   args = ap.parse_args()
@@ -309,15 +323,17 @@ def main():
 
     from areal_jax.models import Transformer
     model = Transformer(cfg, nnx.Rngs(0))  # random weights, once
+  held = (args.held_layouts or choice.held_layouts(
+      "tpu" if _platform(device) == "tpu" else "gpu")).split(",")
   configs = [(what, layers, matmul, auto) for what in args.programs.split(",")
              for layers in (args.layers.split(",") if what == "ours" else ["scan"])
              for matmul in matmuls
-             for auto in ((False, True) if what == "ours" and args.auto_layouts else (False,))]
+             for auto in ([h == "compiler" for h in held] if what == "ours" else [False])]
   for what, layers, matmul, auto in configs:
     fn, fargs = _program(what, cfg, slots, ctx, args.steps, args.attention, layers, device,
                          choice.compiler_options(matmul), model, args.page_size)
     if auto:
-      fn = _with_auto_layouts(fn, fargs, choice.compiler_options(matmul))
+      fn = _with_auto_layouts(fn, fargs, choice.compiler_options(matmul), _platform(device))
     t0 = time.perf_counter()
     with choice.lowering_for(_platform(device)):  # Pallas kernels are traced here: compiled ones
       lowered = fn.trace(*fargs).lower(lowering_platforms=(_platform(device),))
@@ -333,7 +349,7 @@ def main():
     copied = per_step.pop("copied_bytes", 0.0)
     largest = {t: round(b / args.steps / 1e6, 2) for t, b in by_type.most_common(6)}
     row = {"program": what, "layers": layers, "matmul": matmul,
-           "layouts": "auto" if auto else "default", "lower_s": t1 - t0,
+           "held_layouts": "compiler" if auto else "default", "lower_s": t1 - t0,
            "compile_s": t2 - t1, "launches_per_step": sum(per_step.values()),
            "copied_MB_per_step": copied / 1e6,
            "gemms_per_step": {k: v for k, v in per_step.items() if k.startswith("gemm")},
@@ -347,7 +363,7 @@ def main():
           scatter_writes=unrolled and choice.scatter_cache_writes(platform),
           vocab_major_logits=choice.vocab_major_logits(platform))
     rows.append(row)
-    print(f"{what:>6} {layers:>8} {matmul:>5}{' auto' if auto else ''}: lower {row['lower_s']:5.1f} s, compile "
+    print(f"{what:>6} {layers:>8} {matmul:>5}{' compiler layouts' if auto else ''}: lower {row['lower_s']:5.1f} s, compile "
           f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "
           f"{row['copied_MB_per_step']:7.1f} MB copied, matmuls {row['gemms_per_step']}\n"
           f"{'':>22}largest copies (MB a step, by result): {largest}", flush=True)

@@ -89,7 +89,7 @@ def main():
   # The side path: the base weights with LoraWeight leaves (their own low-rank forward).
   side = lora.wrap(dev.weights.lora_base, jax.tree.map(lambda x: x.astype(cfg.compute_dtype), adapters),
                    lcfg)
-  dev.held_shardings = None  # a different parameter tree: let jit place it
+  dev.held_shardings = dev.held_formats = None  # a different parameter tree: let jit place it
   side_ms = step_ms(dev, side, args.slots, args.context, reps)
   extra = side_ms - merged_ms
   breakeven = merge_ms / extra if extra > 0 else float("inf")

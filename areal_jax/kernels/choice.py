@@ -119,6 +119,8 @@ ATTENTION_ENV = "AREAL_JAX_DECODE_ATTENTION"
 MATMUL_ENV = "AREAL_JAX_DECODE_MATMUL"
 LAYERS_ENV = "AREAL_JAX_DECODE_LAYERS"
 PROJECTIONS_ENV = "AREAL_JAX_DECODE_PROJECTIONS"
+HELD_LAYOUTS_ENV = "AREAL_JAX_HELD_LAYOUTS"
+HELD_LAYOUTS = ("compiler", "default")
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
               "gpu": ("xla", "dense", "pallas_gpu"), "tpu": ("xla", "dense", "pallas_tpu")}
 
@@ -259,6 +261,22 @@ def vocab_major_logits(platform: str) -> bool:
   ``bench/aot_decode.py``). CPU and GPU keep the gather and the activations x head form (their
   compiled steps copy neither)."""
   return platform == "tpu"
+
+
+def held_layouts(platform: str) -> str:
+  """Whether the sampler holds its weights and decode state in the layouts its widest decode
+  program picks (``"compiler"``: compiled once with ``Layout.AUTO``, then every program takes and
+  returns them so) or in the default ones (``"default"``): the compiler's on TPU, whose compiler
+  otherwise relays them out on entering and leaving each decode call (compiled for a TPU v5e chip,
+  ``bench/aot_decode.py --auto-layouts``: at the Qwen2.5-1.5B shape the gate_up and qkv weights,
+  145 -> 38 MB copied a step; at the SmolLM2 shape, head size 64, each layer's cache, 104 -> 21
+  MB); the default ones on CPU and GPU (their compiled steps copy neither: the layouts there are
+  the default ones). ``$AREAL_JAX_HELD_LAYOUTS`` forces either (tests run the compiler's on CPU,
+  where it picks the default ones)."""
+  value = os.environ.get(HELD_LAYOUTS_ENV, "") or ("compiler" if platform == "tpu" else "default")
+  if value not in HELD_LAYOUTS:
+    raise ValueError(f"${HELD_LAYOUTS_ENV}={value!r}: expected one of {HELD_LAYOUTS}")
+  return value
 
 
 def layers(platform: str, matmul_impl: str, requested: str = "auto", paged: bool = False,

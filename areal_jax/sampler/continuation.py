@@ -153,5 +153,5 @@ class Continuations:
 
     rows = self._row_shardings()
     del bucket  # one compiled function per chunk bucket (the tokens' shape)
-    return jax.jit(fn, in_shardings=(e.held_shardings, rows, None, None), out_shardings=rows,
+    return jax.jit(fn, in_shardings=(e.held_formats, rows, None, None), out_shardings=rows,
                    donate_argnums=1, compiler_options=e.compiler_options)

@@ -70,6 +70,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -198,22 +199,31 @@ class DecodeEngine:
                            config.max_len, self.model_cfg.head_dim, self.paged)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
-    # choice of decode attention and of weight layout).
+    # choice of decode attention, of weight layout and of held layouts).
     self._fns = fns = _COMPILED.setdefault(
         (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl,
-         self.layers_impl), {})
+         self.layers_impl, choice.held_layouts(platform)), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
     self._move_fns: dict[int, Any] = fns.setdefault("move", {})
     self._init_fn = fns.get("init")
-    self._deactivate = fns.get("deactivate") or jax.jit(
-        lambda state, mask_S: {**state, "active": state["active"] & ~mask_S},
-        in_shardings=(self.state_shardings, self._slot_sharding()),
-        out_shardings=self.state_shardings, donate_argnums=0)
-    fns["deactivate"] = self._deactivate
     # program variants this engine built and the seconds their first calls took (compilation)
     self.compile_stats = {"compiles": 0, "compile_s": 0.0}
+    # the layouts the weights and the decode state are held in (``choice.held_layouts``): the jit
+    # shardings (and layouts) every program takes and returns them with
+    self.held_formats, self.state_formats = self.held_shardings, self.state_shardings
+    self.layouts_compile_s = 0.0  # the seconds finding the compiler's took (_compiler_layouts)
+    if choice.held_layouts(platform) == "compiler":
+      if "formats" not in fns:
+        fns["formats"] = self._compiler_layouts(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+      self.held_formats, self.state_formats = fns["formats"]
+      self.weights.hold_in(self.held_formats)
+    self._deactivate = fns.get("deactivate") or jax.jit(
+        lambda state, mask_S: {**state, "active": state["active"] & ~mask_S},
+        in_shardings=(self.state_formats, self._slot_sharding()),
+        out_shardings=self.state_formats, donate_argnums=0)
+    fns["deactivate"] = self._deactivate
     self._variant = functools.partial(variants.get, stats=self.compile_stats)
     self.lora = lora
     self.params = self.put_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -276,6 +286,27 @@ class DecodeEngine:
         "key": self._slot_sharding(2), "stop_ids": self._slot_sharding(c.max_stop_ids),
     }
 
+  def _compiler_layouts(self, model_params: dict):
+    """``(weights' formats, state's formats)``: the layouts the widest decode program (the largest
+    kv bucket, every slot) picks for them when left to the compiler (``Layout.AUTO``), with the
+    held shardings. Costs one compilation of that program (its variant with these layouts, which
+    returns the state as it takes it, compiles at its first call as every variant does; a
+    persistent compilation cache keeps both)."""
+    from jax.experimental.layout import Format, Layout  # noqa: PLC0415
+
+    auto = lambda tree: jax.tree.map(lambda sh: Format(Layout.AUTO, sh), tree)  # noqa: E731
+    kv_len, width = self.kv_buckets[-1], self.config.num_slots
+    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                          self.weights.shapes(model_params), self.held_shardings)
+    args = (params, self.state_shapes())
+    if self.paged:
+      args += (jax.ShapeDtypeStruct((width, self.pages_per_slot), jnp.int32),)
+    t0 = time.perf_counter()
+    compiled = self._make_generate(
+        kv_len, width, (auto(self.held_shardings), auto(self.state_shardings))).lower(*args).compile()
+    self.layouts_compile_s = time.perf_counter() - t0  # (not a variant: not in compile_stats)
+    return compiled.input_formats[0][:2]
+
   def put_params(self, params: dict) -> dict:
     """Places a pure parameter dict on the sampler mesh in the layout the engine holds
     (``held_weights``: fused projections, compute dtype, stacked or packed, converted once per
@@ -285,7 +316,7 @@ class DecodeEngine:
 
   def init_state(self) -> State:
     if self._init_fn is None:
-      self._init_fn = jax.jit(self._new_state(), out_shardings=self.state_shardings)
+      self._init_fn = jax.jit(self._new_state(), out_shardings=self.state_formats)
       self._fns["init"] = self._init_fn
     return self._init_fn()
 
@@ -366,7 +397,7 @@ class DecodeEngine:
       return [slot_cache.row(cache, i, layout) for i in range(n)]
 
     prefix = slot_cache.shardings(self._named, cfg, 1, bucket, layout, prefix=True)
-    return jax.jit(fn, in_shardings=(self.held_shardings, None), out_shardings=[prefix] * n,
+    return jax.jit(fn, in_shardings=(self.held_formats, None), out_shardings=[prefix] * n,
                    compiler_options=self.compiler_options)
 
   # ---- insert ----------------------------------------------------------------------------------
@@ -435,7 +466,7 @@ class DecodeEngine:
       state["active"] = state["active"].at[slots_N].set(True, mode="drop")
       return state
 
-    return jax.jit(fn, out_shardings=self.state_shardings, donate_argnums=0)
+    return jax.jit(fn, out_shardings=self.state_formats, donate_argnums=0)
 
   def deactivate(self, state: State, slots: list[int]) -> State:
     mask_S = np.zeros((self.config.num_slots,), np.bool_)
@@ -468,7 +499,9 @@ class DecodeEngine:
       return fn(params, state, self._table(pages)[:width])
     return fn(params, state)
 
-  def _make_generate(self, kv_len: int, width: int):
+  def _make_generate(self, kv_len: int, width: int, formats=None):
+    """The generate program of ``kv_len`` and ``width``; ``formats``: the weights' and the
+    state's jit shardings (or layouts) if not the held ones (``_compiler_layouts``)."""
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
     layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
@@ -504,9 +537,10 @@ class DecodeEngine:
         full = {k: v if k == "cache" else full[k].at[:width].set(v) for k, v in state.items()}
         return full, outputs
 
-    in_shardings = (self.held_shardings, self.state_shardings) + ((None,) if self.paged else ())
+    held, state = formats or (self.held_formats, self.state_formats)
+    in_shardings = (held, state) + ((None,) if self.paged else ())
     return jax.jit(fn, in_shardings=in_shardings,
-                   out_shardings=(self.state_shardings, (out, out, out)), donate_argnums=1,
+                   out_shardings=(state, (out, out, out)), donate_argnums=1,
                    compiler_options=self.compiler_options)
 
   # ---- move ------------------------------------------------------------------------------------
@@ -537,8 +571,8 @@ class DecodeEngine:
       state["active"] = state["active"].at[src_N].set(False, mode="drop")
       return state
 
-    return jax.jit(fn, in_shardings=(self.state_shardings, None, None),
-                   out_shardings=self.state_shardings, donate_argnums=0)
+    return jax.jit(fn, in_shardings=(self.state_formats, None, None),
+                   out_shardings=self.state_formats, donate_argnums=0)
 
   # ---- warmup ----------------------------------------------------------------------------------
 

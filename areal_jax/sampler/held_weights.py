@@ -72,6 +72,7 @@ class HeldWeights:
         params = f(params)
       return params
 
+    self._steps = convert
     self._convert = jax.jit(convert, out_shardings=self.shardings) if steps else None
     self.lora_base, self._merge = None, None
     if lora is not None:
@@ -81,6 +82,16 @@ class HeldWeights:
           self.param_shardings)
       self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
                             out_shardings=self.param_shardings)
+
+  def shapes(self, params: dict) -> dict:
+    """The held weights' shapes and dtypes for ``params`` (arrays or shapes in the model's
+    layout), without converting anything."""
+    return jax.eval_shape(self._steps, params)
+
+  def hold_in(self, formats) -> None:
+    """From now on ``put`` returns the weights in ``formats`` (a tree of ``jax`` ``Format``:
+    layouts with the held shardings, ``kernels.choice.held_layouts``)."""
+    self._convert = jax.jit(self._steps, out_shardings=formats)
 
   def put(self, params: dict) -> dict:
     """``params`` (a pure parameter dict in the model's layout, or with LoRA its adapters) placed

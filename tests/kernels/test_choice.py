@@ -135,3 +135,14 @@ def test_per_layer_cache_layout_and_writes_per_platform():
   assert not choice.scatter_cache_writes("gpu") and not choice.scatter_cache_writes("cpu")
   assert choice.vocab_major_logits("tpu")
   assert not choice.vocab_major_logits("gpu") and not choice.vocab_major_logits("cpu")
+
+
+def test_held_layouts_are_the_compilers_on_tpu(monkeypatch):
+  monkeypatch.delenv(choice.HELD_LAYOUTS_ENV, raising=False)
+  assert choice.held_layouts("tpu") == "compiler"
+  assert choice.held_layouts("gpu") == choice.held_layouts("cpu") == "default"
+  monkeypatch.setenv(choice.HELD_LAYOUTS_ENV, "compiler")
+  assert choice.held_layouts("cpu") == "compiler"
+  monkeypatch.setenv(choice.HELD_LAYOUTS_ENV, "tiled")
+  with pytest.raises(ValueError, match="AREAL_JAX_HELD_LAYOUTS='tiled'"):
+    choice.held_layouts("tpu")

@@ -446,6 +446,9 @@ def test_on_a_tpu_the_layers_default_to_unrolled_with_one_scatter_per_layer(mode
   monkeypatch.setattr(Transformer, "extend", extend)
   # the logits vocabulary-major, each slot's block of them taken by a masked sum
   assert eng.weights.cfg.vocab_major_logits and not model.cfg.vocab_major_logits
+  # the weights and the state held in the layouts its widest decode program picked
+  from jax.experimental.layout import Format
+  assert all(isinstance(f, Format) for f in jax.tree.leaves((eng.held_formats, eng.state_formats)))
   by_mask, sample = [], sampling.sample
   monkeypatch.setattr(sampling, "sample", lambda *a, **kw: (
       by_mask.append(kw.get("select_by_mask")), sample(*a, **kw))[1])
@@ -546,3 +549,68 @@ def test_a_slow_first_call_is_logged_as_a_warning(model, monkeypatch, caplog):
   assert [level for level, _ in records] == [logging.INFO, logging.WARNING], records
   assert "generate kv_len=24 width=2 compiled in" in records[0][1]
   assert "generate kv_len=48 width=2" in records[1][1] and "compile_cache_dir" in records[1][1]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_weights_and_state_stay_in_the_layouts_the_compiler_picked(model, monkeypatch, paged):
+  """With the compiler's layouts held (``choice.held_layouts``, a TPU's default; forced here on
+  CPU, and the layouts the compiler "picked" forced to every array's axes reversed, which XLA:CPU
+  can hold): the weights are put in them (also a new version), the decode state is made in them
+  and every program (prefill, insert, generate, move, deactivate) returns it in them, and the
+  tokens and logprobs are those of an engine with the default layouts."""
+  from jax.experimental.layout import Format, Layout
+
+  from areal_jax.kernels import choice
+  from areal_jax.sampler import engine as engine_lib
+
+  def reversed_axes(tree):
+    return jax.tree.map(lambda sh, x: Format(Layout(major_to_minor=tuple(range(x.ndim))[::-1]), sh),
+                        *tree)
+
+  def picked(self, model_params):  # what the compiler's pick stands in for here
+    held = reversed_axes((self.held_shardings, self.weights.shapes(model_params)))
+    return held, reversed_axes((self.state_shardings, jax.eval_shape(self._new_state())))
+
+  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,), steps_per_call=3,
+                        **({"kv_pages": 20, "page_size": 8} if paged else {}))
+  plain = DecodeEngine(model, config)
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (programs built with these layouts)
+  monkeypatch.setenv(choice.HELD_LAYOUTS_ENV, "compiler")
+  monkeypatch.setattr(DecodeEngine, "_compiler_layouts", picked)
+  eng = DecodeEngine(model, config)
+
+  def in_layouts(tree, formats):
+    got = [x.format.layout.major_to_minor for x in jax.tree.leaves(tree)]
+    want = [f.layout.major_to_minor for f in jax.tree.leaves(formats)]
+    return got == want and any(m != tuple(sorted(m)) for m in got)
+
+  assert in_layouts(eng.params, eng.held_formats)
+  eng.params = eng.put_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))  # a new version
+  assert in_layouts(eng.params, eng.held_formats)
+  prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2], [0, 1], []
+  keys = np.stack([np.asarray(sampling.slot_key(4, i)) for i in range(2)])
+  for e in (plain, eng):
+    table = PageTable(4, 20, 8, 64) if paged else None
+    if table is not None:
+      assert table.share(slots, len(prompt) - 1)
+    state = e.init_state()
+    assert e is plain or in_layouts(state, eng.state_formats)
+    state = e.insert(state, e.prefill(e.params, prompt[:-1]), slots, token=[prompt[-1]] * 2,
+                     pos=[len(prompt) - 1] * 2, end=[64] * 2, keys=keys, temperature=0.8,
+                     top_k=0, top_p=1.0, greedy=False, stop_ids=[],
+                     pages=None if table is None else table.table[slots])
+    outs = []
+    for call in range(3):
+      if table is not None:
+        assert all(table.grow(s, len(prompt) - 1 + 3 * (call + 1)) for s in slots)
+      state, out = e.generate(e.params, state, 64, pages=None if table is None else table.table)
+      outs.append(jax.device_get(out))
+      assert e is plain or in_layouts(state, eng.state_formats)
+    if table is None:
+      state = e.move(state, [1], [2])
+    state = e.deactivate(state, [0])
+    assert e is plain or in_layouts(state, eng.state_formats)
+    runs.append(outs)
+  for a, b in zip(*runs):
+    for x, y in zip(a, b):
+      np.testing.assert_array_equal(y, x)
