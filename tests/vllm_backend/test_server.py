@@ -88,6 +88,12 @@ def test_server_abort(server, tokenizer):
   server.submit(GroupRequest(20, tokenizer.encode("abort"), 2,
                              SamplingParams(temperature=1.0, max_new_tokens=200, seed=3)))
   wait_for_tokens(server, 20, 3)
-  server.abort(20)
+  # Frozen mid-sequence first (as the weight-sync test does): on a loaded machine the tiny model
+  # could otherwise finish its 200 tokens before the abort reaches the server (CI saw it once).
+  server.pause()
+  try:
+    server.abort(20)
+  finally:
+    server.resume()
   out = collect(server, 2)
   assert all(s.finish_reason == "abort" and 3 <= len(s.tokens) < 200 for s in out)
