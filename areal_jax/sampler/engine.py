@@ -49,7 +49,12 @@ Weights (``held_weights``): ``put_params`` converts a weight version once into t
 programs read: the matmul weights and the embedding in the compute dtype (the learner's float32
 master weights are not touched), on GPU and TPU q/k/v and gate/up fused into one weight each
 (``decode_projections``, ``kernels.choice.projections``), stacked in scan mode, or packed for the
-CPU matmul kernel. With ``lora`` (a ``models.lora.LoraConfig``) it also accepts LoRA adapters
+CPU matmul kernel; on TPU the LM head computed head x activations (vocabulary-major logits,
+``choice.vocab_major_logits``). On TPU the weights and the decode state are also held in the
+layouts the widest decode program picks for them (``choice.held_layouts``: found by compiling
+that program once with ``Layout.AUTO`` when the engine is built; every program then takes and
+returns them in those layouts, so no call relays them out on entry or exit).
+With ``lora`` (a ``models.lora.LoraConfig``) it also accepts LoRA adapters
 (what the learner publishes), merged into the base weights once per version, so decoding runs at
 full-model speed.
 
