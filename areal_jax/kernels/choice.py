@@ -268,7 +268,7 @@ def held_layouts(platform: str) -> str:
   program picks (``"compiler"``: compiled once with ``Layout.AUTO``, then every program takes and
   returns them so) or in the default ones (``"default"``): the compiler's on TPU, whose compiler
   otherwise relays them out on entering and leaving each decode call (compiled for a TPU v5e chip,
-  ``bench/aot_decode.py --auto-layouts``: at the Qwen2.5-1.5B shape the gate_up and qkv weights,
+  ``bench/aot_decode.py --held-layouts default,compiler``: at the Qwen2.5-1.5B shape the gate_up and qkv weights,
   145 -> 38 MB copied a step; at the SmolLM2 shape, head size 64, each layer's cache, 104 -> 21
   MB); the default ones on CPU and GPU (their compiled steps copy neither: the layouts there are
   the default ones). ``$AREAL_JAX_HELD_LAYOUTS`` forces either (tests run the compiler's on CPU,

@@ -510,7 +510,7 @@ class DecodeEngine:
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
     layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
-    by_mask = choice.vocab_major_logits(self.platform)
+    by_mask = self.weights.cfg.vocab_major_logits  # (the held model's logits: choice.py)
     out = self._named((None, "cache_batch"), (steps, width))
 
     def one_step(extend, state):

@@ -258,6 +258,14 @@ def test_model_gradient_equals_plain_autodiff(monkeypatch):
                                err_msg=jax.tree_util.keystr(path))
 
 
+def _prefill_and_step(model, cfg, tokens_2x12):
+  """``model``'s logits from a prefill of 9 tokens and from a decode step after it."""
+  cache = init_cache(cfg, 2, 16)
+  logits, cache = extend(model, tokens_2x12[:, :9], jnp.zeros((2,), jnp.int32), cache)
+  step, _ = extend(model, tokens_2x12[:, 9:10], jnp.full((2,), 9, jnp.int32), cache)
+  return logits, step
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_vocab_major_logits_are_the_same_logits(tied):
   """``vocab_major_logits`` (the head's matmul as weight x activations, a TPU's form) gives the
@@ -273,13 +281,7 @@ def test_vocab_major_logits_are_the_same_logits(tied):
   nnx.update(major, nnx.state(model, nnx.Param))
   tokens = _tokens(2, 12)
   np.testing.assert_allclose(forward(major, tokens), forward(model, tokens), atol=1e-5)
-  outs = []
-  for m in (model, major):
-    cache = init_cache(cfg, 2, 16)
-    logits, cache = extend(m, tokens[:, :9], jnp.zeros((2,), jnp.int32), cache)
-    step, _ = extend(m, tokens[:, 9:10], jnp.full((2,), 9, jnp.int32), cache)
-    outs.append((logits, step))
-  for a, b in zip(*outs):
+  for a, b in zip(_prefill_and_step(model, cfg, tokens), _prefill_and_step(major, cfg, tokens)):
     assert a.shape == b.shape and b.dtype == jnp.float32
     np.testing.assert_allclose(b, a, atol=1e-5)
 
@@ -305,11 +307,5 @@ def test_fused_projections_are_the_same_model(arch, extra):
   assert layer["mlp"]["gate_up"].shape == (48, 2 * 96)
   tokens = _tokens(2, 12)
   np.testing.assert_allclose(forward(fused, tokens), forward(model, tokens), atol=1e-6)
-  outs = []
-  for m in (model, fused):
-    cache = init_cache(cfg, 2, 16)
-    logits, cache = extend(m, tokens[:, :9], jnp.zeros((2,), jnp.int32), cache)
-    step, _ = extend(m, tokens[:, 9:10], jnp.full((2,), 9, jnp.int32), cache)
-    outs.append((logits, step))
-  for a, b in zip(*outs):
+  for a, b in zip(_prefill_and_step(model, cfg, tokens), _prefill_and_step(fused, cfg, tokens)):
     np.testing.assert_allclose(b, a, atol=1e-6)
