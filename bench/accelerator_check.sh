@@ -16,6 +16,7 @@
 #    against the scan (which copies each layer's weights and cache slice every step), with a
 #    profiler trace of the first summarized per kernel (bench/trace_top.py);
 # 3. SmolLM2-135M shape (64 slots, context 128): variants, XLA's autotuned GEMMs against 'blas';
+#    then the 'blas' default without its query groups padded to 8 rows (kernels.choice.query_rows);
 # 4. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the "today");
 # 5. the 1.5B shape with XLA's autotuned GEMMs (decode_matmul 'xla': minutes per program on an
@@ -48,6 +49,9 @@ trace big
 log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
   --variants dense:unrolled:16:blas,dense:unrolled:16:xla,dense:scan:16:blas,dense:scan:16:xla,pallas_gpu:scan:16:blas \
   --floor-matmul blas --json "$OUT/variants_smollm2.json" 2>&1 | keep
+log variants smollm2 query groups unpadded; t=$(limit 45) && AREAL_JAX_DECODE_QUERY_ROWS=1 timeout "$t" \
+  python3 bench/decode_variants.py --model=smollm2-135m --reps 5 --no-floor --variants dense:unrolled:16:blas \
+  --json "$OUT/variants_smollm2_rows1.json" 2>&1 | keep
 if [ -n "${1:-}" ]; then
   log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
     --no-floor --model=smollm2-135m --variants x:x:1 --json "$OUT/legacy_smollm2.json" 2>&1 | keep

@@ -254,6 +254,8 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
       os.environ[choice.HELD_LAYOUTS_ENV] = held_env
   eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
                                eng.mesh.axis_names)
+  # the program's GEMMs as the options compile them (what its trace pads for: choice.query_rows)
+  eng.matmul_impl = "blas" if matmul_options else "xla"
   with choice.lowering_for(_platform(device)):
     fn = eng._make_generate(eng.kv_buckets[-1], slots).__wrapped__  # noqa: SLF001
     args = (abstract(eng.params), abstract(eng.state_shapes()))

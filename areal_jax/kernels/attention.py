@@ -26,7 +26,8 @@ def decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, impl: str |
     return pallas_attention.decode_attention(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t,
                                              interpret=choice.interpret())
   if impl in ("dense", "pallas_gpu", "pallas_tpu"):  # the TPU kernel: stacked cache only
-    return xla_attention.dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t)
+    return xla_attention.dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t,
+                               choice.query_rows(k_RxTxKxD.dtype))
   # "xla", and "cpu" where the kernel cannot take the call (a bfloat16 cache, split rows)
   return xla_attention.chunked(q_BxKxGxD.astype(jnp.float32), k_RxTxKxD, v_RxTxKxD, pos_B, t,
                                chunk, group)
@@ -44,7 +45,8 @@ def decode_attention_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int,
     return pallas_attention.decode_attention_heads_major(
         q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t, interpret=choice.interpret())
   if impl in ("dense", "pallas_gpu", "pallas_tpu"):  # the TPU kernel: stacked cache only
-    return xla_attention.dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t)
+    return xla_attention.dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t,
+                                           choice.query_rows(k_RxKxTxD.dtype))
   b = q_BxKxGxD.shape[0]
   k_BxTxKxD, v_BxTxKxD = (jnp.swapaxes(x[:b, :, :t], 1, 2) for x in (k_RxKxTxD, v_RxKxTxD))
   return decode_attention(q_BxKxGxD, k_BxTxKxD, v_BxTxKxD, pos_B, t, impl, chunk, group)
@@ -81,4 +83,5 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
   impl = impl or choice.attention(choice.platform_of(None))
   return paged_attention.decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer,
                                                 table_BxN, pos_B, t, impl,
-                                                interpret=choice.interpret())
+                                                interpret=choice.interpret(),
+                                                rows=choice.query_rows(k_KxLxMxPxD.dtype))

@@ -42,11 +42,12 @@ is ``"unrolled"``, with a paged cache too: XLA:GPU copies each layer's slice of 
 stacked weights, and its keys and values, into buffers of their own before the matmuls read them,
 every layer of every step. Counted in the programs compiled for an H100 (``bench/aot_decode.py``, 16
 steps per call): at the Qwen2.5-1.5B shape (128 slots, context 512, a step must read 4970 MB) the
-scanned step copies 5.4-5.5 GB, the unrolled one 0.6 MB with XLA's GEMMs and 89 MB with cuBLAS
-(its attention operands padded; 0.35-0.44 GB before the per-layer cache was held heads-major,
-``sampler/slot_cache``: the positions-first one was relaid out at each call's entry and exit),
-and the unrolled program compiled in 5-10 s against the scanned one's 5-16 s (three runs); at the
-SmolLM2 shape 0.8 GB against 0.1-35 MB for 459 MB to read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
+scanned step copies 5.4-5.5 GB, the unrolled one 0.6 MB with XLA's GEMMs or cuBLAS (89 MB with
+cuBLAS before its query groups were padded in the queries, ``query_rows``; 0.35-0.44 GB before the
+per-layer cache was held heads-major, ``sampler/slot_cache``: the positions-first one was relaid
+out at each call's entry and exit), and the unrolled program compiled in 5-10 s against the
+scanned one's 5-16 s (three runs); at the SmolLM2 shape 0.8 GB against 0.1 MB for 459 MB to
+read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
 scan's 1.89 ms on an H100 (``"blas"``), 1.50 against 1.95 ms on an H200 (XLA's matmuls); at the
 1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms. The 1.5B step
 with ``"blas"`` on a GPU: not measured. The TPU default is ``"unrolled"`` too (``"scan"`` with a
@@ -120,6 +121,7 @@ MATMUL_ENV = "AREAL_JAX_DECODE_MATMUL"
 LAYERS_ENV = "AREAL_JAX_DECODE_LAYERS"
 PROJECTIONS_ENV = "AREAL_JAX_DECODE_PROJECTIONS"
 HELD_LAYOUTS_ENV = "AREAL_JAX_HELD_LAYOUTS"
+QUERY_ROWS_ENV = "AREAL_JAX_DECODE_QUERY_ROWS"
 HELD_LAYOUTS = ("compiler", "default")
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
               "gpu": ("xla", "dense", "pallas_gpu"), "tpu": ("xla", "dense", "pallas_tpu")}
@@ -308,6 +310,45 @@ def projections(mesh: Mesh, cfg, requested: str = "auto") -> str:
     return value
   whole_heads = cfg.n_kv_heads % mesh.shape.get("tensor", 1) == 0
   return "fused" if whole_heads and platform_of(mesh) in ("gpu", "tpu") else "separate"
+
+
+_MATMULS: contextvars.ContextVar[str | None] = contextvars.ContextVar("matmuls", default=None)
+
+
+@contextlib.contextmanager
+def matmuls(matmul_impl: str):
+  """Inside it (the trace of a program compiled with ``compiler_options(matmul_impl)``), the
+  kernels know how that program's matmuls run (``MATMUL``): what ``query_rows`` reads."""
+  token = _MATMULS.set(matmul_impl)
+  try:
+    yield
+  finally:
+    _MATMULS.reset(token)
+
+
+def query_rows(cache_dtype) -> int:
+  """The multiple the dense decode attention pads each K/V head's group of queries to (zero
+  queries, whose rows it drops): 8 for a 16-bit cache inside ``matmuls("blas")``, else 1.
+  XLA's GPU compiler pads a 16-bit matmul's dimensions to multiples of 8 for the vendor library's
+  GEMMs; with a query group of fewer rows (GQA: SmolLM2's 3, Qwen2.5-1.5B's 6) the probabilities x
+  values matmul then gets a padded copy of the probabilities, every layer and step. Padded in the
+  queries instead, the padding joins the queries' own fusion (rotary embedding, scale, cast) and
+  the softmax writes the probabilities already padded: compiled for an H100 with ``"blas"``
+  (``bench/aot_decode.py``, the layers unrolled), at the SmolLM2 shape (64 slots, context 128)
+  482 -> 452 launches a step and 35.4 -> 0.1 MB copied; at the Qwen2.5-1.5B shape (128 slots,
+  context 512) 481 -> 453 and 88.7 -> 0.6 MB. Its price, the softmax reading and writing the
+  padding rows, is smaller than the copy it replaces at the 1.5B shape's group of 6 and ~4% of
+  what a step reads at SmolLM2's group of 3. Not with XLA's own (Triton) GEMMs, which take the
+  group as it is (there the padding added 30 launches a step at the SmolLM2 shape); CPU and TPU
+  never pad. Run time on a GPU: not measured. ``$AREAL_JAX_DECODE_QUERY_ROWS`` forces the multiple
+  (1: no padding), read when a program is traced (set it before the process builds its engines:
+  compiled programs are shared by engines of one configuration)."""
+  forced = os.environ.get(QUERY_ROWS_ENV, "")
+  if forced:
+    if not forced.isdigit() or int(forced) < 1:
+      raise ValueError(f"${QUERY_ROWS_ENV}={forced!r}: expected a positive integer")
+    return int(forced)
+  return 8 if _MATMULS.get() == "blas" and jnp.dtype(cache_dtype).itemsize == 2 else 1
 
 
 def steps_per_call(platform: str) -> int:

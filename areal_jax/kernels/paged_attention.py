@@ -30,9 +30,10 @@ POOL_AXES = ("cache_heads", None, None, None, None)  # logical axes of a pool
 
 
 def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN, pos_B, t: int,
-                           impl: str, interpret: bool = False):
+                           impl: str, interpret: bool = False, rows: int = 1):
   """Pre-scaled queries ``[B, K, G, D]`` attending to their rows' positions ``0..pos_B[b]`` (``t``:
-  static bound) of layer ``layer`` (traced); float32 ``[B, K, G, D]``."""
+  static bound) of layer ``layer`` (traced); float32 ``[B, K, G, D]`` (``rows``: the dense read's
+  padding of the query groups, ``xla_attention._dense``)."""
   b, kv, g, d = q_BxKxGxD.shape
   _, n_layers, m, page, _ = k_KxLxMxPxD.shape
   pages_BxN = layer * m + table_BxN  # page ids in the [K, L*M, P, D] view
@@ -48,7 +49,7 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
     n = min(-(-t // page), table_BxN.shape[1])
     k_KxBxTxD, v_KxBxTxD = (flat(x)[:, pages_BxN[:, :n]].reshape(x.shape[0], b, n * page, d)
                             for x in (k_KxLxMxPxD, v_KxLxMxPxD))
-    return xla_attention.dense_pages(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, n * page)
+    return xla_attention.dense_pages(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, n * page, rows)
 
   def local(q_BxKxGxD, k_pool, v_pool, pages_BxN, pos_B):
     kl = k_pool.shape[0]  # this device's K/V heads

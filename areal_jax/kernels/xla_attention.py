@@ -18,37 +18,44 @@ CHUNK = 32  # cache positions per step of the chunked loop
 GROUP = 16  # rows per group of the chunked loop (rows sorted by position)
 
 
-def _dense(q_BxKxGxD, k, v, pos_B, t: int, kv: str):
+def _dense(q_BxKxGxD, k, v, pos_B, t: int, kv: str, rows: int = 1):
   """Masked softmax attention of one query per row over keys/values laid out as ``kv`` (einsum
-  letters: b row, t position, k head, d feature), positions ``[0, t)``."""
+  letters: b row, t position, k head, d feature), positions ``[0, t)``; each head's group of
+  queries padded with zero queries to a multiple of ``rows`` for the matmuls, their rows dropped
+  (``choice.query_rows``)."""
+  g = q_BxKxGxD.shape[2]
+  if g % rows:
+    q_BxKxGxD = jnp.pad(q_BxKxGxD, ((0, 0), (0, 0), (0, -g % rows), (0, 0)))
   s_BxKxGxT = jnp.einsum(f"bkgd,{kv}->bkgt", q_BxKxGxD.astype(k.dtype), k,
                          preferred_element_type=jnp.float32)
   valid_BxT = jnp.arange(t)[None, :] <= pos_B[:, None]
   s_BxKxGxT = jnp.where(valid_BxT[:, None, None], s_BxKxGxT, -jnp.inf)
   p_BxKxGxT = jax.nn.softmax(s_BxKxGxT, axis=-1)
-  return jnp.einsum(f"bkgt,{kv}->bkgd", p_BxKxGxT.astype(v.dtype), v,
-                    preferred_element_type=jnp.float32)
+  out_BxKxGxD = jnp.einsum(f"bkgt,{kv}->bkgd", p_BxKxGxT.astype(v.dtype), v,
+                           preferred_element_type=jnp.float32)
+  return out_BxKxGxD if out_BxKxGxD.shape[2] == g else out_BxKxGxD[:, :, :g]
 
 
-def dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int):
+def dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, rows: int = 1):
   """One read of cache positions ``[0, t)`` of every row, masked past each row's position: no loop
-  and no gather, what XLA on GPU and TPU turns into a few fused, bandwidth-bound passes."""
+  and no gather, what XLA on GPU and TPU turns into a few fused, bandwidth-bound passes (``rows``:
+  ``_dense``)."""
   b = q_BxKxGxD.shape[0]
-  return _dense(q_BxKxGxD, k_RxTxKxD[:b, :t], v_RxTxKxD[:b, :t], pos_B, t, "btkd")
+  return _dense(q_BxKxGxD, k_RxTxKxD[:b, :t], v_RxTxKxD[:b, :t], pos_B, t, "btkd", rows)
 
 
-def dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int):
+def dense_heads_major(q_BxKxGxD, k_RxKxTxD, v_RxKxTxD, pos_B, t: int, rows: int = 1):
   """``dense`` over a heads-major cache ``[R, K, T, D]`` (the scanned decode's layout): the two
   einsums' batch dimensions (row, head) lead and are contiguous in the cache, so they can run as
   one strided batched matmul each, with no transposing copy of the cache (the ``[R, T, K, D]``
   layout needs one per layer and step: seen in XLA:CPU's optimized program)."""
   b = q_BxKxGxD.shape[0]
-  return _dense(q_BxKxGxD, k_RxKxTxD[:b, :, :t], v_RxKxTxD[:b, :, :t], pos_B, t, "bktd")
+  return _dense(q_BxKxGxD, k_RxKxTxD[:b, :, :t], v_RxKxTxD[:b, :, :t], pos_B, t, "bktd", rows)
 
 
-def dense_pages(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, t: int):
+def dense_pages(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, t: int, rows: int = 1):
   """``dense`` over rows gathered from a paged cache, heads first (``paged_attention``)."""
-  return _dense(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, t, "kbtd")
+  return _dense(q_BxKxGxD, k_KxBxTxD, v_KxBxTxD, pos_B, t, "kbtd", rows)
 
 
 def chunked(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, chunk: int = CHUNK,

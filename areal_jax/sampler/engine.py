@@ -508,6 +508,7 @@ class DecodeEngine:
     """The generate program of ``kv_len`` and ``width``; ``formats``: the weights' and the
     state's jit shardings (or layouts) if not the held ones (``_compiler_layouts``)."""
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
+    matmul_impl = self.matmul_impl  # (the kernels' padding for the GPU library: choice.query_rows)
     layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
     by_mask = self.weights.cfg.vocab_major_logits  # (the held model's logits: choice.py)
@@ -529,7 +530,7 @@ class DecodeEngine:
       return state, (token_S, logprob_S, active)
 
     def fn(params, full, pages_WxN=None):
-      with sharding.use(mesh):
+      with sharding.use(mesh), choice.matmuls(matmul_impl):
         extend = layers.extend(params, pages_WxN, scatter_writes=scatter)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
         state = {k: v if k == "cache" else v[:width] for k, v in full.items()}

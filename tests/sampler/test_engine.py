@@ -228,6 +228,33 @@ def test_accelerator_paths_forced_on_cpu_match_the_reference(model, impl):
     np.testing.assert_allclose(lp, ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_the_gpu_library_gemms_path_forced_on_cpu_decodes_the_same(model, monkeypatch, layers):
+  """The GPU default's decode (the dense read, the vendor library's GEMMs: ``"blas"``, forced here
+  without its GPU compiler options) pads each K/V head's queries (2 here) to 8 rows over its
+  bfloat16 cache (``choice.query_rows``): the same tokens and logprobs as XLA's matmuls without
+  the padding."""
+  from areal_jax.kernels import choice, xla_attention
+  padded = []
+  pad = jnp.pad
+  monkeypatch.setattr(xla_attention.jnp, "pad", lambda x, w, *a, **k: padded.append(w) or pad(x, w, *a, **k))
+  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8, 32), steps_per_call=4,
+                        decode_attention="dense", decode_layers=layers, cache_dtype="bfloat16",
+                        decode_matmul="xla")
+  prompt, runs = [5, 7, 9, 11, 3, 1, 2], []
+  for matmul in ("xla", "blas"):
+    if matmul == "blas":
+      monkeypatch.setattr(choice, "matmul", lambda mesh, dtype, requested="auto": "blas")
+      monkeypatch.setattr(choice, "compiler_options", lambda impl: None)
+    eng = DecodeEngine(model, config)
+    assert eng.matmul_impl == matmul and not padded
+    runs.append(_decode(eng, prompt, 3, 12, slots=[0, 1, 3], temperature=0.7, seed=5))
+  assert padded and all(w[2] == (0, 6) for w in padded)  # 2 queries + 6 zero ones
+  (toks, lps), (toks_ref, lps_ref) = runs[1], runs[0]
+  assert toks == toks_ref
+  np.testing.assert_allclose(lps, lps_ref, atol=1e-5)
+
+
 def test_defaults_come_from_the_platform_and_the_attention(model):
   eng = DecodeEngine(model, EngineConfig(num_slots=2, max_len=300))
   assert eng.config.steps_per_call == 1 and eng.kv_buckets == (300,)  # per-slot reads on CPU
