@@ -364,6 +364,8 @@ def main():
           "heads" if choice.heads_major_per_layer(args.attention, platform) else "rows"),
           scatter_writes=unrolled and choice.scatter_cache_writes(platform),
           vocab_major_logits=choice.vocab_major_logits(platform))
+      with choice.matmuls(matmul):  # (as the engine traces it: bfloat16 cache)
+        row["query_rows"] = choice.query_rows(jnp.bfloat16)
     rows.append(row)
     print(f"{what:>6} {layers:>8} {matmul:>5}{' compiler layouts' if auto else ''}: lower {row['lower_s']:5.1f} s, compile "
           f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "
