@@ -270,8 +270,8 @@ def held_layouts(platform: str) -> str:
   program picks (``"compiler"``: compiled once with ``Layout.AUTO``, then every program takes and
   returns them so) or in the default ones (``"default"``): the compiler's on TPU, whose compiler
   otherwise relays them out on entering and leaving each decode call (compiled for a TPU v5e chip,
-  ``bench/aot_decode.py --held-layouts default,compiler``: at the Qwen2.5-1.5B shape the gate_up and qkv weights,
-  145 -> 38 MB copied a step; at the SmolLM2 shape, head size 64, each layer's cache, 104 -> 21
+  ``bench/aot_decode.py --held-layouts default,compiler``: at the Qwen2.5-1.5B shape the gate_up
+  and qkv weights, 145 -> 38 MB copied a step; at the SmolLM2 shape, head size 64, each layer's cache, 104 -> 21
   MB); the default ones on CPU and GPU (their compiled steps copy neither: the layouts there are
   the default ones). ``$AREAL_JAX_HELD_LAYOUTS`` forces either (tests run the compiler's on CPU,
   where it picks the default ones)."""
@@ -341,9 +341,9 @@ def query_rows(cache_dtype) -> int:
   and ~4% of what a step reads at SmolLM2's group of 3. Not with XLA's own (Triton) GEMMs, which
   take the group as it is (there the padding added 30 launches a step at the SmolLM2 shape), nor
   on TPU (compiled for a v5e chip at the SmolLM2 shape it copied 23.1 MB a step against 20.9 MB
-  unpadded) or CPU. Run time on a GPU: not measured. ``$AREAL_JAX_DECODE_QUERY_ROWS`` forces the multiple
-  (1: no padding), read when a program is traced (set it before the process builds its engines:
-  compiled programs are shared by engines of one configuration)."""
+  unpadded) or CPU. Run time on a GPU: not measured. ``$AREAL_JAX_DECODE_QUERY_ROWS`` forces the
+  multiple (1: no padding), read when a program is traced (set it before the process builds its
+  engines: compiled programs are shared by engines of one configuration)."""
   forced = os.environ.get(QUERY_ROWS_ENV, "")
   if forced:
     if not forced.isdigit() or int(forced) < 1:

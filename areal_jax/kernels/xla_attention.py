@@ -23,9 +23,9 @@ def _dense(q_BxKxGxD, k, v, pos_B, t: int, kv: str, rows: int = 1):
   letters: b row, t position, k head, d feature), positions ``[0, t)``; each head's group of
   queries padded with zero queries to a multiple of ``rows`` for the matmuls, their rows dropped
   (``choice.query_rows``)."""
-  g = q_BxKxGxD.shape[2]
-  if g % rows:
-    q_BxKxGxD = jnp.pad(q_BxKxGxD, ((0, 0), (0, 0), (0, -g % rows), (0, 0)))
+  g, pad = q_BxKxGxD.shape[2], -q_BxKxGxD.shape[2] % rows
+  if pad:
+    q_BxKxGxD = jnp.pad(q_BxKxGxD, ((0, 0), (0, 0), (0, pad), (0, 0)))
   s_BxKxGxT = jnp.einsum(f"bkgd,{kv}->bkgt", q_BxKxGxD.astype(k.dtype), k,
                          preferred_element_type=jnp.float32)
   valid_BxT = jnp.arange(t)[None, :] <= pos_B[:, None]
@@ -33,7 +33,7 @@ def _dense(q_BxKxGxD, k, v, pos_B, t: int, kv: str, rows: int = 1):
   p_BxKxGxT = jax.nn.softmax(s_BxKxGxT, axis=-1)
   out_BxKxGxD = jnp.einsum(f"bkgt,{kv}->bkgd", p_BxKxGxT.astype(v.dtype), v,
                            preferred_element_type=jnp.float32)
-  return out_BxKxGxD if out_BxKxGxD.shape[2] == g else out_BxKxGxD[:, :, :g]
+  return out_BxKxGxD[:, :, :g] if pad else out_BxKxGxD
 
 
 def dense(q_BxKxGxD, k_RxTxKxD, v_RxTxKxD, pos_B, t: int, rows: int = 1):

@@ -307,8 +307,8 @@ class DecodeEngine:
     if self.paged:
       args += (jax.ShapeDtypeStruct((width, self.pages_per_slot), jnp.int32),)
     t0 = time.perf_counter()
-    compiled = self._make_generate(
-        kv_len, width, (auto(self.held_shardings), auto(self.state_shardings))).lower(*args).compile()
+    formats = (auto(self.held_shardings), auto(self.state_shardings))
+    compiled = self._make_generate(kv_len, width, formats).lower(*args).compile()
     self.layouts_compile_s = time.perf_counter() - t0  # (not a variant: not in compile_stats)
     return compiled.input_formats[0][:2]
 

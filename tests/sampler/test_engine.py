@@ -237,7 +237,8 @@ def test_the_gpu_library_gemms_path_forced_on_cpu_decodes_the_same(model, monkey
   from areal_jax.kernels import choice, xla_attention
   padded = []
   pad = jnp.pad
-  monkeypatch.setattr(xla_attention.jnp, "pad", lambda x, w, *a, **k: padded.append(w) or pad(x, w, *a, **k))
+  monkeypatch.setattr(xla_attention.jnp, "pad",
+                      lambda x, w, *a, **k: padded.append(w) or pad(x, w, *a, **k))
   config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8, 32), steps_per_call=4,
                         decode_attention="dense", decode_layers=layers, cache_dtype="bfloat16",
                         decode_matmul="xla")
