@@ -27,6 +27,8 @@ what the program copies that the step does not need to read (the largest copies 
 and layout). Our program is compiled as the engine runs it on the target: on a TPU with the
 weights and decode state held in the layouts the compiler picks (``choice.held_layouts``: JAX's
 ``Layout.AUTO``), on a GPU in the default ones; ``--held-layouts default,compiler`` compiles both.
+Rows with the compiler's layouts also say what the compilation that found them took and whether
+its program is the one compiled with them (the engine runs it as its widest decode variant).
 """
 
 from __future__ import annotations
@@ -265,10 +267,13 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
 
 
 def _with_auto_layouts(fn, fargs, compiler_options, platform: str):
-  """``fn`` (our decode call, ``(params, state)``) as the engine runs it with the weights and the
-  decode state held in the layouts the compiler picks (``DecodeEngine._compiler_layouts``):
-  compiled once with their layouts left to it (``Layout.AUTO``), then jitted with the layouts it
-  picked for them, the state taken and returned in them (donated)."""
+  """``(fn, found)``: ``fn`` (our decode call, ``(params, state)``) as the engine runs it with the
+  weights and the decode state held in the layouts the compiler picks
+  (``DecodeEngine._compiler_layouts``): compiled once with their layouts left to it
+  (``Layout.AUTO``), then jitted with the layouts it picked for them, the state taken and
+  returned in them (donated). ``found``: that first compilation (``compiled``, ``compile_s``) and
+  whether it returns the state in the layouts it takes it in (``reusable``: then the engine runs
+  it as the widest variant instead of compiling ``fn``)."""
   from areal_jax.kernels import choice
   from jax.experimental.layout import Format, Layout
   auto = lambda tree: jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), tree)  # noqa: E731
@@ -277,12 +282,35 @@ def _with_auto_layouts(fn, fargs, compiler_options, platform: str):
   found = jax.jit(fn.__wrapped__, in_shardings=(auto(params), auto(state)) + extra,
                   out_shardings=(auto(state), None), donate_argnums=1,
                   compiler_options=compiler_options)
+  t0 = time.perf_counter()
   with choice.lowering_for(platform):
-    held, state_formats = found.trace(*fargs).lower(
-        lowering_platforms=(platform,)).compile().input_formats[0][:2]
+    compiled = found.trace(*fargs).lower(lowering_platforms=(platform,)).compile()
+  info = {"compiled": compiled, "compile_s": time.perf_counter() - t0}
+  held, state_formats = compiled.input_formats[0][:2]
+  info["reusable"] = jax.tree.leaves(compiled.output_formats[0]) == jax.tree.leaves(state_formats)
   return jax.jit(fn.__wrapped__, in_shardings=(held, state_formats) + extra,
                  out_shardings=(state_formats, None), donate_argnums=1,
-                 compiler_options=compiler_options)
+                 compiler_options=compiler_options), info
+
+
+def same_program(hlo_a: str, hlo_b: str) -> bool:
+  """Whether two compiled programs' texts hold the same instructions with the same layouts and the
+  same entry layouts, up to instruction names, schedule order, source metadata and sharding
+  annotations (which a single device ignores)."""
+  # (metadata's quoted strings may hold braces; a tuple's sharding holds one per element)
+  ignored = re.compile(r', metadata=\{(?:[^}"]|"(?:[^"\\]|\\.)*")*\}'
+                       r'|, sharding=\{(?:[^{}]|\{[^{}]*\})*\}')
+
+  def signature(hlo: str):
+    header, *body = hlo.split("\nFileNames\n")[0].splitlines()  # (then the source tables)
+    entry = re.search(r"entry_computation_layout=\{(.*?)\}(?=, \w+=|$)", header)
+    lines = []
+    for line in body:
+      line = re.sub(r"%[\w.-]+", "%", ignored.sub("", line)).strip()
+      if line:
+        lines.append(line)
+    return entry and entry.group(1), collections.Counter(lines)
+  return signature(hlo_a) == signature(hlo_b)
 
 
 def main():
@@ -334,8 +362,9 @@ def main():
   for what, layers, matmul, auto in configs:
     fn, fargs = _program(what, cfg, slots, ctx, args.steps, args.attention, layers, device,
                          choice.compiler_options(matmul), model, args.page_size)
+    found = None
     if auto:
-      fn = _with_auto_layouts(fn, fargs, choice.compiler_options(matmul), _platform(device))
+      fn, found = _with_auto_layouts(fn, fargs, choice.compiler_options(matmul), _platform(device))
     t0 = time.perf_counter()
     with choice.lowering_for(_platform(device)):  # Pallas kernels are traced here: compiled ones
       lowered = fn.trace(*fargs).lower(lowering_platforms=(_platform(device),))
@@ -356,6 +385,9 @@ def main():
            "copied_MB_per_step": copied / 1e6,
            "gemms_per_step": {k: v for k, v in per_step.items() if k.startswith("gemm")},
            "by_kind_per_step": per_step, "largest_copies_MB_per_step": largest}
+    if found:  # the compilation that found the layouts: the engine's widest variant if reusable
+      row.update(layouts_compile_s=found["compile_s"], layouts_program_reusable=found["reusable"],
+                 layouts_program_same=same_program(found["compiled"].as_text(), hlo))
     if what == "ours":  # the per-layer cache's layout and writes as the engine picks them there
       platform = "tpu" if _platform(device) == "tpu" else "gpu"
       unrolled = layers == "unrolled"
@@ -371,6 +403,10 @@ def main():
           f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "
           f"{row['copied_MB_per_step']:7.1f} MB copied, matmuls {row['gemms_per_step']}\n"
           f"{'':>22}largest copies (MB a step, by result): {largest}", flush=True)
+    if found:
+      print(f"{'':>22}the compilation that found the layouts: {found['compile_s']:.1f} s, returns the "
+            f"state as it takes it: {found['reusable']}, the same program: "
+            f"{row['layouts_program_same']}", flush=True)
   finish({"target": device.device_kind, "model": args.model, "n_layers": cfg.n_layers,
           "slots": slots, "context": ctx,
           "step_read_MB": read_MB,

@@ -119,3 +119,31 @@ def test_a_conditional_counts_its_cheapest_branch():
     return jax.lax.cond(p, lambda x: jnp.sort(jnp.exp(x) * 2, axis=-1), lambda x: x + 1, x)
   n = aot_decode.launches(_compiled(f, True, jnp.ones((4, 64))))
   assert not any("sort" in k for k in n) and 1 <= sum(v for k, v in n.items() if k != "copied_bytes") <= 3
+
+
+def test_same_program_ignores_names_schedule_and_metadata_but_not_shapes_or_layouts():
+  """``same_program``: whether the program that found the held layouts is the one compiled with
+  them (the engine's widest variant); on programs XLA:CPU compiles here."""
+  def compiled(n):
+    f = jax.jit(lambda x, y: (jnp.tanh(x @ y) + 1.0, x * 2.0), donate_argnums=0)
+    return f.lower(jnp.ones((8, n)), jnp.ones((n, n))).compile().as_text()
+
+  hlo = compiled(16)
+  header, *body = hlo.splitlines()
+  renamed = "\n".join([header] + [line.replace("%", "%renamed_") for line in body])
+  assert renamed != hlo and aot_decode.same_program(hlo, renamed)
+  # annotations a single device ignores, with braces inside (a jaxpr in an op name, a tuple's)
+  k = next(i for i, line in enumerate(body) if " = " in line)
+  annotated = list(body)
+  annotated[k] += ', sharding={{replicated}, {maximal device=0}}, metadata={op_name="jit(f)/while[' \
+                  'body_jaxpr={ lambda ; a:f32[]. let  in (a,) }]" source_line=3}'
+  annotated = annotated[:annotated.index("FileNames") + 1] + ['1 "traced_elsewhere.py"']  # the
+  # source tables at the end
+  assert aot_decode.same_program(hlo, "\n".join([header] + annotated))
+  ops = [i for i, line in enumerate(body) if " = " in line and "ROOT" not in line]
+  if len(ops) >= 2:  # the schedule's order of two instructions swapped
+    swapped = list(body)
+    swapped[ops[0]], swapped[ops[1]] = swapped[ops[1]], swapped[ops[0]]
+    assert aot_decode.same_program(hlo, "\n".join([header] + swapped))
+  assert not aot_decode.same_program(hlo, compiled(32))  # other shapes
+  assert not aot_decode.same_program(hlo, hlo.replace("{1,0}", "{0,1}", 1))  # another layout

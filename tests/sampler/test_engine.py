@@ -642,3 +642,54 @@ def test_weights_and_state_stay_in_the_layouts_the_compiler_picked(model, monkey
   for a, b in zip(*runs):
     for x, y in zip(a, b):
       np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_program_compiled_to_find_the_layouts_is_the_widest_variant(model, monkeypatch, paged):
+  """With the compiler's layouts held (a TPU's default; forced here on CPU, found by the compiler
+  itself), the widest decode program is compiled once, when the engine is built: its first call
+  compiles nothing, a narrower width compiles its own; the tokens and logprobs are those of an
+  engine with the default layouts, and the engine's compile stats count that program."""
+  from areal_jax.kernels import choice
+  from areal_jax.sampler import engine as engine_lib
+
+  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,), steps_per_call=3,
+                        width_buckets=(2,), **({"kv_pages": 40, "page_size": 8} if paged else {}))
+  plain = DecodeEngine(model, config)
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  monkeypatch.setenv(choice.HELD_LAYOUTS_ENV, "compiler")
+  compiles = []
+  listener = lambda event, *_, **__: compiles.append(event) if "backend_compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    eng = DecodeEngine(model, config)
+    assert eng.compile_stats["compiles"] == 1
+    assert eng.compile_stats["compile_s"] == eng.layouts_compile_s > 0
+    prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2], [0, 1, 2, 3], []
+    keys = np.stack([np.asarray(sampling.slot_key(4, i)) for i in slots])
+    for e in (plain, eng):
+      table = PageTable(4, 40, 8, 64) if paged else None
+      if table is not None:
+        assert table.share(slots, len(prompt) - 1)
+      state = e.insert(e.init_state(), e.prefill(e.params, prompt[:-1]), slots,
+                       token=[prompt[-1]] * 4, pos=[len(prompt) - 1] * 4, end=[64] * 4,
+                       keys=keys, temperature=0.8, top_k=0, top_p=1.0, greedy=False, stop_ids=[],
+                       pages=None if table is None else table.table[slots])
+      outs = []
+      for call, width in enumerate((4, 4, 2)):
+        if table is not None:
+          assert all(table.grow(s, len(prompt) - 1 + 3 * (call + 1)) for s in slots)
+        before = len(compiles)
+        state, out = e.generate(e.params, state, 64, width,
+                                pages=None if table is None else table.table)
+        outs.append(jax.device_get(out))
+        if e is eng:  # the widest program was compiled with the engine; width 2 compiles now
+          assert len(compiles) - before == (call == 2), (call, compiles[before:])
+      runs.append(outs)
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  # that one, the prefill, the insert and the generate of width 2
+  assert eng.compile_stats["compiles"] == 4 == eng.num_compiled()
+  for a, b in zip(*runs):
+    for x, y in zip(a, b):
+      np.testing.assert_allclose(y, x, atol=1e-6)
