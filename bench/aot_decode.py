@@ -325,6 +325,9 @@ def main():
   ap.add_argument("--layers", default="unrolled,scan",
                   help="our engine's decode layers (choice.LAYERS; the GPU default: unrolled)")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per call")
+  ap.add_argument("--context", type=int, default=0,
+                  help="positions every slot decodes from (default: the shape's; our kv bound "
+                       "is context + 4 x steps + 1)")
   ap.add_argument("--page-size", type=int, default=0,
                   help="our engine over a paged KV cache of pages this long (0: a row per slot)")
   ap.add_argument("--depth", type=int, default=0,
@@ -341,6 +344,7 @@ def main():
   device = target_device(args.target)
   matmuls = (args.matmul or ("xla,blas" if _platform(device) == "cuda" else "xla")).split(",")
   cfg, slots, ctx = SHAPES[args.model]
+  ctx = args.context or ctx
   cfg = dataclasses.replace(cfg, dtype="bfloat16", n_layers=args.depth or cfg.n_layers)
   read_MB = decode_step_cost(cfg, slots, ctx)[0] / 1e6
   print(f"compiling for {device.device_kind} on this CPU ({os.cpu_count()} cores), jax "
