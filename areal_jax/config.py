@@ -78,7 +78,9 @@ def base_config() -> ConfigDict:
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla" | "blas" (GPU library GEMMs)
   c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan for pallas_tpu unpaged)
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
-  c.rollout.kv_pages = 0  # paged KV cache: pages in the pool (0: max_len positions per slot)
+  # paged KV cache: pages in the pool (0: no paging, max_len positions per slot; -1: per
+  # platform, kernels.choice.kv_pages: on GPU a pool of max_len positions and a page per slot)
+  c.rollout.kv_pages = -1
   c.rollout.page_size = 64  # positions per page of the paged KV cache
   # The JAX sampler over the sampler mesh's data axis: "replicas" (an engine per data index, each
   # with num_slots / data slots; areal_jax/sampler/replicas.py) | "sharded" (one engine, its
@@ -304,11 +306,11 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
                   "'blas' or 'auto'): the CPU kernel's packed weights are per layer")
   if r.steps_per_call < 0:
     errors.append(f"rollout.steps_per_call={r.steps_per_call} must be >= 0 (0: per platform)")
-  kv_pages, page_size = r.get("kv_pages", 0), r.get("page_size", 64)
-  if kv_pages < 0 or page_size < 1:
-    errors.append(f"rollout.kv_pages={kv_pages} must be >= 0 (0: no paging) and "
-                  f"rollout.page_size={page_size} >= 1")
-  elif kv_pages and kv_pages * page_size < max(r.prefill_buckets) + r.max_new_tokens:
+  kv_pages, page_size = r.get("kv_pages", -1), r.get("page_size", 64)
+  if kv_pages < -1 or page_size < 1:
+    errors.append(f"rollout.kv_pages={kv_pages} must be >= -1 (-1: per platform, 0: no paging) "
+                  f"and rollout.page_size={page_size} >= 1")
+  elif kv_pages > 0 and kv_pages * page_size < max(r.prefill_buckets) + r.max_new_tokens:
     errors.append(f"rollout.kv_pages={kv_pages} pages of rollout.page_size={page_size} positions "
                   f"cannot hold one sequence of {max(r.prefill_buckets) + r.max_new_tokens} "
                   "positions (the largest of rollout.prefill_buckets + rollout.max_new_tokens)")

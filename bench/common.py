@@ -10,6 +10,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from areal_jax.models import ModelConfig
 
@@ -37,6 +38,19 @@ def finish(result: dict, json_path: str | None, t_start: float) -> None:
 
 TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=16, d_ff=128)
+
+
+def own_pages(engine) -> dict:
+  """A ``DecodeEngine``'s ``pages`` keyword for ``insert`` and ``generate`` where its cache is
+  paged (every slot its own pages for all its positions: the pool must hold them, as the pool
+  ``kernels.choice.kv_pages`` sizes does), else nothing."""
+  if not engine.paged:
+    return {}
+  n, per = engine.config.num_slots, engine.pages_per_slot
+  if engine.config.kv_pages < n * per:
+    raise ValueError(f"a pool of {engine.config.kv_pages} pages cannot give {n} slots "
+                     f"{per} pages each")
+  return {"pages": np.arange(n * per, dtype=np.int32).reshape(n, per)}
 
 
 def decode_step_cost(cfg: ModelConfig, slots: int, context: int) -> tuple[float, float]:

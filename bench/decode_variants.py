@@ -62,7 +62,8 @@ def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=
   per_slot = -(-(kv_len + steps) // PAGE)
   eng = JaxRolloutEngine(model, num_slots=slots, max_len=kv_len + steps, prefill_buckets=(16,),
                          kv_buckets=(kv_len,), eos_token_ids=(), steps_per_call=steps,
-                         **({"kv_pages": slots * per_slot, "page_size": PAGE} if paged else {}))
+                         **({"kv_pages": slots * per_slot, "page_size": PAGE} if paged else
+                            {"kv_pages": 0} if choice is not None else {}))  # (rows: 0, not -1)
   dev = eng.engine
   # paged: every slot holds its own pages for all its positions (a whole pool's worth)
   pages = {"pages": np.arange(slots * per_slot, dtype=np.int32).reshape(slots, per_slot)} \

@@ -67,7 +67,8 @@ from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
 import decode_floor
-from common import QWEN25_1P5B, SMOLLM2, TINY, Hardware, decode_step_cost, finish, machine
+from common import (QWEN25_1P5B, SMOLLM2, TINY, Hardware, decode_step_cost, finish, machine,
+                    own_pages)
 
 TINY_HD32 = dataclasses.replace(TINY, head_dim=32)  # vLLM's CPU attention needs head_dim >= 32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +125,8 @@ def run_continuous(model, groups, slots, max_len, kv_buckets, steps):
 
 def run_static(model, groups, slots, max_len, kv_buckets, steps):
   eng = JaxRolloutEngine(model, num_slots=slots, max_len=max_len, prefill_buckets=(32,),
-                         kv_buckets=kv_buckets, eos_token_ids=(), steps_per_call=steps)
+                         kv_buckets=kv_buckets, eos_token_ids=(), steps_per_call=steps,
+                         kv_pages=0)  # a row per slot: this loop drives the engine itself
   dev = eng.engine
   steps = dev.config.steps_per_call
   state = dev.warmup(dev.init_state())
@@ -165,18 +167,19 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
                          prefill_buckets=(16,), kv_buckets=(kv_len,), eos_token_ids=(),
                          steps_per_call=steps)
   dev = eng.engine
+  pages = own_pages(dev)  # a paged cache (the platform's choice): each slot its own pages
   state = dev.init_state()
   keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
   state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
                      end=[context + 16 * steps * (reps + 2)] * slots, keys=keys, temperature=1.0, top_k=0,
-                     top_p=1.0, greedy=False, stop_ids=[])
-  state, out = dev.generate(dev.params, state, kv_len)
+                     top_p=1.0, greedy=False, stop_ids=[], **pages)
+  state, out = dev.generate(dev.params, state, kv_len, **pages)
   jax.block_until_ready(out)
   times = []
   for _ in range(reps):
     hw.probe()
     t0 = time.perf_counter()
-    state, out = dev.generate(dev.params, state, kv_len)
+    state, out = dev.generate(dev.params, state, kv_len, **pages)
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / steps)
   hw.probe()
@@ -193,7 +196,7 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
           "hbm_roofline_frac": t_mem / step_s, "steps_per_call": steps,
           "decode_attention": dev.attention_impl, "decode_matmul": dev.matmul_impl,
           "decode_layers": dev.layers_impl, "decode_projections": dev.projections,
-          "cache_layout": dev.cache_layout,
+          "cache_layout": dev.cache_layout, "kv_pages": dev.config.kv_pages,
           "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
 
 
@@ -310,8 +313,8 @@ def main():
             ("CPU kernels off", "roof_off"))
   for label, r in ((label, dec[key]) for label, key in labels if key in dec):
     print(f"{args.model:>13} decode at {r['slots']} slots, context {r['context']}, {label} "
-          f"({r['decode_attention']} attention, {r['decode_matmul']} matmuls, {r['steps_per_call']} "
-          f"steps/call): {r['step_ms']:.2f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
+          f"({r['decode_attention']} attention{', paged' if r.get('kv_pages') else ''}, "
+          f"{r['decode_matmul']} matmuls, {r['steps_per_call']} steps/call): {r['step_ms']:.2f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
           f"{r['ideal_step_ms']:.2f} ms ({r['bound']}-bound: {r['gflop_per_step']:.1f} GFLOP, "
           f"{r['bytes_per_step_MB']:.0f} MB) -> {100 * r['roofline_frac']:.0f}% of roofline; "
           f"floor loop {r['floor_step_ms']:.2f} ms/step, ratio {r['floor_ratio']:.2f}"

@@ -104,8 +104,8 @@ def test_paged_cache_keys_are_checked():
   for layers in ("auto", "unrolled", "scan"):  # a paged cache runs with the layers either way
     c.rollout.kv_pages, c.rollout.decode_layers = 64, layers
     config_lib.validate(c)
-  c.rollout.kv_pages = -1
-  with pytest.raises(ValueError, match="rollout.kv_pages=-1 must be >= 0"):
+  c.rollout.kv_pages = -2
+  with pytest.raises(ValueError, match="rollout.kv_pages=-2 must be >= -1"):
     config_lib.validate(c)
 
 

@@ -28,10 +28,12 @@ heuristics pick each GEMM's algorithm). ``"blas"`` is the GPU default, for compi
 autotuning of one decode program at the Qwen2.5-1.5B shape took minutes on an H200 (jax 0.11.2;
 with autotuning off, XLA's untuned Triton GEMMs ran that step 6x slower than the autotuned floor).
 With ``"blas"`` the scanned decode program compiled in 1.5 s at the SmolLM2 shape on an H100 and
-ran 1.89 ms a step (the floor loop with the same options 1.49 ms; XLA's autotuned default there:
-not measured); at the 1.5B shape, compiled for an H100 on a 2-core CPU with no GPU
-(``bench/aot_decode.py``, XLA's passes without autotuning), the decode program compiles in 5-9 s.
-Its run time at the 1.5B shape on a GPU: not measured.
+ran 1.89 ms a step (the floor loop with the same options 1.49 ms); at the 1.5B shape, compiled
+for an H100 on a 2-core CPU with no GPU (``bench/aot_decode.py``, XLA's passes without
+autotuning), the decode program compiles in 5-9 s. On an H100 in session 27
+(``bench/results/h100-2026-11-27-s27``, the layers unrolled, rows, dense read): 1.5B shape
+``"blas"`` 5.08 ms a step, ``"xla"`` 5.10 ms (its program compiled in 8.4 s, autotuning
+included, that time); SmolLM2 shape 1.62-1.75 against 1.38-1.50 ms (XLA's GEMMs faster there).
 
 Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
 weights and a stacked cache, ``models/decode_scan``: compile time flat in depth) or ``"unrolled"``
@@ -49,8 +51,8 @@ out at each call's entry and exit), and the unrolled program compiled in 5-10 s 
 scanned one's 5-16 s (three runs); at the SmolLM2 shape 0.8 GB against 0.1 MB for 459 MB to
 read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
 scan's 1.89 ms on an H100 (``"blas"``), 1.50 against 1.95 ms on an H200 (XLA's matmuls); at the
-1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms. The 1.5B step
-with ``"blas"`` on a GPU: not measured. The TPU default is ``"unrolled"`` too (``"scan"`` with a
+1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms. At the 1.5B shape on an H100
+with ``"blas"`` (session 27): unrolled 5.05 against the scan's 5.33 ms. The TPU default is ``"unrolled"`` too (``"scan"`` with a
 paged cache or the Pallas TPU kernel), its per-layer cache positions first and written by one
 scatter a layer (``heads_major_per_layer``, ``scatter_cache_writes``); compiled for one TPU v5e
 chip (libtpu, no TPU: ``bench/results/cpu-aot-tpu-v5e-2026-11-27``) at the 1.5B shape the scanned
@@ -75,7 +77,8 @@ merges sibling matmuls that share an input (its ``DotMerger`` pass, operands up 
 their weights made inside the program, so each execution copies those weights (with the layers in
 a scan, slices of the stacked weights: every layer at every step). For the SmolLM2 shape that
 would be ~140 MB written and read again per step next to the 459 MB a step must read; for the
-Qwen2.5-1.5B shape ~1.7 GB next to 5 GB (its cost on a GPU: not measured; the floor loop of
+Qwen2.5-1.5B shape ~1.7 GB next to 5 GB (on an H100 at that shape, session 27: separate 6.47
+ms a step against fused 5.05 ms, ``"blas"``, the layers unrolled; the floor loop of
 ``bench/decode_floor.py`` keeps separate weights). Weights fused once per version leave nothing to
 merge.
 On CPU (XLA:CPU does not merge them, checked in its optimized HLO) the fused and separate decode
@@ -84,12 +87,23 @@ CPU keeps the model's layout.
 
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
-step measured no faster on CPU); on GPU ``"dense"``, ``"blas"`` matmuls and the layers unrolled
-(with a paged cache too); on TPU ``"dense"``, ``"xla"`` matmuls and the layers unrolled.
-The Pallas GPU kernel is not the default there: on one H200 (SmolLM2 shape, 64 slots, context 128,
-layers in a scan) it measured 1.98 ms a step against the dense read's 1.95 ms, when it still took
-the cache through ``gqa``'s transposed copy; with the scan's heads-major cache it now takes
-``mqa`` over (row, head) pairs without that copy (not measured on a GPU since).
+step measured no faster on CPU); on GPU a paged KV cache where the service keeps page tables
+(``kv_pages`` -1, the default of ``rollout.kv_pages`` and of the rollout service: ``kv_pages``)
+read in place by ``"pallas_gpu"``, ``"dense"`` over a cache of rows, ``"blas"`` matmuls and the
+layers unrolled; on TPU ``"dense"``, ``"xla"`` matmuls and the layers unrolled.
+Measured on one H100 (``bench/results/h100-2026-11-27-s27``, 16 steps a call, the layers
+unrolled, ``"blas"``): the Pallas kernel over pages 3.99 ms a step at the Qwen2.5-1.5B shape
+(128 slots, context 512; the dense read over rows 4.97 ms, the floor loop 4.88 ms) and 1.38 ms
+at the SmolLM2 shape (64 slots, context 128; 1.62 and 1.60 ms); over rows (``mqa`` per row and
+head) it measured as the dense read. On one H200 with the paged default, ``bench/sampler.py``:
+3.77 ms at the 1.5B shape (floor 4.22 ms), 1.48 ms at the SmolLM2 shape (floor 1.56 ms). What
+the dense read copies under cuBLAS turns on its kv bound: on the H100 (jax 0.11.2) at the
+benchmark's bound of 593 each layer's keys and values were padded to 600 positions by a copy
+every step (~30% of the device time at the 1.5B shape); compiled for an H100 with jax 0.10.2
+(``bench/aot_decode.py``) the bound 577 copies 0.6 MB a step and 576 (aligned, as the engine's
+power-of-two buckets are) 2.9 GB, each layer's whole cache. The Pallas kernel reads the pages in
+place at any bound and each row only up to its own length (the dense read: up to the bucket
+above the furthest slot).
 Pallas kernels run compiled on GPU and TPU and in Pallas interpret mode on a CPU backend (tests);
 ``lowering_for(platform)`` traces them compiled for ``platform`` from any backend, for programs
 lowered for another platform (``jit(f).trace(...).lower(lowering_platforms=...)``): on a CPU machine
@@ -122,6 +136,7 @@ LAYERS_ENV = "AREAL_JAX_DECODE_LAYERS"
 PROJECTIONS_ENV = "AREAL_JAX_DECODE_PROJECTIONS"
 HELD_LAYOUTS_ENV = "AREAL_JAX_HELD_LAYOUTS"
 QUERY_ROWS_ENV = "AREAL_JAX_DECODE_QUERY_ROWS"
+PAGED_ENV = "AREAL_JAX_PAGED_CACHE"
 HELD_LAYOUTS = ("compiler", "default")
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
               "gpu": ("xla", "dense", "pallas_gpu"), "tpu": ("xla", "dense", "pallas_tpu")}
@@ -168,17 +183,52 @@ def _requested(requested: str, env: str, valid: tuple[str, ...], what: str) -> s
   return value
 
 
-def attention(platform: str, requested: str = "auto") -> str:
-  """The decode attention to run on ``platform`` (see the module docstring)."""
+def attention(platform: str, requested: str = "auto", paged: bool = False) -> str:
+  """The decode attention to run on ``platform`` (see the module docstring; ``paged``: over a
+  paged KV cache)."""
   value = _requested(requested, ATTENTION_ENV, ATTENTION, "decode_attention")
   if value == "auto":
     if platform == "cpu":
       return "cpu" if not cpu_attention.is_disabled() and cpu_attention.available() else "xla"
+    if platform == "gpu" and paged:
+      return "pallas_gpu"
     return "dense" if platform in ("gpu", "tpu") else "xla"
   if value not in _PLATFORMS.get(platform, ("xla", "dense")):
     raise ValueError(f"decode attention {value!r} cannot run on {platform!r} devices "
                      f"(valid there: {_PLATFORMS.get(platform, ('xla', 'dense'))})")
   return value
+
+
+def kv_pages(platform: str, requested: int, attention_requested: str, slots_split: bool,
+             num_slots: int, max_len: int, page_size: int) -> int:
+  """Pages in an engine's paged KV cache pool (0: no paging, a cache row of ``max_len`` per slot):
+  ``requested`` when it is >= 0; for -1 (``"auto"``) a pool of ``num_slots`` x (``max_len`` /
+  ``page_size`` rounded up, + 1) pages where the platform reads a paged cache fastest, else 0.
+  Paged on GPU, where the decode attention is the platform's to pick (it is then the Pallas GPU
+  kernel, ``attention``) or is that kernel, the slots are not split over devices (a paged cache
+  is not: ``sampler.pages.check``) and a page is a multiple of 16 positions (the kernel's block).
+  Measured on one H100 (``bench/results/h100-2026-11-27-s27``, bfloat16, 16 steps a call, the
+  layers unrolled): at the Qwen2.5-1.5B shape (128 slots, context 512) the kernel over the pages
+  3.99 ms a step against the dense read over rows 4.97 ms (the floor loop 4.88 ms); at the
+  SmolLM2 shape (64 slots, context 128) 1.38 against 1.62 ms (floor 1.60 ms). Over rows the kernel
+  measured as the dense read (4.99, 1.60 ms), the dense read over pages slower (5.24 ms).
+  The pool is a row's memory per slot and a page more: with that page a slot never waits for
+  pages (``sampler.paging``'s page of headroom per live sample, at most a row's pages each), so
+  the service admits whenever a cache of rows would and never preempts; it also gives a group's
+  samples their prompt's pages once. CPU and TPU keep rows (paging there: not measured faster).
+  ``$AREAL_JAX_PAGED_CACHE`` (``1``/``0``) forces the ``"auto"`` choice either way where the
+  slots are not split (tests run the GPU's choice on CPU)."""
+  if requested >= 0:
+    return requested
+  forced = os.environ.get(PAGED_ENV, "")
+  if forced not in ("", "0", "1"):
+    raise ValueError(f"${PAGED_ENV}={forced!r}: expected 0 or 1")
+  attention_value = _requested(attention_requested, ATTENTION_ENV, ATTENTION, "decode_attention")
+  wanted = (forced == "1" if forced else platform == "gpu"
+            and attention_value in ("auto", "pallas_gpu") and page_size % 16 == 0)
+  if not wanted or slots_split:
+    return 0
+  return num_slots * (-(-max_len // page_size) + 1)
 
 
 def check_attention(impl: str, layers: str, cache_dtype, max_len: int, head_dim: int,
@@ -341,7 +391,8 @@ def query_rows(cache_dtype) -> int:
   and ~4% of what a step reads at SmolLM2's group of 3. Not with XLA's own (Triton) GEMMs, which
   take the group as it is (there the padding added 30 launches a step at the SmolLM2 shape), nor
   on TPU (compiled for a v5e chip at the SmolLM2 shape it copied 23.1 MB a step against 20.9 MB
-  unpadded) or CPU. Run time on a GPU: not measured. ``$AREAL_JAX_DECODE_QUERY_ROWS`` forces the
+  unpadded) or CPU. Run time on an H100 (SmolLM2 shape, ``"blas"``, session 27): padded 1.75 and
+1.62 ms a step in two processes, unpadded 1.65 ms in a third: no difference beyond that noise. ``$AREAL_JAX_DECODE_QUERY_ROWS`` forces the
   multiple (1: no padding), read when a program is traced (set it before the process builds its
   engines: compiled programs are shared by engines of one configuration)."""
   forced = os.environ.get(QUERY_ROWS_ENV, "")

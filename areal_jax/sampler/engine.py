@@ -28,10 +28,9 @@ the layers run in one ``lax.scan`` (``models/decode_scan``: prefill and decode c
 body whatever the depth): the engine holds the layers' weights stacked ``[n_layers, ...]`` (built
 once per weight version in ``put_params``) and the cache stacked ``[n_layers, slots, kv_heads,
 max_len, head_dim]`` (heads before positions, so decode attention reads it without a transposed
-copy). Paged (``kv_pages > 0``, slots not split over devices; the layers unrolled, over the
-per-layer weights with a static layer index, ``decode_scan.extend_unrolled``, or in a scan): the
-cache is a
-pool of pages ``[kv_heads, n_layers, kv_pages + 1, page_size, head_dim]`` (the last page takes
+copy). Paged (``kv_pages > 0``, or -1 where the platform picks paging, ``choice.kv_pages``:
+on GPU; slots not split over devices; the layers unrolled, over the per-layer weights with a
+static layer index, ``decode_scan.extend_unrolled``, or in a scan): the cache is a pool of pages ``[kv_heads, n_layers, kv_pages + 1, page_size, head_dim]`` (the last page takes
 the writes of inactive slots and unheld positions) and the caller passes each slot's page table
 (``sampler.pages``) to ``insert`` and ``generate``; a group's slots may share their prompt's pages,
 ``move`` leaves the cache alone, and decode attention reads the pages in place (Pallas kernels) or
@@ -39,8 +38,9 @@ gathered up to the kv bound (``kernels.paged_attention``).
 Kernels: the decode attention, the matmuls' weight layout and the steps per call are picked per
 platform of the mesh by ``areal_jax.kernels.choice`` (``decode_attention`` / ``decode_matmul`` /
 ``steps_per_call`` in the config force them): on CPU the C++ kernels, each slot's cache read only up
-to its own position, one step per call; on GPU and TPU one dense read of the cache up to the kv
-bucket (or a Pallas kernel, forced), 16 steps per call. One compiled ``generate`` serves every
+to its own position, one step per call; on TPU (and on GPU over rows) one dense read of the
+cache up to the kv bucket, on GPU over pages JAX's Pallas paged-attention kernel, 16 steps per
+call. One compiled ``generate`` serves every
 length; ``kv_buckets`` only add static upper bounds (default: just ``max_len`` where the attention
 reads each slot up to its own position; for the dense read, powers of two from 64 up to
 ``max_len``, so a step reads the cache only up to the furthest slot's bucket).
@@ -150,12 +150,14 @@ class EngineConfig:
   decode_matmul: str = "auto"  # kernels.choice.MATMUL, or "auto"
   decode_layers: str = "auto"  # kernels.choice.LAYERS ("scan" | "unrolled"), or "auto"
   decode_projections: str = "auto"  # kernels.choice.PROJECTIONS ("fused" | "separate"), or "auto"
-  kv_pages: int = 0  # paged cache: pages in the pool (0: a cache row of max_len per slot)
+  # paged cache: pages in the pool (0: a cache row of max_len per slot; -1: per platform,
+  # kernels.choice.kv_pages, which then sizes the pool by the slots; the caller keeps page tables)
+  kv_pages: int = 0
   page_size: int = 64  # positions per page of the paged cache
 
   def __post_init__(self):
     if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 0 or \
-        self.max_prefill_batch < 1 or self.kv_pages < 0 or self.page_size < 1:
+        self.max_prefill_batch < 1 or self.kv_pages < -1 or self.page_size < 1:
       raise ValueError(f"invalid engine config {self}")
 
 
@@ -168,14 +170,21 @@ class DecodeEngine:
     self.mesh = mesh or sharding.make_mesh({}, jax.devices()[:1])
     # the kernels (and steps per call) for this mesh's platform: ``kernels.choice``
     self.platform = platform = choice.platform_of(self.mesh)
-    self.attention_impl = choice.attention(platform, config.decode_attention)
+    # slots split over devices: sharding.spec names the axes (None: not split)
+    slots_split = sharding.spec(("cache_batch",), (config.num_slots,), self.mesh)[0] is not None
+    # the paged cache's pool (kv_pages -1: the platform's choice, a pool that follows the slots)
+    kv_pages = choice.kv_pages(platform, config.kv_pages, config.decode_attention, slots_split,
+                               config.num_slots, config.max_len, config.page_size)
+    self.pool_follows_slots = config.kv_pages < 0 < kv_pages
+    self.attention_impl = choice.attention(platform, config.decode_attention, paged=kv_pages > 0)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers,
-                                     paged=config.kv_pages > 0, attention_impl=self.attention_impl)
+                                     paged=kv_pages > 0, attention_impl=self.attention_impl)
     # XLA options of the programs that run the model's matmuls (prefill, generate, continuation)
     self.compiler_options = choice.compiler_options(self.matmul_impl)
     self.config = config = dataclasses.replace(
-        config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform))
+        config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform),
+        kv_pages=kv_pages)
     # The weights as the engine holds them (``held_weights``): fused projections or not
     # (``choice.projections``), compute dtype, stacked in scan mode or packed for the CPU kernel;
     # ``param_shardings`` is what callers pass to ``put_params``, ``held_shardings`` what the
@@ -190,9 +199,8 @@ class DecodeEngine:
     # the layers in a scan: static structure of one layer and of the rest (``decode_scan``)
     self._scan = decode_scan.graphs(self.weights.cfg) if self.layers_impl == "scan" else None
     self.paged = config.kv_pages > 0
-    if self.paged:  # slots split over devices: sharding.spec names the axes (None: not split)
-      pages_lib.check(sharding.spec(("cache_batch",), (config.num_slots,), self.mesh)[0]
-                      is not None, config)
+    if self.paged:
+      pages_lib.check(slots_split, config)
     self.prefill_buckets = _buckets(config.prefill_buckets, config.max_len - 1, 32)
     # several kv buckets where a step reads up to the bound, not each slot up to its position
     dense = choice.reads_to_bound(self.attention_impl, self.layers_impl, config.max_len,

@@ -50,6 +50,7 @@ class SamplerPlan:
   budget_bytes: int | None
   resident_budget: int | None = None  # colocated: what the learner's peak leaves
   kv_pages: int = 0  # a paged cache's pages (its state is the pool, not slots x max_len)
+  pool_follows_slots: bool = False  # the pool was sized by the slots (kv_pages -1): fewer shrink it
 
   @property
   def resident_bytes(self) -> int:
@@ -121,7 +122,7 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
       lora_base=sharding.device_bytes(base) if base is not None and not shared_base else 0,
       state=sharding.device_bytes(state), generate_temp=gen_temp, prefill=pre_temp + pre_out,
       num_slots=c.num_slots, budget_bytes=budget_bytes, resident_budget=resident_budget,
-      kv_pages=c.kv_pages)
+      kv_pages=c.kv_pages, pool_follows_slots=engine.pool_follows_slots)
 
 
 def check(engine, budget_bytes: int | None, resident_budget: int | None = None,
@@ -142,7 +143,7 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
   holder = make(num_slots)
   first = p = plan(holder.engine, **budget)
   max_len, mesh = holder.engine.config.max_len, holder.engine.mesh
-  if p.kv_pages and not p.fits:  # paged: the pool, not the slots, is what to lower
+  if p.kv_pages and not p.pool_follows_slots and not p.fits:  # the pool is what to lower
     raise _too_big(first, max_len, mesh, min_slots)
   for _ in range(4):  # slots_that_fit extrapolates: a second look settles it
     if p.fits:
@@ -164,7 +165,7 @@ def _too_big(p: SamplerPlan, max_len: int, mesh, min_slots: int = 1) -> MemoryEr
   need = f" (at least {min_slots} needed: rollout.n_samples)" if min_slots > 1 else ""
   prefill = (" Most of it is the prefill call: lower the largest of rollout.prefill_buckets."
              if p.prefill > p.state + p.generate_temp else "")
-  if p.kv_pages:
+  if p.kv_pages and not p.pool_follows_slots:
     return MemoryError(
         f"sampler memory plan: does not fit: {p.summary()}. Lower rollout.kv_pages (now "
         f"{p.kv_pages}: the paged KV cache's pool), or give the sampler more devices "

@@ -32,7 +32,8 @@ Continuation modes:
   * ``"reprefill"``: every in-flight sequence is re-prefilled (prompt + generated so far) under the
     new weights, so tokens after the swap carry exactly the new weights' logprobs.
 
-Paged KV cache (``kv_pages > 0``; ``pages``, ``paging``): slots take pages as they grow, a group's
+Paged KV cache (``kv_pages > 0``, or the default -1 on GPU: ``kernels.choice.kv_pages``;
+``pages``, ``paging``): slots take pages as they grow, a group's
 samples share their prompt's full pages; when the pool runs out, the sequences admitted last are
 preempted and later re-prefilled (prompt + generated so far) into a free slot, keeping their
 tokens, logprobs and versions and drawing what they would have drawn (same keys and positions).
@@ -74,9 +75,11 @@ class JaxRolloutEngine(RolloutEngine):
                max_stop_ids: int = 8, cache_dtype: str | None = None, params: Any = None,
                version: int = 0, decode_attention: str = "auto", decode_matmul: str = "auto",
                decode_layers: str = "auto", decode_projections: str = "auto", lora=None,
-               kv_pages: int = 0, page_size: int = 64, output=None):
-    """``output``: where finished samples go (anything with ``put``; default: this engine's own
-    queue, drained by ``poll``): ``replicas`` routes several engines' samples to one queue."""
+               kv_pages: int = -1, page_size: int = 64, output=None):
+    """``kv_pages``: the paged cache's pool (0: rows; -1: the platform's choice,
+    ``kernels.choice.kv_pages``: paged on GPU). ``output``: where finished samples go (anything
+    with ``put``; default: this engine's own queue, drained by ``poll``): ``replicas`` routes
+    several engines' samples to one queue."""
     if continuation not in CONTINUATION_MODES:
       raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
     self.continuation = continuation
@@ -87,6 +90,7 @@ class JaxRolloutEngine(RolloutEngine):
         decode_layers=decode_layers, decode_projections=decode_projections, kv_pages=kv_pages,
         page_size=page_size), mesh, lora=lora)
     # a paged cache's page table and preempted sequences (host side); None: a row per slot
+    kv_pages = self.engine.config.kv_pages  # (-1 resolved)
     self._paging = paging.Paging(PageTable(num_slots, kv_pages, page_size, max_len),
                                  self.engine.config.steps_per_call) if kv_pages else None
     self._admissions = 0

@@ -27,6 +27,38 @@ def test_config_beats_environment_beats_platform(monkeypatch):
   assert choice.attention("gpu") == "dense"
 
 
+def test_the_gpu_pages_its_cache_where_the_pallas_kernel_reads_the_pages(monkeypatch):
+  """kv_pages -1 ("auto"): on GPU a pool of each slot's row of pages and one more, read by the
+  Pallas GPU kernel (the attention's default there over pages); rows elsewhere, with the dense
+  read forced, with the slots split over devices, or pages the kernel cannot block."""
+  for env in (choice.ATTENTION_ENV, choice.PAGED_ENV):
+    monkeypatch.delenv(env, raising=False)
+  kw = dict(num_slots=8, max_len=100, page_size=64)  # 2 pages a row
+
+  def pages(platform, requested=-1, attention="auto", split=False, **over):
+    return choice.kv_pages(platform, requested, attention, split, **{**kw, **over})
+  assert pages("gpu") == pages("gpu", attention="pallas_gpu") == 8 * (2 + 1)
+  assert pages("gpu", attention="dense") == 0  # the dense read over pages measured slower
+  assert pages("gpu", split=True) == 0  # a paged cache is not split over slots
+  assert pages("gpu", page_size=8) == 0  # the kernel's blocks are 16 positions or more
+  assert pages("cpu") == pages("tpu") == 0
+  assert pages("gpu", 0) == 0 and pages("cpu", 40) == 40 and pages("gpu", 40, split=True) == 40
+  assert choice.attention("gpu", paged=True) == "pallas_gpu" and choice.attention("gpu") == "dense"
+  assert choice.attention("tpu", paged=True) == "dense"
+  assert choice.attention("gpu", "dense", paged=True) == "dense"
+  monkeypatch.setenv(choice.ATTENTION_ENV, "dense")
+  assert pages("gpu") == 0
+  monkeypatch.delenv(choice.ATTENTION_ENV)
+  monkeypatch.setenv(choice.PAGED_ENV, "1")  # the GPU's choice on any platform (tests)
+  assert pages("cpu") == 24 and pages("cpu", page_size=8) == 8 * (13 + 1)
+  assert pages("cpu", split=True) == 0
+  monkeypatch.setenv(choice.PAGED_ENV, "0")
+  assert pages("gpu") == 0 and pages("gpu", 40) == 40
+  monkeypatch.setenv(choice.PAGED_ENV, "yes")
+  with pytest.raises(ValueError, match=r"\$AREAL_JAX_PAGED_CACHE='yes'"):
+    pages("gpu")
+
+
 def test_bad_choices_name_the_setting(monkeypatch):
   with pytest.raises(ValueError, match="decode_attention='flash'"):
     choice.attention("cpu", "flash")

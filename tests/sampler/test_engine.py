@@ -435,20 +435,34 @@ def test_a_paged_cache_needs_one_slot_split_and_room_for_a_sequence(model):
 
 def test_on_a_gpu_the_layers_default_to_unrolled_also_with_a_paged_cache(model, monkeypatch):
   """A GPU engine left to choose runs the layers unrolled (XLA:GPU copies a scanned layer's weight
-  and cache slices every step), over a cache row per slot or a paged cache's pools alike; the
-  platform forced here, XLA's matmuls asked for (the GPU default's options are for a GPU
-  compiler)."""
+  and cache slices every step), over a cache row per slot (the dense read) or a paged cache's
+  pools (the Pallas GPU kernel reads them in place) alike; kv_pages -1 pages it, a pool of each
+  slot's row of pages and one more; the platform forced here, XLA's matmuls asked for (the GPU
+  default's options are for a GPU compiler)."""
   from areal_jax.kernels import choice
   monkeypatch.setattr(choice, "platform_of", lambda mesh: "gpu")
-  for env in (choice.LAYERS_ENV, choice.ATTENTION_ENV):
+  for env in (choice.LAYERS_ENV, choice.ATTENTION_ENV, choice.PAGED_ENV):
     monkeypatch.delenv(env, raising=False)
   rows = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, decode_matmul="xla"))
   paged = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=8, page_size=16,
                                            decode_matmul="xla"))
-  assert (rows.layers_impl, rows.attention_impl) == ("unrolled", "dense")
-  assert (paged.layers_impl, paged.attention_impl) == ("unrolled", "dense")
+  auto = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=-1, page_size=16,
+                                          decode_matmul="xla"))
+  assert (rows.layers_impl, rows.attention_impl, rows.paged) == ("unrolled", "dense", False)
+  assert (paged.layers_impl, paged.attention_impl) == ("unrolled", "pallas_gpu")
+  assert (auto.layers_impl, auto.attention_impl, auto.config.kv_pages) == \
+      ("unrolled", "pallas_gpu", 2 * (4 + 1)) and auto.pool_follows_slots
+  assert not paged.pool_follows_slots and not rows.pool_follows_slots
   assert len(rows.init_state()["cache"]) == model.cfg.n_layers  # per-layer caches
   assert paged.init_state()["cache"]["k"].shape[:3] == (model.cfg.n_kv_heads, model.cfg.n_layers, 9)
+  forced_dense = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=-1,
+                                                  decode_attention="dense", decode_matmul="xla"))
+  assert not forced_dense.paged and forced_dense.attention_impl == "dense"
+  if len(jax.devices()) >= 2:  # slots split over a data axis: rows, not an error
+    split = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=-1,
+                                             decode_matmul="xla"),
+                         sharding.make_mesh({"data": 2}, jax.devices()[:2]))
+    assert not split.paged and split.attention_impl == "dense"
 
 
 def test_on_a_tpu_the_layers_default_to_unrolled_with_one_scatter_per_layer(model, monkeypatch):

@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from areal_jax import sharding
+from areal_jax.kernels import choice
 from areal_jax.sampler import memory
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 
@@ -150,3 +151,25 @@ def test_a_paged_cache_is_planned_as_its_pool_not_its_slots():
     memory.fit(lambda n: made.append(n) or types.SimpleNamespace(engine=engine(n)), 16,
                budget_bytes=p.peak_bytes - 1)
   assert made == [16]  # no smaller slot count tried
+
+
+def test_a_pool_sized_by_the_slots_shrinks_with_them(monkeypatch):
+  """kv_pages -1 where the platform pages (the GPU's choice, forced on CPU): the pool follows the
+  slots, so a plan that does not fit is met with fewer slots (and their smaller pool), as rows."""
+  monkeypatch.setenv(choice.PAGED_ENV, "1")
+
+  def engine(slots):
+    return DecodeEngine(tiny_model(0), EngineConfig(
+        num_slots=slots, max_len=64, prefill_buckets=(16,), kv_pages=-1, page_size=16,
+        decode_layers="scan", decode_matmul="xla"))
+  eng = engine(16)
+  assert eng.paged and eng.pool_follows_slots and eng.config.kv_pages == 16 * (4 + 1)
+  p = memory.plan(eng, None)
+  assert p.pool_follows_slots and f"{16 * 5} pages" in p.summary()
+  made = []
+  holder, fitted = memory.fit(lambda n: made.append(n) or types.SimpleNamespace(engine=engine(n)),
+                              16, budget_bytes=p.peak_bytes - p.state // 2)
+  assert fitted.fits and made[0] == 16 and 0 < fitted.num_slots < 16
+  assert holder.engine.config.kv_pages == fitted.num_slots * 5 and fitted.state < p.state
+  with pytest.raises(MemoryError, match="lower rollout.num_slots"):
+    memory.check(eng, p.peak_bytes - 1)

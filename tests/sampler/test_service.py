@@ -289,6 +289,39 @@ def test_a_paged_cache_preempts_and_resumes_to_the_same_samples(model):
     np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
 
 
+def test_the_platforms_paged_cache_admits_as_rows_do_and_never_preempts(model, monkeypatch):
+  """kv_pages -1 where the platform pages (the GPU's choice, forced on CPU, through the Pallas GPU
+  kernel in interpret mode): a pool of every slot's row of pages and one more. Groups fill every
+  slot, sequences run to the end of the cache: nothing is preempted, the decode calls are the
+  ones a cache of rows (dense read) makes (admission never waited for pages), and every sample
+  is the same."""
+  def run(**kw):
+    eng = _engine(model, num_slots=4, steps_per_call=4, eos_token_ids=(), **kw)
+    eng.start()
+    try:
+      for g in range(5):  # 10 samples over 4 slots: groups wait for slots, not for pages
+        prompt = [(g * 11 + i) % 120 + 1 for i in range(3 + 9 * g)]
+        eng.submit(GroupRequest(g, prompt, n=2, params=SamplingParams(
+            temperature=1.0, max_new_tokens=64 - len(prompt) if g % 2 else 12 + g, seed=g)))
+      return {(s.group_id, s.index): s for s in _collect(eng, 10)}, eng
+    finally:
+      eng.stop()
+
+  rows, rows_eng = run(kv_pages=0, decode_attention="dense")
+  monkeypatch.setenv("AREAL_JAX_PAGED_CACHE", "1")
+  monkeypatch.setenv("AREAL_JAX_DECODE_ATTENTION", "pallas_gpu")
+  paged, eng = run(page_size=16)  # kv_pages: the default, -1
+  assert eng.engine.paged and eng.engine.attention_impl == "pallas_gpu"
+  assert eng.engine.config.kv_pages == 4 * (64 // 16 + 1) and not rows_eng.engine.paged
+  assert eng.stats["preempted"] == 0 and eng.stats["calls"] == rows_eng.stats["calls"] > 0
+  assert max(len(s.tokens) + 3 + 9 * g for (g, _), s in paged.items()) == 64  # a row's end
+  for key, ref in rows.items():
+    got = paged[key]
+    assert got.tokens == ref.tokens and got.versions == ref.versions
+    assert got.finish_reason == ref.finish_reason == "length"
+    np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
+
+
 def test_aborting_a_group_with_preempted_samples_gives_every_page_back(model):
   """Four samples growing in a pool that holds one sequence: some are preempted; aborting the group
   ends all four (each once), every page comes back, and the pool then serves a new group."""
