@@ -4,29 +4,28 @@
 # The whole script keeps to $ACC_DEADLINE seconds (default 560: one device call may run 600 s);
 # each step gets its own limit or what is left, whichever is less, and a step with under 30 s left
 # is skipped (its log line says so), so one that hangs or fails leaves the others' results.
-# At most 8 files land in $OUT (what one device call brings back). JAX_LOG_COMPILES is on and the
-# decode programs' compile times are kept in the log: on an H100 (bench/results/h100-2026-11-27)
-# no program at the 1.5B shape compiled within 60-170 s, the floor loop then holding its weights
-# as 3 GB of constants in its program (now arguments; compiled for an H100 on a CPU with
-# bench/aot_decode.py the 1.5B programs take 2-16 s without autotuning).
+# At most 8 files land in $OUT (what one device call brings back; 7 here and the caller's log).
+# JAX_LOG_COMPILES is on and the decode programs' compile times are kept in the log: on an H100 in
+# session 27 (bench/results/h100-2026-11-27-s27) every program compiled in 1-9 s and the whole
+# script ran in 204 s; in session 21 (bench/results/h100-2026-11-27) no program at the 1.5B shape
+# compiled within 60-170 s, the floor loop then holding its weights as 3 GB of constants.
 # 1. Qwen2.5-1.5B shape (128 slots, context 512): bench/sampler.py --decode-only as shipped (on a
-#    GPU: the layers unrolled, decode_matmul 'blas', the library's GEMMs with no autotuning; the
-#    floor loop's program gets the same options), the issue's keys (floor_ratio, hbm_roofline_frac);
-# 2. the same shape under several kernel choices with 'blas' (bench/decode_variants.py): unrolled
-#    against the scan (which copies each layer's weights and cache slice every step), with a
-#    profiler trace of the first summarized per kernel (bench/trace_top.py);
-# 3. SmolLM2-135M shape (64 slots, context 128): variants, XLA's autotuned GEMMs against 'blas';
-#    then the 'blas' default without its query groups padded to 8 rows (kernels.choice.query_rows);
-# 4. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
+#    GPU: a paged cache read by JAX's Pallas paged-attention kernel, the layers unrolled,
+#    decode_matmul 'blas'; the floor loop's program gets the same matmul options), the issue's keys;
+# 2. the same shape under several choices (bench/decode_variants.py): the paged default against
+#    the dense read over rows, XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
+# 3. the Pallas kernel's pages per block ($AREAL_JAX_PALLAS_GPU_BLOCK_PAGES) 2 and 4 against 1;
+# 4. SmolLM2-135M shape (64 slots, context 128): the same choices;
+# 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the issue's "today");
-# 5. the 1.5B shape with XLA's autotuned GEMMs (decode_matmul 'xla': minutes per program on an
-#    H200) with the time left.
+# 6. bench/sampler.py --quick (the service's continuous batching over the paged default) with the
+#    time left.
 set -u
 OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/bench"
 export JAX_COMPILATION_CACHE_DIR=$(mktemp -d) JAX_LOG_COMPILES=1
 BIG=${ACC_BIG:-qwen2.5-1.5b}
-keep() { grep -v -E "Warning|warnings.warn" | grep -E "ms/step|read |first call| s |error|Error|bench took|decode at|Finished XLA compilation of jit\((fn|<lambda>)\)|Compiling jit\((fn|<lambda>)\)" | cut -c1-220; }
+keep() { grep -v -E "Warning|warnings.warn" | grep -E "ms/step|tok/s|read |first call| s |error|Error|bench took|decode at|Finished XLA compilation of jit\((fn|<lambda>)\)|Compiling jit\((fn|<lambda>)\)" | cut -c1-220; }
 log() { echo "=== $(date +%T) $*"; }
 DEADLINE=${ACC_DEADLINE:-560}
 # limit SECS: prints the step's time limit (SECS or what is left before DEADLINE, less 10 s);
@@ -42,20 +41,21 @@ log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --for
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
-log variants "$BIG" blas; t=$(limit 150) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants dense:unrolled:16:blas,dense:scan:16:blas,dense:unrolled:16:separate:blas,pallas_gpu:unrolled:16:blas:paged \
-  --trace "$OUT/trace" --json "$OUT/variants_big_blas.json" 2>&1 | keep
+log variants "$BIG"; t=$(limit 120) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
+  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
+  --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
+for b in 2 4; do
+  log "$BIG" Pallas kernel $b pages a block; t=$(limit 45) && AREAL_JAX_PALLAS_GPU_BLOCK_PAGES=$b timeout "$t" \
+    python3 bench/decode_variants.py --model="$BIG" --reps 3 --no-floor --variants pallas_gpu:unrolled:16:blas:paged \
+    --json "$OUT/variants_big_block$b.json" 2>&1 | keep
+done
 log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants dense:unrolled:16:blas,dense:unrolled:16:xla,dense:scan:16:blas,dense:scan:16:xla,pallas_gpu:scan:16:blas \
+  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
   --floor-matmul blas --json "$OUT/variants_smollm2.json" 2>&1 | keep
-log variants smollm2 query groups unpadded; t=$(limit 45) && AREAL_JAX_DECODE_QUERY_ROWS=1 timeout "$t" \
-  python3 bench/decode_variants.py --model=smollm2-135m --reps 5 --no-floor --variants dense:unrolled:16:blas \
-  --json "$OUT/variants_smollm2_rows1.json" 2>&1 | keep
 if [ -n "${1:-}" ]; then
   log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
     --no-floor --model=smollm2-135m --variants x:x:1 --json "$OUT/legacy_smollm2.json" 2>&1 | keep
 fi
-log sampler "$BIG" xla; t=$(limit 300) && AREAL_JAX_DECODE_MATMUL=xla timeout "$t" python3 bench/sampler.py \
-  --decode-only --model="$BIG" --json "$OUT/sampler_big_xla.json" 2>&1 | keep
+log sampler quick; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --quick 2>&1 | keep
 rm -rf "$JAX_COMPILATION_CACHE_DIR"; log done; ls -la "$OUT"

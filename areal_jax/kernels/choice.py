@@ -137,6 +137,7 @@ PROJECTIONS_ENV = "AREAL_JAX_DECODE_PROJECTIONS"
 HELD_LAYOUTS_ENV = "AREAL_JAX_HELD_LAYOUTS"
 QUERY_ROWS_ENV = "AREAL_JAX_DECODE_QUERY_ROWS"
 PAGED_ENV = "AREAL_JAX_PAGED_CACHE"
+BLOCK_PAGES_ENV = "AREAL_JAX_PALLAS_GPU_BLOCK_PAGES"
 HELD_LAYOUTS = ("compiler", "default")
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
               "gpu": ("xla", "dense", "pallas_gpu"), "tpu": ("xla", "dense", "pallas_tpu")}
@@ -229,6 +230,19 @@ def kv_pages(platform: str, requested: int, attention_requested: str, slots_spli
   if not wanted or slots_split:
     return 0
   return num_slots * (-(-max_len // page_size) + 1)
+
+
+def pallas_gpu_block_pages() -> int:
+  """Pages the Pallas GPU paged-attention kernel reads per step of its loop over a sequence's
+  part (``pages_per_compute_block``; the most that divides the part, ``pallas_attention.paged``):
+  1, as measured on the H100 (the kernel 61 us a layer at the Qwen2.5-1.5B shape, ~55% of the
+  read probe's bandwidth for its keys and values, ``bench/results/h100-2026-11-27-s27``); larger
+  blocks: not measured yet. ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` sets it (read when a program
+  is traced; ``bench/accelerator_check.sh`` times 1, 2 and 4)."""
+  forced = os.environ.get(BLOCK_PAGES_ENV, "")
+  if forced and (not forced.isdigit() or int(forced) < 1):
+    raise ValueError(f"${BLOCK_PAGES_ENV}={forced!r}: expected a positive integer")
+  return int(forced or 1)
 
 
 def check_attention(impl: str, layers: str, cache_dtype, max_len: int, head_dim: int,

@@ -84,13 +84,17 @@ def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, 
                               layer, pos_B, cache_axes)
 
 
-def paged(q_NxHxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool = False):
+def paged(q_NxHxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool = False,
+          block_pages: int = 1):
   """JAX's paged GPU kernel on N sequences' queries ``[N, H, D]`` over a pool
   ``[Kp, pages, page, D]`` (H a multiple of Kp) and their page tables
-  ``[N, pages per sequence]``."""
+  ``[N, pages per sequence]``: each sequence's pages split into up to 16 parts, each part read
+  ``block_pages`` pages (at most; the most that divides the part) at a time."""
   del page
   n = pages_NxP.shape[1]
-  k_splits = math.gcd(n, 16)  # pages per part: n / k_splits, one page per block
+  k_splits = math.gcd(n, 16)  # pages per part: n / k_splits
+  part = n // k_splits
+  per_block = max(b for b in range(1, min(block_pages, part) + 1) if part % b == 0)
   return pallas_paged.paged_attention(q_NxHxD, k_pool, v_pool, pages_NxP, lengths_N,
-                                      block_h=16, pages_per_compute_block=1, k_splits=k_splits,
-                                      interpret=interpret)
+                                      block_h=16, pages_per_compute_block=per_block,
+                                      k_splits=k_splits, interpret=interpret)

@@ -57,3 +57,21 @@ def test_every_form_reads_each_rows_pages(impl, dtype, split):
   out = jax.jit(fn)(jnp.asarray(q), k, v, jnp.asarray(table), jnp.asarray(pos))
   ref = _reference(q, [np.asarray(x.astype(jnp.float32)) for x in (k, v)], table, pos, 1)
   np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6)
+
+
+@pytest.mark.parametrize("block_pages", ["3", "4"])
+def test_the_gpu_kernel_reads_several_pages_a_block_alike(block_pages, monkeypatch):
+  """$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES: the Pallas GPU kernel's pages per block (the most that
+  divides a part: rows of 9 table entries are one part, read 3 pages a block for 3 and 4); the
+  entries past each row's pages point at the trash page. The reference's output."""
+  monkeypatch.setenv("AREAL_JAX_PALLAS_GPU_BLOCK_PAGES", block_pages)
+  q, pools, table, pos = _case()
+  table = np.concatenate([table, np.full((3, 5), 8, np.int32)], axis=1)  # 9 entries a row
+  k, v = (jnp.asarray(p) for p in pools)
+  out = jax.jit(lambda *a: attention.decode_attention_paged(*a[:3], 1, *a[3:], 72, "pallas_gpu"))(
+      jnp.asarray(q), k, v, jnp.asarray(table), jnp.asarray(pos))
+  np.testing.assert_allclose(np.asarray(out), _reference(q, pools, table, pos, 1), atol=2e-6)
+  monkeypatch.setenv("AREAL_JAX_PALLAS_GPU_BLOCK_PAGES", "0")
+  with pytest.raises(ValueError, match="AREAL_JAX_PALLAS_GPU_BLOCK_PAGES='0'"):
+    attention.decode_attention_paged(jnp.asarray(q), k, v, 1, jnp.asarray(table),
+                                     jnp.asarray(pos), 72, "pallas_gpu")
