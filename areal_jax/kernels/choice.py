@@ -51,10 +51,11 @@ out at each call's entry and exit), and the unrolled program compiled in 5-10 s 
 scanned one's 5-16 s (three runs); at the SmolLM2 shape 0.8 GB against 0.1 MB for 459 MB to
 read. Measured at the SmolLM2 shape (64 slots, context 128): unrolled 1.70 ms a step against the
 scan's 1.89 ms on an H100 (``"blas"``), 1.50 against 1.95 ms on an H200 (XLA's matmuls); at the
-1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms. At the 1.5B shape on an H100
-with ``"blas"`` (session 27): unrolled 5.05 against the scan's 5.33 ms. The TPU default is ``"unrolled"`` too (``"scan"`` with a
-paged cache or the Pallas TPU kernel), its per-layer cache positions first and written by one
-scatter a layer (``heads_major_per_layer``, ``scatter_cache_writes``); compiled for one TPU v5e
+1.5B shape on the H200, with XLA's untuned matmuls only, 35.3 against 36.8 ms; at the 1.5B shape
+on an H100 with ``"blas"`` (session 27) 5.05 against 5.33 ms. The TPU default is ``"unrolled"``
+too (``"scan"`` with a paged cache or the Pallas TPU kernel), its per-layer cache positions
+first and written by one scatter a layer (``heads_major_per_layer``, ``scatter_cache_writes``);
+compiled for one TPU v5e
 chip (libtpu, no TPU: ``bench/results/cpu-aot-tpu-v5e-2026-11-27``) at the 1.5B shape the scanned
 step copies 5.2 GB a step (each layer's keys and values, relaid out, at every layer and step), the
 unrolled one with per-row writes 0.3 GB but as ~59,000 operations a step (each layer's write a loop
@@ -138,6 +139,7 @@ HELD_LAYOUTS_ENV = "AREAL_JAX_HELD_LAYOUTS"
 QUERY_ROWS_ENV = "AREAL_JAX_DECODE_QUERY_ROWS"
 PAGED_ENV = "AREAL_JAX_PAGED_CACHE"
 BLOCK_PAGES_ENV = "AREAL_JAX_PALLAS_GPU_BLOCK_PAGES"
+PALLAS_GPU_PAGE = 16  # positions a page of the Pallas GPU kernel is a multiple of (its blocks)
 HELD_LAYOUTS = ("compiler", "default")
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
               "gpu": ("xla", "dense", "pallas_gpu"), "tpu": ("xla", "dense", "pallas_tpu")}
@@ -186,7 +188,8 @@ def _requested(requested: str, env: str, valid: tuple[str, ...], what: str) -> s
 
 def attention(platform: str, requested: str = "auto", paged: bool = False) -> str:
   """The decode attention to run on ``platform`` (see the module docstring; ``paged``: over a
-  paged KV cache)."""
+  paged KV cache whose pages the Pallas GPU kernel can read, a multiple of ``PALLAS_GPU_PAGE``
+  positions)."""
   value = _requested(requested, ATTENTION_ENV, ATTENTION, "decode_attention")
   if value == "auto":
     if platform == "cpu":
@@ -226,7 +229,7 @@ def kv_pages(platform: str, requested: int, attention_requested: str, slots_spli
     raise ValueError(f"${PAGED_ENV}={forced!r}: expected 0 or 1")
   attention_value = _requested(attention_requested, ATTENTION_ENV, ATTENTION, "decode_attention")
   wanted = (forced == "1" if forced else platform == "gpu"
-            and attention_value in ("auto", "pallas_gpu") and page_size % 16 == 0)
+            and attention_value in ("auto", "pallas_gpu") and page_size % PALLAS_GPU_PAGE == 0)
   if not wanted or slots_split:
     return 0
   return num_slots * (-(-max_len // page_size) + 1)
@@ -406,9 +409,10 @@ def query_rows(cache_dtype) -> int:
   take the group as it is (there the padding added 30 launches a step at the SmolLM2 shape), nor
   on TPU (compiled for a v5e chip at the SmolLM2 shape it copied 23.1 MB a step against 20.9 MB
   unpadded) or CPU. Run time on an H100 (SmolLM2 shape, ``"blas"``, session 27): padded 1.75 and
-1.62 ms a step in two processes, unpadded 1.65 ms in a third: no difference beyond that noise. ``$AREAL_JAX_DECODE_QUERY_ROWS`` forces the
-  multiple (1: no padding), read when a program is traced (set it before the process builds its
-  engines: compiled programs are shared by engines of one configuration)."""
+  1.62 ms a step in two processes, unpadded 1.65 ms in a third: no difference beyond that noise.
+  ``$AREAL_JAX_DECODE_QUERY_ROWS`` forces the multiple (1: no padding), read when a program is
+  traced (set it before the process builds its engines: compiled programs are shared by engines of
+  one configuration)."""
   forced = os.environ.get(QUERY_ROWS_ENV, "")
   if forced:
     if not forced.isdigit() or int(forced) < 1:

@@ -30,7 +30,8 @@ once per weight version in ``put_params``) and the cache stacked ``[n_layers, sl
 max_len, head_dim]`` (heads before positions, so decode attention reads it without a transposed
 copy). Paged (``kv_pages > 0``, or -1 where the platform picks paging, ``choice.kv_pages``:
 on GPU; slots not split over devices; the layers unrolled, over the per-layer weights with a
-static layer index, ``decode_scan.extend_unrolled``, or in a scan): the cache is a pool of pages ``[kv_heads, n_layers, kv_pages + 1, page_size, head_dim]`` (the last page takes
+static layer index, ``decode_scan.extend_unrolled``, or in a scan): the cache is a pool of
+pages ``[kv_heads, n_layers, kv_pages + 1, page_size, head_dim]`` (the last page takes
 the writes of inactive slots and unheld positions) and the caller passes each slot's page table
 (``sampler.pages``) to ``insert`` and ``generate``; a group's slots may share their prompt's pages,
 ``move`` leaves the cache alone, and decode attention reads the pages in place (Pallas kernels) or
@@ -176,7 +177,9 @@ class DecodeEngine:
     kv_pages = choice.kv_pages(platform, config.kv_pages, config.decode_attention, slots_split,
                                config.num_slots, config.max_len, config.page_size)
     self.pool_follows_slots = config.kv_pages < 0 < kv_pages
-    self.attention_impl = choice.attention(platform, config.decode_attention, paged=kv_pages > 0)
+    self.attention_impl = choice.attention(  # the Pallas GPU kernel where it reads the pages
+        platform, config.decode_attention,
+        paged=kv_pages > 0 and config.page_size % choice.PALLAS_GPU_PAGE == 0)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers,
                                      paged=kv_pages > 0, attention_impl=self.attention_impl)

@@ -455,6 +455,9 @@ def test_on_a_gpu_the_layers_default_to_unrolled_also_with_a_paged_cache(model, 
   assert not paged.pool_follows_slots and not rows.pool_follows_slots
   assert len(rows.init_state()["cache"]) == model.cfg.n_layers  # per-layer caches
   assert paged.init_state()["cache"]["k"].shape[:3] == (model.cfg.n_kv_heads, model.cfg.n_layers, 9)
+  small_pages = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=16,
+                                                 page_size=8, decode_matmul="xla"))
+  assert small_pages.attention_impl == "dense"  # pages of 8: under the kernel's 16-position blocks
   forced_dense = DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, kv_pages=-1,
                                                   decode_attention="dense", decode_matmul="xla"))
   assert not forced_dense.paged and forced_dense.attention_impl == "dense"
