@@ -314,7 +314,8 @@ def main():
   for label, r in ((label, dec[key]) for label, key in labels if key in dec):
     print(f"{args.model:>13} decode at {r['slots']} slots, context {r['context']}, {label} "
           f"({r['decode_attention']} attention{', paged' if r.get('kv_pages') else ''}, "
-          f"{r['decode_matmul']} matmuls, {r['steps_per_call']} steps/call): {r['step_ms']:.2f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
+          f"{r['decode_matmul']} matmuls, {r['steps_per_call']} steps/call): "
+          f"{r['step_ms']:.2f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
           f"{r['ideal_step_ms']:.2f} ms ({r['bound']}-bound: {r['gflop_per_step']:.1f} GFLOP, "
           f"{r['bytes_per_step_MB']:.0f} MB) -> {100 * r['roofline_frac']:.0f}% of roofline; "
           f"floor loop {r['floor_step_ms']:.2f} ms/step, ratio {r['floor_ratio']:.2f}"

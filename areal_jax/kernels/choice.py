@@ -203,6 +203,12 @@ def attention(platform: str, requested: str = "auto", paged: bool = False) -> st
   return value
 
 
+def pallas_gpu_reads(page_size: int) -> bool:
+  """Whether the Pallas GPU paged kernel can read pages of ``page_size`` positions (a multiple of
+  ``PALLAS_GPU_PAGE``, its blocks)."""
+  return page_size % PALLAS_GPU_PAGE == 0
+
+
 def kv_pages(platform: str, requested: int, attention_requested: str, slots_split: bool,
              num_slots: int, max_len: int, page_size: int) -> int:
   """Pages in an engine's paged KV cache pool (0: no paging, a cache row of ``max_len`` per slot):
@@ -229,7 +235,7 @@ def kv_pages(platform: str, requested: int, attention_requested: str, slots_spli
     raise ValueError(f"${PAGED_ENV}={forced!r}: expected 0 or 1")
   attention_value = _requested(attention_requested, ATTENTION_ENV, ATTENTION, "decode_attention")
   wanted = (forced == "1" if forced else platform == "gpu"
-            and attention_value in ("auto", "pallas_gpu") and page_size % PALLAS_GPU_PAGE == 0)
+            and attention_value in ("auto", "pallas_gpu") and pallas_gpu_reads(page_size))
   if not wanted or slots_split:
     return 0
   return num_slots * (-(-max_len // page_size) + 1)

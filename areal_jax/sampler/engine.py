@@ -179,7 +179,7 @@ class DecodeEngine:
     self.pool_follows_slots = config.kv_pages < 0 < kv_pages
     self.attention_impl = choice.attention(  # the Pallas GPU kernel where it reads the pages
         platform, config.decode_attention,
-        paged=kv_pages > 0 and config.page_size % choice.PALLAS_GPU_PAGE == 0)
+        paged=kv_pages > 0 and choice.pallas_gpu_reads(config.page_size))
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers,
                                      paged=kv_pages > 0, attention_impl=self.attention_impl)
