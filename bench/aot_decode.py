@@ -39,7 +39,9 @@ import dataclasses
 import os
 import pathlib
 import re
+import shutil
 import sys
+import tempfile
 import time
 
 # no GPU or TPU here: the CUDA plugin (or libtpu) is loaded for its compiler only (the plugin's
@@ -188,6 +190,22 @@ def launches(hlo: str, copies: collections.Counter | None = None) -> collections
   return counted
 
 
+def cas_kernels(dump_dir: str) -> list[str]:
+  """The kernels of the GPU programs XLA dumped to ``dump_dir`` (``xla_dump_to``) whose PTX holds a
+  compare-and-swap (``atom...cas``): memory updated by a loop of atomic retries (e.g. a bfloat16
+  scatter XLA is not told writes each element once), by ``.entry`` name."""
+  names = set()
+  for path in pathlib.Path(dump_dir).glob("*.ptx"):
+    entry = None
+    for line in path.read_text().splitlines():
+      found = re.match(r"\s*\.(?:visible\s+)?\.?entry\s+(\S+?)\(", line)
+      if found:
+        entry = found.group(1)
+      elif entry and re.search(r"\batom\.\S*cas", line):
+        names.add(entry)
+  return sorted(names)
+
+
 def target_device(target: str):
   """A compile-only device of ``target``: one chip of a TPU topology (``v5e:2x2``) or the GPU
   a file under ``bench/aot_targets`` describes (``h100``)."""
@@ -216,11 +234,13 @@ def _platform(device) -> str:
 
 
 def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, layers: str,
-             device, matmul_options, model=None, page_size: int = 0):
+             device, matmul: str, model=None, page_size: int = 0, extra_options=None):
   """``(jitted function, its abstract arguments on ``device``)``: our engine's decode call (of
   ``model``, a ``Transformer`` of ``cfg``; built when None) or the floor loop, built on the CPU and
-  re-targeted."""
+  re-targeted, compiled with ``matmul``'s options (``choice.compiler_options``) and
+  ``extra_options``."""
   from areal_jax.kernels import choice
+  matmul_options = {**(choice.compiler_options(matmul) or {}), **(extra_options or {})} or None
   abstract = lambda tree: jax.tree.map(  # noqa: E731
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(
           device)), tree)
@@ -257,7 +277,7 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
   eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
                                eng.mesh.axis_names)
   # the program's GEMMs as the options compile them (what its trace pads for: choice.query_rows)
-  eng.matmul_impl = "blas" if matmul_options else "xla"
+  eng.matmul_impl = matmul
   with choice.lowering_for(_platform(device)):
     fn = eng._make_generate(eng.kv_buckets[-1], slots).__wrapped__  # noqa: SLF001
     args = (abstract(eng.params), abstract(eng.state_shapes()))
@@ -338,6 +358,9 @@ def main():
                        "target's, choice.held_layouts)")
   ap.add_argument("--json", default=None)
   ap.add_argument("--dump", default=None, help="write each compiled program's HLO text here")
+  ap.add_argument("--atomics", action="store_true",
+                  help="a GPU's programs: name the kernels whose PTX updates memory by a "
+                       "compare-and-swap loop (XLA's dump of each compilation, read here)")
   args = ap.parse_args()
   from areal_jax.kernels import choice
   t_start = time.perf_counter()
@@ -364,11 +387,16 @@ def main():
              for matmul in matmuls
              for auto in ([h == "compiler" for h in held] if what == "ours" else [False])]
   for what, layers, matmul, auto in configs:
+    extra = {}
+    if args.atomics:  # (a directory per compilation: the last one's kernels are read)
+      dump = tempfile.mkdtemp(prefix="aot_ptx_")
+      extra = {"xla_dump_to": dump}
     fn, fargs = _program(what, cfg, slots, ctx, args.steps, args.attention, layers, device,
-                         choice.compiler_options(matmul), model, args.page_size)
+                         matmul, model, args.page_size, extra)
     found = None
     if auto:
-      fn, found = _with_auto_layouts(fn, fargs, choice.compiler_options(matmul), _platform(device))
+      fn, found = _with_auto_layouts(fn, fargs, {**(choice.compiler_options(matmul) or {}),
+                                                 **extra} or None, _platform(device))
     t0 = time.perf_counter()
     with choice.lowering_for(_platform(device)):  # Pallas kernels are traced here: compiled ones
       lowered = fn.trace(*fargs).lower(lowering_platforms=(_platform(device),))
@@ -402,11 +430,17 @@ def main():
           vocab_major_logits=choice.vocab_major_logits(platform))
       with choice.matmuls(matmul):  # (as the engine traces it: bfloat16 cache)
         row["query_rows"] = choice.query_rows(jnp.bfloat16)
+    if args.atomics:
+      row["cas_kernels"] = cas_kernels(dump)
+      shutil.rmtree(dump, ignore_errors=True)
     rows.append(row)
     print(f"{what:>6} {layers:>8} {matmul:>5}{' compiler layouts' if auto else ''}: lower {row['lower_s']:5.1f} s, compile "
           f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "
           f"{row['copied_MB_per_step']:7.1f} MB copied, matmuls {row['gemms_per_step']}\n"
           f"{'':>22}largest copies (MB a step, by result): {largest}", flush=True)
+    if args.atomics:
+      print(f"{'':>22}kernels with a compare-and-swap loop: {len(row['cas_kernels'])} "
+            f"{row['cas_kernels'][:6]}", flush=True)
     if found:
       print(f"{'':>22}the compilation that found the layouts: {found['compile_s']:.1f} s, returns the "
             f"state as it takes it: {found['reusable']}, the same program: "

@@ -35,6 +35,11 @@ from areal_jax.models.transformer import (Block, ModelConfig, Transformer, atten
                                           decode_attention, rope_tables)
 
 StackedCache = dict[str, jax.Array]  # {"k", "v"}: [n_layers, rows, Hkv, T, D]
+# The cache writes below are scatters whose indices never repeat (a row's positions, or its page
+# and offset: a group's shared pages are full ones, ``sampler.pages``), and say so
+# (``unique_indices``): XLA:GPU then stores each element, where it otherwise updates it by a
+# compare-and-swap loop on its 32-bit word (bfloat16; read off the PTX of a deviceless H100
+# compile, bench/results/cpu-aot-h100-2026-11-28).
 CACHE_AXES = (None, "cache_batch", "cache_heads", None, None)  # logical axes of the stacked cache
 
 
@@ -143,9 +148,11 @@ def _extend(run_layers, tokens_BxL, start_B, cache: StackedCache, kv_len, attent
   rows_Bx1 = jnp.arange(b)[:, None]
 
   def attend_layer(i, q, k, v, k_all, v_all):
-    # new [B, L, Hkv, D] into [i, row, :, position, :] (the indexed axes lead the value)
+    # new [B, L, Hkv, D] into [i, row, :, position, :] (the indexed axes lead the value); every
+    # (row, position) once
     k_all, v_all = (sharding.constrain(full.at[i, rows_Bx1, :, positions_BxL].set(
-        new.astype(full.dtype)), CACHE_AXES) for full, new in ((k_all, k), (v_all, v)))
+        new.astype(full.dtype), unique_indices=True), CACHE_AXES)
+                    for full, new in ((k_all, k), (v_all, v)))
     if l == 1:  # the decode attention reads layer i of the stack (the kernels' choice how)
       return decode_attention(q, k_all, v_all, start_B, t, impl=attention_impl, heads_major=True,
                               layer=i, cache_axes=CACHE_AXES), k_all, v_all
@@ -171,9 +178,10 @@ def _extend_paged(run_layers, tokens_Bx1, start_B, pool: StackedCache, kv_len: i
   offset_B = start_B % page_size
 
   def attend_layer(i, q, k, v, k_pool, v_pool):
-    # new [B, 1, Hkv, D] into [:, i, page, offset, :] (the indexed axes' [B] lands after Hkv)
+    # new [B, 1, Hkv, D] into [:, i, page, offset, :] (the indexed axes' [B] lands after Hkv);
+    # unique but in the trash page, which rows that do not write share and nothing reads
     k_pool, v_pool = (sharding.constrain(pool_.at[:, i, page_B, offset_B].set(
-        jnp.swapaxes(new[:, 0], 0, 1).astype(pool_.dtype)), POOL_AXES)
+        jnp.swapaxes(new[:, 0], 0, 1).astype(pool_.dtype), unique_indices=True), POOL_AXES)
                       for pool_, new in ((k_pool, k), (v_pool, v)))
     return decode_attention(q, k_pool, v_pool, start_B, kv_len, impl=attention_impl, layer=i,
                             pages=pages_BxN), k_pool, v_pool

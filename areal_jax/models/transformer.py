@@ -425,10 +425,13 @@ class Transformer(nnx.Module):
           new = new.astype(layer_cache[name].dtype)
           if rows == b and not scatter_writes:
             full = _write_rows(layer_cache[name], new, start_B, heads_major)
-          elif heads_major:  # scatter into rows [0, b), in place ([B, L] lead the value)
-            full = layer_cache[name].at[jnp.arange(b)[:, None], :, positions_BxL].set(new)
+          elif heads_major:  # scatter into rows [0, b), in place ([B, L] lead the value; each
+            # (row, position) once: said, XLA:GPU stores where it would compare-and-swap)
+            full = layer_cache[name].at[jnp.arange(b)[:, None], :, positions_BxL].set(
+                new, unique_indices=True)
           else:
-            full = layer_cache[name].at[jnp.arange(b)[:, None], positions_BxL].set(new)
+            full = layer_cache[name].at[jnp.arange(b)[:, None], positions_BxL].set(
+                new, unique_indices=True)
           updated[name] = sharding.constrain(full, axes)
         if l == 1:  # decode: the kernels' choice how to read the cache
           return decode_attention(q, updated["k"], updated["v"], start_B, t,

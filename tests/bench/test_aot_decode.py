@@ -147,3 +147,18 @@ def test_same_program_ignores_names_schedule_and_metadata_but_not_shapes_or_layo
     assert aot_decode.same_program(hlo, "\n".join([header] + swapped))
   assert not aot_decode.same_program(hlo, compiled(32))  # other shapes
   assert not aot_decode.same_program(hlo, hlo.replace("{1,0}", "{0,1}", 1))  # another layout
+
+
+def test_cas_kernels_names_the_kernels_that_update_memory_by_compare_and_swap(tmp_path):
+  """``--atomics``: the entries of XLA's dumped PTX holding a compare-and-swap (a bfloat16 scatter
+  XLA is not told writes each element once loops on one), not those with plain stores or other
+  atomics."""
+  (tmp_path / "module_0001.jit_fn.1.ptx").write_text(
+      ".visible .entry input_scatter_fusion_3(\n\t.param .u64 p0\n)\n{\n"
+      "\tatom.relaxed.sys.global.cas.b32 \t%r8, [%rd3+64], %r37, %r36;\n}\n"
+      ".visible .entry loop_add_fusion(\n)\n{\n\tst.global.b16 \t[%rd1], %rs1;\n}\n")
+  (tmp_path / "module_0001.jit_fn.2.ptx").write_text(
+      ".visible .entry input_scatter_fusion_4(\n)\n{\n\tst.global.b16 \t[%rd2], %rs1;\n}\n"
+      ".entry input_reduce_fusion(\n)\n{\n\tatom.global.add.f32 \t%f1, [%rd1], %f2;\n}\n")
+  (tmp_path / "module_0001.jit_fn.ir-with-opt.ll").write_text("cmpxchg")  # not PTX
+  assert aot_decode.cas_kernels(str(tmp_path)) == ["input_scatter_fusion_3"]
