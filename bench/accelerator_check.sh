@@ -14,7 +14,9 @@
 #    decode_matmul 'blas'; the floor loop's program gets the same matmul options), the keys;
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
 #    the dense read over rows, XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
-# 3. the Pallas kernel's pages per block ($AREAL_JAX_PALLAS_GPU_BLOCK_PAGES) 2 and 4 against 1;
+# 3. the Pallas kernel alone under its launches (bench/paged_kernel.py: pages per block, parts, the
+#    table cut to the kv bound, warps, stages; pages of 32, 64, 128) at both shapes, then the whole
+#    step at each shape with the fastest launch over pages of 64 ($AREAL_JAX_PALLAS_GPU_PAGED);
 # 4. SmolLM2-135M shape (64 slots, context 128): the same choices;
 # 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the "today");
@@ -45,10 +47,17 @@ log variants "$BIG"; t=$(limit 120) && timeout "$t" python3 bench/decode_variant
   --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
-for b in 2 4; do
-  log "$BIG" Pallas kernel $b pages a block; t=$(limit 45) && AREAL_JAX_PALLAS_GPU_BLOCK_PAGES=$b timeout "$t" \
-    python3 bench/decode_variants.py --model="$BIG" --reps 3 --no-floor --variants pallas_gpu:unrolled:16:blas:paged \
-    --json "$OUT/variants_big_block$b.json" 2>&1 | keep
+# fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
+fastest() { python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['impl']=='pallas_gpu' and x['page_size']==64]; print(min(r,key=lambda x:x['us_per_layer'])['tuning'] if r else '')" "$1" 2>/dev/null; }
+for m in "$BIG" smollm2-135m; do
+  log "$m" Pallas kernel launches; t=$(limit 90) && timeout "$t" python3 bench/paged_kernel.py --model="$m" \
+    --page-sizes 32,64,128 --json "$OUT/kernel_$m.json" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
+done
+for m in "$BIG" smollm2-135m; do
+  best=$(fastest "$OUT/kernel_$m.json"); [ -n "$best" ] && [ "$best" != default ] || continue
+  log "$m" whole step with the fastest launch "$best"; t=$(limit 60) && AREAL_JAX_PALLAS_GPU_PAGED="$best" timeout "$t" \
+    python3 bench/decode_variants.py --model="$m" --reps 5 --variants pallas_gpu:unrolled:16:blas:paged \
+    --floor-matmul blas 2>&1 | keep
 done
 log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
   --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \

@@ -85,4 +85,4 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
                                                 table_BxN, pos_B, t, impl,
                                                 interpret=choice.interpret(),
                                                 rows=choice.query_rows(k_KxLxMxPxD.dtype),
-                                                block_pages=choice.pallas_gpu_block_pages())
+                                                tuning=choice.pallas_gpu_tuning())

@@ -120,6 +120,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -139,6 +140,7 @@ HELD_LAYOUTS_ENV = "AREAL_JAX_HELD_LAYOUTS"
 QUERY_ROWS_ENV = "AREAL_JAX_DECODE_QUERY_ROWS"
 PAGED_ENV = "AREAL_JAX_PAGED_CACHE"
 BLOCK_PAGES_ENV = "AREAL_JAX_PALLAS_GPU_BLOCK_PAGES"
+PAGED_TUNING_ENV = "AREAL_JAX_PALLAS_GPU_PAGED"
 PALLAS_GPU_PAGE = 16  # positions a page of the Pallas GPU kernel is a multiple of (its blocks)
 HELD_LAYOUTS = ("compiler", "default")
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
@@ -241,17 +243,34 @@ def kv_pages(platform: str, requested: int, attention_requested: str, slots_spli
   return num_slots * (-(-max_len // page_size) + 1)
 
 
-def pallas_gpu_block_pages() -> int:
-  """Pages the Pallas GPU paged-attention kernel reads per step of its loop over a sequence's
-  part (``pages_per_compute_block``; the most that divides the part, ``pallas_attention.paged``):
-  1, as measured on the H100 (the kernel 61 us a layer at the Qwen2.5-1.5B shape, ~55% of the
-  read probe's bandwidth for its keys and values, ``bench/results/h100-2026-11-27-s27``); larger
-  blocks: not measured yet. ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` sets it (read when a program
-  is traced; ``bench/accelerator_check.sh`` times 1, 2 and 4)."""
-  forced = os.environ.get(BLOCK_PAGES_ENV, "")
-  if forced and (not forced.isdigit() or int(forced) < 1):
-    raise ValueError(f"${BLOCK_PAGES_ENV}={forced!r}: expected a positive integer")
-  return int(forced or 1)
+def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
+  """How the Pallas GPU paged-attention kernel is launched (``pallas_attention.PagedTuning``): its
+  defaults, as measured on the H100 (1 page a block: the kernel 61 us a layer at the
+  Qwen2.5-1.5B shape, ~55% of the read probe's bandwidth for its keys and values,
+  ``bench/results/h100-2026-11-27-s27``); the others are not measured yet (``bench/paged_kernel.py``
+  times them). ``$AREAL_JAX_PALLAS_GPU_PAGED`` sets fields (``block_pages=2,parts=4,warps=4,
+  stages=3,bound=1``), ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` the pages a block alone; read when a
+  program is traced. ``spec``: fields in that syntax instead of the environment's."""
+  fields, source = {}, f"${PAGED_TUNING_ENV}"
+  if spec is None:
+    block = os.environ.get(BLOCK_PAGES_ENV, "")
+    if block and (not block.isdigit() or int(block) < 1):
+      raise ValueError(f"${BLOCK_PAGES_ENV}={block!r}: expected a positive integer")
+    if block:
+      fields["block_pages"] = int(block)
+    spec = os.environ.get(PAGED_TUNING_ENV, "")
+  else:
+    source = "the Pallas GPU kernel's launch"
+  names = [f.name for f in dataclasses.fields(pallas_attention.PagedTuning)]
+  for item in filter(None, (x.strip() for x in spec.split(","))):
+    name, _, value = item.partition("=")
+    if name not in names or not value.isdigit():
+      raise ValueError(f"{source}={spec!r}: {item!r} is not NAME=INTEGER with NAME one of {names}")
+    fields[name] = bool(int(value)) if name == "bound" else int(value)
+  try:
+    return pallas_attention.PagedTuning(**fields)
+  except ValueError as e:
+    raise ValueError(f"{source}={spec!r}: {e}") from None
 
 
 def check_attention(impl: str, layers: str, cache_dtype, max_len: int, head_dim: int,

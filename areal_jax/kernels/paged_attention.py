@@ -31,11 +31,11 @@ POOL_AXES = ("cache_heads", None, None, None, None)  # logical axes of a pool
 
 def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN, pos_B, t: int,
                            impl: str, interpret: bool = False, rows: int = 1,
-                           block_pages: int = 1):
+                           tuning: pallas_attention.PagedTuning = pallas_attention.PagedTuning()):
   """Pre-scaled queries ``[B, K, G, D]`` attending to their rows' positions ``0..pos_B[b]`` (``t``:
   static bound) of layer ``layer`` (traced); float32 ``[B, K, G, D]`` (``rows``: the dense read's
-  padding of the query groups, ``xla_attention._dense``; ``block_pages``: the Pallas GPU
-  kernel's pages per block, ``choice.pallas_gpu_block_pages``)."""
+  padding of the query groups, ``xla_attention._dense``; ``tuning``: how the Pallas GPU kernel
+  is launched, ``choice.pallas_gpu_tuning``)."""
   b, kv, g, d = q_BxKxGxD.shape
   _, n_layers, m, page, _ = k_KxLxMxPxD.shape
   pages_BxN = layer * m + table_BxN  # page ids in the [K, L*M, P, D] view
@@ -45,8 +45,8 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
     kernel = functools.partial(pallas_tpu_attention.kernel, interpret=interpret)
     q_dtype = jnp.float32
   elif impl == "pallas_gpu":
-    kernel = functools.partial(pallas_attention.paged, interpret=interpret,
-                               block_pages=block_pages)
+    kernel = functools.partial(pallas_attention.paged, interpret=interpret, tuning=tuning,
+                               bound=t)
     q_dtype = k_KxLxMxPxD.dtype
   else:  # gather the rows' pages up to the bound, then the dense read
     n = min(-(-t // page), table_BxN.shape[1])

@@ -10,6 +10,7 @@ dense form.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -84,17 +85,48 @@ def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, 
                               layer, pos_B, cache_axes)
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedTuning:
+  """How JAX's Pallas GPU paged-attention kernel is launched (``paged``): ``block_pages`` pages
+  read per step of its loop (``pages_per_compute_block``; at most, the most that divides a part);
+  ``parts`` (``k_splits``) pieces each sequence's pages are cut into, read in parallel and combined
+  after (0: the gcd of the pages given and 16; otherwise the table is padded to a multiple of it
+  with entries past every length, which the kernel skips); ``warps`` and ``stages``: its Triton
+  ``num_warps`` and ``num_stages``; ``bound``: hand the kernel only the pages up to the program's
+  static kv bound (``False``: the whole page table, its programs past every row's length exit
+  at once). The defaults are what ``bench/results/h100-2026-11-27-s27`` measured;
+  ``bench/paged_kernel.py`` times the others."""
+
+  block_pages: int = 1
+  parts: int = 0
+  warps: int = 8
+  stages: int = 2
+  bound: bool = False
+
+  def __post_init__(self):
+    for name in ("block_pages", "warps", "stages"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"PagedTuning.{name}={getattr(self, name)}: expected >= 1")
+    if self.parts < 0:
+      raise ValueError(f"PagedTuning.parts={self.parts}: expected >= 0 (0: automatic)")
+
+
 def paged(q_NxHxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool = False,
-          block_pages: int = 1):
+          tuning: PagedTuning = PagedTuning(), bound: int | None = None):
   """JAX's paged GPU kernel on N sequences' queries ``[N, H, D]`` over a pool
   ``[Kp, pages, page, D]`` (H a multiple of Kp) and their page tables
-  ``[N, pages per sequence]``: each sequence's pages split into up to 16 parts, each part read
-  ``block_pages`` pages (at most; the most that divides the part) at a time."""
-  del page
+  ``[N, pages per sequence]``, launched as ``tuning`` says (``bound``: the static kv bound, for
+  ``tuning.bound``; every length is at most it)."""
+  if tuning.bound and bound is not None:
+    pages_NxP = pages_NxP[:, :max(1, min(-(-bound // page), pages_NxP.shape[1]))]
   n = pages_NxP.shape[1]
-  k_splits = math.gcd(n, 16)  # pages per part: n / k_splits
-  part = n // k_splits
-  per_block = max(b for b in range(1, min(block_pages, part) + 1) if part % b == 0)
+  k_splits = tuning.parts or math.gcd(n, 16)
+  if n % k_splits:  # entries past every length (the kernel reads no page past a length)
+    pad_NxE = jnp.broadcast_to(pages_NxP[:, :1], (pages_NxP.shape[0], k_splits - n % k_splits))
+    pages_NxP = jnp.concatenate([pages_NxP, pad_NxE], axis=1)
+  part = pages_NxP.shape[1] // k_splits
+  per_block = max(b for b in range(1, min(tuning.block_pages, part) + 1) if part % b == 0)
   return pallas_paged.paged_attention(q_NxHxD, k_pool, v_pool, pages_NxP, lengths_N,
                                       block_h=16, pages_per_compute_block=per_block,
-                                      k_splits=k_splits, interpret=interpret)
+                                      k_splits=k_splits, num_warps=tuning.warps,
+                                      num_stages=tuning.stages, interpret=interpret)

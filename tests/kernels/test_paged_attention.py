@@ -59,19 +59,33 @@ def test_every_form_reads_each_rows_pages(impl, dtype, split):
   np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6)
 
 
-@pytest.mark.parametrize("block_pages", ["3", "4"])
-def test_the_gpu_kernel_reads_several_pages_a_block_alike(block_pages, monkeypatch):
-  """$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES: the Pallas GPU kernel's pages per block (the most that
-  divides a part: rows of 9 table entries are one part, read 3 pages a block for 3 and 4); the
-  entries past each row's pages point at the trash page. The reference's output."""
-  monkeypatch.setenv("AREAL_JAX_PALLAS_GPU_BLOCK_PAGES", block_pages)
+@pytest.mark.parametrize("env,value,t", [
+    ("AREAL_JAX_PALLAS_GPU_BLOCK_PAGES", "3", 72), ("AREAL_JAX_PALLAS_GPU_BLOCK_PAGES", "4", 72),
+    ("AREAL_JAX_PALLAS_GPU_PAGED", "parts=4", 72), ("AREAL_JAX_PALLAS_GPU_PAGED", "parts=2", 72),
+    ("AREAL_JAX_PALLAS_GPU_PAGED", "bound=1", 32),
+    ("AREAL_JAX_PALLAS_GPU_PAGED", "bound=1,parts=3,block_pages=2,warps=4,stages=3", 40)])
+def test_the_gpu_kernel_reads_alike_however_it_is_launched(env, value, t, monkeypatch):
+  """The Pallas GPU kernel's launch (``choice.pallas_gpu_tuning``): rows of 9 table entries (the
+  entries past each row's pages point at the trash page) read 3 pages a block for 3 and 4 (the
+  most that divides a part); cut into 4 or 2 parts (the table padded to 12 or 10 entries); only
+  the pages up to the kv bound (4 pages at a bound of 32; at 40, 5 pages in 3 parts of 2, padded
+  to 6). The reference's output."""
+  monkeypatch.setenv(env, value)
   q, pools, table, pos = _case()
   table = np.concatenate([table, np.full((3, 5), 8, np.int32)], axis=1)  # 9 entries a row
   k, v = (jnp.asarray(p) for p in pools)
-  out = jax.jit(lambda *a: attention.decode_attention_paged(*a[:3], 1, *a[3:], 72, "pallas_gpu"))(
+  out = jax.jit(lambda *a: attention.decode_attention_paged(*a[:3], 1, *a[3:], t, "pallas_gpu"))(
       jnp.asarray(q), k, v, jnp.asarray(table), jnp.asarray(pos))
   np.testing.assert_allclose(np.asarray(out), _reference(q, pools, table, pos, 1), atol=2e-6)
-  monkeypatch.setenv("AREAL_JAX_PALLAS_GPU_BLOCK_PAGES", "0")
-  with pytest.raises(ValueError, match="AREAL_JAX_PALLAS_GPU_BLOCK_PAGES='0'"):
-    attention.decode_attention_paged(jnp.asarray(q), k, v, 1, jnp.asarray(table),
-                                     jnp.asarray(pos), 72, "pallas_gpu")
+
+
+@pytest.mark.parametrize("env,value,match", [
+    ("AREAL_JAX_PALLAS_GPU_BLOCK_PAGES", "0", "AREAL_JAX_PALLAS_GPU_BLOCK_PAGES='0'"),
+    ("AREAL_JAX_PALLAS_GPU_PAGED", "pages=2", "'pages=2' is not NAME=INTEGER"),
+    ("AREAL_JAX_PALLAS_GPU_PAGED", "warps=0", "warps=0: expected >= 1")])
+def test_a_bad_gpu_kernel_launch_is_named(env, value, match, monkeypatch):
+  monkeypatch.setenv(env, value)
+  q, pools, table, pos = _case()
+  with pytest.raises(ValueError, match=match):
+    attention.decode_attention_paged(jnp.asarray(q), *(jnp.asarray(p) for p in pools), 1,
+                                     jnp.asarray(table), jnp.asarray(pos), 32, "pallas_gpu")

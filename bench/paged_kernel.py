@@ -1,0 +1,168 @@
+"""JAX's Pallas GPU paged-attention kernel alone, launched several ways, at a decode shape's layers.
+
+  python bench/paged_kernel.py [--model qwen2.5-1.5b] [--page-sizes 64] [--tunings "default;bound=1"]
+                               [--json PATH] [--compile-only h100]
+
+What one decode step's attention costs on a GPU, with nothing else in the program: every layer of
+the shape (each its own index into one pool, as the sampler's paged cache holds them) read through
+``kernels.paged_attention.decode_attention_paged`` with ``impl="pallas_gpu"`` (the GPU default
+since session 27: our query reshape, the kernel, JAX's combine of its parts), under each launch of
+``--tunings`` (``pallas_attention.PagedTuning``, in ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax;
+``default`` is the engine's), and the dense read of the gathered pages (``impl="dense"``) beside
+them. Every slot decodes from position ``--context``; each slot owns ``--max-len`` positions of
+pages, shuffled over the pool, and the program's kv bound is the context + 65 (what
+``bench/sampler.py``'s roofline row runs). Per launch: microseconds per layer (best of ``--reps``
+calls of all layers), the keys and values the layer must read (every slot's positions up to its
+own) over that time, that as a fraction of the read probe's bandwidth, the time against
+``default``'s, and the largest difference of its outputs from ``default``'s (the same attention:
+a launch that reads wrong shows here). ``--compile-only TARGET`` compiles each launch for a GPU
+this machine does not have (``bench/aot_decode.py``'s targets) and counts its kernels instead: a
+launch that would not lower for the GPU fails here, not on a lent one. On CPU the kernel runs in
+Pallas interpret mode (slow; ``--model tiny`` is for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if any(a.startswith("--compile-only") for a in sys.argv):  # as bench/aot_decode.py: no GPU here
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from areal_jax.kernels import choice, paged_attention, pallas_attention  # noqa: E402
+from common import QWEN25_1P5B, SMOLLM2, TINY, Hardware, best_time, finish, machine  # noqa: E402
+
+SHAPES = {"qwen2.5-1.5b": (QWEN25_1P5B, 128, 512), "smollm2-135m": (SMOLLM2, 64, 128),
+          "tiny": (TINY, 4, 24)}
+SWEEP = ("default;bound=1;bound=1,parts=1;bound=1,parts=4;bound=1,parts=8;bound=1,block_pages=2;"
+         "bound=1,block_pages=4;warps=4;bound=1,warps=4;bound=1,stages=1;bound=1,stages=3;"
+         "bound=1,parts=4,warps=4;bound=1,block_pages=2,warps=4")
+
+
+def tuning(spec: str) -> pallas_attention.PagedTuning:
+  """A launch in ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax (``default``: the engine's)."""
+  return choice.pallas_gpu_tuning("" if spec == "default" else spec)
+
+
+def inputs(cfg, slots: int, context: int, max_len: int, page: int, dtype, abstract: bool = False):
+  """Queries ``[B, K, G, D]``, the pools ``[K, L, M, P, D]`` (every slot's pages, shuffled, and the
+  trash page), page tables ``[B, N]`` and positions ``[B]`` (``abstract``: their shapes only)."""
+  kv, g, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+  per_slot = -(-max_len // page)
+  shapes = [((slots, kv, g, d), dtype), ((kv, cfg.n_layers, slots * per_slot + 1, page, d), dtype),
+            ((kv, cfg.n_layers, slots * per_slot + 1, page, d), dtype),
+            ((slots, per_slot), jnp.int32), ((slots,), jnp.int32)]
+  if abstract:
+    return [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+  keys = jax.random.split(jax.random.key(0), 3)
+  q_BxKxGxD, k_pool, v_pool = (jax.random.normal(key, shape, dt)
+                               for key, (shape, dt) in zip(keys, shapes[:3]))
+  table_BxN = np.random.default_rng(0).permutation(slots * per_slot).astype(np.int32)
+  return (q_BxKxGxD * d**-0.5, k_pool, v_pool, jnp.asarray(table_BxN.reshape(slots, per_slot)),
+          jnp.full((slots,), context, jnp.int32))
+
+
+def program(impl: str, how: pallas_attention.PagedTuning, n_layers: int, t: int, interpret: bool):
+  def attend_all(q, k_pool, v_pool, table, pos):
+    return tuple(paged_attention.decode_attention_paged(q, k_pool, v_pool, i, table, pos, t, impl,
+                                                        interpret=interpret, tuning=how)
+                 for i in range(n_layers))
+  return jax.jit(attend_all)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+  ap.add_argument("--context", type=int, default=0, help="default: the shape's")
+  ap.add_argument("--max-len", type=int, default=0,
+                  help="positions of pages each slot owns (default: the context + 1280, the "
+                       "page table bench/sampler.py's roofline row gives the engine)")
+  ap.add_argument("--page-sizes", default="64")
+  ap.add_argument("--tunings", default=SWEEP, help="';'-separated launches")
+  ap.add_argument("--no-dense", action="store_true", help="skip the dense read of gathered pages")
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--compile-only", default=None, metavar="TARGET",
+                  help="compile for a GPU under bench/aot_targets (e.g. h100) and count kernels")
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args()
+  t_start = time.perf_counter()
+  cfg, slots, context = SHAPES[args.model]
+  context = args.context or context
+  max_len = args.max_len or context + 1280
+  t = context + 65
+  on_cpu = jax.default_backend() == "cpu"
+  dtype = jnp.float32 if on_cpu and not args.compile_only else jnp.bfloat16
+  itemsize = jnp.dtype(dtype).itemsize
+  kv_bytes = slots * cfg.n_kv_heads * (context + 1) * cfg.head_dim * 2 * itemsize  # a layer's
+  specs = [s.strip() for s in args.tunings.split(";") if s.strip()]
+  launches = [(s, "pallas_gpu", tuning(s)) for s in specs]
+  if not args.no_dense:
+    launches.append(("dense read of the gathered pages", "dense", pallas_attention.PagedTuning()))
+  hw = None if args.compile_only else Hardware().probe(3)
+  rows, read_GBps = [], None if hw is None else hw.figures()["read_GBps"]
+  print(f"{args.model} shape: {slots} slots x {cfg.n_kv_heads} K/V heads x {cfg.head_dim}, "
+        f"{cfg.n_layers} layers, context {context} (kv bound {t}, {max_len} positions of pages a "
+        f"slot), {jnp.dtype(dtype).name}; a layer must read {kv_bytes / 1e6:.1f} MB of keys and "
+        f"values" + ("" if hw is None else f"; read probe {read_GBps:.0f} GB/s")
+        + ("; Pallas interpret mode (its times are not the kernel's)" if on_cpu and hw else ""))
+  for page in [int(p) for p in args.page_sizes.split(",")]:
+    args_ = inputs(cfg, slots, context, max_len, page, dtype, abstract=bool(args.compile_only))
+    base_us, base_out = None, None
+    for name, impl, how in launches:
+      row = {"page_size": page, "tuning": name, "impl": impl, **vars(how)}
+      fn = program(impl, how, cfg.n_layers, t, interpret=on_cpu and not args.compile_only)
+      if args.compile_only:
+        row.update(compiled(fn, args_, args.compile_only, cfg.n_layers))
+        print(f"  page {page:4d} {name:44s} compile {row['compile_s']:5.1f} s, "
+              f"{row['launches_per_layer']:5.1f} kernels a layer")
+        rows.append(row)
+        continue
+      out = fn(*args_)
+      us = best_time(fn, *args_, reps=args.reps) / cfg.n_layers * 1e6
+      out = np.stack([np.asarray(o, np.float32) for o in out])
+      if base_us is None:
+        base_us, base_out = us, out
+      row.update(us_per_layer=us, GBps=kv_bytes / us / 1e3,
+                 read_frac=kv_bytes / us / 1e3 / read_GBps, vs_default=us / base_us,
+                 max_abs_diff=float(np.abs(out - base_out).max()))
+      print(f"  page {page:4d} {name:44s} {us:8.1f} us a layer  {row['GBps']:7.0f} GB/s "
+            f"({row['read_frac']:.2f} of the probe)  x{row['vs_default']:.2f}  "
+            f"max |diff| {row['max_abs_diff']:.1e}")
+      rows.append(row)
+  best = min((r for r in rows if "us_per_layer" in r and r["impl"] == "pallas_gpu"),
+             key=lambda r: r["us_per_layer"], default=None)
+  if best:
+    print(f"fastest launch: page {best['page_size']}, {best['tuning']} "
+          f"({best['us_per_layer']:.1f} us a layer, {best['read_frac']:.2f} of the probe)")
+  finish({"bench": "paged_kernel", "machine": machine(), "model": args.model, "slots": slots,
+          "context": context, "kv_bound": t, "max_len": max_len, "dtype": jnp.dtype(dtype).name,
+          "kv_bytes_per_layer": kv_bytes, "read_GBps": read_GBps, "target": args.compile_only,
+          "rows": rows}, args.json, t_start)
+
+
+def compiled(fn, fargs, target: str, n_layers: int) -> dict:
+  """Compile ``fn`` for ``target`` (no such device here) and count its kernels."""
+  import aot_decode  # noqa: PLC0415 (its GPU target descriptions)
+  from jax.sharding import SingleDeviceSharding  # noqa: PLC0415
+
+  device = aot_decode.target_device(target)
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=SingleDeviceSharding(device))
+            for a in fargs]  # shapes only: nothing is allocated
+  t0 = time.perf_counter()
+  with choice.lowering_for("gpu"):
+    hlo = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).compile().as_text()
+  counts = aot_decode.launches(hlo)
+  kernels = sum(v for k, v in counts.items() if k != "copied_bytes")
+  return {"compile_s": time.perf_counter() - t0, "launches_per_layer": kernels / n_layers,
+          "copied_MB": counts["copied_bytes"] / 1e6}
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,50 @@
+"""``bench/paged_kernel.py`` on CPU (the Pallas GPU kernel in interpret mode, the tiny shape): every
+launch it sweeps reads the same attention as the engine's default, and a launch that reads wrong
+shows in its ``max_abs_diff``."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+import paged_kernel  # noqa: E402
+
+from areal_jax.kernels import pallas_attention  # noqa: E402
+
+
+def _run(tmp_path, monkeypatch, tunings):
+  out = tmp_path / "pk.json"
+  monkeypatch.setattr(sys, "argv", ["paged_kernel.py", "--model", "tiny", "--page-sizes", "16,32",
+                                    "--tunings", tunings, "--reps", "1", "--json", str(out)])
+  paged_kernel.main()
+  return json.loads(out.read_text())
+
+
+def test_every_launch_reads_the_defaults_attention(tmp_path, monkeypatch):
+  result = _run(tmp_path, monkeypatch, "default;bound=1,parts=3,block_pages=2;warps=4,stages=1")
+  rows = result["rows"]
+  assert [(r["page_size"], r["tuning"]) for r in rows] == [
+      (p, t) for p in (16, 32) for t in ("default", "bound=1,parts=3,block_pages=2",
+                                         "warps=4,stages=1", "dense read of the gathered pages")]
+  assert rows[1]["parts"] == 3 and rows[1]["bound"] and rows[2]["warps"] == 4
+  assert all(r["max_abs_diff"] < 1e-5 for r in rows), rows
+  assert all(r["us_per_layer"] > 0 and r["read_frac"] > 0 for r in rows)
+  # the tiny shape: 4 slots x 2 K/V heads x 16 features, positions 0..24, float32, K and V
+  assert result["kv_bytes_per_layer"] == 4 * 2 * 25 * 16 * 2 * 4
+
+
+def test_a_launch_that_reads_too_few_pages_shows(tmp_path, monkeypatch):
+  real = pallas_attention.paged
+
+  def short(q, k, v, lengths, pages, page, interpret=False, tuning=None, bound=None):
+    if tuning.bound:  # at pages of 16, the first page only (positions 16..24 lost)
+      pages = pages[:, :-(-bound // page) - 5]
+      tuning = pallas_attention.PagedTuning(parts=1)
+    return real(q, k, v, lengths, pages, page, interpret=interpret, tuning=tuning)
+
+  monkeypatch.setattr(pallas_attention, "paged", short)
+  rows = _run(tmp_path, monkeypatch, "default;bound=1")["rows"]
+  diffs = {(r["page_size"], r["tuning"]): r["max_abs_diff"] for r in rows}
+  assert diffs[(16, "bound=1")] > 1e-2 and np.isclose(diffs[(16, "default")], 0)
