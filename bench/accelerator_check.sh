@@ -15,7 +15,7 @@
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
 #    the dense read over rows, XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
 # 3. the Pallas kernel alone under its launches (bench/paged_kernel.py: pages per block, parts, the
-#    table cut to the kv bound, warps, stages; pages of 32, 64, 128) at both shapes, then the whole
+#    table cut to the kv bound, warps, stages; pages of 64, 128, 32) at both shapes, then the whole
 #    step at each shape with the fastest launch over pages of 64 ($AREAL_JAX_PALLAS_GPU_PAGED);
 # 4. SmolLM2-135M shape (64 slots, context 128): the same choices;
 # 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
@@ -49,9 +49,9 @@ log variants "$BIG"; t=$(limit 120) && timeout "$t" python3 bench/decode_variant
 trace big
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
 fastest() { python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['impl']=='pallas_gpu' and x['page_size']==64]; print(min(r,key=lambda x:x['us_per_layer'])['tuning'] if r else '')" "$1" 2>/dev/null; }
-for m in "$BIG" smollm2-135m; do
-  log "$m" Pallas kernel launches; t=$(limit 90) && timeout "$t" python3 bench/paged_kernel.py --model="$m" \
-    --page-sizes 32,64,128 --json "$OUT/kernel_$m.json" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
+for m in "$BIG" smollm2-135m; do  # (its JSON is written row by row: a sweep cut short keeps its rows)
+  log "$m" Pallas kernel launches; t=$(limit 120) && timeout "$t" python3 bench/paged_kernel.py --model="$m" \
+    --page-sizes 64,128,32 --json "$OUT/kernel_$m.json" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
 done
 for m in "$BIG" smollm2-135m; do
   best=$(fastest "$OUT/kernel_$m.json"); [ -n "$best" ] && [ "$best" != default ] || continue

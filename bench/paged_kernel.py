@@ -24,6 +24,7 @@ Pallas interpret mode (slow; ``--model tiny`` is for tests).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -107,6 +108,16 @@ def main():
     launches.append(("dense read of the gathered pages", "dense", pallas_attention.PagedTuning()))
   hw = None if args.compile_only else Hardware().probe(3)
   rows, read_GBps = [], None if hw is None else hw.figures()["read_GBps"]
+  result = {"bench": "paged_kernel", "machine": machine(), "model": args.model, "slots": slots,
+            "context": context, "kv_bound": t, "max_len": max_len, "dtype": jnp.dtype(dtype).name,
+            "kv_bytes_per_layer": kv_bytes, "read_GBps": read_GBps, "target": args.compile_only,
+            "rows": rows}
+
+  def keep(row):  # the JSON so far after every row: a run cut short keeps what it measured
+    rows.append(row)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
   print(f"{args.model} shape: {slots} slots x {cfg.n_kv_heads} K/V heads x {cfg.head_dim}, "
         f"{cfg.n_layers} layers, context {context} (kv bound {t}, {max_len} positions of pages a "
         f"slot), {jnp.dtype(dtype).name}; a layer must read {kv_bytes / 1e6:.1f} MB of keys and "
@@ -122,7 +133,7 @@ def main():
         row.update(compiled(fn, args_, args.compile_only, cfg.n_layers))
         print(f"  page {page:4d} {name:44s} compile {row['compile_s']:5.1f} s, "
               f"{row['launches_per_layer']:5.1f} kernels a layer")
-        rows.append(row)
+        keep(row)
         continue
       out = fn(*args_)
       us = best_time(fn, *args_, reps=args.reps) / cfg.n_layers * 1e6
@@ -135,16 +146,13 @@ def main():
       print(f"  page {page:4d} {name:44s} {us:8.1f} us a layer  {row['GBps']:7.0f} GB/s "
             f"({row['read_frac']:.2f} of the probe)  x{row['vs_default']:.2f}  "
             f"max |diff| {row['max_abs_diff']:.1e}")
-      rows.append(row)
+      keep(row)
   best = min((r for r in rows if "us_per_layer" in r and r["impl"] == "pallas_gpu"),
              key=lambda r: r["us_per_layer"], default=None)
   if best:
     print(f"fastest launch: page {best['page_size']}, {best['tuning']} "
           f"({best['us_per_layer']:.1f} us a layer, {best['read_frac']:.2f} of the probe)")
-  finish({"bench": "paged_kernel", "machine": machine(), "model": args.model, "slots": slots,
-          "context": context, "kv_bound": t, "max_len": max_len, "dtype": jnp.dtype(dtype).name,
-          "kv_bytes_per_layer": kv_bytes, "read_GBps": read_GBps, "target": args.compile_only,
-          "rows": rows}, args.json, t_start)
+  finish(result, args.json, t_start)
 
 
 def compiled(fn, fargs, target: str, n_layers: int) -> dict:
