@@ -69,7 +69,8 @@ def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, 
         q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes, interpret)
   if impl == "pallas_gpu" and pallas_attention.stacked_usable(k_LxRxKxTxD.shape[3]):
     return pallas_attention.decode_attention_stacked(
-        q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes, interpret)
+        q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes, interpret,
+        choice.pallas_gpu_tuning(), t)
   k_BxKxTxD, v_BxKxTxD = (jax.lax.dynamic_slice(x, (layer, 0, 0, 0, 0), (1, b, kv, t, d))[0]
                           for x in (k_LxRxKxTxD, v_LxRxKxTxD))
   return decode_attention_heads_major(q_BxKxGxD, k_BxKxTxD, v_BxKxTxD, pos_B, t, impl, chunk,

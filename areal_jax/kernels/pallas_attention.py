@@ -74,13 +74,16 @@ def stacked_usable(max_len: int) -> bool:
 
 
 def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes,
-                             interpret: bool = False):
+                             interpret: bool = False, tuning: PagedTuning | None = None,
+                             bound: int | None = None):
   """Layer ``layer`` of the scan's stacked cache ``[L, R, K, T, D]`` through JAX's paged GPU
   kernel (``jax.experimental.pallas.ops.gpu.paged_attention``), the cache read in place as pages
   (``stacked_pages``): no copy of the layer's cache (a slice handed to ``mqa`` is one, at every
-  layer and step), each (row, K/V head) read up to its own length, split over up to 16 parts of
-  its positions combined at the end."""
-  return stacked_pages.attend(functools.partial(paged, interpret=interpret),
+  layer and step), each (row, K/V head) read up to its own length, in parts combined at the end,
+  launched as ``tuning`` says (``paged``; ``bound``: the static kv bound)."""
+  kernel = functools.partial(paged, interpret=interpret, tuning=tuning or PagedTuning(),
+                             bound=bound)
+  return stacked_pages.attend(kernel,
                               q_BxKxGxD.astype(k_LxRxKxTxD.dtype), k_LxRxKxTxD, v_LxRxKxTxD,
                               layer, pos_B, cache_axes)
 

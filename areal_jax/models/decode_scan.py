@@ -179,7 +179,7 @@ def _extend_paged(run_layers, tokens_Bx1, start_B, pool: StackedCache, kv_len: i
 
   def attend_layer(i, q, k, v, k_pool, v_pool):
     # new [B, 1, Hkv, D] into [:, i, page, offset, :] (the indexed axes' [B] lands after Hkv);
-    # unique but in the trash page, which rows that do not write share and nothing reads
+    # unique but in the trash page, which rows that do not write share and no read uses
     k_pool, v_pool = (sharding.constrain(pool_.at[:, i, page_B, offset_B].set(
         jnp.swapaxes(new[:, 0], 0, 1).astype(pool_.dtype), unique_indices=True), POOL_AXES)
                       for pool_, new in ((k_pool, k), (v_pool, v)))

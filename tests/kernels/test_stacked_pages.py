@@ -77,6 +77,26 @@ def test_kernel_equals_the_reference_on_every_layer(impl, split, monkeypatch):
   assert calls == [(1, L * rows * heads * T // 64, 64, D)]
 
 
+@pytest.mark.parametrize("launch", ["", "bound=1", "bound=1,parts=3,block_pages=2,warps=4"])
+def test_the_gpu_kernel_reads_the_stack_alike_however_it_is_launched(launch, monkeypatch):
+  """``$AREAL_JAX_PALLAS_GPU_PAGED`` reaches the stacked cache's kernel too: 48 positions (3 pages
+  of 16 a sequence) read to the kv bound 32 (2 pages), the second padded to 3 parts; the
+  reference's output."""
+  monkeypatch.setenv("AREAL_JAX_PALLAS_GPU_PAGED", launch)
+  calls = []
+  kernel = pallas_attention.pallas_paged.paged_attention
+  monkeypatch.setattr(pallas_attention.pallas_paged, "paged_attention",
+                      lambda *a, **kw: calls.append((a[3].shape[1], kw)) or kernel(*a, **kw))
+  q, k, v, _ = _case()
+  k, v = (x[:, :, :, :48].astype(jnp.float32) for x in (k, v))
+  pos = np.asarray([0, 17, 31], np.int32)
+  out = _stacked(None, "pallas_gpu", 32)(jnp.asarray(q), k, v, jnp.asarray(pos), 1)
+  np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, pos, 1), atol=2e-6)
+  (entries, kw), = calls
+  assert (entries, kw["k_splits"], kw["num_warps"]) == {
+      "": (3, 1, 8), "bound=1": (2, 2, 8), "bound=1,parts=3,block_pages=2,warps=4": (3, 3, 4)}[launch]
+
+
 def test_pages_and_where_the_kernel_cannot_run():
   assert [stacked_pages.page_size(t) for t in (64, 1536, 48, 40, 512)] == [64, 128, 16,
                                                                                     None, 128]
