@@ -194,7 +194,7 @@ def cas_kernels(dump_dir: str) -> list[str]:
   """The kernels of the GPU programs XLA dumped to ``dump_dir`` (``xla_dump_to``) whose PTX holds a
   compare-and-swap (``atom...cas``): memory updated by a loop of atomic retries (e.g. a bfloat16
   scatter XLA is not told writes each element once), by ``.entry`` name."""
-  names = set()
+  names = []  # (one per kernel: two modules may hold kernels of the same name)
   for path in pathlib.Path(dump_dir).glob("*.ptx"):
     entry = None
     for line in path.read_text().splitlines():
@@ -202,7 +202,8 @@ def cas_kernels(dump_dir: str) -> list[str]:
       if found:
         entry = found.group(1)
       elif entry and re.search(r"\batom\.\S*cas", line):
-        names.add(entry)
+        names.append(entry)
+        entry = None  # counted once
   return sorted(names)
 
 

@@ -65,22 +65,27 @@ def prefix_len(prefix, layout: str) -> int:
 
 
 def write_prefix(cache, prefix, slots_N, bucket: int, layout: str):
-  """``cache`` with ``prefix`` copied into positions ``[0, bucket)`` of each slot in ``slots_N``."""
+  """``cache`` with ``prefix`` copied into positions ``[0, bucket)`` of each slot in ``slots_N``
+  (distinct slots, and padding past the slots, dropped: unique indices, so XLA:GPU stores each
+  element where it would loop a compare-and-swap, ``models.decode_scan``)."""
   n = slots_N.shape[0]
   if layout == STACKED:
     return {name: cache[name].at[:, slots_N, :, :bucket].set(
-        jnp.broadcast_to(pre, (pre.shape[0], n) + pre.shape[2:]), mode="drop")
-            for name, pre in prefix.items()}
+        jnp.broadcast_to(pre, (pre.shape[0], n) + pre.shape[2:]), mode="drop",
+        unique_indices=True) for name, pre in prefix.items()}
   positions = (slice(None), slice(None, bucket)) if layout == HEADS else (slice(None, bucket),)
   return [{name: layer[name].at[(slots_N,) + positions].set(
-      jnp.broadcast_to(pre[name], (n,) + pre[name].shape[1:]), mode="drop") for name in ("k", "v")}
-          for layer, pre in zip(cache, prefix)]
+      jnp.broadcast_to(pre[name], (n,) + pre[name].shape[1:]), mode="drop", unique_indices=True)
+      for name in ("k", "v")} for layer, pre in zip(cache, prefix)]
 
 
 def write_prefix_pages(pool, prefix, pages_NxM, pos_N, bucket: int):
   """A paged cache's pools (``decode_scan.init_pool``) with positions ``[0, pos_N[n])`` of a
   stacked ``prefix`` written into the pages of row ``n``'s table ``pages_NxM`` (the rest of the
-  bucket into the trash page). A group's rows may share pages: they get the same values."""
+  bucket into the trash page). A group's rows may share pages: they get the same values. Told its
+  indices are unique (they are but for those shared pages, written the same values, and the trash
+  page, whose values no read uses), XLA:GPU stores each element where it would loop a
+  compare-and-swap (``models.decode_scan``)."""
   page_size, trash = pool["k"].shape[3], pool["k"].shape[2] - 1
   positions_Q = jnp.arange(bucket)
   page_NxQ = jnp.where(positions_Q[None] < pos_N[:, None],
@@ -92,7 +97,8 @@ def write_prefix_pages(pool, prefix, pages_NxM, pos_N, bucket: int):
     x = pool[name]
     value = jnp.broadcast_to(jnp.swapaxes(pre[:, 0], 0, 1)[:, :, None],
                              x.shape[:2] + (n, bucket, x.shape[-1]))
-    out[name] = x.at[:, :, page_NxQ, offset_Q[None]].set(value.astype(x.dtype))
+    out[name] = x.at[:, :, page_NxQ, offset_Q[None]].set(value.astype(x.dtype),
+                                                        unique_indices=True)
   return out
 
 
