@@ -16,7 +16,7 @@
 #    the dense read over rows, XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
 # 3. the Pallas kernel alone under its launches (bench/paged_kernel.py: pages per block, parts, the
 #    table cut to the kv bound, warps, stages; pages of 64, 128, 32) at both shapes, then the whole
-#    step at each shape with the fastest launch over pages of 64 ($AREAL_JAX_PALLAS_GPU_PAGED);
+#    step at each shape with the engine's launch and the fastest over pages of 64, side by side;
 # 4. SmolLM2-135M shape (64 slots, context 128): the same choices;
 # 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the "today");
@@ -55,9 +55,9 @@ for m in "$BIG" smollm2-135m; do  # (its JSON is written row by row: a sweep cut
 done
 for m in "$BIG" smollm2-135m; do
   best=$(fastest "$OUT/kernel_$m.json"); [ -n "$best" ] && [ "$best" != default ] || continue
-  log "$m" whole step with the fastest launch "$best"; t=$(limit 60) && AREAL_JAX_PALLAS_GPU_PAGED="$best" timeout "$t" \
-    python3 bench/decode_variants.py --model="$m" --reps 5 --variants pallas_gpu:unrolled:16:blas:paged \
-    --floor-matmul blas 2>&1 | keep
+  log "$m" whole step, the default launch against the fastest: "$best"; t=$(limit 75) && timeout "$t" \
+    python3 bench/decode_variants.py --model="$m" --reps 5 --floor-matmul blas --variants \
+    "pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=${best//,/+}" 2>&1 | keep
 done
 log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
   --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \

@@ -7,7 +7,9 @@
 For finding where an accelerator's decode step goes (``bench/sampler.py`` reports the chosen path
 only). Each variant is ``attention:layers:steps[:option...]`` (``choice.ATTENTION``,
 ``choice.LAYERS``, steps per jitted call; options in any order: a ``choice.PROJECTIONS``, a
-``choice.MATMUL``, ``paged``: the paged KV cache, a page table of 64-position pages per slot),
+``choice.MATMUL``, ``paged``: the paged KV cache, a page table of 64-position pages per slot,
+``launch=SPEC``: the Pallas GPU kernel's launch, ``$AREAL_JAX_PALLAS_GPU_PAGED`` with ``+`` for
+its commas, e.g. ``launch=bound=1+parts=4``),
 forced through ``$AREAL_JAX_DECODE_ATTENTION`` / ``_LAYERS`` / ``_PROJECTIONS`` / ``_MATMUL`` while
 its engine is built; the floor's matmuls are compiled as ``--floor-matmul`` says (default: the
 platform's choice for our engine, so both run the same GEMMs);
@@ -50,7 +52,8 @@ _QWEN25_1P5B = dict(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, 
 SHAPES = {"smollm2-135m": (_SMOLLM2, 64, 128), "qwen2.5-1.5b": (_QWEN25_1P5B, 128, 512)}
 PAGE = 64  # positions per page of the paged variants
 ENV = {"attention": "AREAL_JAX_DECODE_ATTENTION", "layers": "AREAL_JAX_DECODE_LAYERS",
-       "matmul": "AREAL_JAX_DECODE_MATMUL", "projections": "AREAL_JAX_DECODE_PROJECTIONS"}
+       "matmul": "AREAL_JAX_DECODE_MATMUL", "projections": "AREAL_JAX_DECODE_PROJECTIONS",
+       "launch": "AREAL_JAX_PALLAS_GPU_PAGED"}  # (read when the programs are traced: in the run)
 
 
 def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=None,
@@ -105,15 +108,21 @@ def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=
 
 
 def parse_variant(variant: str, on_cpu: bool):
-  """``(attention, layers, steps, projections, matmul, paged)`` of a variant's spelling."""
+  """``(attention, layers, steps, projections, matmul, paged, launch)`` of a variant's spelling
+  (``launch``: the Pallas GPU kernel's, ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax, "" for the
+  engine's)."""
   attention, layers, steps, *options = variant.split(":")
   projections = next((o for o in options if o in choice.PROJECTIONS + ("auto",)), "auto")
   matmul = next((o for o in options if o in choice.MATMUL),
                 "xla" if layers == "scan" and on_cpu else "auto")  # scan takes XLA's
   paged = "paged" if "paged" in options else ""
-  if unknown := set(options) - {projections, matmul, paged, ""}:
+  launch = next((o for o in options if o.startswith("launch=")), "")
+  if unknown := set(options) - {projections, matmul, paged, launch, ""}:
     raise SystemExit(f"variant {variant!r}: unknown option(s) {sorted(unknown)}")
-  return attention, layers, steps, projections, matmul, paged
+  launch = launch.removeprefix("launch=").replace("+", ",")
+  if launch:
+    choice.pallas_gpu_tuning(launch)  # a bad one fails here, named
+  return attention, layers, steps, projections, matmul, paged, launch
 
 
 def main():
@@ -121,7 +130,8 @@ def main():
   ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
   ap.add_argument("--variants", default="dense:scan:16",
                   help="comma-separated attention:layers:steps[:option...], options: a "
-                       "projections, a matmul choice, paged (auto allowed in each field)")
+                       "projections, a matmul choice, paged, launch=SPEC (auto allowed in "
+                       "each field)")
   ap.add_argument("--floor-matmul", choices=("auto", "xla", "blas"), default="auto",
                   help="GEMMs of the floor loop's program: auto = our engine's choice here")
   ap.add_argument("--reps", type=int, default=5)
@@ -135,7 +145,7 @@ def main():
   args = ap.parse_args()
   shape, slots, context = SHAPES[args.model]
   on_cpu = jax.default_backend() == "cpu"
-  parsed = {v: parse_variant(v, on_cpu) if not args.legacy else (*v.split(":")[:3], "", "", "")
+  parsed = {v: parse_variant(v, on_cpu) if not args.legacy else (*v.split(":")[:3], "", "", "", "")
             for v in args.variants.split(",")}
   cfg = ModelConfig(**shape, dtype="float32" if on_cpu else "bfloat16")
   model = Transformer(cfg, nnx.Rngs(0))
@@ -172,13 +182,15 @@ def main():
           compiler_options=floor_options)
       print(f"{'floor loop, fused weights':>28}: {result['floor_fused_step_ms']:8.3f} ms/step")
   for n, variant in enumerate(args.variants.split(",")):
-    attention, layers, steps, projections, matmul, paged = parsed[variant]
+    attention, layers, steps, projections, matmul, paged, launch = parsed[variant]
     saved = {k: os.environ.get(v) for k, v in ENV.items()}
     try:
       if not args.legacy:
         os.environ[ENV["attention"]], os.environ[ENV["layers"]] = attention, layers
         os.environ[ENV["matmul"]] = matmul
         os.environ[ENV["projections"]] = projections
+        if launch:  # (else the process's own, if any)
+          os.environ[ENV["launch"]] = launch
       row = engine_step_ms(model, slots, context, int(steps), args.reps,
                            args.trace if n == 0 else None, args.hlo if n == 0 else None,
                            paged=paged == "paged")
