@@ -17,7 +17,8 @@
 # 3. the Pallas kernel alone under its launches (bench/paged_kernel.py: pages per block, parts, the
 #    table cut to the kv bound, warps, stages; pages of 64, 128, 32) at both shapes, then the whole
 #    step at each shape with the engine's launch and the fastest over pages of 64, side by side;
-# 4. SmolLM2-135M shape (64 slots, context 128): the same choices;
+# 4. SmolLM2-135M shape (64 slots, context 128): the same choices, with a profiler trace of the
+#    first (the paged default: where its ~13 kernels a layer spend the step);
 # 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the "today");
 # 6. bench/sampler.py --quick (the service's continuous batching over the paged default) with the
@@ -61,10 +62,11 @@ for m in "$BIG" smollm2-135m; do
 done
 log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
   --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
-  --floor-matmul blas --json "$OUT/variants_smollm2.json" 2>&1 | keep
-if [ -n "${1:-}" ]; then
+  --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
+trace smollm2
+if [ -n "${1:-}" ]; then  # (its figure in the log only: the files a call brings back are few)
   log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
-    --no-floor --model=smollm2-135m --variants x:x:1 --json "$OUT/legacy_smollm2.json" 2>&1 | keep
+    --no-floor --model=smollm2-135m --variants x:x:1 2>&1 | keep
 fi
 log sampler quick; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --quick 2>&1 | keep
 rm -rf "$JAX_COMPILATION_CACHE_DIR"; log done; ls -la "$OUT"
