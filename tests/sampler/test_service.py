@@ -131,7 +131,10 @@ def _swap_run(model, new_model, continuation, steps_per_call, prompt=(3, 1, 4, 1
       time.sleep(0.001)
     eng.pause()
     eng.update_params(new_params, version=1)
-    time.sleep(0.2)
+    # the loop applies it once the call it may be in (a compile, on a loaded machine) returns
+    deadline = time.time() + 60
+    while eng.version != 1 and time.time() < deadline:
+      time.sleep(0.01)
     assert eng.version == 1
     eng.resume()
     samples = _collect(eng, n)
