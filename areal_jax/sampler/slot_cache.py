@@ -66,8 +66,9 @@ def prefix_len(prefix, layout: str) -> int:
 
 def write_prefix(cache, prefix, slots_N, bucket: int, layout: str):
   """``cache`` with ``prefix`` copied into positions ``[0, bucket)`` of each slot in ``slots_N``
-  (distinct slots, and padding past the slots, dropped: unique indices, so XLA:GPU stores each
-  element where it would loop a compare-and-swap, ``models.decode_scan``)."""
+  (distinct slots; padding entries index past the slots and are dropped). Told its indices are
+  unique, XLA:GPU stores each element where it would loop a compare-and-swap
+  (``models.decode_scan``)."""
   n = slots_N.shape[0]
   if layout == STACKED:
     return {name: cache[name].at[:, slots_N, :, :bucket].set(
