@@ -1,7 +1,7 @@
 """JAX's Pallas GPU paged-attention kernel alone, launched several ways, at a decode shape's layers.
 
-  python bench/paged_kernel.py [--model qwen2.5-1.5b] [--page-sizes 64] [--tunings "default;bound=1"]
-                               [--json PATH] [--compile-only h100]
+  python bench/paged_kernel.py [--model qwen2.5-1.5b] [--page-sizes 64]
+                               [--tunings "default;bound=1"] [--json PATH] [--compile-only h100]
 
 What one decode step's attention costs on a GPU, with nothing else in the program: every layer of
 the shape (each its own index into one pool, as the sampler's paged cache holds them) read through

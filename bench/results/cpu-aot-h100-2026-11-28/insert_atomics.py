@@ -18,7 +18,8 @@ from areal_jax.sampler import slot_cache  # noqa: E402
 sh = SingleDeviceSharding(aot_decode.target_device("h100"))
 S = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)  # noqa: E731
 I = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)  # noqa: E731
-L, R, K, T, D, N, Q, P = 28, 128, 2, 1024, 128, 4, 256, 64  # the 1.5B shape, a group of 4, 256 prompt positions
+# the 1.5B shape's cache (128 slots of 1024 positions), a group of 4, 256 prompt positions
+L, R, K, T, D, N, Q, P = 28, 128, 2, 1024, 128, 4, 256, 64
 cases = {
     "paged": (lambda c, p, pages, pos: slot_cache.write_prefix_pages(c, p, pages, pos, Q),
               ({n: S((K, L, R * T // P + 1, P, D)) for n in "kv"},
@@ -34,6 +35,7 @@ for name, (fn, args) in cases.items():
   dump = tempfile.mkdtemp()
   compiled = jax.jit(fn, donate_argnums=0, compiler_options={"xla_dump_to": dump}).trace(
       *args).lower(lowering_platforms=("cuda",)).compile()
-  launches = sum(v for k, v in aot_decode.launches(compiled.as_text()).items() if k != "copied_bytes")
+  counts = aot_decode.launches(compiled.as_text())
+  launches = sum(v for k, v in counts.items() if k != "copied_bytes")
   cas = aot_decode.cas_kernels(dump)
   print(f"{name:8s} {launches} launches; compiled kernels with a compare-and-swap loop: {len(cas)}")
