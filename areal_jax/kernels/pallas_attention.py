@@ -73,21 +73,6 @@ def stacked_usable(max_len: int) -> bool:
   return stacked_pages.page_size(max_len) is not None
 
 
-def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes,
-                             interpret: bool = False, tuning: PagedTuning | None = None,
-                             bound: int | None = None):
-  """Layer ``layer`` of the scan's stacked cache ``[L, R, K, T, D]`` through JAX's paged GPU
-  kernel (``jax.experimental.pallas.ops.gpu.paged_attention``), the cache read in place as pages
-  (``stacked_pages``): no copy of the layer's cache (a slice handed to ``mqa`` is one, at every
-  layer and step), each (row, K/V head) read up to its own length, in parts combined at the end,
-  launched as ``tuning`` says (``paged``; ``bound``: the static kv bound)."""
-  kernel = functools.partial(paged, interpret=interpret, tuning=tuning or PagedTuning(),
-                             bound=bound)
-  return stacked_pages.attend(kernel,
-                              q_BxKxGxD.astype(k_LxRxKxTxD.dtype), k_LxRxKxTxD, v_LxRxKxTxD,
-                              layer, pos_B, cache_axes)
-
-
 @dataclasses.dataclass(frozen=True)
 class PagedTuning:
   """How JAX's Pallas GPU paged-attention kernel is launched (``paged``): ``block_pages`` pages
@@ -112,6 +97,20 @@ class PagedTuning:
         raise ValueError(f"PagedTuning.{name}={getattr(self, name)}: expected >= 1")
     if self.parts < 0:
       raise ValueError(f"PagedTuning.parts={self.parts}: expected >= 0 (0: automatic)")
+
+
+def decode_attention_stacked(q_BxKxGxD, k_LxRxKxTxD, v_LxRxKxTxD, layer, pos_B, cache_axes,
+                             interpret: bool = False, tuning: PagedTuning = PagedTuning(),
+                             bound: int | None = None):
+  """Layer ``layer`` of the scan's stacked cache ``[L, R, K, T, D]`` through JAX's paged GPU
+  kernel (``jax.experimental.pallas.ops.gpu.paged_attention``), the cache read in place as pages
+  (``stacked_pages``): no copy of the layer's cache (a slice handed to ``mqa`` is one, at every
+  layer and step), each (row, K/V head) read up to its own length, in parts combined at the end,
+  launched as ``tuning`` says (``paged``; ``bound``: the static kv bound)."""
+  kernel = functools.partial(paged, interpret=interpret, tuning=tuning, bound=bound)
+  return stacked_pages.attend(kernel,
+                              q_BxKxGxD.astype(k_LxRxKxTxD.dtype), k_LxRxKxTxD, v_LxRxKxTxD,
+                              layer, pos_B, cache_axes)
 
 
 def paged(q_NxHxD, k_pool, v_pool, lengths_N, pages_NxP, page: int, interpret: bool = False,
