@@ -13,10 +13,14 @@
 #    GPU: a paged cache read by JAX's Pallas paged-attention kernel, the layers unrolled,
 #    decode_matmul 'blas'; the floor loop's program gets the same matmul options), the issue's keys;
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
-#    the dense read over rows, XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
-# 3. the Pallas kernel alone under its launches (bench/paged_kernel.py: pages per block, parts, the
-#    table cut to the kv bound, warps, stages; pages of 64, 128, 32) at both shapes, then the whole
-#    step at each shape with the engine's launch and the fastest over pages of 64, side by side;
+#    our kernel that also writes the step's keys and values (launch=writes=1: 9 kernels a layer
+#    against 13 at the SmolLM2 shape, compiled for an H100 on a CPU), the dense read over rows,
+#    XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
+# 3. a layer's attention step alone (bench/paged_kernel.py: the cache writes and JAX's Pallas
+#    kernel under its launches, pages per block, parts, the table cut to the kv bound, warps,
+#    stages; our writing kernel at 8, 4 and 2 warps; pages of 64, 128, 32) at both shapes, then
+#    the whole step at each shape with the engine's launch and the fastest over pages of 64, side
+#    by side;
 # 4. SmolLM2-135M shape (64 slots, context 128): the same choices, with a profiler trace of the
 #    first (the paged default: where its ~13 kernels a layer spend the step);
 # 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
@@ -45,7 +49,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
 log variants "$BIG"; t=$(limit 120) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
+  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
@@ -61,7 +65,7 @@ for m in "$BIG" smollm2-135m; do
     "pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=${best//,/+}" 2>&1 | keep
 done
 log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
+  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
   --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 trace smollm2
 if [ -n "${1:-}" ]; then  # (its figure in the log only: the files a call brings back are few)

@@ -1,24 +1,31 @@
-"""JAX's Pallas GPU paged-attention kernel alone, launched several ways, at a decode shape's layers.
+"""A decode step's attention over the paged cache alone, at a shape's layers, launched several ways:
+JAX's Pallas GPU paged-attention kernel under each launch, our kernel that also writes the step's
+keys and values (``writes=1``), and the dense read.
 
   python bench/paged_kernel.py [--model qwen2.5-1.5b] [--page-sizes 64]
-                               [--tunings "default;bound=1"] [--json PATH] [--compile-only h100]
+                               [--tunings "default;bound=1;writes=1"] [--json PATH]
+                               [--compile-only h100]
 
 What one decode step's attention costs on a GPU, with nothing else in the program: every layer of
-the shape (each its own index into one pool, as the sampler's paged cache holds them) read through
-``kernels.paged_attention.decode_attention_paged`` with ``impl="pallas_gpu"`` (the GPU default
-since session 27: our query reshape, the kernel, JAX's combine of its parts), under each launch of
-``--tunings`` (``pallas_attention.PagedTuning``, in ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax;
-``default`` is the engine's), and the dense read of the gathered pages (``impl="dense"``) beside
-them. Every slot decodes from position ``--context``; each slot owns ``--max-len`` positions of
-pages, shuffled over the pool, and the program's kv bound is the context + 65 (what
-``bench/sampler.py``'s roofline row runs). Per launch: microseconds per layer (best of ``--reps``
-calls of all layers), the keys and values the layer must read (every slot's positions up to its
-own) over that time, that as a fraction of the read probe's bandwidth, the time against
-``default``'s, and the largest difference of its outputs from ``default``'s (the same attention:
-a launch that reads wrong shows here). ``--compile-only TARGET`` compiles each launch for a GPU
-this machine does not have (``bench/aot_decode.py``'s targets) and counts its kernels instead: a
-launch that would not lower for the GPU fails here, not on a lent one. On CPU the kernel runs in
-Pallas interpret mode (slow; ``--model tiny`` is for tests).
+the shape (each its own index into one pool, as the sampler's paged cache holds them) runs
+``kernels.paged_attention.decode_step_paged`` (the layer's new keys and values written into their
+pages, then the attention; the pools donated and written in place, as in the engine's step) with
+``impl="pallas_gpu"`` (the GPU default since session 27: two scatters, our query reshape, the
+kernel, JAX's combine of its parts), under each launch of ``--tunings``
+(``pallas_attention.PagedTuning``, in ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax; ``default`` is the
+engine's; ``writes=1`` is ``kernels.pallas_paged_step``, the writes and the attention one kernel),
+and the dense read of the gathered pages (``impl="dense"``) beside them. Every slot decodes at
+position ``--context``; each slot owns ``--max-len`` positions of pages, shuffled over the pool,
+and the program's kv bound is the context + 65 (what ``bench/sampler.py``'s roofline row runs).
+Per launch: microseconds per layer (best of ``--reps`` calls of all layers), the keys and values
+the layer must read (every slot's positions up to its own) over that time, that as a fraction of
+the read probe's bandwidth, the time against ``default``'s, and the largest difference of its
+outputs from ``default``'s (the same attention: a launch that reads wrong shows here; ``writes=1``
+gives its output in the queries' dtype, so on a GPU that difference includes bfloat16's
+rounding). ``--compile-only TARGET`` compiles each launch for a GPU this machine does not have
+(``bench/aot_decode.py``'s targets) and counts its kernels instead: a launch that would not lower
+for the GPU fails here, not on a lent one. On CPU the kernels run in Pallas interpret mode (slow;
+``--model tiny`` is for tests).
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ SHAPES = {"qwen2.5-1.5b": (QWEN25_1P5B, 128, 512), "smollm2-135m": (SMOLLM2, 64,
           "tiny": (TINY, 4, 24)}
 SWEEP = ("default;bound=1;bound=1,parts=1;bound=1,parts=4;bound=1,parts=8;bound=1,block_pages=2;"
          "bound=1,block_pages=4;warps=4;bound=1,warps=4;bound=1,stages=1;bound=1,stages=3;"
-         "bound=1,parts=4,warps=4;bound=1,block_pages=2,warps=4")
+         "bound=1,parts=4,warps=4;bound=1,block_pages=2,warps=4;writes=1;writes=1,warps=4;"
+         "writes=1,warps=2")
 
 
 def tuning(spec: str) -> pallas_attention.PagedTuning:
@@ -53,29 +61,50 @@ def tuning(spec: str) -> pallas_attention.PagedTuning:
 
 
 def inputs(cfg, slots: int, context: int, max_len: int, page: int, dtype, abstract: bool = False):
-  """Queries ``[B, K, G, D]``, the pools ``[K, L, M, P, D]`` (every slot's pages, shuffled, and the
-  trash page), page tables ``[B, N]`` and positions ``[B]`` (``abstract``: their shapes only)."""
+  """A decode step's inputs at every slot's position ``context``: queries ``[B, K, G, D]`` and new
+  keys and values ``[B, K, D]``, the pools ``[K, L, M, P, D]`` (every slot's pages, shuffled, and
+  the trash page), page tables ``[B, N]``, positions ``[B]`` and the page and offset each slot
+  writes ``[B]`` (``abstract``: their shapes only)."""
   kv, g, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
   per_slot = -(-max_len // page)
-  shapes = [((slots, kv, g, d), dtype), ((kv, cfg.n_layers, slots * per_slot + 1, page, d), dtype),
-            ((kv, cfg.n_layers, slots * per_slot + 1, page, d), dtype),
-            ((slots, per_slot), jnp.int32), ((slots,), jnp.int32)]
+  pool = (kv, cfg.n_layers, slots * per_slot + 1, page, d)
+  shapes = [((slots, kv, g, d), dtype), ((slots, kv, d), dtype), ((slots, kv, d), dtype),
+            (pool, dtype), (pool, dtype), ((slots, per_slot), jnp.int32)] + [
+            ((slots,), jnp.int32)] * 3
   if abstract:
     return [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
-  keys = jax.random.split(jax.random.key(0), 3)
-  q_BxKxGxD, k_pool, v_pool = (jax.random.normal(key, shape, dt)
-                               for key, (shape, dt) in zip(keys, shapes[:3]))
+  keys = jax.random.split(jax.random.key(0), 5)
+  arrays = [jax.random.normal(key, shape, dt) for key, (shape, dt) in zip(keys, shapes[:5])]
   table_BxN = np.random.default_rng(0).permutation(slots * per_slot).astype(np.int32)
-  return (q_BxKxGxD * d**-0.5, k_pool, v_pool, jnp.asarray(table_BxN.reshape(slots, per_slot)),
-          jnp.full((slots,), context, jnp.int32))
+  table_BxN = table_BxN.reshape(slots, per_slot)
+  return arrays + [jnp.asarray(table_BxN), jnp.full((slots,), context, jnp.int32),
+                   jnp.asarray(table_BxN[:, context // page]),
+                   jnp.full((slots,), context % page, jnp.int32)]
 
 
 def program(impl: str, how: pallas_attention.PagedTuning, n_layers: int, t: int, interpret: bool):
-  def attend_all(q, k_pool, v_pool, table, pos):
-    return tuple(paged_attention.decode_attention_paged(q, k_pool, v_pool, i, table, pos, t, impl,
-                                                        interpret=interpret, tuning=how)
-                 for i in range(n_layers))
-  return jax.jit(attend_all)
+  """Every layer's decode step (``paged_attention.decode_step_paged``: the new keys and values
+  written, then the attention), the pools donated and returned (written in place, as the engine's
+  step writes them)."""
+  def step_all(q, k_new, v_new, k_pool, v_pool, table, pos, page_B, offset_B):
+    outs = []
+    for i in range(n_layers):
+      out, k_pool, v_pool = paged_attention.decode_step_paged(
+          q, k_new, v_new, k_pool, v_pool, i, table, page_B, offset_B, pos, t, impl,
+          q.shape[-1] ** -0.5, interpret=interpret, tuning=how)
+      outs.append(out)
+    return tuple(outs), k_pool, v_pool
+  return jax.jit(step_all, donate_argnums=(3, 4))
+
+
+def stepper(fn, args: list):
+  """``fn`` called on ``args`` with each call's pools fed to the next; returns the outputs."""
+  args = list(args)
+
+  def call():
+    outs, args[3], args[4] = fn(*args)
+    return outs
+  return call
 
 
 def main():
@@ -135,8 +164,9 @@ def main():
               f"{row['launches_per_layer']:5.1f} kernels a layer")
         keep(row)
         continue
-      out = fn(*args_)
-      us = best_time(fn, *args_, reps=args.reps) / cfg.n_layers * 1e6
+      call = stepper(fn, [jnp.copy(a) for a in args_])  # the pools donated: a copy of each
+      out = call()
+      us = best_time(call, reps=args.reps) / cfg.n_layers * 1e6
       out = np.stack([np.asarray(o, np.float32) for o in out])
       if base_us is None:
         base_us, base_out = us, out
@@ -165,7 +195,7 @@ def compiled(fn, fargs, target: str, n_layers: int) -> dict:
             for a in fargs]  # shapes only: nothing is allocated
   t0 = time.perf_counter()
   with choice.lowering_for("gpu"):
-    hlo = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).compile().as_text()
+    hlo = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).compile().as_text()
   counts = aot_decode.launches(hlo)
   kernels = sum(v for k, v in counts.items() if k != "copied_bytes")
   return {"compile_s": time.perf_counter() - t0, "launches_per_layer": kernels / n_layers,

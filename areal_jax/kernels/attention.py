@@ -87,3 +87,17 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
                                                 interpret=choice.interpret(),
                                                 rows=choice.query_rows(k_KxLxMxPxD.dtype),
                                                 tuning=choice.pallas_gpu_tuning())
+
+
+def decode_step_paged(q_BxKxGxD, k_new_BxKxD, v_new_BxKxD, k_KxLxMxPxD, v_KxLxMxPxD, layer,
+                      table_BxN, page_B, offset_B, pos_B, t: int, scale: float,
+                      impl: str | None = None):
+  """A layer's decode step over the paged cache's pools (``paged_attention.decode_step_paged``):
+  the new keys and values written, then ``decode_attention_paged`` of the queries times
+  ``scale``. ``(out, k_pool, v_pool)``."""
+  impl = impl or choice.attention(choice.platform_of(None))
+  return paged_attention.decode_step_paged(q_BxKxGxD, k_new_BxKxD, v_new_BxKxD, k_KxLxMxPxD,
+                                           v_KxLxMxPxD, layer, table_BxN, page_B, offset_B,
+                                           pos_B, t, impl, scale, interpret=choice.interpret(),
+                                           rows=choice.query_rows(k_KxLxMxPxD.dtype),
+                                           tuning=choice.pallas_gpu_tuning())

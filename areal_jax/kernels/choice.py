@@ -11,7 +11,9 @@ Decode attention (``ATTENTION``):
     (``stacked_pages``, when ``max_len`` is a multiple of 16; else ``decode_attention.mqa`` per
     (row, head) on the layer's slice), on a per-layer cache (the layers unrolled: held
     heads-major for it, ``sampler/slot_cache``) ``decode_attention.mqa`` per (row, head) in place;
-    each row read up to its own length; runs in Pallas interpret mode on a CPU device (tests).
+    over a paged cache's pools the paged kernel, or (``pallas_gpu_tuning``'s ``writes``) our own
+    kernel that also writes the step's keys and values (``pallas_paged_step``); each row read up
+    to its own length; runs in Pallas interpret mode on a CPU device (tests).
   * ``"pallas_tpu"``: ``jax.experimental.pallas.ops.tpu.paged_attention`` over the scan's stacked
     cache read in place as pages (``pallas_tpu_attention``), each row read up to its own length;
     over a paged cache's pools (the layers unrolled or in a scan); needs the layers in a scan
@@ -248,9 +250,12 @@ def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
   defaults, as measured on the H100 (1 page a block: the kernel 61 us a layer at the
   Qwen2.5-1.5B shape, ~55% of the read probe's bandwidth for its keys and values,
   ``bench/results/h100-2026-11-27-s27``); the others are not measured yet (``bench/paged_kernel.py``
-  times them). ``$AREAL_JAX_PALLAS_GPU_PAGED`` sets fields (``block_pages=2,parts=4,warps=4,
-  stages=3,bound=1``), ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` the pages a block alone; read when a
-  program is traced. ``spec``: fields in that syntax instead of the environment's."""
+  times them). ``writes=1`` runs a paged decode step's cache writes and attention as one kernel
+  of our own instead (``pallas_paged_step``: 9 kernels a layer against 13 at the SmolLM2 shape,
+  compiled for an H100 without one; its run time not measured yet, so it is not the default).
+  ``$AREAL_JAX_PALLAS_GPU_PAGED`` sets fields (``block_pages=2,parts=4,warps=4,stages=3,bound=1,
+  writes=1``), ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` the pages a block alone; read when a program
+  is traced. ``spec``: fields in that syntax instead of the environment's."""
   fields, source = {}, f"${PAGED_TUNING_ENV}"
   if spec is None:
     block = os.environ.get(BLOCK_PAGES_ENV, "")
@@ -266,7 +271,7 @@ def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
     name, _, value = item.partition("=")
     if name not in names or not value.isdigit():
       raise ValueError(f"{source}={spec!r}: {item!r} is not NAME=INTEGER with NAME one of {names}")
-    fields[name] = bool(int(value)) if name == "bound" else int(value)
+    fields[name] = bool(int(value)) if name in ("bound", "writes") else int(value)
   try:
     return pallas_attention.PagedTuning(**fields)
   except ValueError as e:

@@ -10,6 +10,10 @@ features) and a page table ``[B, N]`` per query row (page ids of positions ``[0,
     ``[K, B, T, D]`` block and reads it as the dense form does (a copy of the rows' K/V at every
     layer and step: the price of paging without a kernel).
 
+``decode_step_paged`` is a layer's whole decode step over the pools: the step's keys and values
+written into their pages (one scatter each, in place), then ``decode_attention_paged``; or, with
+``PagedTuning.writes`` on GPU, both in one kernel of our own (``pallas_paged_step``).
+
 The pool viewed as ``[K, L*M, P, D]`` is the kernels' page layout; layer ``i``'s pages are
 ``i * M + table``. On a mesh the kernels run per device under ``shard_map`` over the K/V heads (the
 pool's split; the sampler's paged cache is not split over slots).
@@ -24,7 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from areal_jax import sharding
-from areal_jax.kernels import pallas_attention, pallas_tpu_attention, xla_attention
+from areal_jax.kernels import (pallas_attention, pallas_paged_step, pallas_tpu_attention,
+                               xla_attention)
 
 POOL_AXES = ("cache_heads", None, None, None, None)  # logical axes of a pool
 
@@ -69,3 +74,48 @@ def decode_attention_paged(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN
                           in_specs=(P(None, pool[0]), pool, pool, P(), P()),
                           out_specs=P(None, pool[0]))
   return local(q_BxKxGxD, k_KxLxMxPxD, v_KxLxMxPxD, pages_BxN, pos_B)
+
+
+def decode_step_paged(q_BxKxGxD, k_new_BxKxD, v_new_BxKxD, k_KxLxMxPxD, v_KxLxMxPxD, layer,
+                      table_BxN, page_B, offset_B, pos_B, t: int, impl: str, scale: float,
+                      interpret: bool = False, rows: int = 1,
+                      tuning: pallas_attention.PagedTuning = pallas_attention.PagedTuning()):
+  """Layer ``layer``'s decode step over the pools: row ``b``'s new key and value ``[B, K, D]``
+  written at page ``page_B[b]`` (of the layer's ``M``; the trash page for a row that writes
+  nothing), offset ``offset_B[b]``, then ``decode_attention_paged``'s attention of the queries
+  ``[B, K, G, D]`` times ``scale`` over positions ``0..pos_B[b]``. Returns
+  ``(out, k_pool, v_pool)``, ``out`` ``[B, K, G, D]`` float32 (from ``pallas_paged_step``: the
+  queries' dtype)."""
+  b, kv, g, d = q_BxKxGxD.shape
+  _, n_layers, m, page, _ = k_KxLxMxPxD.shape
+  if not (impl == "pallas_gpu" and tuning.writes and pallas_paged_step.usable(g, page, d)):
+    # new [B, Hkv, D] into [:, layer, page, offset, :] (the indexed axes' [B] lands after Hkv);
+    # unique but in the trash page, which rows that do not write share and no read uses (see
+    # models/decode_scan on unique_indices)
+    k_pool, v_pool = (sharding.constrain(pool.at[:, layer, page_B, offset_B].set(
+        jnp.swapaxes(new, 0, 1).astype(pool.dtype), unique_indices=True), POOL_AXES)
+                      for pool, new in ((k_KxLxMxPxD, k_new_BxKxD), (v_KxLxMxPxD, v_new_BxKxD)))
+    out_BxKxGxD = decode_attention_paged(q_BxKxGxD.astype(jnp.float32) * scale, k_pool, v_pool,
+                                         layer, table_BxN, pos_B, t, impl, interpret, rows, tuning)
+    return out_BxKxGxD, k_pool, v_pool
+  base = jnp.reshape(layer * m, (1,)).astype(jnp.int32)  # the layer's first page
+  # one array for the kernel: XLA computes it in one fusion from the projections' output
+  qkv_BxKxSxD = jnp.concatenate([q_BxKxGxD, k_new_BxKxD[:, :, None].astype(q_BxKxGxD.dtype),
+                                 v_new_BxKxD[:, :, None].astype(q_BxKxGxD.dtype)], axis=2)
+
+  def local(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, page_B, offset_B):
+    flat = lambda x: x.reshape(x.shape[0], n_layers * m, page, d)  # noqa: E731  (a view)
+    out, k_pool_, v_pool_ = pallas_paged_step.step(
+        qkv_BxKxSxD, flat(k_pool), flat(v_pool), base, table_BxN, pos_B, page_B, offset_B, t,
+        tuning.warps, tuning.stages, interpret, scale)
+    return out, k_pool_.reshape(k_pool.shape), v_pool_.reshape(v_pool.shape)
+
+  ctx = sharding.current()
+  if ctx is not None and ctx[0].size > 1:
+    mesh, rules = ctx
+    pool = sharding.spec(POOL_AXES, k_KxLxMxPxD.shape, mesh, rules)
+    heads = P(None, pool[0])
+    local = jax.shard_map(local, mesh=mesh, check_vma=False,
+                          in_specs=(heads, pool, pool, P(), P(), P(), P(), P()),
+                          out_specs=(heads, pool, pool))
+  return local(qkv_BxKxSxD, k_KxLxMxPxD, v_KxLxMxPxD, base, table_BxN, pos_B, page_B, offset_B)

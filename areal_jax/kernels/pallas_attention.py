@@ -82,7 +82,9 @@ class PagedTuning:
   with entries past every length, which the kernel skips); ``warps`` and ``stages``: its Triton
   ``num_warps`` and ``num_stages``; ``bound``: hand the kernel only the pages up to the program's
   static kv bound (``False``: the whole page table, its programs past every row's length exit
-  at once). The defaults are what ``bench/results/h100-2026-11-27-s27`` measured;
+  at once); ``writes``: a decode step over a paged cache runs ``pallas_paged_step`` instead, our
+  kernel that also writes the step's keys and values (of the fields above it takes ``warps`` and
+  ``stages``). The defaults are what ``bench/results/h100-2026-11-27-s27`` measured;
   ``bench/paged_kernel.py`` times the others."""
 
   block_pages: int = 1
@@ -90,6 +92,7 @@ class PagedTuning:
   warps: int = 8
   stages: int = 2
   bound: bool = False
+  writes: bool = False
 
   def __post_init__(self):
     for name in ("block_pages", "warps", "stages"):

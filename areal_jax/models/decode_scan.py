@@ -32,11 +32,12 @@ from flax import nnx
 from areal_jax import sharding
 from areal_jax.kernels.paged_attention import POOL_AXES
 from areal_jax.models.transformer import (Block, ModelConfig, Transformer, attention,
-                                          decode_attention, rope_tables)
+                                          decode_attention, decode_step_paged, rope_tables)
 
 StackedCache = dict[str, jax.Array]  # {"k", "v"}: [n_layers, rows, Hkv, T, D]
-# The cache writes below are scatters whose indices never repeat (a row's positions, or its page
-# and offset: a group's shared pages are full ones, ``sampler.pages``), and say so
+# The cache writes below (and the paged cache's, ``kernels.paged_attention.decode_step_paged``)
+# are scatters whose indices never repeat (a row's positions, or its page and offset: a group's
+# shared pages are full ones, ``sampler.pages``), and say so
 # (``unique_indices``): XLA:GPU then stores each element, where it otherwise updates it by a
 # compare-and-swap loop on its 32-bit word (bfloat16; read off the PTX of a deviceless H100
 # compile, bench/results/cpu-aot-h100-2026-11-28).
@@ -178,13 +179,8 @@ def _extend_paged(run_layers, tokens_Bx1, start_B, pool: StackedCache, kv_len: i
   offset_B = start_B % page_size
 
   def attend_layer(i, q, k, v, k_pool, v_pool):
-    # new [B, 1, Hkv, D] into [:, i, page, offset, :] (the indexed axes' [B] lands after Hkv);
-    # unique but in the trash page, which rows that do not write share and no read uses
-    k_pool, v_pool = (sharding.constrain(pool_.at[:, i, page_B, offset_B].set(
-        jnp.swapaxes(new[:, 0], 0, 1).astype(pool_.dtype), unique_indices=True), POOL_AXES)
-                      for pool_, new in ((k_pool, k), (v_pool, v)))
-    return decode_attention(q, k_pool, v_pool, start_B, kv_len, impl=attention_impl, layer=i,
-                            pages=pages_BxN), k_pool, v_pool
+    return decode_step_paged(q, k, v, k_pool, v_pool, i, pages_BxN, page_B, offset_B, start_B,
+                             kv_len, attention_impl)
 
   return run_layers(tokens_Bx1, start_B[:, None], pool, pool["k"].shape[1], attend_layer)
 

@@ -255,6 +255,20 @@ def decode_attention(q_Bx1xHxD, k_BxTxKxD, v_BxTxKxD, pos_B, kv_len: int | None 
   return out_BxKxGxD.reshape(b, 1, h, d).astype(v_BxTxKxD.dtype)
 
 
+def decode_step_paged(q_Bx1xHxD, k_Bx1xKxD, v_Bx1xKxD, k_pool, v_pool, layer, pages_BxN,
+                      page_B, offset_B, pos_B, kv_len: int, impl: str | None = None):
+  """A decode step of layer ``layer`` over the paged cache's pools ``[K, L, M, P, D]``
+  (``kernels.paged_attention``): row ``b``'s new key and value written at page ``page_B[b]``,
+  offset ``offset_B[b]``, then ``decode_attention`` over its pages (``pages_BxN``). The kernels
+  package decides whether that is one kernel. Returns ``(out_Bx1xHxD, k_pool, v_pool)``."""
+  b, _, h, d = q_Bx1xHxD.shape
+  kv = k_pool.shape[0]
+  out_BxKxGxD, k_pool, v_pool = attention_kernels.decode_step_paged(
+      q_Bx1xHxD.reshape(b, kv, h // kv, d), k_Bx1xKxD[:, 0], v_Bx1xKxD[:, 0], k_pool, v_pool,
+      layer, pages_BxN, page_B, offset_B, pos_B, kv_len, d**-0.5, impl)
+  return out_BxKxGxD.reshape(b, 1, h, d).astype(v_pool.dtype), k_pool, v_pool  # as cached
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):

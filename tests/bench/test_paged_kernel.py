@@ -1,6 +1,6 @@
-"""``bench/paged_kernel.py`` on CPU (the Pallas GPU kernel in interpret mode, the tiny shape): every
-launch it sweeps reads the same attention as the engine's default, and a launch that reads wrong
-shows in its ``max_abs_diff``."""
+"""``bench/paged_kernel.py`` on CPU (the Pallas GPU kernels in interpret mode, the tiny shape): every
+launch it sweeps (our writing kernel's too) reads the same attention as the engine's default, and
+a launch that reads wrong shows in its ``max_abs_diff``."""
 
 import json
 import pathlib
@@ -23,12 +23,15 @@ def _run(tmp_path, monkeypatch, tunings):
 
 
 def test_every_launch_reads_the_defaults_attention(tmp_path, monkeypatch):
-  result = _run(tmp_path, monkeypatch, "default;bound=1,parts=3,block_pages=2;warps=4,stages=1")
+  result = _run(tmp_path, monkeypatch,
+                "default;bound=1,parts=3,block_pages=2;warps=4,stages=1;writes=1,warps=2")
   rows = result["rows"]
   assert [(r["page_size"], r["tuning"]) for r in rows] == [
       (p, t) for p in (16, 32) for t in ("default", "bound=1,parts=3,block_pages=2",
-                                         "warps=4,stages=1", "dense read of the gathered pages")]
+                                         "warps=4,stages=1", "writes=1,warps=2",
+                                         "dense read of the gathered pages")]
   assert rows[1]["parts"] == 3 and rows[1]["bound"] and rows[2]["warps"] == 4
+  assert rows[3]["writes"] and rows[3]["warps"] == 2
   assert all(r["max_abs_diff"] < 1e-5 for r in rows), rows
   assert all(r["us_per_layer"] > 0 and r["read_frac"] > 0 for r in rows)
   # the tiny shape: 4 slots x 2 K/V heads x 16 features, positions 0..24, float32, K and V

@@ -382,13 +382,19 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
 
 @pytest.mark.parametrize("impl,layers", [("dense", "scan"), ("pallas_gpu", "scan"),
                                          ("pallas_tpu", "scan"), ("dense", "unrolled"),
-                                         ("pallas_tpu", "unrolled"), ("cpu", "unrolled")])
-def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers):
+                                         ("pallas_tpu", "unrolled"), ("cpu", "unrolled"),
+                                         ("pallas_gpu:writes", "unrolled"),
+                                         ("pallas_gpu:writes", "scan")])
+def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, monkeypatch):
   """A group of three over a paged cache (its prompt's full page shared, the partial one copied,
   pages taken as the slots grow): the same tokens and logprobs as an engine with a cache row per
   slot and the layers in a scan, through the dense read over gathered pages and both Pallas
   kernels (interpret mode), the paged engine's layers in a scan or unrolled (its per-layer weights
-  over the same pools; ``cpu``: the CPU defaults, C++ matmul kernel included)."""
+  over the same pools; ``cpu``: the CPU defaults, C++ matmul kernel included; ``:writes``: the
+  step's writes and attention in one kernel, ``kernels.pallas_paged_step``)."""
+  from areal_jax.kernels import choice
+  impl, writes = impl.partition(":")[::2]
+  monkeypatch.setenv(choice.PAGED_TUNING_ENV, "writes=1" if writes else "")
   base = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(16, 32), steps_per_call=4,
                       decode_attention=impl, decode_matmul="xla", decode_layers="scan",
                       cache_dtype="bfloat16" if impl == "pallas_tpu" else None)

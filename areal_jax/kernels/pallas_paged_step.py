@@ -1,0 +1,124 @@
+"""A decode step's attention over the paged cache as one Pallas GPU kernel of our own: it writes
+the step's new key and value into their page and attends, for every (row, K/V head) at once.
+
+Why a kernel of our own: JAX's paged kernel (``pallas_attention.paged``) needs its query groups
+padded to 16 rows (an XLA fusion before it) and splits each sequence into parts combined after it
+(a fusion after it), and the cache's two writes are scatters of their own; at the SmolLM2 shape
+on an H100 a layer was 13 kernels, 5 of them these, and the step was bound by its kernel count,
+not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
+
+  * the query heads of a K/V head are read one by one (``G`` rows of ``D``): no padding, since the
+    scores are elementwise products summed over ``D`` (no ``tl.dot``, whose rows must be >= 16);
+    a decode step's attention is bound by reading the pages, not by these products;
+  * no parts: each (row, K/V head) reads its pages ``[0, pos)`` in one program, so nothing is
+    combined after it (``B * K`` programs: 192 at the SmolLM2 shape, 256 at the Qwen2.5-1.5B one);
+  * the new key and value are stored into the pool (aliased in place) and counted into the softmax
+    from registers: the program reads no position it writes.
+
+Exact: softmax attention over positions ``0..pos`` of the row after the write, as the scatter
+followed by ``pallas_attention.paged`` computes. Pages are read whole and masked past ``pos``;
+rows that write nothing write into the trash page (``sampler/pages.py``), which no read uses.
+
+Runs in Pallas interpret mode on a CPU device (tests); its speed on a GPU is ``bench``'s to say.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_GROUP = 16  # query heads per K/V head read one by one; past it the kernel is not offered
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # a score that is never the maximum
+
+
+def usable(group: int, page: int, head_dim: int) -> bool:
+  """Whether the kernel takes ``group`` query heads per K/V head, pages of ``page`` positions and
+  heads of ``head_dim`` (Triton's loads: powers of two)."""
+  pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+  return 1 <= group <= MAX_GROUP and pow2(page) and pow2(head_dim)
+
+
+def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, k_in_ref,
+            v_in_ref, o_ref, k_out_ref, v_out_ref, *, group: int, max_pages: int,
+            scale: float):
+  base, pos = base_ref[0], pos_ref[0]
+  page = k_in_ref.shape[1]
+  k_new, v_new = qkv_ref[group, :], qkv_ref[group + 1, :]
+  target = base + write_page_ref[0]
+  k_out_ref[target, offset_ref[0], :] = k_new.astype(k_out_ref.dtype)
+  v_out_ref[target, offset_ref[0], :] = v_new.astype(v_out_ref.dtype)
+
+  # the new key and value as the cache holds them, so the result is the write's then the read's
+  k_new = k_new.astype(k_out_ref.dtype).astype(jnp.float32)
+  v_new = v_new.astype(v_out_ref.dtype).astype(jnp.float32)
+  q = [qkv_ref[g, :].astype(jnp.float32) * scale for g in range(group)]
+  # the new position first: every running maximum is a real score from the start
+  m = [jnp.sum(q_g * k_new) for q_g in q]
+  l = [jnp.float32(1.0)] * group
+  acc = [v_new] * group
+
+  def page_step(j, carry):
+    m, l, acc = carry
+    page_id = base + table_ref[j]
+    k_PxD = k_in_ref[page_id, :, :].astype(jnp.float32)
+    v_PxD = v_in_ref[page_id, :, :].astype(jnp.float32)
+    before_P = j * page + lax.broadcasted_iota(jnp.int32, (page,), 0) < pos
+    out = ([], [], [])
+    for m_g, l_g, acc_g, q_g in zip(m, l, acc, q):
+      s_P = jnp.where(before_P, jnp.sum(k_PxD * q_g[None, :], axis=1), _MASK)
+      m_next = jnp.maximum(m_g, jnp.max(s_P))
+      p_P = jnp.exp(s_P - m_next)
+      correction = jnp.exp(m_g - m_next)
+      out[0].append(m_next)
+      out[1].append(l_g * correction + jnp.sum(p_P))
+      out[2].append(acc_g * correction + jnp.sum(p_P[:, None] * v_PxD, axis=0))
+    return out
+
+  pages = jnp.minimum(pl.cdiv(pos, page), max_pages)
+  m, l, acc = lax.fori_loop(0, pages, page_step, (m, l, acc))
+  for g in range(group):
+    o_ref[g, :] = (acc[g] / l[g]).astype(o_ref.dtype)
+
+
+def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offset_B,
+         bound: int, warps: int = 4, stages: int = 2, interpret: bool = False,
+         scale: float | None = None):
+  """Per row and K/V head its ``G = S - 2`` queries, then its new key and value, ``[B, K, S, D]``
+  (as a layer's projections give them, rope applied; queries scaled in the kernel by ``scale``,
+  None: ``D ** -0.5``), over pools ``[K, pages, P, D]``: writes row ``b``'s new key and value at
+  page ``base + write_page_B[b]``, offset ``offset_B[b]``, and returns ``(out, k_pool, v_pool)``:
+  ``out`` ``[B, K, G, D]`` in the queries' dtype, row ``b`` attending to its positions
+  ``0..pos_B[b]`` (``pos_B[b]`` the new one; the older ones at pages ``base + table_BxN[b, j]``);
+  the pools updated in place (aliased). ``base``: int32 ``[1]``, the layer's first page;
+  ``bound``: the static kv bound (no row reads past it)."""
+  b, kv, s, d = qkv_BxKxSxD.shape
+  n_pages, page = k_pool.shape[1:3]
+  max_pages = max(1, min(-(-bound // page), table_BxN.shape[1]))
+  kernel = functools.partial(_kernel, group=s - 2, max_pages=max_pages,
+                             scale=d ** -0.5 if scale is None else scale)
+  row = lambda i, h: (i,)  # noqa: E731
+  pool_spec = pl.BlockSpec((None, n_pages, page, d), lambda i, h: (h, 0, 0, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=(b, kv),
+      in_specs=[pl.BlockSpec((1,), lambda i, h: (0,)), pl.BlockSpec((1,), row),
+                pl.BlockSpec((1,), row), pl.BlockSpec((1,), row),
+                pl.BlockSpec((None, table_BxN.shape[1]), lambda i, h: (i, 0)),
+                pl.BlockSpec((None, None, s, d), lambda i, h: (i, h, 0, 0)),
+                pool_spec, pool_spec],
+      out_specs=[pl.BlockSpec((None, None, s - 2, d), lambda i, h: (i, h, 0, 0)),
+                 pool_spec, pool_spec],
+      out_shape=[jax.ShapeDtypeStruct((b, kv, s - 2, d), qkv_BxKxSxD.dtype),
+                 jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+                 jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
+      input_output_aliases={6: 1, 7: 2},
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+      interpret=interpret,
+      name="paged_decode_step",
+  )(base.astype(jnp.int32), pos_B.astype(jnp.int32), write_page_B.astype(jnp.int32),
+    offset_B.astype(jnp.int32), table_BxN.astype(jnp.int32), qkv_BxKxSxD, k_pool, v_pool)

@@ -1,0 +1,87 @@
+"""Our Pallas GPU kernel for a paged decode step (interpret mode on CPU): it writes each row's new
+key and value where the page table says and attends over positions ``0..pos`` as NumPy does after
+the write, through ``paged_attention.decode_step_paged`` as the engine calls it, split over a
+mesh's K/V heads too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax import sharding
+from areal_jax.kernels import paged_attention, pallas_attention, pallas_paged_step
+
+K, L, M, P, D, N = 2, 2, 26, 8, 16, 4  # K/V heads, layers, pages a layer (trash last), page, D, pages a row
+
+
+def _case(rng, b, g, pos, dtype):
+  pools = [rng.normal(size=(K, L, M, P, D)).astype(np.float32) for _ in range(2)]
+  pools = [np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in pools]  # as held
+  q = rng.normal(size=(b, K, g, D)).astype(np.float32)
+  k_new, v_new = (rng.normal(size=(b, K, D)).astype(np.float32) for _ in range(2))
+  table = rng.permutation(M - 1)[:b * N].reshape(b, N).astype(np.int32)  # each row its pages
+  pos = np.asarray(pos, np.int32)
+  return q, k_new, v_new, pools, table, pos
+
+
+def _reference(q, k_new, v_new, pools, layer, table, page, offset, pos, dtype):
+  k_pool, v_pool = (x.copy() for x in pools)
+  for b in range(len(pos)):
+    k_pool[:, layer, page[b], offset[b]] = np.asarray(jnp.asarray(k_new[b], dtype), np.float32)
+    v_pool[:, layer, page[b], offset[b]] = np.asarray(jnp.asarray(v_new[b], dtype), np.float32)
+  out = np.zeros_like(q)
+  for b in range(len(pos)):
+    k_, v_ = (x[:, layer, table[b]].reshape(K, N * P, D)[:, :pos[b] + 1] for x in (k_pool, v_pool))
+    s = np.einsum("kgd,ktd->kgt", q[b], k_) * D ** -0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    out[b] = np.einsum("kgt,ktd->kgd", p / p.sum(-1, keepdims=True), v_)
+  return out, k_pool, v_pool
+
+
+@pytest.mark.parametrize("g,dtype,layer", [(3, jnp.float32, 1), (1, jnp.float32, 0),
+                                           (4, jnp.bfloat16, 1)])
+def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer):
+  """Positions 0 (the new one alone), inside a page, at a page's start and end, the last page; the
+  last row writes nothing (its key and value go to the trash page, which no read uses)."""
+  rng = np.random.default_rng(g)
+  q, k_new, v_new, pools, table, pos = _case(rng, 6, g, [0, 5, 8, 15, 31, 20], dtype)
+  page = table[np.arange(6), pos // P]
+  page[-1] = M - 1  # the trash page
+  offset = pos % P
+  tuning = pallas_attention.PagedTuning(writes=True, warps=2)
+  out, k_pool, v_pool = paged_attention.decode_step_paged(
+      jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(pools[0], dtype),
+      jnp.asarray(pools[1], dtype), layer, jnp.asarray(table), jnp.asarray(page),
+      jnp.asarray(offset), jnp.asarray(pos), N * P, "pallas_gpu", D ** -0.5, interpret=True,
+      tuning=tuning)
+  ref, k_ref, v_ref = _reference(q, k_new, v_new, pools, layer, table, page, offset, pos, dtype)
+  np.testing.assert_array_equal(np.asarray(k_pool, np.float32), k_ref)
+  np.testing.assert_array_equal(np.asarray(v_pool, np.float32), v_ref)
+  # the last row read its own pages, whose position 20 it did not write: not compared
+  np.testing.assert_allclose(np.asarray(out, np.float32)[:5], ref[:5], atol=2e-6, rtol=2e-6)
+
+
+def test_split_over_the_mesh_k_v_heads_it_reads_and_writes_alike():
+  rng = np.random.default_rng(7)
+  q, k_new, v_new, pools, table, pos = _case(rng, 4, 3, [3, 9, 16, 30], jnp.float32)
+  page, offset = table[np.arange(4), pos // P], pos % P
+  tuning = pallas_attention.PagedTuning(writes=True)
+  mesh = sharding.make_mesh({"tensor": 2}, jax.devices()[:2])
+
+  def run(q, k_new, v_new, k_pool, v_pool, table, page, offset, pos):
+    return paged_attention.decode_step_paged(q, k_new, v_new, k_pool, v_pool, 1, table, page,
+                                             offset, pos, N * P, "pallas_gpu", D ** -0.5,
+                                             interpret=True, tuning=tuning)
+
+  args = [jnp.asarray(x) for x in (q, k_new, v_new, *pools, table, page, offset, pos)]
+  with sharding.use(mesh):
+    out, k_pool, v_pool = jax.jit(run)(*args)
+  ref, k_ref, v_ref = _reference(q, k_new, v_new, pools, 1, table, page, offset, pos, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(k_pool), k_ref)
+  np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_the_kernel_is_offered_where_its_loads_are_powers_of_two():
+  assert pallas_paged_step.usable(3, 64, 64) and pallas_paged_step.usable(16, 16, 128)
+  assert not pallas_paged_step.usable(17, 64, 64)  # past MAX_GROUP: JAX's kernel
+  assert not pallas_paged_step.usable(3, 48, 64) and not pallas_paged_step.usable(3, 64, 80)
