@@ -101,3 +101,21 @@ def decode_step_paged(q_BxKxGxD, k_new_BxKxD, v_new_BxKxD, k_KxLxMxPxD, v_KxLxMx
                                            pos_B, t, impl, scale, interpret=choice.interpret(),
                                            rows=choice.query_rows(k_KxLxMxPxD.dtype),
                                            tuning=choice.pallas_gpu_tuning())
+
+
+def one_kernel_step(impl: str | None, group: int, page: int, head_dim: int) -> bool:
+  """Whether a paged decode step of ``group`` queries per K/V head (pages of ``page``, heads of
+  ``head_dim``) runs as our one kernel, so it can take the projections before rope
+  (``decode_step_rotating``)."""
+  impl = impl or choice.attention(choice.platform_of(None))
+  return paged_attention.one_kernel(impl, group, page, head_dim, choice.pallas_gpu_tuning())
+
+
+def decode_step_rotating(qkv_BxKxSxD, cos_BxF, sin_BxF, k_KxLxMxPxD, v_KxLxMxPxD, layer,
+                         table_BxN, page_B, offset_B, pos_B, t: int, scale: float):
+  """``decode_step_paged`` from the fused projection before rope, rotated in our kernel (where
+  ``one_kernel_step``; ``paged_attention.decode_step_rotating``)."""
+  return paged_attention.decode_step_rotating(qkv_BxKxSxD, cos_BxF, sin_BxF, k_KxLxMxPxD,
+                                              v_KxLxMxPxD, layer, table_BxN, page_B, offset_B,
+                                              pos_B, t, scale, interpret=choice.interpret(),
+                                              tuning=choice.pallas_gpu_tuning())

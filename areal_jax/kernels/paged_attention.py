@@ -86,9 +86,8 @@ def decode_step_paged(q_BxKxGxD, k_new_BxKxD, v_new_BxKxD, k_KxLxMxPxD, v_KxLxMx
   ``[B, K, G, D]`` times ``scale`` over positions ``0..pos_B[b]``. Returns
   ``(out, k_pool, v_pool)``, ``out`` ``[B, K, G, D]`` float32 (from ``pallas_paged_step``: the
   queries' dtype)."""
-  b, kv, g, d = q_BxKxGxD.shape
-  _, n_layers, m, page, _ = k_KxLxMxPxD.shape
-  if not (impl == "pallas_gpu" and tuning.writes and pallas_paged_step.usable(g, page, d)):
+  _, _, g, d = q_BxKxGxD.shape
+  if not one_kernel(impl, g, k_KxLxMxPxD.shape[3], d, tuning):
     # new [B, Hkv, D] into [:, layer, page, offset, :] (the indexed axes' [B] lands after Hkv);
     # unique but in the trash page, which rows that do not write share and no read uses (see
     # models/decode_scan on unique_indices)
@@ -98,16 +97,44 @@ def decode_step_paged(q_BxKxGxD, k_new_BxKxD, v_new_BxKxD, k_KxLxMxPxD, v_KxLxMx
     out_BxKxGxD = decode_attention_paged(q_BxKxGxD.astype(jnp.float32) * scale, k_pool, v_pool,
                                          layer, table_BxN, pos_B, t, impl, interpret, rows, tuning)
     return out_BxKxGxD, k_pool, v_pool
-  base = jnp.reshape(layer * m, (1,)).astype(jnp.int32)  # the layer's first page
   # one array for the kernel: XLA computes it in one fusion from the projections' output
   qkv_BxKxSxD = jnp.concatenate([q_BxKxGxD, k_new_BxKxD[:, :, None].astype(q_BxKxGxD.dtype),
                                  v_new_BxKxD[:, :, None].astype(q_BxKxGxD.dtype)], axis=2)
+  return _step_kernel(qkv_BxKxSxD, None, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN, page_B,
+                      offset_B, pos_B, t, scale, interpret, tuning)
 
-  def local(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, page_B, offset_B):
+
+def one_kernel(impl: str, group: int, page: int, head_dim: int,
+                 tuning: pallas_attention.PagedTuning) -> bool:
+  """Whether a layer's paged decode step is our one kernel (``pallas_paged_step``: ``pallas_gpu``
+  launched with ``writes``, at a shape it takes); ``decode_step_rotating`` needs it."""
+  return impl == "pallas_gpu" and tuning.writes and pallas_paged_step.usable(group, page, head_dim)
+
+
+def decode_step_rotating(qkv_BxKxSxD, cos_BxF, sin_BxF, k_KxLxMxPxD, v_KxLxMxPxD, layer,
+                         table_BxN, page_B, offset_B, pos_B, t: int, scale: float,
+                         interpret: bool = False,
+                         tuning: pallas_attention.PagedTuning = pallas_attention.PagedTuning()):
+  """``decode_step_paged`` through our kernel (where ``step_rotates``) from a layer's fused
+  projection before rope: per row and K/V head its ``G`` queries, key and value
+  ``[B, K, G + 2, D]``, rotated in the kernel by the rows' rope tables ``[B, D/2]``."""
+  return _step_kernel(qkv_BxKxSxD, (cos_BxF, sin_BxF), k_KxLxMxPxD, v_KxLxMxPxD, layer,
+                      table_BxN, page_B, offset_B, pos_B, t, scale, interpret, tuning)
+
+
+def _step_kernel(qkv_BxKxSxD, rope, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN, page_B,
+                 offset_B, pos_B, t: int, scale: float, interpret: bool,
+                 tuning: pallas_attention.PagedTuning):
+  """``pallas_paged_step.step`` over the pools (per device under ``shard_map`` over the K/V heads
+  on a mesh); ``rope``: None or the rows' ``(cos, sin)``."""
+  _, n_layers, m, page, d = k_KxLxMxPxD.shape
+  base = jnp.reshape(layer * m, (1,)).astype(jnp.int32)  # the layer's first page
+
+  def local(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, page_B, offset_B, rope):
     flat = lambda x: x.reshape(x.shape[0], n_layers * m, page, d)  # noqa: E731  (a view)
     out, k_pool_, v_pool_ = pallas_paged_step.step(
         qkv_BxKxSxD, flat(k_pool), flat(v_pool), base, table_BxN, pos_B, page_B, offset_B, t,
-        tuning.warps, tuning.stages, interpret, scale)
+        tuning.warps, tuning.stages, interpret, scale, rope)
     return out, k_pool_.reshape(k_pool.shape), v_pool_.reshape(v_pool.shape)
 
   ctx = sharding.current()
@@ -116,6 +143,7 @@ def decode_step_paged(q_BxKxGxD, k_new_BxKxD, v_new_BxKxD, k_KxLxMxPxD, v_KxLxMx
     pool = sharding.spec(POOL_AXES, k_KxLxMxPxD.shape, mesh, rules)
     heads = P(None, pool[0])
     local = jax.shard_map(local, mesh=mesh, check_vma=False,
-                          in_specs=(heads, pool, pool, P(), P(), P(), P(), P()),
+                          in_specs=(heads, pool, pool, P(), P(), P(), P(), P(), P()),
                           out_specs=(heads, pool, pool))
-  return local(qkv_BxKxSxD, k_KxLxMxPxD, v_KxLxMxPxD, base, table_BxN, pos_B, page_B, offset_B)
+  return local(qkv_BxKxSxD, k_KxLxMxPxD, v_KxLxMxPxD, base, table_BxN, pos_B, page_B, offset_B,
+               rope)

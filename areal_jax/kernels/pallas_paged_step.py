@@ -40,37 +40,50 @@ def usable(group: int, page: int, head_dim: int) -> bool:
   """Whether the kernel takes ``group`` query heads per K/V head, pages of ``page`` positions and
   heads of ``head_dim`` (Triton's loads: powers of two)."""
   pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-  return 1 <= group <= MAX_GROUP and pow2(page) and pow2(head_dim)
+  return 1 <= group <= MAX_GROUP and pow2(page) and pow2(head_dim) and head_dim >= 2
 
 
-def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, k_in_ref,
-            v_in_ref, o_ref, k_out_ref, v_out_ref, *, group: int, max_pages: int,
+def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, cos_ref, sin_ref,
+            k_in_ref, v_in_ref, o_ref, k_out_ref, v_out_ref, *, group: int, max_pages: int,
             scale: float):
   base, pos = base_ref[0], pos_ref[0]
-  page = k_in_ref.shape[1]
-  k_new, v_new = qkv_ref[group, :], qkv_ref[group + 1, :]
-  target = base + write_page_ref[0]
-  k_out_ref[target, offset_ref[0], :] = k_new.astype(k_out_ref.dtype)
-  v_out_ref[target, offset_ref[0], :] = v_new.astype(v_out_ref.dtype)
+  page, d = k_in_ref.shape[1:]
+  halves = (pl.ds(0, d // 2), pl.ds(d // 2, d // 2))  # rope's rotated halves
+
+  def rows(r):  # row r of the projections as halves, rotated when the rope is the kernel's,
+    # rounded to the projections' dtype as the model's rope rounds them
+    x1, x2 = (qkv_ref[r, h].astype(jnp.float32) for h in halves)
+    if cos_ref is None:
+      return x1, x2
+    cos, sin = cos_ref[...], sin_ref[...]
+    return tuple(y.astype(qkv_ref.dtype).astype(jnp.float32)
+                 for y in (x1 * cos - x2 * sin, x2 * cos + x1 * sin))
+
+  k_new, v_new = rows(group), qkv_ref[group + 1, :]
+  target, offset = base + write_page_ref[0], offset_ref[0]
+  for h, k_h in zip(halves, k_new):
+    k_out_ref[target, offset, h] = k_h.astype(k_out_ref.dtype)
+  v_out_ref[target, offset, :] = v_new.astype(v_out_ref.dtype)
 
   # the new key and value as the cache holds them, so the result is the write's then the read's
-  k_new = k_new.astype(k_out_ref.dtype).astype(jnp.float32)
+  k_new = [k_h.astype(k_out_ref.dtype).astype(jnp.float32) for k_h in k_new]
   v_new = v_new.astype(v_out_ref.dtype).astype(jnp.float32)
-  q = [qkv_ref[g, :].astype(jnp.float32) * scale for g in range(group)]
+  q = [[q_h * scale for q_h in rows(g)] for g in range(group)]
   # the new position first: every running maximum is a real score from the start
-  m = [jnp.sum(q_g * k_new) for q_g in q]
+  m = [sum(jnp.sum(q_h * k_h) for q_h, k_h in zip(q_g, k_new)) for q_g in q]
   l = [jnp.float32(1.0)] * group
   acc = [v_new] * group
 
   def page_step(j, carry):
     m, l, acc = carry
     page_id = base + table_ref[j]
-    k_PxD = k_in_ref[page_id, :, :].astype(jnp.float32)
+    k_PxD = [k_in_ref[page_id, :, h].astype(jnp.float32) for h in halves]
     v_PxD = v_in_ref[page_id, :, :].astype(jnp.float32)
     before_P = j * page + lax.broadcasted_iota(jnp.int32, (page,), 0) < pos
     out = ([], [], [])
     for m_g, l_g, acc_g, q_g in zip(m, l, acc, q):
-      s_P = jnp.where(before_P, jnp.sum(k_PxD * q_g[None, :], axis=1), _MASK)
+      s_P = sum(jnp.sum(k_h * q_h[None, :], axis=1) for k_h, q_h in zip(k_PxD, q_g))
+      s_P = jnp.where(before_P, s_P, _MASK)
       m_next = jnp.maximum(m_g, jnp.max(s_P))
       p_P = jnp.exp(s_P - m_next)
       correction = jnp.exp(m_g - m_next)
@@ -87,22 +100,27 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, k
 
 def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offset_B,
          bound: int, warps: int = 4, stages: int = 2, interpret: bool = False,
-         scale: float | None = None):
+         scale: float | None = None, rope=None):
   """Per row and K/V head its ``G = S - 2`` queries, then its new key and value, ``[B, K, S, D]``
-  (as a layer's projections give them, rope applied; queries scaled in the kernel by ``scale``,
-  None: ``D ** -0.5``), over pools ``[K, pages, P, D]``: writes row ``b``'s new key and value at
-  page ``base + write_page_B[b]``, offset ``offset_B[b]``, and returns ``(out, k_pool, v_pool)``:
-  ``out`` ``[B, K, G, D]`` in the queries' dtype, row ``b`` attending to its positions
+  (as a layer's fused projection gives them; queries scaled in the kernel by ``scale``, None:
+  ``D ** -0.5``), over pools ``[K, pages, P, D]``: writes row ``b``'s new key and value at page
+  ``base + write_page_B[b]``, offset ``offset_B[b]``, and returns ``(out, k_pool, v_pool)``:
+  ``out`` ``[B, K, G, D]`` in the projections' dtype, row ``b`` attending to its positions
   ``0..pos_B[b]`` (``pos_B[b]`` the new one; the older ones at pages ``base + table_BxN[b, j]``);
-  the pools updated in place (aliased). ``base``: int32 ``[1]``, the layer's first page;
-  ``bound``: the static kv bound (no row reads past it)."""
+  the pools updated in place (aliased). ``rope``: None when the queries and key come rotated,
+  else ``(cos_BxF, sin_BxF)`` (``transformer.rope_tables`` of the rows' positions, ``F = D/2``)
+  and the kernel rotates them as ``transformer.rope`` does. ``base``: int32 ``[1]``, the layer's
+  first page; ``bound``: the static kv bound (no row reads past it)."""
   b, kv, s, d = qkv_BxKxSxD.shape
   n_pages, page = k_pool.shape[1:3]
   max_pages = max(1, min(-(-bound // page), table_BxN.shape[1]))
   kernel = functools.partial(_kernel, group=s - 2, max_pages=max_pages,
                              scale=d ** -0.5 if scale is None else scale)
   row = lambda i, h: (i,)  # noqa: E731
+  rope_spec = None if rope is None else pl.BlockSpec((None, d // 2), lambda i, h: (i, 0))
   pool_spec = pl.BlockSpec((None, n_pages, page, d), lambda i, h: (h, 0, 0, 0))
+  cos_BxF, sin_BxF = (None, None) if rope is None else (x.astype(jnp.float32) for x in rope)
+  pools = 6 if rope is None else 8  # the pools' place among the inputs
   return pl.pallas_call(
       kernel,
       grid=(b, kv),
@@ -110,15 +128,16 @@ def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offs
                 pl.BlockSpec((1,), row), pl.BlockSpec((1,), row),
                 pl.BlockSpec((None, table_BxN.shape[1]), lambda i, h: (i, 0)),
                 pl.BlockSpec((None, None, s, d), lambda i, h: (i, h, 0, 0)),
-                pool_spec, pool_spec],
+                rope_spec, rope_spec, pool_spec, pool_spec],
       out_specs=[pl.BlockSpec((None, None, s - 2, d), lambda i, h: (i, h, 0, 0)),
                  pool_spec, pool_spec],
       out_shape=[jax.ShapeDtypeStruct((b, kv, s - 2, d), qkv_BxKxSxD.dtype),
                  jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
                  jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
-      input_output_aliases={6: 1, 7: 2},
+      input_output_aliases={pools: 1, pools + 1: 2},  # (None inputs are not counted)
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
       interpret=interpret,
       name="paged_decode_step",
   )(base.astype(jnp.int32), pos_B.astype(jnp.int32), write_page_B.astype(jnp.int32),
-    offset_B.astype(jnp.int32), table_BxN.astype(jnp.int32), qkv_BxKxSxD, k_pool, v_pool)
+    offset_B.astype(jnp.int32), table_BxN.astype(jnp.int32), qkv_BxKxSxD, cos_BxF, sin_BxF,
+    k_pool, v_pool)

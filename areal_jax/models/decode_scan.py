@@ -31,8 +31,10 @@ from flax import nnx
 
 from areal_jax import sharding
 from areal_jax.kernels.paged_attention import POOL_AXES
+from areal_jax.kernels import attention as attention_kernels
 from areal_jax.models.transformer import (Block, ModelConfig, Transformer, attention,
-                                          decode_attention, decode_step_paged, rope_tables)
+                                          decode_attention, decode_step_paged,
+                                          decode_step_rotating, rope_tables)
 
 StackedCache = dict[str, jax.Array]  # {"k", "v"}: [n_layers, rows, Hkv, T, D]
 # The cache writes below (and the paged cache's, ``kernels.paged_attention.decode_step_paged``)
@@ -47,17 +49,18 @@ CACHE_AXES = (None, "cache_batch", "cache_heads", None, None)  # logical axes of
 @dataclasses.dataclass(frozen=True)
 class Graphs:
   """Static structure for ``extend``: the model without its layers (embedding, final norm, head)
-  and one layer."""
+  and one layer; ``group``: query heads per K/V head."""
 
   shell: Any
   block: Any
+  group: int
 
 
 def graphs(cfg: ModelConfig) -> Graphs:
   """Graph definitions of ``cfg``'s model without layers and of one ``Block`` (no weights made)."""
   shell = nnx.eval_shape(lambda: Transformer(dataclasses.replace(cfg, n_layers=0), nnx.Rngs(0)))
   block = nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0)))
-  return Graphs(nnx.graphdef(shell), nnx.graphdef(block))
+  return Graphs(nnx.graphdef(shell), nnx.graphdef(block), cfg.n_heads // cfg.n_kv_heads)
 
 
 def stack_layers(params: dict) -> dict:
@@ -119,7 +122,8 @@ def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache
   ``cache`` is a paged cache's pools (``init_pool``); a row writes its new K/V into its page of
   ``start_B`` where ``writes_B`` (default: every row), else into the trash page."""
   layers = functools.partial(_scan_layers, graph, params)
-  return _extend(layers, tokens_BxL, start_B, cache, kv_len, attention_impl, pages_BxN, writes_B)
+  return _extend(layers, tokens_BxL, start_B, cache, kv_len, attention_impl, pages_BxN, writes_B,
+                 graph.group)
 
 
 def extend_unrolled(model: Transformer, tokens_BxL, start_B, cache: StackedCache,
@@ -130,11 +134,12 @@ def extend_unrolled(model: Transformer, tokens_BxL, start_B, cache: StackedCache
   cache without the scan, whose slices of stacked weights a GPU or TPU compiler copies at every
   layer and step (``kernels.choice``)."""
   layers = functools.partial(_unrolled_layers, model)
-  return _extend(layers, tokens_BxL, start_B, cache, kv_len, attention_impl, pages_BxN, writes_B)
+  return _extend(layers, tokens_BxL, start_B, cache, kv_len, attention_impl, pages_BxN, writes_B,
+                 model.cfg.n_heads // model.cfg.n_kv_heads)
 
 
 def _extend(run_layers, tokens_BxL, start_B, cache: StackedCache, kv_len, attention_impl,
-            pages_BxN, writes_B):
+            pages_BxN, writes_B, group: int):
   """``extend``'s body; ``run_layers(tokens, positions, cache, n_layers, attend_layer)`` runs the
   model's layers (``_scan_layers`` or ``_unrolled_layers``)."""
   b, l = tokens_BxL.shape
@@ -142,7 +147,7 @@ def _extend(run_layers, tokens_BxL, start_B, cache: StackedCache, kv_len, attent
     if l != 1 or kv_len is None:
       raise ValueError("a paged cache takes decode steps (one token per row) with a kv bound")
     return _extend_paged(run_layers, tokens_BxL, start_B, cache, kv_len, attention_impl,
-                         pages_BxN, writes_B)
+                         pages_BxN, writes_B, group)
   t = cache["k"].shape[3] if kv_len is None else kv_len
   positions_BxL = start_B[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
   mask_BxLxT = jnp.arange(t)[None, None, :] <= positions_BxL[:, :, None]
@@ -169,7 +174,7 @@ def _extend(run_layers, tokens_BxL, start_B, cache: StackedCache, kv_len, attent
 
 
 def _extend_paged(run_layers, tokens_Bx1, start_B, pool: StackedCache, kv_len: int,
-                  attention_impl, pages_BxN, writes_B):
+                  attention_impl, pages_BxN, writes_B, group: int):
   """``extend``'s decode step over a paged cache (see there)."""
   b = tokens_Bx1.shape[0]
   page_size, trash = pool["k"].shape[3], pool["k"].shape[2] - 1
@@ -182,6 +187,12 @@ def _extend_paged(run_layers, tokens_Bx1, start_B, pool: StackedCache, kv_len: i
     return decode_step_paged(q, k, v, k_pool, v_pool, i, pages_BxN, page_B, offset_B, start_B,
                              kv_len, attention_impl)
 
+  d = pool["k"].shape[-1]
+  if attention_kernels.one_kernel_step(attention_impl, group, page_size, d):
+    # our kernel rotates the fused projection itself (where a block hands it over, ``Block``)
+    attend_layer.rotates = lambda i, qkv, rope, k_pool, v_pool: decode_step_rotating(
+        qkv, rope, k_pool, v_pool, i, pages_BxN, page_B, offset_B, start_B, kv_len,
+        attention_impl)
   return run_layers(tokens_Bx1, start_B[:, None], pool, pool["k"].shape[1], attend_layer)
 
 
@@ -189,7 +200,9 @@ def _scan_layers(graph: Graphs, params: dict, tokens_BxL, positions_BxL, cache: 
                  n_layers: int, attend_layer):
   """The model over stacked parameters with its layers in one ``lax.scan``, the cache's keys and
   values riding in the carry: ``attend_layer(i, q, k, v, k_all, v_all)`` writes layer ``i``'s new
-  keys and values and attends, returning ``(out, k_all, v_all)``. Returns ``(logits, cache)``."""
+  keys and values and attends, returning ``(out, k_all, v_all)`` (its ``rotates(i, qkv, rope,
+  k_all, v_all)``, if it has one, the same from the fused projection before rope, ``Block``).
+  Returns ``(logits, cache)``."""
   model = nnx.merge(graph.shell, {k: v for k, v in params.items() if k != "layers"})
   cfg = model.cfg  # n_layers is 0 there: the depth is the cache's
   rope_BxLxF = rope_tables(positions_BxL, cfg.head_dim, cfg.rope_theta)
@@ -198,11 +211,7 @@ def _scan_layers(graph: Graphs, params: dict, tokens_BxL, positions_BxL, cache: 
     x, k_all, v_all = carry
     i, weights = xs
     written = {}
-
-    def attend(q, k, v):
-      out, written["k"], written["v"] = attend_layer(i, q, k, v, k_all, v_all)
-      return out
-
+    attend = _layer_attend(attend_layer, i, k_all, v_all, written)
     x = nnx.merge(graph.block, weights)(x, rope_BxLxF, attend)
     return (x, written["k"], written["v"]), None
 
@@ -222,11 +231,19 @@ def _unrolled_layers(model: Transformer, tokens_BxL, positions_BxL, cache: Stack
   x, k_all, v_all = model._embed(tokens_BxL), cache["k"], cache["v"]
   for i, block in enumerate(model.layers):
     written = {}
-
-    def attend(q, k, v, i=i, k_all=k_all, v_all=v_all, written=written):
-      out, written["k"], written["v"] = attend_layer(i, q, k, v, k_all, v_all)
-      return out
-
-    x = block(x, rope_BxLxF, attend)
+    x = block(x, rope_BxLxF, _layer_attend(attend_layer, i, k_all, v_all, written))
     k_all, v_all = written["k"], written["v"]
   return model._logits(x), {"k": k_all, "v": v_all}
+
+
+def _layer_attend(attend_layer, i, k_all, v_all, written: dict):
+  """The ``attend`` layer ``i``'s ``Block`` gets: ``attend_layer`` (and its ``rotates``, where it
+  has one) on that layer's index and cache; the cache it returns lands in ``written``."""
+  def run(fn, *args):
+    out, written["k"], written["v"] = fn(i, *args, k_all, v_all)
+    return out
+
+  attend = functools.partial(run, attend_layer)
+  if hasattr(attend_layer, "rotates"):
+    attend.rotates = functools.partial(run, attend_layer.rotates)
+  return attend

@@ -269,6 +269,18 @@ def decode_step_paged(q_Bx1xHxD, k_Bx1xKxD, v_Bx1xKxD, k_pool, v_pool, layer, pa
   return out_BxKxGxD.reshape(b, 1, h, d).astype(v_pool.dtype), k_pool, v_pool  # as cached
 
 
+def decode_step_rotating(qkv_Bx1xKxSxD, rope_BxLxF, k_pool, v_pool, layer, pages_BxN, page_B,
+                         offset_B, pos_B, kv_len: int, impl: str | None = None):
+  """``decode_step_paged`` from the fused projection before rope (``Attention.fused_qkv``), the
+  kernels' one kernel rotating it (where ``kernels.attention.one_kernel_step``)."""
+  b, _, kv, s, d = qkv_Bx1xKxSxD.shape
+  cos_BxF, sin_BxF = (t[:, 0] for t in rope_BxLxF)
+  out_BxKxGxD, k_pool, v_pool = attention_kernels.decode_step_rotating(
+      qkv_Bx1xKxSxD[:, 0], cos_BxF, sin_BxF, k_pool, v_pool, layer, pages_BxN, page_B, offset_B,
+      pos_B, kv_len, d**-0.5)
+  return out_BxKxGxD.reshape(b, 1, kv * (s - 2), d).astype(v_pool.dtype), k_pool, v_pool
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -291,6 +303,21 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(hd, cfg.norm_eps)
       self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
+  def hands_raw_qkv(self) -> bool:
+    """Whether ``fused_qkv`` is all the queries, keys and values need besides rope: fused
+    projections and no query/key norm."""
+    return self.cfg.fused_projections and not self.cfg.qk_norm
+
+  def fused_qkv(self, x_BxLxE):
+    """The fused projection's output (bias added, before rope) ``[B, L, K, G + 2, D]``: per K/V
+    head its ``G`` query heads, its key, its value."""
+    cfg, dt = self.cfg, self.cfg.compute_dtype
+    b, l, _ = x_BxLxE.shape
+    y = linear(x_BxLxE, self.qkv[...].astype(dt))
+    if cfg.qkv_bias:
+      y = y + self.qkv_bias[...].astype(dt)
+    return y.reshape(b, l, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads + 2, cfg.head_dim)
+
   def project_qkv(self, x_BxLxE, rope_BxLxF):
     cfg, dt = self.cfg, self.cfg.compute_dtype
     b, l, _ = x_BxLxE.shape
@@ -302,8 +329,8 @@ class Attention(nnx.Module):
       return y.reshape(b, l, heads, cfg.head_dim)
 
     if cfg.fused_projections:  # one matmul; [.., kv, g + 2, D]: g query heads, key, value
-      kv, g = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
-      qkv = proj("qkv", kv * (g + 2)).reshape(b, l, kv, g + 2, cfg.head_dim)
+      g = cfg.n_heads // cfg.n_kv_heads
+      qkv = self.fused_qkv(x_BxLxE)
       q = qkv[:, :, :, :g].reshape(b, l, cfg.n_heads, cfg.head_dim)
       k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     else:
@@ -353,9 +380,17 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxLxE, rope_BxLxF, attend):
     """``attend(q, k, v) -> out_BxLxHxD`` decides what the queries attend to (and may cache k, v);
-    ``rope_BxLxF`` are the ``rope_tables`` of the tokens' positions."""
-    q, k, v = self.attn.project_qkv(self.attn_norm(x_BxLxE), rope_BxLxF)
-    x = x_BxLxE + self.attn.output(attend(q, k, v))
+    ``rope_BxLxF`` are the ``rope_tables`` of the tokens' positions. An ``attend`` with a
+    ``rotates(qkv, rope_BxLxF)`` attribute (a kernel that applies rope itself) gets the fused
+    projection before rope instead (``Attention.fused_qkv``), where the model can hand it over
+    (``Attention.hands_raw_qkv``)."""
+    x_normed = self.attn_norm(x_BxLxE)
+    rotates = getattr(attend, "rotates", None)
+    if rotates is not None and self.attn.hands_raw_qkv():
+      out = rotates(self.attn.fused_qkv(x_normed), rope_BxLxF)
+    else:
+      out = attend(*self.attn.project_qkv(x_normed, rope_BxLxF))
+    x = x_BxLxE + self.attn.output(out)
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
     x = x + self.mlp(self.mlp_norm(x))
     return sharding.constrain(x, ("batch", "length", "act_embed"))

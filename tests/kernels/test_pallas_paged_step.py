@@ -81,6 +81,32 @@ def test_split_over_the_mesh_k_v_heads_it_reads_and_writes_alike():
   np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6, rtol=2e-6)
 
 
+def test_from_the_projections_before_rope_it_rotates_queries_and_key_as_the_model_does():
+  """``decode_step_rotating``: per row and K/V head its queries, key and value as the fused
+  projection gives them, and the rows' rope tables; the same as rotating them first (in the
+  'rotate half' layout) and writing and attending."""
+  rng = np.random.default_rng(11)
+  q, k_new, v_new, pools, table, pos = _case(rng, 4, 3, [2, 8, 13, 30], jnp.float32)
+  page, offset = table[np.arange(4), pos // P], pos % P
+  angles = pos[:, None] * (1e4 ** -(np.arange(0, D, 2) / D))  # [B, D/2]
+  cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+  def rotated(x):  # [B, K, ..., D]
+    c, s = (t.reshape(t.shape[:1] + (1,) * (x.ndim - 2) + t.shape[1:]) for t in (cos, sin))
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+  qkv = np.concatenate([q, k_new[:, :, None], v_new[:, :, None]], axis=2)
+  out, k_pool, _ = paged_attention.decode_step_rotating(
+      jnp.asarray(qkv), jnp.asarray(cos), jnp.asarray(sin), *(jnp.asarray(x) for x in pools), 1,
+      jnp.asarray(table), jnp.asarray(page), jnp.asarray(offset), jnp.asarray(pos), N * P,
+      D ** -0.5, interpret=True, tuning=pallas_attention.PagedTuning(writes=True))
+  ref, k_ref, _ = _reference(rotated(q), rotated(k_new), v_new, pools, 1, table, page, offset,
+                             pos, jnp.float32)
+  np.testing.assert_allclose(np.asarray(k_pool), k_ref, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6, rtol=2e-6)
+
+
 def test_the_kernel_is_offered_where_its_loads_are_powers_of_two():
   assert pallas_paged_step.usable(3, 64, 64) and pallas_paged_step.usable(16, 16, 128)
   assert not pallas_paged_step.usable(17, 64, 64)  # past MAX_GROUP: JAX's kernel

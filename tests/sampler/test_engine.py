@@ -384,19 +384,23 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
                                          ("pallas_tpu", "scan"), ("dense", "unrolled"),
                                          ("pallas_tpu", "unrolled"), ("cpu", "unrolled"),
                                          ("pallas_gpu:writes", "unrolled"),
-                                         ("pallas_gpu:writes", "scan")])
+                                         ("pallas_gpu:writes:fused", "unrolled"),
+                                         ("pallas_gpu:writes:fused", "scan")])
 def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, monkeypatch):
   """A group of three over a paged cache (its prompt's full page shared, the partial one copied,
   pages taken as the slots grow): the same tokens and logprobs as an engine with a cache row per
   slot and the layers in a scan, through the dense read over gathered pages and both Pallas
   kernels (interpret mode), the paged engine's layers in a scan or unrolled (its per-layer weights
   over the same pools; ``cpu``: the CPU defaults, C++ matmul kernel included; ``:writes``: the
-  step's writes and attention in one kernel, ``kernels.pallas_paged_step``)."""
+  step's writes and attention in one kernel, ``kernels.pallas_paged_step``, ``:fused`` with the
+  projections fused, so the kernel takes them before rope and rotates them itself)."""
   from areal_jax.kernels import choice
-  impl, writes = impl.partition(":")[::2]
-  monkeypatch.setenv(choice.PAGED_TUNING_ENV, "writes=1" if writes else "")
+  impl, *how = impl.split(":")
+  monkeypatch.setenv(choice.PAGED_TUNING_ENV, "writes=1" if "writes" in how else "")
+  projections = "fused" if "fused" in how else "auto"
   base = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(16, 32), steps_per_call=4,
                       decode_attention=impl, decode_matmul="xla", decode_layers="scan",
+                      decode_projections=projections,
                       cache_dtype="bfloat16" if impl == "pallas_tpu" else None)
   paged = dict(kv_pages=20, page_size=8, decode_layers=layers)
   if impl == "cpu":
