@@ -121,7 +121,7 @@ def merge(params: Mapping, adapters: Mapping, lcfg: LoraConfig) -> dict:
 
 def frozen_base(params: Mapping, dtype) -> dict:
   """The frozen base weights stored in ``dtype`` (the compute dtype): every parameter with two or
-  more dimensions; norm scales stay float32."""
+  more dimensions and the biases; norm scales stay float32."""
   return transformer.cast_weights(params, dtype)
 
 

@@ -537,9 +537,16 @@ def fuse_projections(params: dict, cfg: ModelConfig) -> dict:
 
 def cast_weights(params, dtype):
   """A pure parameter dict with its matmul weights and embedding (every leaf of two or more
-  dimensions) in ``dtype`` (the compute dtype); norm scales and biases stay as they are."""
+  dimensions) and biases in ``dtype`` (the compute dtype: the model casts a bias to it before
+  adding it, so holding it cast changes nothing but a conversion kernel per layer and step on a
+  GPU); norm scales (applied in float32) stay as they are."""
   dtype = jnp.dtype(dtype)
-  return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+
+  def cast(path, x):
+    last = path[-1] if path else None
+    bias = str(getattr(last, "key", getattr(last, "name", ""))).endswith("bias")
+    return x.astype(dtype) if x.ndim >= 2 or bias else x
+  return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None,
