@@ -13,7 +13,7 @@
 #    GPU: a paged cache read by JAX's Pallas paged-attention kernel, the layers unrolled,
 #    decode_matmul 'blas'; the floor loop's program gets the same matmul options), the keys;
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
-#    our kernel that also writes the step's keys and values (launch=writes=1: 9 kernels a layer
+#    our kernel that also writes the step's keys and values (launch=writes=1: 8 kernels a layer
 #    against 13 at the SmolLM2 shape, compiled for an H100 on a CPU), the dense read over rows,
 #    XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
 # 3. a layer's attention step alone (bench/paged_kernel.py: the cache writes and JAX's Pallas

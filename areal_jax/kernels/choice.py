@@ -251,7 +251,7 @@ def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
   Qwen2.5-1.5B shape, ~55% of the read probe's bandwidth for its keys and values,
   ``bench/results/h100-2026-11-27-s27``); the others are not measured yet (``bench/paged_kernel.py``
   times them). ``writes=1`` runs a paged decode step's cache writes and attention as one kernel
-  of our own instead (``pallas_paged_step``: 9 kernels a layer against 13 at the SmolLM2 shape,
+  of our own instead (``pallas_paged_step``: 8 kernels a layer against 13 at the SmolLM2 shape,
   compiled for an H100 without one; its run time not measured yet, so it is not the default).
   ``$AREAL_JAX_PALLAS_GPU_PAGED`` sets fields (``block_pages=2,parts=4,warps=4,stages=3,bound=1,
   writes=1``), ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` the pages a block alone; read when a program
