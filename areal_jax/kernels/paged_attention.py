@@ -105,7 +105,7 @@ def decode_step_paged(q_BxKxGxD, k_new_BxKxD, v_new_BxKxD, k_KxLxMxPxD, v_KxLxMx
 
 
 def one_kernel(impl: str, group: int, page: int, head_dim: int,
-                 tuning: pallas_attention.PagedTuning) -> bool:
+               tuning: pallas_attention.PagedTuning) -> bool:
   """Whether a layer's paged decode step is our one kernel (``pallas_paged_step``: ``pallas_gpu``
   launched with ``writes``, at a shape it takes); ``decode_step_rotating`` needs it."""
   return impl == "pallas_gpu" and tuning.writes and pallas_paged_step.usable(group, page, head_dim)
@@ -115,7 +115,7 @@ def decode_step_rotating(qkv_BxKxSxD, cos_BxF, sin_BxF, k_KxLxMxPxD, v_KxLxMxPxD
                          table_BxN, page_B, offset_B, pos_B, t: int, scale: float,
                          interpret: bool = False,
                          tuning: pallas_attention.PagedTuning = pallas_attention.PagedTuning()):
-  """``decode_step_paged`` through our kernel (where ``step_rotates``) from a layer's fused
+  """``decode_step_paged`` through our kernel (only where ``one_kernel``) from a layer's fused
   projection before rope: per row and K/V head its ``G`` queries, key and value
   ``[B, K, G + 2, D]``, rotated in the kernel by the rows' rope tables ``[B, D/2]``."""
   return _step_kernel(qkv_BxKxSxD, (cos_BxF, sin_BxF), k_KxLxMxPxD, v_KxLxMxPxD, layer,

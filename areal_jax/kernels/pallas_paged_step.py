@@ -55,8 +55,9 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
   page, d = k_in_ref.shape[1:]
   halves = (pl.ds(0, d // 2), pl.ds(d // 2, d // 2))  # rope's rotated halves
 
-  def rows(r):  # row r of the projections as halves, rotated when the rope is the kernel's,
-    # rounded to the projections' dtype as the model's rope rounds them
+  def rows(r):
+    """Row ``r`` of the projections as its two halves; rotated when the rope is the kernel's,
+    and then rounded to the projections' dtype, as the model's rope rounds them."""
     x1, x2 = (qkv_ref[r, h].astype(jnp.float32) for h in halves)
     if cos_ref is None:
       return x1, x2

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.kernels.paged_attention import POOL_AXES
 from areal_jax.kernels import attention as attention_kernels
+from areal_jax.kernels.paged_attention import POOL_AXES
 from areal_jax.models.transformer import (Block, ModelConfig, Transformer, attention,
                                           decode_attention, decode_step_paged,
                                           decode_step_rotating, rope_tables)
@@ -191,8 +191,7 @@ def _extend_paged(run_layers, tokens_Bx1, start_B, pool: StackedCache, kv_len: i
   if attention_kernels.one_kernel_step(attention_impl, group, page_size, d):
     # our kernel rotates the fused projection itself (where a block hands it over, ``Block``)
     attend_layer.rotates = lambda i, qkv, rope, k_pool, v_pool: decode_step_rotating(
-        qkv, rope, k_pool, v_pool, i, pages_BxN, page_B, offset_B, start_B, kv_len,
-        attention_impl)
+        qkv, rope, k_pool, v_pool, i, pages_BxN, page_B, offset_B, start_B, kv_len)
   return run_layers(tokens_Bx1, start_B[:, None], pool, pool["k"].shape[1], attend_layer)
 
 

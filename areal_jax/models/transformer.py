@@ -270,9 +270,9 @@ def decode_step_paged(q_Bx1xHxD, k_Bx1xKxD, v_Bx1xKxD, k_pool, v_pool, layer, pa
 
 
 def decode_step_rotating(qkv_Bx1xKxSxD, rope_BxLxF, k_pool, v_pool, layer, pages_BxN, page_B,
-                         offset_B, pos_B, kv_len: int, impl: str | None = None):
+                         offset_B, pos_B, kv_len: int):
   """``decode_step_paged`` from the fused projection before rope (``Attention.fused_qkv``), the
-  kernels' one kernel rotating it (where ``kernels.attention.one_kernel_step``)."""
+  kernels' one kernel rotating it (only where ``kernels.attention.one_kernel_step``)."""
   b, _, kv, s, d = qkv_Bx1xKxSxD.shape
   cos_BxF, sin_BxF = (t[:, 0] for t in rope_BxLxF)
   out_BxKxGxD, k_pool, v_pool = attention_kernels.decode_step_rotating(
