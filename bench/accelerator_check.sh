@@ -16,13 +16,13 @@
 #    our kernel that also writes the step's keys and values (launch=writes=1: 8 kernels a layer
 #    against 13 at the SmolLM2 shape, compiled for an H100 on a CPU), the dense read over rows,
 #    XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
-# 3. a layer's attention step alone (bench/paged_kernel.py: the cache writes and JAX's Pallas
+# 3. SmolLM2-135M shape (64 slots, context 128): the same choices, with a profiler trace of the
+#    first (the paged default: where its ~13 kernels a layer spend the step);
+# 4. a layer's attention step alone (bench/paged_kernel.py: the cache writes and JAX's Pallas
 #    kernel under its launches, pages per block, parts, the table cut to the kv bound, warps,
 #    stages; our writing kernel at 8, 4 and 2 warps; pages of 64, 128, 32) at both shapes, then
 #    the whole step at each shape with the engine's launch and the fastest over pages of 64, side
 #    by side;
-# 4. SmolLM2-135M shape (64 slots, context 128): the same choices, with a profiler trace of the
-#    first (the paged default: where its ~13 kernels a layer spend the step);
 # 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the "today");
 # 6. bench/sampler.py --quick (the service's continuous batching over the paged default) with the
@@ -52,6 +52,10 @@ log variants "$BIG"; t=$(limit 120) && timeout "$t" python3 bench/decode_variant
   --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
+log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
+  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
+  --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
+trace smollm2
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
 fastest() { python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['impl']=='pallas_gpu' and x['page_size']==64]; print(min(r,key=lambda x:x['us_per_layer'])['tuning'] if r else '')" "$1" 2>/dev/null; }
 for m in "$BIG" smollm2-135m; do  # (its JSON is written row by row: a sweep cut short keeps its rows)
@@ -64,10 +68,6 @@ for m in "$BIG" smollm2-135m; do
     python3 bench/decode_variants.py --model="$m" --reps 5 --floor-matmul blas --variants \
     "pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=${best//,/+}" 2>&1 | keep
 done
-log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
-  --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
-trace smollm2
 if [ -n "${1:-}" ]; then  # (its figure in the log only: the files a call brings back are few)
   log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
     --no-floor --model=smollm2-135m --variants x:x:1 2>&1 | keep

@@ -11,7 +11,9 @@ not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
     scores are elementwise products summed over ``D`` (no ``tl.dot``, whose rows must be >= 16);
     a decode step's attention is bound by reading the pages, not by these products;
   * no parts: each (row, K/V head) reads its pages ``[0, pos)`` in one program, so nothing is
-    combined after it (``B * K`` programs: 192 at the SmolLM2 shape, 256 at the Qwen2.5-1.5B one);
+    combined after it (``B * K`` programs: 192 at the SmolLM2 shape, 256 at the Qwen2.5-1.5B one;
+    with few rows over long contexts, fewer programs than a GPU has cores, JAX's kernel, whose
+    parts read a row in parallel, may well be faster: not measured);
   * the new key and value are stored into the pool (aliased in place) and counted into the softmax
     from registers: the program uses no position it writes (its page is read whole, that position
     masked);
