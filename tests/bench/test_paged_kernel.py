@@ -1,6 +1,6 @@
-"""``bench/paged_kernel.py`` on CPU (the Pallas GPU kernels in interpret mode, the tiny shape): every
-launch it sweeps (our writing kernel's too) reads the same attention as the engine's default, and
-a launch that reads wrong shows in its ``max_abs_diff``."""
+"""``bench/paged_kernel.py`` on CPU (the Pallas GPU kernels in interpret mode, the tiny shape):
+every launch it sweeps (our writing kernel's too) reads the same attention as the engine's
+default, and a launch that reads wrong shows in its ``max_abs_diff``."""
 
 import json
 import pathlib

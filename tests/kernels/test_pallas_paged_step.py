@@ -11,7 +11,8 @@ import pytest
 from areal_jax import sharding
 from areal_jax.kernels import paged_attention, pallas_attention, pallas_paged_step
 
-K, L, M, P, D, N = 2, 2, 26, 8, 16, 4  # K/V heads, layers, pages a layer (trash last), page, D, pages a row
+# K/V heads, layers, pages a layer (the trash page last), page size, head size, pages a row
+K, L, M, P, D, N = 2, 2, 26, 8, 16, 4
 
 
 def _case(rng, b, g, pos, dtype):
