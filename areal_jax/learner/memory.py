@@ -42,6 +42,7 @@ class Plan:
   peak_bytes: int
   budget_bytes: int | None
   parts: dict  # bytes per device: state, opt, ref, and each function's peak
+  update_cost: dict | None = None  # the update's compiled cost (``step_peak``'s to reuse)
 
   @property
   def peak_gib(self) -> float:
@@ -138,7 +139,7 @@ def plan(learner, budget_bytes: int | None) -> Plan:
     row_len, rows = shape(learner, mbt)
     parts = step_peak(learner, row_len, rows, update_cost)
     update_cost = parts.pop("update_cost")
-    p = Plan(mbt, row_len, rows, parts["peak"], budget_bytes, parts)
+    p = Plan(mbt, row_len, rows, parts["peak"], budget_bytes, parts, update_cost)
     if p.fits:
       return p
     tried.append(p)

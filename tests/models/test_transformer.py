@@ -128,9 +128,12 @@ def test_rope_tables_are_the_exact_cosines_and_sines():
   np.testing.assert_array_equal(sin, want_sin)
 
 
-def test_causal_attention_equals_dense_attention():
-  """Blocked causal attention (blocks of 4, a ragged last block) = the dense form, values and
-  gradients, on every position that attends to something (packed segments, padding at the end)."""
+@pytest.mark.parametrize("max_blocks", [16, 2], ids=["blocks-of-4", "at-most-2-blocks"])
+def test_causal_attention_equals_dense_attention(max_blocks, monkeypatch):
+  """Blocked causal attention (blocks of 4, a ragged last block; or capped at 2 blocks, of 8) =
+  the dense form, values and gradients, on every position that attends to something (packed
+  segments, padding at the end)."""
+  monkeypatch.setattr(transformer, "CAUSAL_BLOCKS", max_blocks)
   rng = np.random.RandomState(0)
   b, l, h, kv, d = 2, 11, 4, 2, 8
   q, k, v = (jnp.asarray(rng.randn(b, l, n, d), jnp.float32) for n in (h, kv, kv))
