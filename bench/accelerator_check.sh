@@ -14,15 +14,17 @@
 #    decode_matmul 'blas'; the floor loop's program gets the same matmul options), the issue's keys;
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
 #    our kernel that also writes the step's keys and values (launch=writes=1: 8 kernels a layer
-#    against 13 at the SmolLM2 shape, compiled for an H100 on a CPU), the dense read over rows,
+#    against 13 at the SmolLM2 shape, compiled for an H100 on a CPU), that with each RMSNorm in one
+#    kernel with the matmul after it too (norms: 5 kernels a layer), the dense read over rows,
 #    XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
 # 3. SmolLM2-135M shape (64 slots, context 128): the same choices, with a profiler trace of the
 #    first (the paged default: where its ~13 kernels a layer spend the step);
 # 4. a layer's attention step alone (bench/paged_kernel.py: the cache writes and JAX's Pallas
 #    kernel under its launches, pages per block, parts, the table cut to the kv bound, warps,
 #    stages; our writing kernel at 8, 4 and 2 warps; pages of 64, 128, 32) at both shapes, then
-#    the whole step at each shape with the engine's launch and the fastest over pages of 64, side
-#    by side;
+#    the RMSNorm + matmul pieces alone (bench/norm_matmul.py: XLA's norm, cuBLAS GEMM and SwiGLU
+#    against our one kernel under several launches) at both shapes, then the whole step at each
+#    shape with the engine's launch and the fastest over pages of 64, side by side;
 # 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the issue's "today");
 # 6. bench/sampler.py --quick (the service's continuous batching over the paged default) with the
@@ -48,12 +50,12 @@ log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --for
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
-log variants "$BIG"; t=$(limit 120) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
+log variants "$BIG"; t=$(limit 140) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
+  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
-log variants smollm2; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
+log variants smollm2; t=$(limit 100) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
+  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
   --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 trace smollm2
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
@@ -61,6 +63,10 @@ fastest() { python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1
 for m in "$BIG" smollm2-135m; do  # (its JSON is written row by row: a sweep cut short keeps its rows)
   log "$m" Pallas kernel launches; t=$(limit 120) && timeout "$t" python3 bench/paged_kernel.py --model="$m" \
     --page-sizes 64,128,32 --json "$OUT/kernel_$m.json" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
+done
+for m in "$BIG" smollm2-135m; do  # (its figures in the log only: the files a call brings back are few)
+  log "$m" norm and matmul pieces, XLA against our kernel; t=$(limit 60) && timeout "$t" \
+    python3 bench/norm_matmul.py --model="$m" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
 done
 for m in "$BIG" smollm2-135m; do
   best=$(fastest "$OUT/kernel_$m.json"); [ -n "$best" ] && [ "$best" != default ] || continue

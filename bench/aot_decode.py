@@ -428,7 +428,9 @@ def main():
           "paged" if args.page_size else "stacked" if not unrolled else
           "heads" if choice.heads_major_per_layer(args.attention, platform) else "rows"),
           scatter_writes=unrolled and choice.scatter_cache_writes(platform),
-          vocab_major_logits=choice.vocab_major_logits(platform))
+          vocab_major_logits=choice.vocab_major_logits(platform),
+          paged_launch=os.environ.get(choice.PAGED_TUNING_ENV, ""),  # (writes=1: our step kernel)
+          norm_matmuls=os.environ.get(choice.NORM_MATMUL_ENV, ""))  # (1: norms fused, 3 a layer)
       with choice.matmuls(matmul):  # (as the engine traces it: bfloat16 cache)
         row["query_rows"] = choice.query_rows(jnp.bfloat16)
     if args.atomics:

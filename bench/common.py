@@ -92,6 +92,18 @@ def best_time(fn, *args, reps=5) -> float:
   return min(times)
 
 
+def against(us: float, out, base: tuple, nbytes: int, read_GBps: float, ratio: str
+            ) -> tuple[dict, str]:
+  """``(figures, line)`` of a kernel row timed at ``us`` microseconds a layer that reads
+  ``nbytes`` a layer: its bandwidth, that over the read probe's, ``ratio``: its time over the
+  first row's (``base``: that row's ``(us, outputs)``), and its outputs' largest difference from
+  the first's (the same computation: a launch that computes wrong shows); ``line`` prints them."""
+  row = {"us_per_layer": us, "GBps": nbytes / us / 1e3, "read_frac": nbytes / us / 1e3 / read_GBps,
+         ratio: us / base[0], "max_abs_diff": float(np.abs(out - base[1]).max())}
+  return row, (f"{us:8.1f} us a layer  {row['GBps']:7.0f} GB/s ({row['read_frac']:.2f} of the "
+               f"probe)  x{row[ratio]:.2f}  max |diff| {row['max_abs_diff']:.1e}")
+
+
 class Hardware:
   """Memory read bandwidth (a sum over 128 MiB; 1 GiB off CPU, past an accelerator's caches and its
   launch overhead) and matmul throughput (2048^3 float32 on CPU; 8192^3 bfloat16 off CPU, the

@@ -9,7 +9,8 @@ only). Each variant is ``attention:layers:steps[:option...]`` (``choice.ATTENTIO
 ``choice.LAYERS``, steps per jitted call; options in any order: a ``choice.PROJECTIONS``, a
 ``choice.MATMUL``, ``paged``: the paged KV cache, a page table of 64-position pages per slot,
 ``launch=SPEC``: the Pallas GPU kernel's launch, ``$AREAL_JAX_PALLAS_GPU_PAGED`` with ``+`` for
-its commas, e.g. ``launch=bound=1+parts=4``),
+its commas, e.g. ``launch=bound=1+parts=4``; ``norms`` or ``norms=SPEC``: each RMSNorm in one
+kernel with the matmul after it, ``$AREAL_JAX_DECODE_NORM_MATMUL``, e.g. ``norms=block_n=32``),
 forced through ``$AREAL_JAX_DECODE_ATTENTION`` / ``_LAYERS`` / ``_PROJECTIONS`` / ``_MATMUL`` while
 its engine is built; the floor's matmuls are compiled as ``--floor-matmul`` says (default: the
 platform's choice for our engine, so both run the same GEMMs);
@@ -23,6 +24,7 @@ kernel choice; run with an older ``areal_jax`` first on ``PYTHONPATH`` to time i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -53,7 +55,8 @@ SHAPES = {"smollm2-135m": (_SMOLLM2, 64, 128), "qwen2.5-1.5b": (_QWEN25_1P5B, 12
 PAGE = 64  # positions per page of the paged variants
 ENV = {"attention": "AREAL_JAX_DECODE_ATTENTION", "layers": "AREAL_JAX_DECODE_LAYERS",
        "matmul": "AREAL_JAX_DECODE_MATMUL", "projections": "AREAL_JAX_DECODE_PROJECTIONS",
-       "launch": "AREAL_JAX_PALLAS_GPU_PAGED"}  # (read when the programs are traced: in the run)
+       "launch": "AREAL_JAX_PALLAS_GPU_PAGED",  # (read when the programs are traced: in the run)
+       "norms": "AREAL_JAX_DECODE_NORM_MATMUL"}  # (read when an engine is built)
 
 
 def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=None,
@@ -103,26 +106,32 @@ def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=
   impl = {k: getattr(dev, f"{k}_impl", "legacy") for k in ("attention", "matmul", "layers")}
   impl["projections"] = getattr(dev, "projections", "legacy")
   impl["cache_layout"] = getattr(dev, "cache_layout", "legacy")
+  norms = getattr(dev, "norm_tuning", "legacy")  # (None: as written)
+  impl["norms"] = norms if isinstance(norms, str) else norms and dataclasses.asdict(norms)
   return {"step_ms": min(times), "step_ms_all": times, "compile_and_first_s": first_s,
           "kv_len": kv_len, **impl}
 
 
 def parse_variant(variant: str, on_cpu: bool):
-  """``(attention, layers, steps, projections, matmul, paged, launch)`` of a variant's spelling
-  (``launch``: the Pallas GPU kernel's, ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax, "" for the
-  engine's)."""
+  """``(attention, layers, steps, projections, matmul, paged, launch, norms)`` of a variant's
+  spelling (``launch``: the Pallas GPU kernel's, ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax, "" for
+  the engine's; ``norms``: ``$AREAL_JAX_DECODE_NORM_MATMUL``'s, "" for the engine's)."""
   attention, layers, steps, *options = variant.split(":")
   projections = next((o for o in options if o in choice.PROJECTIONS + ("auto",)), "auto")
   matmul = next((o for o in options if o in choice.MATMUL),
                 "xla" if layers == "scan" and on_cpu else "auto")  # scan takes XLA's
   paged = "paged" if "paged" in options else ""
   launch = next((o for o in options if o.startswith("launch=")), "")
-  if unknown := set(options) - {projections, matmul, paged, launch, ""}:
+  norms = next((o for o in options if o == "norms" or o.startswith("norms=")), "")
+  if unknown := set(options) - {projections, matmul, paged, launch, norms, ""}:
     raise SystemExit(f"variant {variant!r}: unknown option(s) {sorted(unknown)}")
   launch = launch.removeprefix("launch=").replace("+", ",")
   if launch:
     choice.pallas_gpu_tuning(launch)  # a bad one fails here, named
-  return attention, layers, steps, projections, matmul, paged, launch
+  norms = norms.removeprefix("norms").removeprefix("=").replace("+", ",") or ("1" * bool(norms))
+  if norms:
+    choice.norm_matmuls("gpu", True, norms)  # a bad one fails here, named
+  return attention, layers, steps, projections, matmul, paged, launch, norms
 
 
 def main():
@@ -145,7 +154,7 @@ def main():
   args = ap.parse_args()
   shape, slots, context = SHAPES[args.model]
   on_cpu = jax.default_backend() == "cpu"
-  parsed = {v: parse_variant(v, on_cpu) if not args.legacy else (*v.split(":")[:3], "", "", "", "")
+  parsed = {v: parse_variant(v, on_cpu) if not args.legacy else (*v.split(":")[:3], "", "", "", "", "")
             for v in args.variants.split(",")}
   cfg = ModelConfig(**shape, dtype="float32" if on_cpu else "bfloat16")
   model = Transformer(cfg, nnx.Rngs(0))
@@ -182,7 +191,7 @@ def main():
           compiler_options=floor_options)
       print(f"{'floor loop, fused weights':>28}: {result['floor_fused_step_ms']:8.3f} ms/step")
   for n, variant in enumerate(args.variants.split(",")):
-    attention, layers, steps, projections, matmul, paged, launch = parsed[variant]
+    attention, layers, steps, projections, matmul, paged, launch, norms = parsed[variant]
     saved = {k: os.environ.get(v) for k, v in ENV.items()}
     try:
       if not args.legacy:
@@ -191,6 +200,8 @@ def main():
         os.environ[ENV["projections"]] = projections
         if launch:  # (else the process's own, if any)
           os.environ[ENV["launch"]] = launch
+        if norms:  # (else the process's own, if any)
+          os.environ[ENV["norms"]] = norms
       row = engine_step_ms(model, slots, context, int(steps), args.reps,
                            args.trace if n == 0 else None, args.hlo if n == 0 else None,
                            paged=paged == "paged")

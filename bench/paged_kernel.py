@@ -45,7 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from areal_jax.kernels import choice, paged_attention, pallas_attention  # noqa: E402
-from common import QWEN25_1P5B, SMOLLM2, TINY, Hardware, best_time, finish, machine  # noqa: E402
+from common import (QWEN25_1P5B, SMOLLM2, TINY, Hardware, against, best_time,  # noqa: E402
+                    finish, machine)
 
 SHAPES = {"qwen2.5-1.5b": (QWEN25_1P5B, 128, 512), "smollm2-135m": (SMOLLM2, 64, 128),
           "tiny": (TINY, 4, 24)}
@@ -154,7 +155,7 @@ def main():
         + ("; Pallas interpret mode (its times are not the kernel's)" if on_cpu and hw else ""))
   for page in [int(p) for p in args.page_sizes.split(",")]:
     args_ = inputs(cfg, slots, context, max_len, page, dtype, abstract=bool(args.compile_only))
-    base_us, base_out = None, None
+    base = None
     for name, impl, how in launches:
       row = {"page_size": page, "tuning": name, "impl": impl, **vars(how)}
       fn = program(impl, how, cfg.n_layers, t, interpret=on_cpu and not args.compile_only)
@@ -168,14 +169,10 @@ def main():
       out = call()
       us = best_time(call, reps=args.reps) / cfg.n_layers * 1e6
       out = np.stack([np.asarray(o, np.float32) for o in out])
-      if base_us is None:
-        base_us, base_out = us, out
-      row.update(us_per_layer=us, GBps=kv_bytes / us / 1e3,
-                 read_frac=kv_bytes / us / 1e3 / read_GBps, vs_default=us / base_us,
-                 max_abs_diff=float(np.abs(out - base_out).max()))
-      print(f"  page {page:4d} {name:44s} {us:8.1f} us a layer  {row['GBps']:7.0f} GB/s "
-            f"({row['read_frac']:.2f} of the probe)  x{row['vs_default']:.2f}  "
-            f"max |diff| {row['max_abs_diff']:.1e}")
+      base = base or (us, out)
+      figures, line = against(us, out, base, kv_bytes, read_GBps, "vs_default")
+      row.update(figures)
+      print(f"  page {page:4d} {name:44s} {line}")
       keep(row)
   best = min((r for r in rows if "us_per_layer" in r and r["impl"] == "pallas_gpu"),
              key=lambda r: r["us_per_layer"], default=None)

@@ -88,6 +88,12 @@ On CPU (XLA:CPU does not merge them, checked in its optimized HLO) the fused and
 steps measured the same (SmolLM2 shape, 64 slots, both the C++ kernels' and XLA's paths), so the
 CPU keeps the model's layout.
 
+Decode norms (``norm_matmuls``): with fused projections, each RMSNorm of a decode step can run in
+one Pallas GPU kernel with the matmul after it (``pallas_norm_matmul``; the model asks
+``fused_norms`` inside the engine's ``fusing_norms``). Off unless ``$AREAL_JAX_DECODE_NORM_MATMUL``
+asks: compiled for an H100 it takes 3 kernels a layer off the step, but its run time against
+cuBLAS's GEMMs is not measured.
+
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
 step measured no faster on CPU); on GPU a paged KV cache where the service keeps page tables
@@ -128,7 +134,8 @@ import os
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from areal_jax.kernels import cpu_attention, cpu_matmul, pallas_attention, pallas_tpu_attention
+from areal_jax.kernels import (cpu_attention, cpu_matmul, pallas_attention, pallas_norm_matmul,
+                                pallas_tpu_attention)
 
 ATTENTION = ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu")
 MATMUL = ("cpu_packed", "xla", "blas")
@@ -143,6 +150,7 @@ QUERY_ROWS_ENV = "AREAL_JAX_DECODE_QUERY_ROWS"
 PAGED_ENV = "AREAL_JAX_PAGED_CACHE"
 BLOCK_PAGES_ENV = "AREAL_JAX_PALLAS_GPU_BLOCK_PAGES"
 PAGED_TUNING_ENV = "AREAL_JAX_PALLAS_GPU_PAGED"
+NORM_MATMUL_ENV = "AREAL_JAX_DECODE_NORM_MATMUL"
 PALLAS_GPU_PAGE = 16  # positions a page of the Pallas GPU kernel is a multiple of (its blocks)
 HELD_LAYOUTS = ("compiler", "default")
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
@@ -449,6 +457,54 @@ def query_rows(cache_dtype) -> int:
       raise ValueError(f"${QUERY_ROWS_ENV}={forced!r}: expected a positive integer")
     return int(forced)
   return 8 if _MATMULS.get() == "blas" and jnp.dtype(cache_dtype).itemsize == 2 else 1
+
+
+def norm_matmuls(platform: str, one_device: bool, spec: str | None = None
+                 ) -> pallas_norm_matmul.NormTuning | None:
+  """How a decode program runs each RMSNorm with the matmul after it (``pallas_norm_matmul``: the
+  norm and the q/k/v projection as one Pallas GPU kernel, the norm, the gate/up projection and
+  SwiGLU as another; 3 kernels a layer fewer), or None: as written (a norm kernel, a GEMM, a
+  SwiGLU kernel). Off unless asked: compiled for an H100 without one, its run time is not measured
+  yet. ``$AREAL_JAX_DECODE_NORM_MATMUL`` (``spec``: the same syntax instead): ``1``, or the
+  launch's fields (``block_n=32,warps=8,stages=3``); ``0`` or unset: off. Taken on a GPU, and on
+  a CPU in Pallas interpret mode (tests), by an engine over one device (the kernel is not split
+  over a mesh); read when an engine is built."""
+  spec = os.environ.get(NORM_MATMUL_ENV, "") if spec is None else spec
+  if spec.strip() in ("", "0") or not one_device or platform not in ("gpu", "cpu"):
+    return None
+  fields, names = {}, [f.name for f in dataclasses.fields(pallas_norm_matmul.NormTuning)]
+  for item in filter(None, (x.strip() for x in spec.split(","))):
+    if item == "1":
+      continue
+    name, _, value = item.partition("=")
+    if name not in names or not value.isdigit():
+      raise ValueError(f"${NORM_MATMUL_ENV}={spec!r}: {item!r} is not 1 or NAME=INTEGER with NAME "
+                       f"one of {names}")
+    fields[name] = int(value)
+  try:
+    return pallas_norm_matmul.NormTuning(**fields)
+  except ValueError as e:
+    raise ValueError(f"${NORM_MATMUL_ENV}={spec!r}: {e}") from None
+
+
+_NORM_MATMULS: contextvars.ContextVar[pallas_norm_matmul.NormTuning | None] = (
+    contextvars.ContextVar("norm_matmuls", default=None))
+
+
+@contextlib.contextmanager
+def fusing_norms(tuning: pallas_norm_matmul.NormTuning | None):
+  """Inside it (an engine's trace of its decode program), the model runs its norms with the
+  matmuls after them as ``tuning`` says (``norm_matmuls``; None: as written)."""
+  token = _NORM_MATMULS.set(tuning)
+  try:
+    yield
+  finally:
+    _NORM_MATMULS.reset(token)
+
+
+def fused_norms() -> pallas_norm_matmul.NormTuning | None:
+  """The tuning of the ``fusing_norms`` context the model is traced in, or None."""
+  return _NORM_MATMULS.get()
 
 
 def steps_per_call(platform: str) -> int:

@@ -26,7 +26,7 @@ from flax import nnx
 
 from areal_jax import sharding
 from areal_jax.kernels import attention as attention_kernels
-from areal_jax.kernels import cpu_matmul, xla_attention
+from areal_jax.kernels import choice, cpu_matmul, pallas_norm_matmul, xla_attention
 
 Cache = list[dict[str, jax.Array]]  # per layer: {"k": [B, T, Hkv, D], "v": [B, T, Hkv, D]}
 CACHE_AXES = ("cache_batch", None, "cache_heads", None)  # logical axes of a layer's cache
@@ -121,6 +121,23 @@ def linear(x_NxI, w, transpose_w: bool = False, out_dtype=None):
   if w.ndim == 3:
     return cpu_matmul.matmul(x_NxI, w).astype(out_dtype or x_NxI.dtype)
   return _dense(x_NxI, w, transpose_w, out_dtype)
+
+
+def _norm_matmul(norm: RMSNorm | None, x_BxLxE, w, bias=None, glu: bool = False):
+  """``norm(x) @ w`` (+ ``bias``; ``glu``: ``silu(gate) * up`` of ``w``'s interleaved gate/up
+  columns) as one kernel, inside a decode program that fuses them (``choice.fused_norms``), or
+  None where it does not (no norm, a packed or LoRA weight, a shape the kernel does not take)."""
+  tuning = choice.fused_norms()
+  if tuning is None or norm is None or not isinstance(w, jax.Array) or w.ndim != 2:
+    return None
+  b, l, e = x_BxLxE.shape
+  out = w.shape[1] // 2 if glu else w.shape[1]
+  if not pallas_norm_matmul.usable(b * l, e, out):
+    return None
+  y = pallas_norm_matmul.norm_matmul(x_BxLxE.reshape(b * l, e), norm.scale[...], w, bias,
+                                     eps=norm.eps, glu=glu, tuning=tuning,
+                                     interpret=choice.interpret())
+  return y.reshape(b, l, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -313,19 +330,25 @@ class Attention(nnx.Module):
     projections and no query/key norm."""
     return self.cfg.fused_projections and not self.cfg.qk_norm
 
-  def fused_qkv(self, x_BxLxE):
+  def fused_qkv(self, x_BxLxE, norm: RMSNorm | None = None):
     """The fused projection's output (bias added, before rope) ``[B, L, K, G + 2, D]``: per K/V
-    head its ``G`` query heads, its key, its value."""
+    head its ``G`` query heads, its key, its value; of ``norm(x)`` when a norm is given."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     b, l, _ = x_BxLxE.shape
-    y = linear(x_BxLxE, self.qkv[...].astype(dt))
-    if cfg.qkv_bias:
-      y = y + self.qkv_bias[...].astype(dt)
+    w = self.qkv[...].astype(dt)
+    bias = self.qkv_bias[...].astype(dt) if cfg.qkv_bias else None
+    y = _norm_matmul(norm, x_BxLxE, w, bias)
+    if y is None:
+      y = linear(x_BxLxE if norm is None else norm(x_BxLxE), w)
+      y = y if bias is None else y + bias
     return y.reshape(b, l, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads + 2, cfg.head_dim)
 
-  def project_qkv(self, x_BxLxE, rope_BxLxF):
+  def project_qkv(self, x_BxLxE, rope_BxLxF, norm: RMSNorm | None = None):
+    """Queries, keys and values, rotated, of ``x`` (of ``norm(x)`` when a norm is given)."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     b, l, _ = x_BxLxE.shape
+    if norm is not None and not cfg.fused_projections:
+      x_BxLxE, norm = norm(x_BxLxE), None
 
     def proj(name, heads):
       y = linear(x_BxLxE, getattr(self, name)[...].astype(dt))
@@ -335,7 +358,7 @@ class Attention(nnx.Module):
 
     if cfg.fused_projections:  # one matmul; [.., kv, g + 2, D]: g query heads, key, value
       g = cfg.n_heads // cfg.n_kv_heads
-      qkv = self.fused_qkv(x_BxLxE)
+      qkv = self.fused_qkv(x_BxLxE, norm)
       q = qkv[:, :, :, :g].reshape(b, l, cfg.n_heads, cfg.head_dim)
       k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     else:
@@ -362,15 +385,19 @@ class MLP(nnx.Module):
       self.up = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
     self.down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
 
-  def __call__(self, x):
+  def __call__(self, x, norm: RMSNorm | None = None):
+    """The MLP of ``x`` (of ``norm(x)`` when a norm is given)."""
     dt = self.dtype
-    if self.fused:
-      gate_up = linear(x, self.gate_up[...].astype(dt))
-      gate_up = gate_up.reshape(gate_up.shape[:-1] + (gate_up.shape[-1] // 2, 2))
-      gate, up = gate_up[..., 0], gate_up[..., 1]
-    else:
-      gate, up = linear(x, self.gate[...].astype(dt)), linear(x, self.up[...].astype(dt))
-    h = jax.nn.silu(gate) * up
+    h = _norm_matmul(norm, x, self.gate_up[...].astype(dt), glu=True) if self.fused else None
+    if h is None:
+      x = x if norm is None else norm(x)
+      if self.fused:
+        gate_up = linear(x, self.gate_up[...].astype(dt))
+        gate_up = gate_up.reshape(gate_up.shape[:-1] + (gate_up.shape[-1] // 2, 2))
+        gate, up = gate_up[..., 0], gate_up[..., 1]
+      else:
+        gate, up = linear(x, self.gate[...].astype(dt)), linear(x, self.up[...].astype(dt))
+      h = jax.nn.silu(gate) * up
     h = sharding.constrain(h, ("batch", "length", "act_mlp"))
     return linear(h, self.down[...].astype(dt))
 
@@ -389,15 +416,14 @@ class Block(nnx.Module):
     ``rotates(qkv, rope_BxLxF)`` attribute (a kernel that applies rope itself) gets the fused
     projection before rope instead (``Attention.fused_qkv``), where the model can hand it over
     (``Attention.hands_raw_qkv``)."""
-    x_normed = self.attn_norm(x_BxLxE)
     rotates = getattr(attend, "rotates", None)
     if rotates is not None and self.attn.hands_raw_qkv():
-      out = rotates(self.attn.fused_qkv(x_normed), rope_BxLxF)
+      out = rotates(self.attn.fused_qkv(x_BxLxE, self.attn_norm), rope_BxLxF)
     else:
-      out = attend(*self.attn.project_qkv(x_normed, rope_BxLxF))
+      out = attend(*self.attn.project_qkv(x_BxLxE, rope_BxLxF, self.attn_norm))
     x = x_BxLxE + self.attn.output(out)
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
-    x = x + self.mlp(self.mlp_norm(x))
+    x = x + self.mlp(x, self.mlp_norm)
     return sharding.constrain(x, ("batch", "length", "act_embed"))
 
 

@@ -185,6 +185,8 @@ class DecodeEngine:
                                      paged=kv_pages > 0, attention_impl=self.attention_impl)
     # XLA options of the programs that run the model's matmuls (prefill, generate, continuation)
     self.compiler_options = choice.compiler_options(self.matmul_impl)
+    # each RMSNorm with the matmul after it, in the decode programs (``choice.norm_matmuls``)
+    self.norm_tuning = choice.norm_matmuls(platform, self.mesh.size == 1)
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform),
         kv_pages=kv_pages)
@@ -216,10 +218,10 @@ class DecodeEngine:
                            config.max_len, self.model_cfg.head_dim, self.paged)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
-    # choice of decode attention, of weight layout and of held layouts).
+    # choice of decode attention, of weight layout, of held layouts and of fused norms).
     self._fns = fns = _COMPILED.setdefault(
         (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl,
-         self.layers_impl, choice.held_layouts(platform)), {})
+         self.layers_impl, choice.held_layouts(platform), self.norm_tuning), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
@@ -526,6 +528,7 @@ class DecodeEngine:
     state's jit shardings (or layouts) if not the held ones (``_compiler_layouts``)."""
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
     matmul_impl = self.matmul_impl  # (the kernels' padding for the GPU library: choice.query_rows)
+    norms = self.norm_tuning  # (the model's norms with their matmuls: choice.fused_norms)
     layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
     by_mask = self.weights.cfg.vocab_major_logits  # (the held model's logits: choice.py)
@@ -547,7 +550,7 @@ class DecodeEngine:
       return state, (token_S, logprob_S, active)
 
     def fn(params, full, pages_WxN=None):
-      with sharding.use(mesh), choice.matmuls(matmul_impl):
+      with sharding.use(mesh), choice.matmuls(matmul_impl), choice.fusing_norms(norms):
         extend = layers.extend(params, pages_WxN, scatter_writes=scatter)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
         state = {k: v if k == "cache" else v[:width] for k, v in full.items()}

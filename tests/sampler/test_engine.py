@@ -385,7 +385,9 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
                                          ("pallas_tpu", "unrolled"), ("cpu", "unrolled"),
                                          ("pallas_gpu:writes", "unrolled"),
                                          ("pallas_gpu:writes:fused", "unrolled"),
-                                         ("pallas_gpu:writes:fused", "scan")])
+                                         ("pallas_gpu:writes:fused", "scan"),
+                                         ("pallas_gpu:writes:fused:norms", "unrolled"),
+                                         ("pallas_gpu:fused:norms", "scan")])
 def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, monkeypatch):
   """A group of three over a paged cache (its prompt's full page shared, the partial one copied,
   pages taken as the slots grow): the same tokens and logprobs as an engine with a cache row per
@@ -393,10 +395,13 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, mo
   kernels (interpret mode), the paged engine's layers in a scan or unrolled (its per-layer weights
   over the same pools; ``cpu``: the CPU defaults, C++ matmul kernel included; ``:writes``: the
   step's writes and attention in one kernel, ``kernels.pallas_paged_step``, ``:fused`` with the
-  projections fused, so the kernel takes them before rope and rotates them itself)."""
+  projections fused, so the kernel takes them before rope and rotates them itself; ``:norms``: the
+  paged engine's norms each in one kernel with the matmul after it, ``kernels.pallas_norm_matmul``,
+  the rows engine's as written)."""
   from areal_jax.kernels import choice
   impl, *how = impl.split(":")
   monkeypatch.setenv(choice.PAGED_TUNING_ENV, "writes=1" if "writes" in how else "")
+  monkeypatch.delenv(choice.NORM_MATMUL_ENV, raising=False)
   projections = "fused" if "fused" in how else "auto"
   base = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(16, 32), steps_per_call=4,
                       decode_attention=impl, decode_matmul="xla", decode_layers="scan",
@@ -409,8 +414,11 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, mo
   prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3], []
   keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
   for kv_pages in (0, 20):
+    if kv_pages and "norms" in how:  # (read when an engine is built)
+      monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
     eng = DecodeEngine(model, dataclasses.replace(base, **(paged if kv_pages else {})))
     assert eng.layers_impl == (layers if kv_pages else "scan")
+    assert (eng.norm_tuning is not None) == (kv_pages > 0 and "norms" in how)
     table = PageTable(4, 20, 8, 64) if kv_pages else None
     if table is not None:
       assert table.share(slots, len(prompt) - 1) and table.free_pages == 20 - 1 - 3
