@@ -8,7 +8,8 @@ fused prologue), and ``silu(gate) * up`` as one more after the gate/up GEMM
 (``bench/results/cpu-aot-h100-2026-11-28-s29``). Here the norm before the q/k/v projection is one
 kernel with it, and the norm, the gate/up projection and SwiGLU are one: 3 kernels a layer fewer.
 
-The kernel (grid: one program per block of ``block_n`` output columns, every row in each):
+The kernel (grid: one program per block of ``block_n`` output columns and of up to ``BLOCK_ROWS``
+rows; a decode step's slots are usually one block of rows):
   1. sums each row's squares over the input in blocks of ``block_k`` (the rows are few: a decode
      step's slots, read again from L2 by every program);
   2. for each block of the input: normalizes it (``x * rsqrt(mean(x^2) + eps) * scale``, rounded to
@@ -19,7 +20,8 @@ The kernel (grid: one program per block of ``block_n`` output columns, every row
      (``transformer.fuse_projections``) in two accumulators and writes ``silu(gate) * up`` with
      ``jax.nn.silu``'s roundings.
 
-Rows are padded to a power of two of at least 16 (``jnp.dot``'s smallest block on the GPU). Runs in
+Rows are padded to a power of two of at least 16 (``jnp.dot``'s smallest block on the GPU), or to
+a multiple of ``BLOCK_ROWS`` blocks, one program each, past it. Runs in
 Pallas interpret mode on a CPU device (tests); its speed on a GPU is ``bench``'s to say.
 """
 
@@ -34,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MAX_ROWS = 128  # a program holds every row's accumulators in registers; past it, not offered
+BLOCK_ROWS = 128  # rows a program holds (their accumulators in registers); more: more programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +64,14 @@ def _pow2_dividing(n: int, most: int) -> int:
 
 
 def _rows(n: int) -> int:
-  return max(16, 1 << max(n - 1, 0).bit_length())
+  """Rows a program takes: ``n`` up to a power of two of at least 16, at most ``BLOCK_ROWS``."""
+  return min(BLOCK_ROWS, max(16, 1 << max(n - 1, 0).bit_length()))
 
 
-def usable(rows: int, d_in: int, d_out: int) -> bool:
-  """Whether the kernel takes ``rows`` rows of ``d_in`` inputs to ``d_out`` outputs (after SwiGLU:
-  half the weight's columns): input and output blocks of at least 16 (Triton's powers of two)."""
-  return (_rows(rows) <= MAX_ROWS and _pow2_dividing(d_in, 64) >= 16
-          and _pow2_dividing(d_out, 64) >= 16)
+def usable(d_in: int, d_out: int) -> bool:
+  """Whether the kernel takes ``d_in`` inputs to ``d_out`` outputs (after SwiGLU: half the
+  weight's columns): input and output blocks of at least 16 (Triton's powers of two)."""
+  return _pow2_dividing(d_in, 64) >= 16 and _pow2_dividing(d_out, 64) >= 16
 
 
 def _kernel(x_ref, scale_ref, w_ref, *rest, eps: float, glu: bool, block_k: int, block_n: int):
@@ -107,26 +109,28 @@ def _kernel(x_ref, scale_ref, w_ref, *rest, eps: float, glu: bool, block_k: int,
 def norm_matmul(x_NxE, scale_E, w_ExO, bias_O=None, *, eps: float, glu: bool = False,
                 tuning: NormTuning = NormTuning(), interpret: bool = False):
   """``RMSNorm(x) @ w (+ bias)`` in ``x``'s dtype, or with ``glu`` ``silu(gate) * up`` of the
-  interleaved gate/up columns (``[N, O // 2]``). ``x`` ``[N, E]`` (``usable(N, E, out)``), the
-  norm's ``scale_E``, the weight ``[E, O]`` in ``x``'s dtype."""
+  interleaved gate/up columns (``[N, O // 2]``). ``x`` ``[N, E]`` (``usable(E, out)``), the
+  norm's ``scale_E``, the weight ``[E, O]`` in ``x``'s dtype. Past ``BLOCK_ROWS`` rows, each block
+  of rows is a program of its own (reading the weight again)."""
   n, e = x_NxE.shape
   out = w_ExO.shape[1] // 2 if glu else w_ExO.shape[1]
   rows = _rows(n)
   block_n = tuning.block_n or (64 if rows <= 64 else 32)
   block_n = _pow2_dividing(out, block_n)
   width = 2 * block_n if glu else block_n
-  x = jnp.pad(x_NxE, ((0, rows - n), (0, 0)))
+  x = jnp.pad(x_NxE, ((0, -n % rows), (0, 0)))
   kernel = functools.partial(_kernel, eps=eps, glu=glu, block_k=_pow2_dividing(e, 64),
                              block_n=block_n)
   bias = () if bias_O is None else (bias_O,)
   y = pl.pallas_call(
       kernel,
-      grid=(out // block_n,),
-      in_specs=[pl.BlockSpec((rows, e), lambda j: (0, 0)), pl.BlockSpec((e,), lambda j: (0,)),
-                pl.BlockSpec((e, width), lambda j: (0, j))]
-               + [pl.BlockSpec((block_n,), lambda j: (j,))] * len(bias),
-      out_specs=pl.BlockSpec((rows, block_n), lambda j: (0, j)),
-      out_shape=jax.ShapeDtypeStruct((rows, out), x_NxE.dtype),
+      grid=(x.shape[0] // rows, out // block_n),
+      in_specs=[pl.BlockSpec((rows, e), lambda i, j: (i, 0)),
+                pl.BlockSpec((e,), lambda i, j: (0,)),
+                pl.BlockSpec((e, width), lambda i, j: (0, j))]
+               + [pl.BlockSpec((block_n,), lambda i, j: (j,))] * len(bias),
+      out_specs=pl.BlockSpec((rows, block_n), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((x.shape[0], out), x_NxE.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=tuning.warps, num_stages=tuning.stages),
       interpret=interpret,
       name="norm_matmul",

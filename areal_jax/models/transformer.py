@@ -132,7 +132,7 @@ def _norm_matmul(norm: RMSNorm | None, x_BxLxE, w, bias=None, glu: bool = False)
     return None
   b, l, e = x_BxLxE.shape
   out = w.shape[1] // 2 if glu else w.shape[1]
-  if not pallas_norm_matmul.usable(b * l, e, out):
+  if not pallas_norm_matmul.usable(e, out):
     return None
   y = pallas_norm_matmul.norm_matmul(x_BxLxE.reshape(b * l, e), norm.scale[...], w, bias,
                                      eps=norm.eps, glu=glu, tuning=tuning,
