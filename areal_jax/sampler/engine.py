@@ -218,10 +218,13 @@ class DecodeEngine:
                            config.max_len, self.model_cfg.head_dim, self.paged)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
-    # choice of decode attention, of weight layout, of held layouts and of fused norms).
+    # choice of decode attention, of weight layout, of held layouts, of fused norms and of the
+    # Pallas GPU kernel's launch, which its trace reads: engines built under another launch, as a
+    # benchmark builds them side by side, compile their own).
     self._fns = fns = _COMPILED.setdefault(
         (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl,
-         self.layers_impl, choice.held_layouts(platform), self.norm_tuning), {})
+         self.layers_impl, choice.held_layouts(platform), self.norm_tuning,
+         choice.pallas_gpu_tuning()), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})

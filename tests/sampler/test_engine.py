@@ -273,6 +273,30 @@ def test_defaults_come_from_the_platform_and_the_attention(model):
   assert per_layer.kv_buckets == (64, 128, 256, 320)  # gqa splits the bound
 
 
+def test_engines_built_under_another_kernel_launch_compile_their_own_programs(model, monkeypatch):
+  """The Pallas GPU kernel's launch (read when a program is traced) and the fused norms (read
+  when an engine is built) are part of what engines share compiled programs by: an engine built
+  under another launch compiles its own (as a benchmark builds them side by side in one process),
+  one built under the same reuses them."""
+  from areal_jax.kernels import choice
+  config = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(16,), steps_per_call=2,
+                        decode_attention="xla", decode_matmul="xla", kv_buckets=(32,))
+
+  def compiles(**env):
+    for name in (choice.PAGED_TUNING_ENV, choice.NORM_MATMUL_ENV):
+      monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+      monkeypatch.setenv(name, value)
+    eng = DecodeEngine(model, config)
+    eng.generate(eng.params, eng.init_state(), 32)
+    return eng.compile_stats["compiles"]
+
+  assert compiles() == 1
+  assert compiles(**{choice.PAGED_TUNING_ENV: "writes=1"}) == 1
+  assert compiles(**{choice.NORM_MATMUL_ENV: "1"}) == 1
+  assert compiles() == 0 and compiles(**{choice.PAGED_TUNING_ENV: "writes=1"}) == 0
+
+
 def test_weights_are_held_in_the_compute_dtype():
   """bfloat16 compute: the engine keeps matmul weights and the embedding in bfloat16 (cast once in
   put_params; the caller's float32 arrays untouched), norms in float32, with the same results as
