@@ -128,8 +128,8 @@ def parse_variant(variant: str, on_cpu: bool):
   launch = launch.removeprefix("launch=").replace("+", ",")
   if launch:
     choice.pallas_gpu_tuning(launch)  # a bad one fails here, named
-  norms = norms.removeprefix("norms").removeprefix("=").replace("+", ",") or ("1" * bool(norms))
-  if norms:
+  if norms:  # "norms" alone: the kernel's default launch
+    norms = norms.partition("=")[2].replace("+", ",") or "1"
     choice.norm_matmuls("gpu", True, norms)  # a bad one fails here, named
   return attention, layers, steps, projections, matmul, paged, launch, norms
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from areal_jax.kernels import choice, pallas_norm_matmul  # noqa: E402
+from areal_jax.models import transformer  # noqa: E402
 from common import (QWEN25_1P5B, SMOLLM2, TINY, Hardware, against, best_time,  # noqa: E402
                     finish, machine)
 from paged_kernel import compiled  # noqa: E402
@@ -53,10 +54,8 @@ def pieces(cfg) -> dict:
 
 
 def reference(x_NxE, scale_E, w_ExO, bias_O, eps: float, glu: bool):
-  """The model's own form (``transformer.RMSNorm``, ``linear``, ``MLP``'s SwiGLU)."""
-  x32 = x_NxE.astype(jnp.float32)
-  normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * scale_E)
-  y = jnp.einsum("ni,io->no", normed.astype(x_NxE.dtype), w_ExO)
+  """The model's own form (``transformer.rms_norm``, ``linear``, ``MLP``'s SwiGLU)."""
+  y = transformer.linear(transformer.rms_norm(x_NxE, scale_E, eps), w_ExO)
   if glu:
     y = y.reshape(y.shape[0], -1, 2)
     y = jax.nn.silu(y[..., 0]) * y[..., 1]
@@ -88,14 +87,15 @@ def program(spec: str, n_layers: int, eps: float, glu: bool, bias: bool, gpu: bo
 def inputs(cfg, rows: int, d_in: int, d_w: int, bias: bool, dtype, abstract: bool):
   """The rows ``[N, E]``, then per layer its norm scale ``[E]`` (float32, as held), weight
   ``[E, O]`` and, with ``bias``, bias ``[O]``."""
-  layer = [((d_in,), jnp.float32), ((d_in, d_w), dtype)] + ([((d_w,), dtype)] if bias else [])
-  shapes = [((rows, d_in), dtype)] + layer * cfg.n_layers
+  # (shape, dtype, scale of a standard normal, offset) of the rows, then of each layer's arrays
+  layer = [((d_in,), jnp.float32, 0.1, 1.0), ((d_in, d_w), dtype, d_in ** -0.5, 0.0)]
+  layer += [((d_w,), dtype, 1.0, 0.0)] if bias else []
+  specs = [((rows, d_in), dtype, 1.0, 0.0)] + layer * cfg.n_layers
   if abstract:
-    return [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
-  keys = jax.random.split(jax.random.key(0), len(shapes))
-  arrays = [jax.random.normal(k, s, dt) for k, (s, dt) in zip(keys, shapes)]
-  return [1 + 0.1 * a if a.dtype == jnp.float32 and a.ndim == 1 and i else
-          a * d_in ** -0.5 if a.ndim == 2 and i else a for i, a in enumerate(arrays)]
+    return [jax.ShapeDtypeStruct(shape, dt) for shape, dt, _, _ in specs]
+  keys = jax.random.split(jax.random.key(0), len(specs))
+  return [(offset + scale * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+          for key, (shape, dt, scale, offset) in zip(keys, specs)]
 
 
 def main():

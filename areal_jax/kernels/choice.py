@@ -263,7 +263,10 @@ def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
   compiled for an H100 without one; its run time not measured yet, so it is not the default).
   ``$AREAL_JAX_PALLAS_GPU_PAGED`` sets fields (``block_pages=2,parts=4,warps=4,stages=3,bound=1,
   writes=1``), ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` the pages a block alone; read when a program
-  is traced. ``spec``: fields in that syntax instead of the environment's."""
+  is traced, or the launch of the ``launching`` context it is traced in (an engine's, resolved
+  when it was built). ``spec``: fields in that syntax instead of the environment's."""
+  if spec is None and (held := _LAUNCH.get()) is not None:
+    return held
   fields, source = {}, f"${PAGED_TUNING_ENV}"
   if spec is None:
     block = os.environ.get(BLOCK_PAGES_ENV, "")
@@ -274,16 +277,42 @@ def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
     spec = os.environ.get(PAGED_TUNING_ENV, "")
   else:
     source = "the Pallas GPU kernel's launch"
-  names = [f.name for f in dataclasses.fields(pallas_attention.PagedTuning)]
+  return _launch(pallas_attention.PagedTuning, spec, source, fields, flags=("bound", "writes"))
+
+
+def _launch(cls, spec: str, source: str, fields: dict | None = None, flags=(), on: bool = False):
+  """A kernel's launch ``cls`` from ``spec``'s ``NAME=INTEGER`` items over ``fields``
+  (``flags``: the boolean fields; ``on``: a bare ``1`` item is allowed and sets nothing); a bad
+  item or value is named with ``source``."""
+  fields = dict(fields or {})
+  names = [f.name for f in dataclasses.fields(cls)]
   for item in filter(None, (x.strip() for x in spec.split(","))):
+    if on and item == "1":
+      continue
     name, _, value = item.partition("=")
     if name not in names or not value.isdigit():
-      raise ValueError(f"{source}={spec!r}: {item!r} is not NAME=INTEGER with NAME one of {names}")
-    fields[name] = bool(int(value)) if name in ("bound", "writes") else int(value)
+      raise ValueError(f"{source}={spec!r}: {item!r} is not {'1 or ' * on}NAME=INTEGER with "
+                       f"NAME one of {names}")
+    fields[name] = bool(int(value)) if name in flags else int(value)
   try:
-    return pallas_attention.PagedTuning(**fields)
+    return cls(**fields)
   except ValueError as e:
     raise ValueError(f"{source}={spec!r}: {e}") from None
+
+
+_LAUNCH: contextvars.ContextVar[pallas_attention.PagedTuning | None] = contextvars.ContextVar(
+    "launch", default=None)
+
+
+@contextlib.contextmanager
+def launching(tuning: pallas_attention.PagedTuning | None):
+  """Inside it (an engine's trace of its decode program), ``pallas_gpu_tuning()`` is ``tuning``
+  (None: read from the environment)."""
+  token = _LAUNCH.set(tuning)
+  try:
+    yield
+  finally:
+    _LAUNCH.reset(token)
 
 
 def check_attention(impl: str, layers: str, cache_dtype, max_len: int, head_dim: int,
@@ -472,19 +501,7 @@ def norm_matmuls(platform: str, one_device: bool, spec: str | None = None
   spec = os.environ.get(NORM_MATMUL_ENV, "") if spec is None else spec
   if spec.strip() in ("", "0") or not one_device or platform not in ("gpu", "cpu"):
     return None
-  fields, names = {}, [f.name for f in dataclasses.fields(pallas_norm_matmul.NormTuning)]
-  for item in filter(None, (x.strip() for x in spec.split(","))):
-    if item == "1":
-      continue
-    name, _, value = item.partition("=")
-    if name not in names or not value.isdigit():
-      raise ValueError(f"${NORM_MATMUL_ENV}={spec!r}: {item!r} is not 1 or NAME=INTEGER with NAME "
-                       f"one of {names}")
-    fields[name] = int(value)
-  try:
-    return pallas_norm_matmul.NormTuning(**fields)
-  except ValueError as e:
-    raise ValueError(f"${NORM_MATMUL_ENV}={spec!r}: {e}") from None
+  return _launch(pallas_norm_matmul.NormTuning, spec, f"${NORM_MATMUL_ENV}", on=True)
 
 
 _NORM_MATMULS: contextvars.ContextVar[pallas_norm_matmul.NormTuning | None] = (

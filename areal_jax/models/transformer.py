@@ -97,6 +97,14 @@ def _ones(shape, axes) -> nnx.Param:
   return nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
 
 
+def rms_norm(x, scale, eps: float):
+  """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, in float32, returned in ``x``'s
+  dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float):
@@ -104,9 +112,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...]).astype(x.dtype)
+    return rms_norm(x, self.scale[...], self.eps)
 
 
 def linear(x_NxI, w, transpose_w: bool = False, out_dtype=None):

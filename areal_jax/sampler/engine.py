@@ -185,8 +185,11 @@ class DecodeEngine:
                                      paged=kv_pages > 0, attention_impl=self.attention_impl)
     # XLA options of the programs that run the model's matmuls (prefill, generate, continuation)
     self.compiler_options = choice.compiler_options(self.matmul_impl)
-    # each RMSNorm with the matmul after it, in the decode programs (``choice.norm_matmuls``)
+    # each RMSNorm with the matmul after it, in the decode programs (``choice.norm_matmuls``), and
+    # the Pallas GPU kernel's launch they trace with (``choice.pallas_gpu_tuning``): both resolved
+    # here, once
     self.norm_tuning = choice.norm_matmuls(platform, self.mesh.size == 1)
+    self.paged_tuning = choice.pallas_gpu_tuning()
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform),
         kv_pages=kv_pages)
@@ -219,12 +222,11 @@ class DecodeEngine:
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
     # choice of decode attention, of weight layout, of held layouts, of fused norms and of the
-    # Pallas GPU kernel's launch, which its trace reads: engines built under another launch, as a
-    # benchmark builds them side by side, compile their own).
+    # Pallas GPU kernel's launch: engines built under another launch, as a benchmark builds them
+    # side by side, compile their own).
     self._fns = fns = _COMPILED.setdefault(
         (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl,
-         self.layers_impl, choice.held_layouts(platform), self.norm_tuning,
-         choice.pallas_gpu_tuning()), {})
+         self.layers_impl, choice.held_layouts(platform), self.norm_tuning, self.paged_tuning), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
@@ -531,7 +533,7 @@ class DecodeEngine:
     state's jit shardings (or layouts) if not the held ones (``_compiler_layouts``)."""
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
     matmul_impl = self.matmul_impl  # (the kernels' padding for the GPU library: choice.query_rows)
-    norms = self.norm_tuning  # (the model's norms with their matmuls: choice.fused_norms)
+    norms, launch = self.norm_tuning, self.paged_tuning  # (what the model's trace reads)
     layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
     by_mask = self.weights.cfg.vocab_major_logits  # (the held model's logits: choice.py)
@@ -553,7 +555,8 @@ class DecodeEngine:
       return state, (token_S, logprob_S, active)
 
     def fn(params, full, pages_WxN=None):
-      with sharding.use(mesh), choice.matmuls(matmul_impl), choice.fusing_norms(norms):
+      with (sharding.use(mesh), choice.matmuls(matmul_impl), choice.fusing_norms(norms),
+            choice.launching(launch)):
         extend = layers.extend(params, pages_WxN, scatter_writes=scatter)
         # the first `width` slots' vectors; the cache stays whole (extend uses its first rows)
         state = {k: v if k == "cache" else v[:width] for k, v in full.items()}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from areal_jax.kernels import choice, pallas_norm_matmul
+from areal_jax.models import transformer
 
 EPS = 1e-6
 
@@ -51,9 +52,7 @@ def test_in_bfloat16_it_rounds_as_the_model_does():
   w = jnp.asarray(rng.normal(size=(128, 64)) / 11, jnp.bfloat16)
   tuning = pallas_norm_matmul.NormTuning(block_n=16, warps=2, stages=1)
   y = pallas_norm_matmul.norm_matmul(x, scale, w, eps=EPS, tuning=tuning, interpret=True)
-  x32 = x.astype(jnp.float32)
-  normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS) * scale)
-  ref = jnp.einsum("ni,io->no", normed.astype(jnp.bfloat16), w)
+  ref = jnp.einsum("ni,io->no", transformer.rms_norm(x, scale, EPS), w)  # the model's rounding
   assert y.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
                              rtol=2 ** -7, atol=1e-2)
