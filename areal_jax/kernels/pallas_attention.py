@@ -83,8 +83,8 @@ class PagedTuning:
   ``num_warps`` and ``num_stages``; ``bound``: hand the kernel only the pages up to the program's
   static kv bound (``False``: the whole page table, its programs past every row's length exit
   at once); ``writes``: a decode step over a paged cache runs ``pallas_paged_step`` instead, our
-  kernel that also writes the step's keys and values (of the fields above it takes ``warps`` and
-  ``stages``). The defaults are what ``bench/results/h100-2026-11-27-s27`` measured;
+  kernel that also writes the step's keys and values (of the fields above it takes ``warps``,
+  ``stages`` and ``parts``, 0 there: ``pallas_paged_step.auto_parts``). The defaults are what ``bench/results/h100-2026-11-27-s27`` measured;
   ``bench/paged_kernel.py`` times the others."""
 
   block_pages: int = 1

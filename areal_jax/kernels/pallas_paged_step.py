@@ -10,10 +10,15 @@ not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
   * the query heads of a K/V head are read one by one (``G`` rows of ``D``): no padding, since the
     scores are elementwise products summed over ``D`` (no ``tl.dot``, whose rows must be >= 16);
     a decode step's attention is bound by reading the pages, not by these products;
-  * no parts: each (row, K/V head) reads its pages ``[0, pos)`` in one program, so nothing is
-    combined after it (``B * K`` programs: 192 at the SmolLM2 shape, 256 at the Qwen2.5-1.5B one;
-    with few rows over long contexts, fewer programs than a GPU has cores, JAX's kernel, whose
-    parts read a row in parallel, may well be faster: not measured);
+  * by default no parts: each (row, K/V head) reads its pages ``[0, pos)`` in one program, so
+    nothing is combined after it (``B * K`` programs: 192 at the SmolLM2 shape, 256 at the
+    Qwen2.5-1.5B one). Over long contexts one program a row would read thousands of positions
+    one page after another on one core while most cores idle, so ``parts`` cuts each row's pages
+    into that many runs read by programs of their own (``B * K * parts``), each returning its
+    softmax's partial output and log-sum-exp, combined after the kernel by one XLA fusion
+    (``combine``); the automatic choice (``auto_parts``) keeps one part up to 16 pages of the
+    kv bound (every shape ``bench`` times so far), then parts of at most 16 pages, at most 16;
+    which is faster where: ``bench/paged_kernel.py``'s to say (not measured on a GPU yet);
   * the new key and value are stored into the pool (aliased in place) and counted into the softmax
     from registers: the program uses no position it writes (its page is read whole, that position
     masked);
@@ -40,6 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 MAX_GROUP = 16  # query heads per K/V head read one by one; past it the kernel is not offered
+PART_PAGES = 16  # the automatic choice: one part up to this many pages of the bound, then parts
+MAX_PARTS = 16   # of at most this many pages, at most this many parts
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # a score that is never the maximum
 
 
@@ -50,10 +57,18 @@ def usable(group: int, page: int, head_dim: int) -> bool:
   return 1 <= group <= MAX_GROUP and pow2(page) and pow2(head_dim) and head_dim >= 2
 
 
+def auto_parts(max_pages: int) -> int:
+  """Parts a row's pages are cut into when the launch leaves it to the kernel (``parts=0``): one
+  up to ``PART_PAGES`` pages of the kv bound, then enough for at most ``PART_PAGES`` pages a part,
+  at most ``MAX_PARTS``."""
+  return 1 if max_pages <= PART_PAGES else min(MAX_PARTS, -(-max_pages // PART_PAGES))
+
+
 def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, cos_ref, sin_ref,
-            k_in_ref, v_in_ref, o_ref, k_out_ref, v_out_ref, *, group: int, max_pages: int,
-            scale: float):
+            k_in_ref, v_in_ref, o_ref, k_out_ref, v_out_ref, lse_ref=None, *, group: int,
+            max_pages: int, scale: float, parts: int = 1):
   base, pos = base_ref[0], pos_ref[0]
+  first = pl.program_id(2) == 0 if parts > 1 else True  # the part that writes and counts pos
   page, d = k_in_ref.shape[1:]
   halves = (pl.ds(0, d // 2), pl.ds(d // 2, d // 2))  # rope's rotated halves
 
@@ -69,9 +84,13 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
 
   k_new, v_new = rows(group), qkv_ref[group + 1, :]
   target, offset = base + write_page_ref[0], offset_ref[0]
-  for h, k_h in zip(halves, k_new):
-    k_out_ref[target, offset, h] = k_h.astype(k_out_ref.dtype)
-  v_out_ref[target, offset, :] = v_new.astype(v_out_ref.dtype)
+
+  def write():
+    for h, k_h in zip(halves, k_new):
+      k_out_ref[target, offset, h] = k_h.astype(k_out_ref.dtype)
+    v_out_ref[target, offset, :] = v_new.astype(v_out_ref.dtype)
+
+  write() if parts == 1 else pl.when(first)(write)
 
   # the new key and value as the cache holds them, so the result is the write's then the read's
   k_new = [k_h.astype(k_out_ref.dtype).astype(jnp.float32) for k_h in k_new]
@@ -81,6 +100,10 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
   m = [sum(jnp.sum(q_h * k_h) for q_h, k_h in zip(q_g, k_new)) for q_g in q]
   l = [jnp.float32(1.0)] * group
   acc = [v_new] * group
+  if parts > 1:  # the other parts start empty (their first page holds a position before pos)
+    m = [jnp.where(first, m_g, _MASK) for m_g in m]
+    l = [jnp.where(first, l_g, 0.0) for l_g in l]
+    acc = [jnp.where(first, a_g, 0.0) for a_g in acc]
 
   def page_step(j, carry):
     m, l, acc = carry
@@ -101,16 +124,42 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
     return out
 
   pages = jnp.minimum(pl.cdiv(pos, page), max_pages)
-  m, l, acc = lax.fori_loop(0, pages, page_step, (m, l, acc))
-  for g in range(group):
-    o_ref[g, :] = (acc[g] / l[g]).astype(o_ref.dtype)
+  if parts == 1:
+    m, l, acc = lax.fori_loop(0, pages, page_step, (m, l, acc))
+    for g in range(group):
+      o_ref[g, :] = (acc[g] / l[g]).astype(o_ref.dtype)
+    return
+  # this part's run of the row's pages; runs past the row's last page are empty
+  run = pl.cdiv(pages, parts)
+  start = jnp.minimum(pl.program_id(2) * run, pages)
+  m, l, acc = lax.fori_loop(start, jnp.minimum(start + run, pages), page_step, (m, l, acc))
+  lse = jnp.full(lse_ref.shape, _MASK, jnp.float32)
+  heads = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
+  for g in range(group):  # an empty part: output 0, log-sum-exp never the maximum
+    some = l[g] > 0
+    l_g = jnp.where(some, l[g], 1.0)
+    o_ref[g, :] = jnp.where(some, acc[g] / l_g, 0.0)
+    lse = jnp.where((heads == g) & some, m[g] + jnp.log(l_g), lse)
+  lse_ref[...] = lse
+
+
+def combine(out_BxKxRxGxD, lse_BxKxRxG):
+  """The output of a softmax over a row's positions from its ``R`` parts' outputs (each over its
+  own positions) and log-sum-exps (an empty part's never the largest: part 0 holds ``pos``).
+  Written part by part, elementwise (no reduction over the parts), so XLA makes it one fusion."""
+  parts = range(lse_BxKxRxG.shape[2])
+  lse = [lse_BxKxRxG[:, :, r, :, None] for r in parts]
+  top = functools.reduce(jnp.maximum, lse)
+  w = [jnp.exp(x - top) for x in lse]
+  return sum(w[r] * out_BxKxRxGxD[:, :, r] for r in parts) / sum(w)
 
 
 # (jitted: a program's layers share one trace of the kernel, rather than one each)
-@functools.partial(jax.jit, static_argnames=("bound", "warps", "stages", "interpret", "scale"))
+@functools.partial(jax.jit,
+                   static_argnames=("bound", "warps", "stages", "interpret", "scale", "parts"))
 def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offset_B,
          bound: int, warps: int = 4, stages: int = 2, interpret: bool = False,
-         scale: float | None = None, rope=None):
+         scale: float | None = None, rope=None, parts: int = 0):
   """Per row and K/V head its ``G = S - 2`` queries, then its new key and value, ``[B, K, S, D]``
   (as a layer's fused projection gives them; queries scaled in the kernel by ``scale``, None:
   ``D ** -0.5``), over pools ``[K, pages, P, D]``: writes row ``b``'s new key and value at page
@@ -120,30 +169,44 @@ def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offs
   the pools updated in place (aliased). ``rope``: None when the queries and key come rotated,
   else ``(cos_BxF, sin_BxF)`` (``transformer.rope_tables`` of the rows' positions, ``F = D/2``)
   and the kernel rotates them as ``transformer.rope`` does. ``base``: int32 ``[1]``, the layer's
-  first page; ``bound``: the static kv bound (no row reads past it)."""
+  first page; ``bound``: the static kv bound (no row reads past it); ``parts``: programs a row's
+  pages are read by (0: ``auto_parts``), combined after the kernel when more than one."""
   b, kv, s, d = qkv_BxKxSxD.shape
   n_pages, page = k_pool.shape[1:3]
   max_pages = max(1, min(-(-bound // page), table_BxN.shape[1]))
+  parts = min(parts or auto_parts(max_pages), max_pages)
+  if parts < 1:
+    raise ValueError(f"parts={parts}: expected >= 0 (0: automatic)")
   kernel = functools.partial(_kernel, group=s - 2, max_pages=max_pages,
-                             scale=d ** -0.5 if scale is None else scale)
-  row = lambda i, h: (i,)  # noqa: E731
-  rope_spec = None if rope is None else pl.BlockSpec((None, d // 2), lambda i, h: (i, 0))
-  pool_spec = pl.BlockSpec((None, n_pages, page, d), lambda i, h: (h, 0, 0, 0))
+                             scale=d ** -0.5 if scale is None else scale, parts=parts)
+  row = lambda i, h, *_: (i,)  # noqa: E731
+  rope_spec = None if rope is None else pl.BlockSpec((None, d // 2), lambda i, h, *_: (i, 0))
+  pool_spec = pl.BlockSpec((None, n_pages, page, d), lambda i, h, *_: (h, 0, 0, 0))
   cos_BxF, sin_BxF = (None, None) if rope is None else (x.astype(jnp.float32) for x in rope)
   pools = 6 if rope is None else 8  # the pools' place among the inputs
-  return pl.pallas_call(
+  g = s - 2
+  if parts == 1:  # the output itself, in the projections' dtype
+    out_specs = [pl.BlockSpec((None, None, g, d), lambda i, h: (i, h, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, kv, g, d), qkv_BxKxSxD.dtype)]
+  else:  # each part's output and log-sum-exps (float32; heads padded to a power of two)
+    heads = 1 << max(g - 1, 0).bit_length()
+    out_specs = [pl.BlockSpec((None, None, None, g, d), lambda i, h, r: (i, h, r, 0, 0)),
+                 pl.BlockSpec((None, None, None, heads), lambda i, h, r: (i, h, r, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, kv, parts, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv, parts, heads), jnp.float32)]
+  pools_out = [jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+               jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
+  results = pl.pallas_call(
       kernel,
-      grid=(b, kv),
-      in_specs=[pl.BlockSpec((1,), lambda i, h: (0,)), pl.BlockSpec((1,), row),
+      grid=(b, kv) if parts == 1 else (b, kv, parts),
+      in_specs=[pl.BlockSpec((1,), lambda i, h, *_: (0,)), pl.BlockSpec((1,), row),
                 pl.BlockSpec((1,), row), pl.BlockSpec((1,), row),
-                pl.BlockSpec((None, table_BxN.shape[1]), lambda i, h: (i, 0)),
-                pl.BlockSpec((None, None, s, d), lambda i, h: (i, h, 0, 0)),
+                pl.BlockSpec((None, table_BxN.shape[1]), lambda i, h, *_: (i, 0)),
+                pl.BlockSpec((None, None, s, d), lambda i, h, *_: (i, h, 0, 0)),
                 rope_spec, rope_spec, pool_spec, pool_spec],
-      out_specs=[pl.BlockSpec((None, None, s - 2, d), lambda i, h: (i, h, 0, 0)),
-                 pool_spec, pool_spec],
-      out_shape=[jax.ShapeDtypeStruct((b, kv, s - 2, d), qkv_BxKxSxD.dtype),
-                 jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
-                 jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
+      # the pools right after the output (the kernel's refs: o, k, v, then the log-sum-exps)
+      out_specs=[out_specs[0], pool_spec, pool_spec, *out_specs[1:]],
+      out_shape=[out_shape[0], *pools_out, *out_shape[1:]],
       input_output_aliases={pools: 1, pools + 1: 2},  # (None inputs are not counted)
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
       interpret=interpret,
@@ -151,3 +214,7 @@ def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offs
   )(base.astype(jnp.int32), pos_B.astype(jnp.int32), write_page_B.astype(jnp.int32),
     offset_B.astype(jnp.int32), table_BxN.astype(jnp.int32), qkv_BxKxSxD, cos_BxF, sin_BxF,
     k_pool, v_pool)
+  if parts == 1:
+    return results
+  out, k_pool, v_pool, lse = results
+  return combine(out, lse[..., :g]).astype(qkv_BxKxSxD.dtype), k_pool, v_pool

@@ -39,17 +39,19 @@ def _reference(q, k_new, v_new, pools, layer, table, page, offset, pos, dtype):
   return out, k_pool, v_pool
 
 
-@pytest.mark.parametrize("g,dtype,layer", [(3, jnp.float32, 1), (1, jnp.float32, 0),
-                                           (4, jnp.bfloat16, 1)])
-def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer):
+@pytest.mark.parametrize("g,dtype,layer,parts", [(3, jnp.float32, 1, 0), (1, jnp.float32, 0, 0),
+                                                 (4, jnp.bfloat16, 1, 0), (3, jnp.float32, 1, 2),
+                                                 (3, jnp.float32, 0, 3), (4, jnp.bfloat16, 1, 4)])
+def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer, parts):
   """Positions 0 (the new one alone), inside a page, at a page's start and end, the last page; the
-  last row writes nothing (its key and value go to the trash page, which no read uses)."""
+  last row writes nothing (its key and value go to the trash page, which no read uses). Read in
+  one program a row, or cut into ``parts`` (rows of fewer pages than parts leave parts empty)."""
   rng = np.random.default_rng(g)
   q, k_new, v_new, pools, table, pos = _case(rng, 6, g, [0, 5, 8, 15, 31, 20], dtype)
   page = table[np.arange(6), pos // P]
   page[-1] = M - 1  # the trash page
   offset = pos % P
-  tuning = pallas_attention.PagedTuning(writes=True, warps=2)
+  tuning = pallas_attention.PagedTuning(writes=True, warps=2, parts=parts)
   out, k_pool, v_pool = paged_attention.decode_step_paged(
       jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(pools[0], dtype),
       jnp.asarray(pools[1], dtype), layer, jnp.asarray(table), jnp.asarray(page),
@@ -105,6 +107,35 @@ def test_from_the_projections_before_rope_it_rotates_queries_and_key_as_the_mode
   ref, k_ref, _ = _reference(rotated(q), rotated(k_new), v_new, pools, 1, table, page, offset,
                              pos, jnp.float32)
   np.testing.assert_allclose(np.asarray(k_pool), k_ref, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_long_contexts_are_read_in_parts_combined_as_one_softmax():
+  """The automatic choice cuts a kv bound of more than 16 pages into parts of at most 16 pages (at
+  most 16 parts); over 40 pages of 8 positions a row (a bound of 320) the parts' combined output
+  is NumPy's softmax over every position, rows ending in different parts."""
+  assert [pallas_paged_step.auto_parts(n) for n in (1, 16, 17, 40, 256, 2048)] == [1, 1, 2, 3, 16, 16]
+  rng = np.random.default_rng(5)
+  n, m, b = 40, 130, 3
+  pools = [rng.normal(size=(K, 1, m, P, D)).astype(np.float32) for _ in range(2)]
+  q = rng.normal(size=(b, K, 2, D)).astype(np.float32)
+  k_new, v_new = (rng.normal(size=(b, K, D)).astype(np.float32) for _ in range(2))
+  table = rng.permutation(m - 1)[:b * n].reshape(b, n).astype(np.int32)
+  pos = np.asarray([319, 130, 9], np.int32)  # 40, 17 and 2 pages: 3 runs each (the last one empty)
+  page, offset = table[np.arange(b), pos // P], pos % P
+  out, k_pool, _ = paged_attention.decode_step_paged(
+      *(jnp.asarray(x) for x in (q, k_new, v_new, *pools, )), 0, jnp.asarray(table),
+      jnp.asarray(page), jnp.asarray(offset), jnp.asarray(pos), n * P, "pallas_gpu", D ** -0.5,
+      interpret=True, tuning=pallas_attention.PagedTuning(writes=True))
+  k_ref, v_ref = (x.copy() for x in pools)
+  ref = np.zeros_like(q)
+  for r in range(b):
+    k_ref[:, 0, page[r], offset[r]], v_ref[:, 0, page[r], offset[r]] = k_new[r], v_new[r]
+    k_, v_ = (x[:, 0, table[r]].reshape(K, n * P, D)[:, :pos[r] + 1] for x in (k_ref, v_ref))
+    s = np.einsum("kgd,ktd->kgt", q[r], k_) * D ** -0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref[r] = np.einsum("kgt,ktd->kgd", p / p.sum(-1, keepdims=True), v_)
+  np.testing.assert_array_equal(np.asarray(k_pool), k_ref)
   np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6, rtol=2e-6)
 
 

@@ -408,6 +408,7 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
                                          ("pallas_tpu", "scan"), ("dense", "unrolled"),
                                          ("pallas_tpu", "unrolled"), ("cpu", "unrolled"),
                                          ("pallas_gpu:writes", "unrolled"),
+                                         ("pallas_gpu:writes:parts", "scan"),
                                          ("pallas_gpu:writes:fused", "unrolled"),
                                          ("pallas_gpu:writes:fused", "scan"),
                                          ("pallas_gpu:writes:fused:norms", "unrolled"),
@@ -418,13 +419,15 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, mo
   slot and the layers in a scan, through the dense read over gathered pages and both Pallas
   kernels (interpret mode), the paged engine's layers in a scan or unrolled (its per-layer weights
   over the same pools; ``cpu``: the CPU defaults, C++ matmul kernel included; ``:writes``: the
-  step's writes and attention in one kernel, ``kernels.pallas_paged_step``, ``:fused`` with the
-  projections fused, so the kernel takes them before rope and rotates them itself; ``:norms``: the
+  step's writes and attention in one kernel, ``kernels.pallas_paged_step``, ``:parts`` each row's
+  pages read by it in 3 parts combined after it, ``:fused`` with the projections fused, so the
+  kernel takes them before rope and rotates them itself; ``:norms``: the
   paged engine's norms each in one kernel with the matmul after it, ``kernels.pallas_norm_matmul``,
   the rows engine's as written)."""
   from areal_jax.kernels import choice
   impl, *how = impl.split(":")
-  monkeypatch.setenv(choice.PAGED_TUNING_ENV, "writes=1" if "writes" in how else "")
+  monkeypatch.setenv(choice.PAGED_TUNING_ENV, ("writes=1" if "writes" in how else "")
+                     + (",parts=3" if "parts" in how else ""))
   monkeypatch.delenv(choice.NORM_MATMUL_ENV, raising=False)
   projections = "fused" if "fused" in how else "auto"
   base = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(16, 32), steps_per_call=4,
