@@ -21,8 +21,9 @@
 #    first (the paged default: where its ~13 kernels a layer spend the step);
 # 4. a layer's attention step alone (bench/paged_kernel.py: the cache writes and JAX's Pallas
 #    kernel under its launches, pages per block, parts, the table cut to the kv bound, warps,
-#    stages; our writing kernel at 8, 4 and 2 warps and in 2 and 4 parts; pages of 64, 128, 32) at
-#    both shapes, the long rollout's (4,032 positions a slot) at the 1.5B shape, then
+#    stages; our writing kernel with and without dots, in 2 and 4 parts, at 8, 4, 2 warps; pages
+#    of 64, 128, 32) at both shapes, the long rollout's (4,032 positions a slot) at the 1.5B
+#    shape, then
 #    the RMSNorm + matmul pieces alone (bench/norm_matmul.py: XLA's norm, cuBLAS GEMM and SwiGLU
 #    against our one kernel under several launches) at both shapes, then the whole step at each
 #    shape with the engine's launch and the fastest over pages of 64, side by side;
@@ -66,9 +67,10 @@ for m in "$BIG" smollm2-135m; do  # (its JSON is written row by row: a sweep cut
     --page-sizes 64,128,32 --json "$OUT/kernel_$m.json" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
 done
 # (its figures in the log only) a long rollout's attention: our kernel reading a row in one program
-# against in parts (auto_parts: 5 at this bound) and JAX's kernel, 4,032 positions a slot
+# against in parts (auto_parts: 5 at this bound), with dots, and JAX's kernel; 4,032 positions
+# a slot
 log "$BIG" long context, Pallas kernel launches; t=$(limit 60) && timeout "$t" python3 bench/paged_kernel.py \
-  --model="$BIG" --context 4032 --no-dense --reps 3 --tunings "default;writes=1;writes=1,parts=1" 2>&1 \
+  --model="$BIG" --context 4032 --no-dense --reps 3 --tunings "default;writes=1;writes=1,dot=1;writes=1,parts=1" 2>&1 \
   | grep -v -E "Warning|warnings.warn" | cut -c1-200
 for m in "$BIG" smollm2-135m; do  # (its figures in the log only: the files a call brings back are few)
   log "$m" norm and matmul pieces, XLA against our kernel; t=$(limit 60) && timeout "$t" \

@@ -14,7 +14,8 @@ pages, then the attention; the pools donated and written in place, as in the eng
 kernel, JAX's combine of its parts), under each launch of ``--tunings``
 (``pallas_attention.PagedTuning``, in ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax; ``default`` is the
 engine's; ``writes=1`` is ``kernels.pallas_paged_step``, the writes and the attention one kernel,
-``writes=1,parts=N`` that kernel reading each row in ``N`` parts combined after it),
+``writes=1,parts=N`` that kernel reading each row in ``N`` parts combined after it, ``dot=1``
+with its products as tensor-core dots over the queries padded to 16 rows),
 and the dense read of the gathered pages (``impl="dense"``) beside them. Every slot decodes at
 position ``--context``; each slot owns ``--max-len`` positions of pages, shuffled over the pool,
 and the program's kv bound is the context + 65 (what ``bench/sampler.py``'s roofline row runs).
@@ -51,7 +52,8 @@ from common import (QWEN25_1P5B, SMOLLM2, TINY, Hardware, against, best_time,  #
 
 SHAPES = {"qwen2.5-1.5b": (QWEN25_1P5B, 128, 512), "smollm2-135m": (SMOLLM2, 64, 128),
           "tiny": (TINY, 4, 24)}
-SWEEP = ("default;writes=1;writes=1,warps=4;writes=1,warps=2;writes=1,parts=2;writes=1,parts=4;"
+SWEEP = ("default;writes=1;writes=1,dot=1;writes=1,parts=2;writes=1,dot=1,parts=2;writes=1,parts=4;"
+         "writes=1,dot=1,parts=4;writes=1,warps=4;writes=1,dot=1,warps=4;writes=1,warps=2;"
          "bound=1;bound=1,parts=1;"
          "bound=1,parts=4;bound=1,parts=8;bound=1,block_pages=2;bound=1,block_pages=4;warps=4;"
          "bound=1,warps=4;bound=1,stages=1;bound=1,stages=3;bound=1,parts=4,warps=4;"

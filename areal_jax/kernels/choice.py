@@ -262,9 +262,9 @@ def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
   of our own instead (``pallas_paged_step``: 8 kernels a layer against 13 at the SmolLM2 shape,
   compiled for an H100 without one; its run time not measured yet, so it is not the default).
   ``$AREAL_JAX_PALLAS_GPU_PAGED`` sets fields (``block_pages=2,parts=4,warps=4,stages=3,bound=1,
-  writes=1``), ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` the pages a block alone; read when a program
-  is traced, or the launch of the ``launching`` context it is traced in (an engine's, resolved
-  when it was built). ``spec``: fields in that syntax instead of the environment's."""
+  writes=1,dot=1``), ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` the pages a block alone; read when a
+  program is traced, or the launch of the ``launching`` context it is traced in (an engine's,
+  resolved when it was built). ``spec``: fields in that syntax instead of the environment's."""
   if spec is None and (held := _LAUNCH.get()) is not None:
     return held
   fields, source = {}, f"${PAGED_TUNING_ENV}"
@@ -277,7 +277,8 @@ def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
     spec = os.environ.get(PAGED_TUNING_ENV, "")
   else:
     source = "the Pallas GPU kernel's launch"
-  return _launch(pallas_attention.PagedTuning, spec, source, fields, flags=("bound", "writes"))
+  return _launch(pallas_attention.PagedTuning, spec, source, fields,
+                 flags=("bound", "writes", "dot"))
 
 
 def _launch(cls, spec: str, source: str, fields: dict | None = None, flags=(), on: bool = False):

@@ -9,7 +9,11 @@ not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
 
   * the query heads of a K/V head are read one by one (``G`` rows of ``D``): no padding, since the
     scores are elementwise products summed over ``D`` (no ``tl.dot``, whose rows must be >= 16);
-    a decode step's attention is bound by reading the pages, not by these products;
+    a decode step's attention should be bound by reading the pages, not by these products. Should
+    they cost more than the reads (reductions across a warp's threads on the CUDA cores, 6 query
+    heads a K/V head at the Qwen2.5-1.5B shape), ``dot`` pads the heads to a tile of 16 rows in
+    registers (no XLA fusion) and computes a page's scores and output as tensor-core dots of the
+    cache's dtype (``_tiles``), as JAX's kernel does: where pages and half heads are >= 16;
   * by default no parts: each (row, K/V head) reads its pages ``[0, pos)`` in one program, so
     nothing is combined after it (``B * K`` programs: 192 at the SmolLM2 shape, 256 at the
     Qwen2.5-1.5B one). Over long contexts one program a row would read thousands of positions
@@ -28,7 +32,9 @@ not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
     layer against 13 at the SmolLM2 shape (9 with the rotation in XLA).
 
 Exact: softmax attention over positions ``0..pos`` of the row after the write, as the scatter
-followed by ``pallas_attention.paged`` computes. Pages are read whole and masked past ``pos``;
+followed by ``pallas_attention.paged`` computes (the dot form rounds the queries and probabilities
+to the cache's dtype before its dots, as that kernel does; in parts, rounding differs in the last
+places). Pages are read whole and masked past ``pos``;
 rows that write nothing write into the trash page (``sampler/pages.py``), which no read uses.
 
 Runs in Pallas interpret mode on a CPU device (tests); its speed on a GPU is ``bench``'s to say.
@@ -45,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 MAX_GROUP = 16  # query heads per K/V head read one by one; past it the kernel is not offered
+TILE = 16  # rows of the dot form's query tile (the GPU's tensor-core dot takes at least 16)
 PART_PAGES = 16  # the automatic choice: one part up to this many pages of the bound, then parts
 MAX_PARTS = 16   # of at most this many pages, at most this many parts
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # a score that is never the maximum
@@ -57,6 +64,12 @@ def usable(group: int, page: int, head_dim: int) -> bool:
   return 1 <= group <= MAX_GROUP and pow2(page) and pow2(head_dim) and head_dim >= 2
 
 
+def dot_usable(page: int, head_dim: int) -> bool:
+  """Whether the dot form (``dot``) takes pages of ``page`` positions and heads of ``head_dim``:
+  its products' sides (a page, half a head for the rope's halves) at least 16."""
+  return page >= TILE and head_dim // 2 >= TILE
+
+
 def auto_parts(max_pages: int) -> int:
   """Parts a row's pages are cut into when the launch leaves it to the kernel (``parts=0``): one
   up to ``PART_PAGES`` pages of the kv bound, then enough for at most ``PART_PAGES`` pages a part,
@@ -66,11 +79,11 @@ def auto_parts(max_pages: int) -> int:
 
 def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, cos_ref, sin_ref,
             k_in_ref, v_in_ref, o_ref, k_out_ref, v_out_ref, lse_ref=None, *, group: int,
-            max_pages: int, scale: float, parts: int = 1):
+            max_pages: int, scale: float, parts: int = 1, dot: bool = False):
   base, pos = base_ref[0], pos_ref[0]
   first = pl.program_id(2) == 0 if parts > 1 else True  # the part that writes and counts pos
   page, d = k_in_ref.shape[1:]
-  halves = (pl.ds(0, d // 2), pl.ds(d // 2, d // 2))  # rope's rotated halves
+  halves = _halves(d)
 
   def rows(r):
     """Row ``r`` of the projections as its two halves; rotated when the rope is the kernel's,
@@ -96,19 +109,53 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
   k_new = [k_h.astype(k_out_ref.dtype).astype(jnp.float32) for k_h in k_new]
   v_new = v_new.astype(v_out_ref.dtype).astype(jnp.float32)
   q = [[q_h * scale for q_h in rows(g)] for g in range(group)]
+  if dot:
+    init, page_step, unpack = _tiles(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos)
+  else:
+    init, page_step, unpack = _rows(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos)
+  m, l, acc = init
+  if parts > 1:  # the other parts start empty (their first page holds a position before pos)
+    m, l, acc = (jax.tree.map(lambda x: jnp.where(first, x, empty), x)
+                 for x, empty in ((m, _MASK), (l, 0.0), (acc, 0.0)))
+
+  pages = jnp.minimum(pl.cdiv(pos, page), max_pages)
+  if parts == 1:
+    m, l, acc = unpack(*lax.fori_loop(0, pages, page_step, (m, l, acc)))
+    for g in range(group):
+      o_ref[g, :] = (acc[g] / l[g]).astype(o_ref.dtype)
+    return
+  # this part's run of the row's pages; runs past the row's last page are empty
+  run = pl.cdiv(pages, parts)
+  start = jnp.minimum(pl.program_id(2) * run, pages)
+  m, l, acc = unpack(*lax.fori_loop(start, jnp.minimum(start + run, pages), page_step, (m, l, acc)))
+  lse = jnp.full(lse_ref.shape, _MASK, jnp.float32)
+  heads = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
+  for g in range(group):  # an empty part: output 0, log-sum-exp never the maximum
+    some = l[g] > 0
+    l_g = jnp.where(some, l[g], 1.0)
+    o_ref[g, :] = jnp.where(some, acc[g] / l_g, 0.0)
+    lse = jnp.where((heads == g) & some, m[g] + jnp.log(l_g), lse)
+  lse_ref[...] = lse
+
+
+def _halves(d: int):
+  return pl.ds(0, d // 2), pl.ds(d // 2, d // 2)  # rope's rotated halves
+
+
+def _rows(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos):
+  """The elementwise form: per query head its running maximum, sum and output row, each page's
+  scores as products summed over the head's features. Returns ``(m, l, acc)`` from the new
+  position alone, the loop's step over a page, and what turns the loop's carry into per-head
+  lists (here: itself)."""
+  page, d = k_in_ref.shape[1:]
   # the new position first: every running maximum is a real score from the start
   m = [sum(jnp.sum(q_h * k_h) for q_h, k_h in zip(q_g, k_new)) for q_g in q]
-  l = [jnp.float32(1.0)] * group
-  acc = [v_new] * group
-  if parts > 1:  # the other parts start empty (their first page holds a position before pos)
-    m = [jnp.where(first, m_g, _MASK) for m_g in m]
-    l = [jnp.where(first, l_g, 0.0) for l_g in l]
-    acc = [jnp.where(first, a_g, 0.0) for a_g in acc]
+  init = m, [jnp.float32(1.0)] * len(q), [v_new] * len(q)
 
   def page_step(j, carry):
     m, l, acc = carry
     page_id = base + table_ref[j]
-    k_PxD = [k_in_ref[page_id, :, h].astype(jnp.float32) for h in halves]
+    k_PxD = [k_in_ref[page_id, :, h].astype(jnp.float32) for h in _halves(d)]
     v_PxD = v_in_ref[page_id, :, :].astype(jnp.float32)
     before_P = j * page + lax.broadcasted_iota(jnp.int32, (page,), 0) < pos
     out = ([], [], [])
@@ -123,24 +170,45 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
       out[2].append(acc_g * correction + jnp.sum(p_P[:, None] * v_PxD, axis=0))
     return out
 
-  pages = jnp.minimum(pl.cdiv(pos, page), max_pages)
-  if parts == 1:
-    m, l, acc = lax.fori_loop(0, pages, page_step, (m, l, acc))
-    for g in range(group):
-      o_ref[g, :] = (acc[g] / l[g]).astype(o_ref.dtype)
-    return
-  # this part's run of the row's pages; runs past the row's last page are empty
-  run = pl.cdiv(pages, parts)
-  start = jnp.minimum(pl.program_id(2) * run, pages)
-  m, l, acc = lax.fori_loop(start, jnp.minimum(start + run, pages), page_step, (m, l, acc))
-  lse = jnp.full(lse_ref.shape, _MASK, jnp.float32)
-  heads = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
-  for g in range(group):  # an empty part: output 0, log-sum-exp never the maximum
-    some = l[g] > 0
-    l_g = jnp.where(some, l[g], 1.0)
-    o_ref[g, :] = jnp.where(some, acc[g] / l_g, 0.0)
-    lse = jnp.where((heads == g) & some, m[g] + jnp.log(l_g), lse)
-  lse_ref[...] = lse
+  return init, page_step, lambda m, l, acc: (m, l, acc)
+
+
+def _tiles(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos):
+  """The dot form: the query heads padded to a tile of ``TILE`` rows (in registers), each page's
+  scores and output products as tensor-core dots of the cache's dtype accumulating in float32
+  (the queries and the probabilities rounded to that dtype first, as JAX's kernel does). Returns
+  what ``_rows`` does; its carry is the tiles, unpacked per head at the end."""
+  page, d = k_in_ref.shape[1:]
+  dt, f32 = k_in_ref.dtype, jnp.float32
+  rid = lax.broadcasted_iota(jnp.int32, (TILE, 1), 0)
+  # [TILE, D/2] a half: row g query head g's, rows past the heads zeros
+  q_T = [sum(jnp.where(rid == g, q_g[i][None, :], 0.0) for g, q_g in enumerate(q)).astype(dt)
+         for i in (0, 1)]
+  m = sum(jnp.sum(q_h.astype(f32) * k_h[None, :], axis=1) for q_h, k_h in zip(q_T, k_new))
+  init = m, jnp.ones((TILE,), f32), jnp.broadcast_to(v_new[None, :], (TILE, d))
+  contract_features = (((1,), (1,)), ((), ()))
+
+  def page_step(j, carry):
+    m, l, acc = carry
+    page_id = base + table_ref[j]
+    s_TxP = sum(lax.dot_general(q_h, k_in_ref[page_id, :, h], contract_features,
+                                preferred_element_type=f32)
+                for q_h, h in zip(q_T, _halves(d)))
+    before_P = j * page + lax.broadcasted_iota(jnp.int32, (page,), 0) < pos
+    s_TxP = jnp.where(before_P[None, :], s_TxP, _MASK)
+    m_next = jnp.maximum(m, jnp.max(s_TxP, axis=1))
+    p_TxP = jnp.exp(s_TxP - m_next[:, None])
+    correction = jnp.exp(m - m_next)
+    pv_TxD = jnp.dot(p_TxP.astype(dt), v_in_ref[page_id, :, :], preferred_element_type=f32)
+    return m_next, l * correction + jnp.sum(p_TxP, axis=1), acc * correction[:, None] + pv_TxD
+
+  def unpack(m, l, acc):
+    heads = range(len(q))
+    pick = lambda x, g: jnp.sum(jnp.where(rid[:, 0] == g, x, 0.0))  # noqa: E731
+    return ([pick(m, g) for g in heads], [pick(l, g) for g in heads],
+            [jnp.sum(jnp.where(rid == g, acc, 0.0), axis=0) for g in heads])
+
+  return init, page_step, unpack
 
 
 def combine(out_BxKxRxGxD, lse_BxKxRxG):
@@ -156,10 +224,11 @@ def combine(out_BxKxRxGxD, lse_BxKxRxG):
 
 # (jitted: a program's layers share one trace of the kernel, rather than one each)
 @functools.partial(jax.jit,
-                   static_argnames=("bound", "warps", "stages", "interpret", "scale", "parts"))
+                   static_argnames=("bound", "warps", "stages", "interpret", "scale", "parts",
+                                    "dot"))
 def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offset_B,
          bound: int, warps: int = 4, stages: int = 2, interpret: bool = False,
-         scale: float | None = None, rope=None, parts: int = 0):
+         scale: float | None = None, rope=None, parts: int = 0, dot: bool = False):
   """Per row and K/V head its ``G = S - 2`` queries, then its new key and value, ``[B, K, S, D]``
   (as a layer's fused projection gives them; queries scaled in the kernel by ``scale``, None:
   ``D ** -0.5``), over pools ``[K, pages, P, D]``: writes row ``b``'s new key and value at page
@@ -170,7 +239,8 @@ def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offs
   else ``(cos_BxF, sin_BxF)`` (``transformer.rope_tables`` of the rows' positions, ``F = D/2``)
   and the kernel rotates them as ``transformer.rope`` does. ``base``: int32 ``[1]``, the layer's
   first page; ``bound``: the static kv bound (no row reads past it); ``parts``: programs a row's
-  pages are read by (0: ``auto_parts``), combined after the kernel when more than one."""
+  pages are read by (0: ``auto_parts``), combined after the kernel when more than one; ``dot``:
+  the dot form (``_tiles``) where ``dot_usable``, else the elementwise one (``_rows``)."""
   b, kv, s, d = qkv_BxKxSxD.shape
   n_pages, page = k_pool.shape[1:3]
   max_pages = max(1, min(-(-bound // page), table_BxN.shape[1]))
@@ -178,7 +248,8 @@ def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offs
   if parts < 1:
     raise ValueError(f"parts={parts}: expected >= 0 (0: automatic)")
   kernel = functools.partial(_kernel, group=s - 2, max_pages=max_pages,
-                             scale=d ** -0.5 if scale is None else scale, parts=parts)
+                             scale=d ** -0.5 if scale is None else scale, parts=parts,
+                             dot=dot and dot_usable(page, d))
   row = lambda i, h, *_: (i,)  # noqa: E731
   rope_spec = None if rope is None else pl.BlockSpec((None, d // 2), lambda i, h, *_: (i, 0))
   pool_spec = pl.BlockSpec((None, n_pages, page, d), lambda i, h, *_: (h, 0, 0, 0))

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from areal_jax import sharding
-from areal_jax.kernels import paged_attention, pallas_attention, pallas_paged_step
+from areal_jax.kernels import choice, paged_attention, pallas_attention, pallas_paged_step
 
 # K/V heads, layers, pages a layer (the trash page last), page size, head size, pages a row
 K, L, M, P, D, N = 2, 2, 26, 8, 16, 4
 
 
-def _case(rng, b, g, pos, dtype):
+def _case(rng, b, g, pos, dtype, P=P, D=D):  # noqa: N803  (the module's shape by default)
   pools = [rng.normal(size=(K, L, M, P, D)).astype(np.float32) for _ in range(2)]
   pools = [np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in pools]  # as held
   q = rng.normal(size=(b, K, g, D)).astype(np.float32)
@@ -26,6 +26,7 @@ def _case(rng, b, g, pos, dtype):
 
 
 def _reference(q, k_new, v_new, pools, layer, table, page, offset, pos, dtype):
+  P, D = pools[0].shape[-2:]  # noqa: N806
   k_pool, v_pool = (x.copy() for x in pools)
   for b in range(len(pos)):
     k_pool[:, layer, page[b], offset[b]] = np.asarray(jnp.asarray(k_new[b], dtype), np.float32)
@@ -62,6 +63,50 @@ def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer, parts):
   np.testing.assert_array_equal(np.asarray(v_pool, np.float32), v_ref)
   # the last row read its own pages, whose position 20 it did not write: not compared
   np.testing.assert_allclose(np.asarray(out, np.float32)[:5], ref[:5], atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("g,dtype,parts,rope", [(3, jnp.float32, 0, False), (6, jnp.float32, 3, True),
+                                                (1, jnp.float32, 2, False),
+                                                (4, jnp.bfloat16, 0, True)])
+def test_the_dot_form_attends_as_numpy_does(g, dtype, parts, rope):
+  """``dot=1``: a page's scores and output as dots over the queries padded to 16 rows (pages of
+  16, heads of 32: the least it takes), in one part or in parts, the rope the kernel's or not;
+  in bfloat16 the queries and probabilities are rounded to it before the dots."""
+  p, d = 16, 32
+  assert pallas_paged_step.dot_usable(p, d) and not pallas_paged_step.dot_usable(8, 32)
+  assert choice.pallas_gpu_tuning("writes=1,dot=1,parts=3") == pallas_attention.PagedTuning(
+      writes=True, dot=True, parts=3)  # as $AREAL_JAX_PALLAS_GPU_PAGED spells it
+  rng = np.random.default_rng(20 + g)
+  q, k_new, v_new, pools, table, pos = _case(rng, 6, g, [0, 5, 16, 31, 63, 40], dtype, p, d)
+  page, offset = table[np.arange(6), pos // p], pos % p
+  tuning = pallas_attention.PagedTuning(writes=True, dot=True, parts=parts)
+  args = [jnp.asarray(pools[0], dtype), jnp.asarray(pools[1], dtype), 1, jnp.asarray(table),
+          jnp.asarray(page), jnp.asarray(offset), jnp.asarray(pos), N * p]
+  if rope:  # the queries and key given before rope; the reference rotates them itself
+    angles = pos[:, None] * (1e4 ** -(np.arange(0, d, 2) / d))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    qkv = np.concatenate([q, k_new[:, :, None], v_new[:, :, None]], axis=2)
+    out, k_pool, v_pool = paged_attention.decode_step_rotating(
+        jnp.asarray(qkv, dtype), jnp.asarray(cos), jnp.asarray(sin), *args, d ** -0.5,
+        interpret=True, tuning=tuning)
+    q, k_new, v_new = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in (q, k_new, v_new))
+
+    def rotated(x):
+      c, s = (t.reshape(t.shape[:1] + (1,) * (x.ndim - 2) + t.shape[1:]) for t in (cos, sin))
+      y = np.concatenate([x[..., :d // 2] * c - x[..., d // 2:] * s,
+                          x[..., d // 2:] * c + x[..., :d // 2] * s], axis=-1)
+      return np.asarray(jnp.asarray(y, dtype), np.float32)  # rounded as the model's rope
+
+    q, k_new = rotated(q), rotated(k_new)
+  else:
+    out, k_pool, v_pool = paged_attention.decode_step_paged(
+        jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), *args, "pallas_gpu", d ** -0.5,
+        interpret=True, tuning=tuning)
+  ref, k_ref, v_ref = _reference(q, k_new, v_new, pools, 1, table, page, offset, pos, dtype)
+  np.testing.assert_allclose(np.asarray(k_pool, np.float32), k_ref, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(v_pool, np.float32), v_ref)
+  tol = 2e-6 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=tol, rtol=tol)
 
 
 def test_split_over_the_mesh_k_v_heads_it_reads_and_writes_alike():
@@ -114,7 +159,8 @@ def test_long_contexts_are_read_in_parts_combined_as_one_softmax():
   """The automatic choice cuts a kv bound of more than 16 pages into parts of at most 16 pages (at
   most 16 parts); over 40 pages of 8 positions a row (a bound of 320) the parts' combined output
   is NumPy's softmax over every position, rows ending in different parts."""
-  assert [pallas_paged_step.auto_parts(n) for n in (1, 16, 17, 40, 256, 2048)] == [1, 1, 2, 3, 16, 16]
+  assert [pallas_paged_step.auto_parts(n) for n in (1, 16, 17, 40, 256, 2048)] == [
+      1, 1, 2, 3, 16, 16]
   rng = np.random.default_rng(5)
   n, m, b = 40, 130, 3
   pools = [rng.normal(size=(K, 1, m, P, D)).astype(np.float32) for _ in range(2)]
