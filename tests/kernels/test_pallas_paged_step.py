@@ -109,11 +109,12 @@ def test_the_dot_form_attends_as_numpy_does(g, dtype, parts, rope):
   np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=tol, rtol=tol)
 
 
-def test_split_over_the_mesh_k_v_heads_it_reads_and_writes_alike():
+@pytest.mark.parametrize("parts", [0, 2])
+def test_split_over_the_mesh_k_v_heads_it_reads_and_writes_alike(parts):
   rng = np.random.default_rng(7)
   q, k_new, v_new, pools, table, pos = _case(rng, 4, 3, [3, 9, 16, 30], jnp.float32)
   page, offset = table[np.arange(4), pos // P], pos % P
-  tuning = pallas_attention.PagedTuning(writes=True)
+  tuning = pallas_attention.PagedTuning(writes=True, parts=parts)
   mesh = sharding.make_mesh({"tensor": 2}, jax.devices()[:2])
 
   def run(q, k_new, v_new, k_pool, v_pool, table, page, offset, pos):
