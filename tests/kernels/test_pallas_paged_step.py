@@ -65,7 +65,8 @@ def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer, parts):
   np.testing.assert_allclose(np.asarray(out, np.float32)[:5], ref[:5], atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("g,dtype,parts,rope", [(3, jnp.float32, 0, False), (6, jnp.float32, 3, True),
+@pytest.mark.parametrize("g,dtype,parts,rope", [(3, jnp.float32, 0, False),
+                                                (6, jnp.float32, 3, True),
                                                 (1, jnp.float32, 2, False),
                                                 (4, jnp.bfloat16, 0, True)])
 def test_the_dot_form_attends_as_numpy_does(g, dtype, parts, rope):
