@@ -191,3 +191,20 @@ def test_the_kernel_is_offered_where_its_loads_are_powers_of_two():
   assert pallas_paged_step.usable(3, 64, 64) and pallas_paged_step.usable(16, 16, 128)
   assert not pallas_paged_step.usable(17, 64, 64)  # past MAX_GROUP: JAX's kernel
   assert not pallas_paged_step.usable(3, 48, 64) and not pallas_paged_step.usable(3, 64, 80)
+
+
+@pytest.mark.parametrize("launch", [{}, {"parts": 4}, {"dot": True}, {"dot": True, "parts": 2}])
+@pytest.mark.parametrize("b,k,g,d", [(64, 3, 3, 64), (128, 2, 6, 128)])  # SmolLM2, Qwen2.5-1.5B
+def test_the_kernel_lowers_for_a_gpu_at_the_benchmark_shapes(launch, b, k, g, d):
+  """Compiled, not interpreted, and lowered for a GPU (Triton) on this CPU: the rope the
+  kernel's, pages of 64, the benchmark's kv bound (577: 10 pages), in one part or in parts, the
+  elementwise or the dot form."""
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+  i32, f32 = jnp.int32, jnp.float32
+  n, pages = 28, b * 28 + 1
+  args = [spec(b, k, g + 2, d), spec(k, pages, 64, d), spec(k, pages, 64, d), spec(1, dt=i32),
+          spec(b, n, dt=i32), spec(b, dt=i32), spec(b, dt=i32), spec(b, dt=i32)]
+  rope = (spec(b, d // 2, dt=f32), spec(b, d // 2, dt=f32))
+  fn = jax.jit(lambda *a: pallas_paged_step.step(*a[:8], 577, rope=a[8:], **launch))
+  text = fn.trace(*args, *rope).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1 and "paged_decode_step" in text
