@@ -181,13 +181,18 @@ def rope_tables(positions_BxL, head_dim: int, theta: float):
   """``(cos, sin)`` of the rotary angles, each ``[B, L, head_dim // 2]``, computed once per forward
   and shared by every layer.
 
-  XLA fuses elementwise producers into their consumers, so left alone it re-evaluates ``cos`` and
-  ``sin`` for every head inside every layer's q and k fusions (4.6 ms of a 64-slot SmolLM2 decode
-  step on CPU; 0.5 ms with the tables read instead). An optimization barrier does not stop it (XLA:CPU
-  removes barriers before fusion); a product with the identity does: the matmul's output is a
-  buffer the layers read. ``Precision.HIGHEST`` keeps it exact on accelerators too."""
+  On CPU (``choice.rope_tables_materialized``): XLA fuses elementwise producers into their
+  consumers, so left alone it re-evaluates ``cos`` and ``sin`` for every head inside every layer's
+  q and k fusions (4.6 ms of a 64-slot SmolLM2 decode step on CPU; 0.5 ms with the tables read
+  instead). An optimization barrier does not stop it (XLA:CPU removes barriers before fusion); a
+  product with the identity does: the matmul's output is a buffer the layers read, exact at
+  ``Precision.HIGHEST``. On GPU and TPU, where that product is a kernel of its own (a cuBLAS GEMM
+  and two fusions around it in a GPU decode step) and re-evaluating the angles costs little, the
+  tables are left to XLA: the same values."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   angles_BxLxF = positions_BxL[..., None].astype(jnp.float32) * inv_freq
+  if not choice.rope_tables_materialized():
+    return jnp.cos(angles_BxLxF), jnp.sin(angles_BxLxF)
   cs_BxLx2F = jnp.concatenate([jnp.cos(angles_BxLxF), jnp.sin(angles_BxLxF)], axis=-1)
   cs_BxLx2F = jnp.matmul(cs_BxLx2F, jnp.eye(head_dim, dtype=jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
