@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from areal_jax import sharding
-from areal_jax.kernels import cpu_attention
+from areal_jax.kernels import choice, cpu_attention
 from areal_jax.models import hf, init_cache, transformer
 
 VOCAB = 300
@@ -113,7 +113,8 @@ def test_a_heads_major_cache_holds_the_same_keys_and_values(hf_checkpoint):
 
 
 def test_rope_tables_are_the_exact_cosines_and_sines():
-  """The product with the identity that makes XLA keep the tables in a buffer changes no bit."""
+  """The product with the identity that makes XLA keep the tables in a buffer (on CPU) changes no
+  bit."""
 
   def direct(positions_BxL):
     inv_freq = 1.0 / (1e5 ** (jnp.arange(0, 64, 2, dtype=jnp.float32) / 64))
@@ -124,6 +125,15 @@ def test_rope_tables_are_the_exact_cosines_and_sines():
   cos, sin = jax.jit(transformer.rope_tables, static_argnums=(1, 2))(positions_BxL, 64, 1e5)
   want_cos, want_sin = jax.jit(direct)(positions_BxL)
   assert cos.shape == sin.shape == (2, 4, 32)
+  np.testing.assert_array_equal(cos, want_cos)
+  np.testing.assert_array_equal(sin, want_sin)
+  # traced for a GPU (or a TPU) the tables are left to XLA: the same values, no product
+  assert choice.rope_tables_materialized()  # (this CPU)
+  with choice.lowering_for("gpu"):
+    assert not choice.rope_tables_materialized()
+    fn = jax.jit(lambda p: transformer.rope_tables(p, 64, 1e5))  # (a fresh trace)
+    assert "dot_general" not in str(fn.trace(positions_BxL).jaxpr)
+    cos, sin = fn(positions_BxL)
   np.testing.assert_array_equal(cos, want_cos)
   np.testing.assert_array_equal(sin, want_sin)
 
