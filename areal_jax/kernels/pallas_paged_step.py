@@ -81,7 +81,8 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
             k_in_ref, v_in_ref, o_ref, k_out_ref, v_out_ref, lse_ref=None, *, group: int,
             max_pages: int, scale: float, parts: int = 1, dot: bool = False):
   base, pos = base_ref[0], pos_ref[0]
-  first = pl.program_id(2) == 0 if parts > 1 else True  # the part that writes and counts pos
+  part = pl.program_id(2) if parts > 1 else 0
+  first = part == 0  # the part that writes and counts pos
   page, d = k_in_ref.shape[1:]
   halves = _halves(d)
 
@@ -126,7 +127,7 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
     return
   # this part's run of the row's pages; runs past the row's last page are empty
   run = pl.cdiv(pages, parts)
-  start = jnp.minimum(pl.program_id(2) * run, pages)
+  start = jnp.minimum(part * run, pages)
   m, l, acc = unpack(*lax.fori_loop(start, jnp.minimum(start + run, pages), page_step, (m, l, acc)))
   lse = jnp.full(lse_ref.shape, _MASK, jnp.float32)
   heads = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
