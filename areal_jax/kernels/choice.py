@@ -94,6 +94,10 @@ one Pallas GPU kernel with the matmul after it (``pallas_norm_matmul``; the mode
 asks: compiled for an H100 it takes 3 kernels a layer off the step, but its run time against
 cuBLAS's GEMMs is not measured.
 
+Top-k / top-p (``truncation_on_host``): on GPU the engine picks, on the host, a decode program
+with the vocabulary's sort or one without it, so no step holds a conditional (each a wait for the
+host there); on CPU and TPU one program decides it in the step.
+
 ``"auto"`` picks per platform: on CPU the C++ kernels when they build (else XLA's forms) and the
 layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's path the scanned
 step measured no faster on CPU); on GPU a paged KV cache where the service keeps page tables
@@ -151,6 +155,7 @@ PAGED_ENV = "AREAL_JAX_PAGED_CACHE"
 BLOCK_PAGES_ENV = "AREAL_JAX_PALLAS_GPU_BLOCK_PAGES"
 PAGED_TUNING_ENV = "AREAL_JAX_PALLAS_GPU_PAGED"
 NORM_MATMUL_ENV = "AREAL_JAX_DECODE_NORM_MATMUL"
+TRUNCATION_ENV = "AREAL_JAX_TRUNCATION_ON_HOST"
 PALLAS_GPU_PAGE = 16  # positions a page of the Pallas GPU kernel is a multiple of (its blocks)
 HELD_LAYOUTS = ("compiler", "default")
 _PLATFORMS = {"cpu": ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu"),
@@ -532,6 +537,26 @@ def fusing_norms(tuning: pallas_norm_matmul.NormTuning | None):
 def fused_norms() -> pallas_norm_matmul.NormTuning | None:
   """The tuning of the ``fusing_norms`` context the model is traced in, or None."""
   return _NORM_MATMULS.get()
+
+
+def truncation_on_host(platform: str) -> bool:
+  """Whether the sampler's engine decides on the host whether a decode call's slots truncate
+  (top-k / top-p: ``sampling.sample``'s ``truncate``, from its own copy of the slots' parameters),
+  compiling a program for each answer, rather than in the step (a ``lax.cond``, one program). On
+  GPU: XLA's GPU runtime runs a conditional by copying its predicate to the host and waiting for
+  it, so every step of a multi-step call the host waited for the device to finish the step's
+  forward before it launched the rest and the next step, the device idle meanwhile (the only such
+  wait in the step: the loop over the steps has a known trip count). In the profile of 16-step
+  calls on an H100 (``bench/results/h100-2026-11-27-s27``, Qwen2.5-1.5B shape, paged), the device
+  sat idle 0.57 ms a step at each step's start while the host launched that step's CUDA graph
+  (under the profiler, which slows launches: the cost without it is not measured). A TPU runs its
+  conditionals on the device and a CPU's are the host's anyway: both keep one program (the
+  second would cost its compile time). ``$AREAL_JAX_TRUNCATION_ON_HOST`` (``1`` / ``0``) forces
+  it; read when an engine is built."""
+  forced = os.environ.get(TRUNCATION_ENV, "")
+  if forced not in ("", "0", "1"):
+    raise ValueError(f"${TRUNCATION_ENV}={forced!r}: expected 1 or 0")
+  return forced == "1" if forced else platform == "gpu"
 
 
 def steps_per_call(platform: str) -> int:

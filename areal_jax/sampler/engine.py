@@ -5,7 +5,8 @@
     in one call (up to ``max_prefill_batch`` rows, padded to a power of two), which uses the
     matmul units much better than one short prompt at a time.
   * ``insert(state, prefix, slots, ...)``: copies one prefix into any number of slots (a GRPO group
-    shares one prefill) and sets up those slots' sampling parameters, keys and stop conditions.
+    shares one prefill) and sets up those slots' sampling parameters, keys and stop conditions
+    (the state also keeps, on the host, which slots' parameters truncate: ``TRUNCATES``).
   * ``generate(params, state, kv_len, width)``: advances slots ``[0, width)`` by ``steps_per_call``
     tokens. The decode state is donated; stop conditions (EOS / stop ids, max new tokens, cache full)
     are checked on device, so several steps can run per host sync.
@@ -96,6 +97,9 @@ from areal_jax.sampler import pages as pages_lib
 from areal_jax.sampler import warmup as warmup_lib
 
 State = dict[str, Any]
+# the decode state's host-side entry (not an array the programs take): per slot, whether its
+# sampling parameters truncate (``sampling.truncates``), as ``insert`` and ``move`` left them
+TRUNCATES = "truncates"
 _COMPILED: dict[tuple, dict[str, Any]] = {}
 
 
@@ -190,6 +194,9 @@ class DecodeEngine:
     # here, once
     self.norm_tuning = choice.norm_matmuls(platform, self.mesh.size == 1)
     self.paged_tuning = choice.pallas_gpu_tuning()
+    # whether a generate call's program is picked by whether its slots truncate (top-k / top-p),
+    # known on the host, rather than deciding it in every step (``choice.truncation_on_host``)
+    self.truncation_on_host = choice.truncation_on_host(platform)
     self.config = config = dataclasses.replace(
         config, steps_per_call=config.steps_per_call or choice.steps_per_call(platform),
         kv_pages=kv_pages)
@@ -332,7 +339,7 @@ class DecodeEngine:
     self.layouts_compile_s = time.perf_counter() - t0
     held, state = compiled.input_formats[0][:2]
     if jax.tree.leaves(compiled.output_formats[0]) == jax.tree.leaves(state):
-      self._generate_fns[(kv_len, width)] = _Ready(
+      self._generate_fns[(kv_len, width, self._truncate(False))] = _Ready(
           compiled, self._make_generate(kv_len, width, (held, state)))
     return held, state
 
@@ -344,13 +351,14 @@ class DecodeEngine:
     return self.weights.put(params)
 
   def init_state(self) -> State:
+    """An empty decode state: the device arrays of ``state_shapes`` and the host's ``TRUNCATES``."""
     if self._init_fn is None:
       self._init_fn = jax.jit(self._new_state(), out_shardings=self.state_formats)
       self._fns["init"] = self._init_fn
-    return self._init_fn()
+    return {**self._init_fn(), TRUNCATES: np.zeros((self.config.num_slots,), np.bool_)}
 
   def state_shapes(self) -> State:
-    """``init_state``'s shapes, dtypes and shardings, without allocating it."""
+    """``init_state``'s device arrays' shapes, dtypes and shardings, without allocating them."""
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                         jax.eval_shape(self._new_state()), self.state_shardings)
 
@@ -462,11 +470,14 @@ class DecodeEngine:
     bucket = 0 if prefix is None else slot_cache.prefix_len(prefix, self.cache_layout)
     fn = self._variant(self._insert_fns, (bucket, n), lambda: self._make_insert(bucket),
                        f"insert bucket={bucket} rows={n}")
+    device, truncates_S = _split(state)
+    truncates_S[slots] = sampling.truncates(vals["top_k"][:k], vals["top_p"][:k],
+                                            vals["greedy"][:k])
     if not self.paged:
-      return fn(state, prefix, slots_N, vals)
+      return {**fn(device, prefix, slots_N, vals), TRUNCATES: truncates_S}
     pages_N = np.full((n, self.pages_per_slot), c.kv_pages, np.int32)  # padding rows: trash
     pages_N[:k] = self._table(pages)
-    return fn(state, prefix, slots_N, vals, pages_N)
+    return {**fn(device, prefix, slots_N, vals, pages_N), TRUNCATES: truncates_S}
 
   def _table(self, pages) -> np.ndarray:
     if not self.paged:
@@ -500,7 +511,8 @@ class DecodeEngine:
   def deactivate(self, state: State, slots: list[int]) -> State:
     mask_S = np.zeros((self.config.num_slots,), np.bool_)
     mask_S[list(slots)] = True
-    return self._deactivate(state, mask_S)
+    device, truncates_S = _split(state)  # (the slots' parameters stay, on the device too)
+    return {**self._deactivate(device, mask_S), TRUNCATES: truncates_S}
 
   # ---- generate --------------------------------------------------------------------------------
 
@@ -517,20 +529,36 @@ class DecodeEngine:
     hold the pages of the positions this call writes.
 
     Returns ``(state, (tokens_KxW, logprobs_KxW, valid_KxW))``; ``valid`` marks slots that were
-    active at that step (their token is real)."""
+    active at that step (their token is real).
+
+    The program: one per kv bucket and width; on GPU (``choice.truncation_on_host``) also per
+    whether a slot in ``[0, width)`` truncates (top-k / top-p), which the state's host-side
+    ``TRUNCATES`` says, so no step waits for the host to decide it."""
     width = width or self.config.num_slots
     if width not in self.width_buckets:
       raise ValueError(f"width {width} is not one of the width buckets {self.width_buckets}")
-    fn = self._variant(self._generate_fns, (kv_len, width),
-                       lambda: self._make_generate(kv_len, width),
-                       f"generate kv_len={kv_len} width={width}")
-    if self.paged:
-      return fn(params, state, self._table(pages)[:width])
-    return fn(params, state)
+    device, truncates_S = _split(state)
+    any_truncates = bool(truncates_S[:width].any())
+    truncate = self._truncate(any_truncates)
+    fn = self._variant(self._generate_fns, (kv_len, width, truncate),
+                       lambda: self._make_generate(kv_len, width, truncate=any_truncates),
+                       f"generate kv_len={kv_len} width={width}"
+                       + ("" if truncate is None else f" truncate={truncate}"))
+    pages = (self._table(pages)[:width],) if self.paged else ()
+    device, outputs = fn(params, device, *pages)
+    return {**device, TRUNCATES: truncates_S}, outputs
 
-  def _make_generate(self, kv_len: int, width: int, formats=None):
+  def _truncate(self, any_truncates: bool) -> bool | None:
+    """A generate program's ``sampling.sample`` ``truncate``: whether its slots truncate where
+    the host decides it (``truncation_on_host``), else None (the step decides)."""
+    return any_truncates if self.truncation_on_host else None
+
+  def _make_generate(self, kv_len: int, width: int, formats=None, truncate: bool = False):
     """The generate program of ``kv_len`` and ``width``; ``formats``: the weights' and the
-    state's jit shardings (or layouts) if not the held ones (``_compiler_layouts``)."""
+    state's jit shardings (or layouts) if not the held ones (``_compiler_layouts``);
+    ``truncate``: the program for slots some of which truncate (top-k / top-p; where the step
+    decides it, ``truncation_on_host`` off, one program serves both)."""
+    truncate = self._truncate(truncate)
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
     matmul_impl = self.matmul_impl  # (the kernels' padding for the GPU library: choice.query_rows)
     norms, launch = self.norm_tuning, self.paged_tuning  # (what the model's trace reads)
@@ -544,7 +572,7 @@ class DecodeEngine:
                                    attention_impl=impl, writes_B=state["active"])
       token_S, logprob_S = sampling.sample(
           logits_Sx1xV[:, 0], state["key"], state["pos"], state["temperature"], state["top_k"],
-          state["top_p"], state["greedy"], select_by_mask=by_mask)
+          state["top_p"], state["greedy"], select_by_mask=by_mask, truncate=truncate)
       active = state["active"]
       hit_stop = jnp.any(token_S[:, None] == state["stop_ids"], axis=-1)
       new_len = state["pos"] + 2  # sequence length including the new token
@@ -587,7 +615,9 @@ class DecodeEngine:
     src_N, dst_N = np.full((n,), s, np.int32), np.full((n,), s, np.int32)  # index s = dropped
     src_N[:k], dst_N[:k] = src, dst
     fn = self._variant(self._move_fns, n, self._make_move, f"move rows={n}")
-    return fn(state, src_N, dst_N)
+    device, truncates_S = _split(state)
+    truncates_S[list(dst)] = truncates_S[list(src)]  # (the sources keep theirs, as on the device)
+    return {**fn(device, src_N, dst_N), TRUNCATES: truncates_S}
 
   def _make_move(self):
     layout, paged = self.cache_layout, self.paged
@@ -618,6 +648,16 @@ class DecodeEngine:
     fns = [*self._prefill_fns.values(), *self._insert_fns.values(), *self._generate_fns.values(),
            *self._move_fns.values()]
     return sum(f._cache_size() for f in fns) + self._deactivate._cache_size()
+
+
+def _split(state: State) -> tuple[State, np.ndarray]:
+  """``(the device arrays, a copy of TRUNCATES)`` of a decode state. A state without it (not made
+  by ``init_state``) counts every slot as truncating: the sort runs, right for any parameters."""
+  device = {k: v for k, v in state.items() if k != TRUNCATES}
+  truncates_S = state.get(TRUNCATES)
+  if truncates_S is None:
+    truncates_S = np.ones(device["active"].shape, np.bool_)
+  return device, np.array(truncates_S, np.bool_)
 
 
 class _Ready:

@@ -11,8 +11,10 @@ truncation). Greedy slots report the same quantity at the argmax token.
 Randomness: the key of a step is ``fold_in(slot_key, position)``, so a sequence's draws depend only on
 its request seed, its index in the group and the position, not on which slot it landed in or on what
 else was batched with it. Sampling draws one uniform per slot and inverts the CDF (no Gumbel noise
-over the vocabulary); top-k / top-p sort the vocabulary only when some slot asks for them (a runtime
-``lax.cond``).
+over the vocabulary); top-k / top-p sort the vocabulary only when some slot asks for them: a runtime
+``lax.cond``, or, where the caller knows it (``truncate``), a program with or without the sort (the
+sampler's engine on GPU, ``kernels.choice.truncation_on_host``: XLA's GPU runtime reads a
+conditional's predicate back to the host and waits for it, once a step).
 
 Cost: the vocabulary is read twice per step in the common case: once for the maximum of every block
 of ``_block(V)`` tokens, once for ``exp`` summed per block. The temperature is folded into both
@@ -54,6 +56,12 @@ def scaled_log_probs(logits_SxV, temperature_S):
   """``log softmax(logits / temperature)`` in float32."""
   t = jnp.maximum(temperature_S.astype(jnp.float32), 1e-6)[:, None]
   return jax.nn.log_softmax(logits_SxV.astype(jnp.float32) / t, axis=-1)
+
+
+def truncates(top_k_S, top_p_S, greedy_S):
+  """Per slot: whether its parameters truncate the distribution it draws from (top-k or top-p,
+  not greedy). NumPy or JAX arrays."""
+  return ((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S
 
 
 def _truncation_floor(logp_SxV, top_k_S, top_p_S):
@@ -103,8 +111,13 @@ def _first(mask_SxN):
 
 
 def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, greedy_S,
-           select_by_mask: bool = False):
+           select_by_mask: bool = False, truncate: bool | None = None):
   """Draws one token per slot; returns ``(token_S int32, logprob_S float32)``.
+
+  ``truncate``: whether any slot truncates (top-k or top-p, not greedy), when the caller knows it
+  (a program for each answer, no branch in it); None: decided in the program (``lax.cond``). Given
+  as the program would find it, the tokens and logprobs are the same. True where no slot truncates
+  keeps every token: the same draws up to the rounding of the kept mass's sums.
 
   ``select_by_mask``: each slot's block of the vocabulary (the argmax's, the drawn token's) is
   taken by a masked sum over the blocks (a read of the whole vocabulary) instead of a gather (the
@@ -127,7 +140,6 @@ def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, gre
   e_SxNbxB = jnp.exp((l_SxNbxB - lmax_S[:, None, None]) * inv_t_S[:, None, None])
   sums_SxNb = jax.lax.optimization_barrier(jnp.sum(e_SxNbxB, axis=-1))  # pass 2
   lse_S = lmax_S * inv_t_S + jnp.log(jnp.sum(sums_SxNb, axis=-1))  # of x
-  truncate = jnp.any(((top_k_S > 0) | (top_p_S < 1.0)) & ~greedy_S)
 
   def truncated(logits_SxV, inv_t_S, lmax_S, lse_S, top_k_S, top_p_S):
     l_SxV = logits_SxV.astype(jnp.float32)
@@ -138,9 +150,15 @@ def sample(logits_SxV, key_Sx2, position_S, temperature_S, top_k_S, top_p_S, gre
     kept = jnp.where(x_SxV >= floor[:, None], e_SxV, 0.0)
     return floor, jnp.sum(kept.reshape(s, nb, bs), axis=-1)
 
-  floor_S, kept_SxNb = jax.lax.cond(
-      truncate, truncated, lambda *_: (jnp.full((s,), -jnp.inf, jnp.float32), sums_SxNb),
-      logits_SxV, inv_t_S, lmax_S, lse_S, top_k_S, top_p_S)
+  def whole(*_):
+    return jnp.full((s,), -jnp.inf, jnp.float32), sums_SxNb
+
+  args = (logits_SxV, inv_t_S, lmax_S, lse_S, top_k_S, top_p_S)
+  if truncate is None:
+    floor_S, kept_SxNb = jax.lax.cond(truncates(top_k_S, top_p_S, greedy_S).any(), truncated,
+                                      whole, *args)
+  else:
+    floor_S, kept_SxNb = (truncated if truncate else whole)(*args)
   # level 1: the block holding the uniform's share of the kept mass
   cum_SxNb = jnp.cumsum(kept_SxNb, axis=-1)
   target_S = _uniform(key_Sx2, position_S) * cum_SxNb[:, -1]

@@ -1,5 +1,7 @@
 """Compiling every program variant of a ``DecodeEngine`` up front (prefill buckets x rows, insert
-rows per bucket, generate kv buckets x widths, moves), instead of at each variant's first use.
+rows per bucket, generate kv buckets x widths, and where the engine picks a program by whether the
+slots truncate, ``truncation_on_host``, both of each; moves), instead of at each variant's first
+use.
 
 Each variant compiles at its first call (the call returns once it is compiled and dispatched), so
 ``progress(done, total, what)`` after each call tells how far the compiling is: on a GPU, XLA's
@@ -29,8 +31,14 @@ def count(engine) -> int:
   """Programs ``warmup`` compiles for ``engine`` (the ``total`` it reports)."""
   rows, batches, moves = _variants(engine)
   buckets = len(engine.prefill_buckets)
-  return (buckets * (1 + len(batches)) + (buckets + 1) * len(rows)
-          + len(engine.kv_buckets) * len(engine.width_buckets) + len(moves))
+  generates = len(engine.kv_buckets) * len(engine.width_buckets) * _truncations(engine)
+  return buckets * (1 + len(batches)) + (buckets + 1) * len(rows) + generates + len(moves)
+
+
+def _truncations(engine) -> int:
+  """Generate programs per (kv bucket, width): 2 where the engine picks one by whether the
+  slots truncate (top-k / top-p) on the host, else 1."""
+  return 2 if engine.truncation_on_host else 1
 
 
 def warmup(engine, state, progress: Progress | None = None):
@@ -64,10 +72,20 @@ def warmup(engine, state, progress: Progress | None = None):
                             top_k=0, top_p=1.0, greedy=False, stop_ids=[],
                             pages=None if trash is None else trash[:n])
       tick(f"insert {n} rows" + (f" of prefix {b}" if b else ""))
-  for kv_len in engine.kv_buckets:
-    for width in engine.width_buckets:
-      state, out = engine.generate(engine.params, state, kv_len, width, pages=trash)
-      tick(f"generate kv {kv_len} width {width}")
+  def arm_slot_0(top_p: float):  # slot 0 lies in every width
+    return engine.insert(state, None, [0], token=[0], pos=[0], end=[0],
+                         keys=np.zeros((1, 2), np.uint32), temperature=1.0, top_k=0, top_p=top_p,
+                         greedy=False, stop_ids=[], pages=None if trash is None else trash[:1])
+
+  for truncating in range(_truncations(engine)):
+    if truncating:  # the programs that sort: slot 0 asks for top-p
+      state = arm_slot_0(0.5)
+    for kv_len in engine.kv_buckets:
+      for width in engine.width_buckets:
+        state, out = engine.generate(engine.params, state, kv_len, width, pages=trash)
+        tick(f"generate kv {kv_len} width {width}" + (" top-k/top-p" if truncating else ""))
+    if truncating:  # no slot left asking for it
+      state = arm_slot_0(1.0)
   for n in moves:
     k = min(n, s // 2)
     state = engine.move(state, list(range(k)), list(range(s - k, s)))

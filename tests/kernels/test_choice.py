@@ -178,3 +178,17 @@ def test_held_layouts_are_the_compilers_on_tpu(monkeypatch):
   monkeypatch.setenv(choice.HELD_LAYOUTS_ENV, "tiled")
   with pytest.raises(ValueError, match="AREAL_JAX_HELD_LAYOUTS='tiled'"):
     choice.held_layouts("tpu")
+
+
+def test_the_gpu_engine_decides_truncation_on_the_host(monkeypatch):
+  # XLA:GPU runs a conditional by reading its predicate back to the host every step
+  monkeypatch.delenv(choice.TRUNCATION_ENV, raising=False)
+  assert choice.truncation_on_host("gpu")
+  assert not choice.truncation_on_host("cpu") and not choice.truncation_on_host("tpu")
+  monkeypatch.setenv(choice.TRUNCATION_ENV, "1")
+  assert choice.truncation_on_host("cpu")
+  monkeypatch.setenv(choice.TRUNCATION_ENV, "0")
+  assert not choice.truncation_on_host("gpu")
+  monkeypatch.setenv(choice.TRUNCATION_ENV, "yes")
+  with pytest.raises(ValueError, match="AREAL_JAX_TRUNCATION_ON_HOST='yes'"):
+    choice.truncation_on_host("gpu")

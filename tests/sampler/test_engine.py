@@ -669,7 +669,8 @@ def test_weights_and_state_stay_in_the_layouts_the_compiler_picked(model, monkey
   monkeypatch.setattr(DecodeEngine, "_compiler_layouts", picked)
   eng = DecodeEngine(model, config)
 
-  def in_layouts(tree, formats):
+  def in_layouts(tree, formats):  # (a state's device arrays: not the host's TRUNCATES)
+    tree = {k: v for k, v in tree.items() if k != engine_lib.TRUNCATES}
     got = [x.format.layout.major_to_minor for x in jax.tree.leaves(tree)]
     want = [f.layout.major_to_minor for f in jax.tree.leaves(formats)]
     return got == want and any(m != tuple(sorted(m)) for m in got)
@@ -755,3 +756,68 @@ def test_the_program_compiled_to_find_the_layouts_is_the_widest_variant(model, m
   for a, b in zip(*runs):
     for x, y in zip(a, b):
       np.testing.assert_allclose(y, x, atol=1e-6)
+
+
+def test_the_host_picks_the_program_that_sorts_for_top_k_and_top_p(model, monkeypatch):
+  """Where the engine decides on the host whether a call's slots truncate (a GPU's default,
+  ``choice.truncation_on_host``; forced here): a call whose slots in its width all keep every
+  token runs the program without the sort, one with a top-p or top-k slot the one with it (no
+  branch in either); the host's copy follows insert, move and a slot armed again; the tokens
+  and logprobs are bit for bit those of the engine deciding in the step; warm-up compiles
+  both programs and leaves no slot truncating."""
+  from areal_jax.kernels import choice
+  from areal_jax.sampler import engine as engine_lib
+
+  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,), steps_per_call=3,
+                        width_buckets=(2,))
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (each engine's programs its own)
+  in_step = DecodeEngine(model, config)
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  monkeypatch.setenv(choice.TRUNCATION_ENV, "1")
+  on_host = DecodeEngine(model, config)
+  assert on_host.truncation_on_host and not in_step.truncation_on_host
+  prompt = [5, 7, 9, 11, 3, 1, 2]
+
+  def arm(e, state, slots, seed, **params):
+    keys = np.stack([np.asarray(sampling.slot_key(seed, i)) for i in range(len(slots))])
+    n = len(slots)
+    return e.insert(state, e.prefill(e.params, prompt[:-1]), slots, token=[prompt[-1]] * n,
+                    pos=[len(prompt) - 1] * n, end=[64] * n, keys=keys, stop_ids=[],
+                    **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": False, **params})
+
+  runs, programs = [], []
+  for e in (in_step, on_host):
+    state = arm(e, e.init_state(), [0, 1], 1, temperature=1.3)
+    state = arm(e, state, [3], 2, top_p=0.6)
+    outs = []
+    for width in (4, 2, 4):
+      state, out = e.generate(e.params, state, 64, width)
+      outs.append(out)
+      programs.append(sorted(e._generate_fns))  # noqa: SLF001
+    state = e.move(state, [3], [2])  # the top-p sequence moves down
+    state = arm(e, state, [3], 3, greedy=True)  # and slot 3 is armed again, greedy
+    if e is on_host:
+      np.testing.assert_array_equal(state[engine_lib.TRUNCATES], [False, False, True, False])
+    state, out = e.generate(e.params, state, 64, 4)
+    outs.append(out)
+    state = arm(e, state, [2], 4, top_k=0)  # slot 2 armed again without truncation
+    state, out = e.generate(e.params, state, 64, 4)
+    outs.append(out)
+    programs.append(sorted(e._generate_fns))  # noqa: SLF001
+    if e is on_host:
+      np.testing.assert_array_equal(state[engine_lib.TRUNCATES], [False] * 4)
+    runs.append(jax.device_get(outs))
+  for a, b in zip(*runs):
+    for x, y in zip(a, b):
+      np.testing.assert_array_equal(y, x)
+  both = [(64, 2, None), (64, 4, None)]  # a program per width, the step deciding
+  assert programs[:4] == [[(64, 4, None)], both, both, both]
+  assert programs[4:] == [[(64, 4, True)], [(64, 2, False), (64, 4, True)],
+                          [(64, 2, False), (64, 4, True)],
+                          [(64, 2, False), (64, 4, False), (64, 4, True)]]
+  ticks = []
+  state = on_host.warmup(on_host.init_state(), lambda done, total, what: ticks.append(what))
+  generates = [w for w in ticks if w.startswith("generate")]
+  assert len(generates) == 2 * len(on_host.kv_buckets) * len(on_host.width_buckets)
+  assert sum("top-k/top-p" in w for w in generates) == len(generates) // 2
+  assert not state[engine_lib.TRUNCATES].any()

@@ -8,14 +8,15 @@ from areal_jax.sampler import sampling
 
 
 def _run(logits_SxV, temperature=1.0, top_k=0, top_p=1.0, greedy=False, seed=0, pos=0,
-         select_by_mask=False):
+         select_by_mask=False, truncate=None):
+  """``sampling.sample`` compiled; each parameter a scalar for every slot or a per-slot list."""
   s = logits_SxV.shape[0]
   keys = sampling.slot_keys(seed, s)
-  full = lambda x, dt: jnp.full((s,), x, dt)
-  return jax.jit(sampling.sample, static_argnames="select_by_mask")(
+  full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (s,))
+  return jax.jit(sampling.sample, static_argnames=("select_by_mask", "truncate"))(
       logits_SxV, keys, full(pos, jnp.int32), full(temperature, jnp.float32),
       full(top_k, jnp.int32), full(top_p, jnp.float32), full(greedy, jnp.bool_),
-      select_by_mask=select_by_mask)
+      select_by_mask=select_by_mask, truncate=truncate)
 
 
 def test_logprob_is_temperature_scaled_softmax_before_truncation():
@@ -84,3 +85,35 @@ def test_blocks_taken_by_mask_draw_the_same_tokens_and_logprobs():
       np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]), err_msg=str(kwargs))
       np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]), err_msg=str(kwargs))
   assert _run(logits, greedy=True, select_by_mask=True)[0][1] == 600
+
+
+def test_truncation_known_to_the_caller_draws_what_the_branch_draws():
+  """``truncate`` given (a program without a branch: the GPU engine's, which knows it on the
+  host) draws the tokens and logprobs the in-program branch draws, for slots that truncate
+  (top-k, top-p, mixed with slots that do not, greedy ones) and slots that do not; True where
+  no slot truncates keeps every token (the same tokens, logprobs to float32 rounding)."""
+  logits = jax.random.normal(jax.random.key(8), (32, 768)) * 3
+  mixed = {"top_k": [0, 5, 0, 0] * 8, "top_p": [1.0, 1.0, 0.7, 1.0] * 8,
+           "greedy": [False] * 3 + [True] + [False] * 28, "temperature": 0.9}
+  plain = {"greedy": [True, False] * 16, "top_k": [3, 0] * 16}  # greedy slots' top-k is ignored
+  assert sampling.truncates(*(np.asarray(mixed[k]) for k in ("top_k", "top_p", "greedy"))).any()
+  assert not sampling.truncates(np.asarray(plain["top_k"]), np.ones(32),
+                                np.asarray(plain["greedy"])).any()
+  for kwargs, truncate in ((mixed, True), (plain, False)):
+    for seed, pos in ((0, 0), (5, 40)):
+      ref = _run(logits, seed=seed, pos=pos, **kwargs)
+      got = _run(logits, seed=seed, pos=pos, truncate=truncate, **kwargs)
+      np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]), err_msg=str(kwargs))
+      np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]), err_msg=str(kwargs))
+  ref = _run(logits, seed=2, pos=3, **plain)
+  kept = _run(logits, seed=2, pos=3, truncate=True, **plain)
+  np.testing.assert_array_equal(np.asarray(kept[0]), np.asarray(ref[0]))
+  np.testing.assert_allclose(np.asarray(kept[1]), np.asarray(ref[1]), rtol=1e-6)
+  # and the program given the answer has no branch left
+  args = (logits, sampling.slot_keys(0, 32), jnp.zeros(32, jnp.int32), jnp.ones(32),
+          jnp.zeros(32, jnp.int32), jnp.ones(32), jnp.zeros(32, jnp.bool_))
+  text = lambda t: jax.jit(sampling.sample, static_argnames="truncate").lower(
+      *args, truncate=t).as_text()
+  assert "stablehlo.case" in text(None)
+  assert "stablehlo.case" not in text(True) and "stablehlo.case" not in text(False)
+  assert "stablehlo.sort" in text(True) and "stablehlo.sort" not in text(False)
