@@ -13,6 +13,8 @@
 #    GPU: a paged cache read by JAX's Pallas paged-attention kernel, the layers unrolled,
 #    decode_matmul 'blas'; the floor loop's program gets the same matmul options), the issue's keys;
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
+#    the same with top-k / top-p decided in every step by a conditional, as before session 33
+#    (branch: on a GPU a wait for the host at every step), against
 #    our kernel that also writes the step's keys and values (launch=writes=1: 8 kernels a layer
 #    against 13 at the SmolLM2 shape, compiled for an H100 on a CPU), that with each RMSNorm in one
 #    kernel with the matmul after it too (norms: 5 kernels a layer), the dense read over rows,
@@ -53,11 +55,11 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
 log variants "$BIG"; t=$(limit 140) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
+  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:branch,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
 log variants smollm2; t=$(limit 100) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
+  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:branch,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
   --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 trace smollm2
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)

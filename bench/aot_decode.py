@@ -142,7 +142,9 @@ def launches(hlo: str, copies: collections.Counter | None = None) -> collections
   that runs something (fusions, library calls, copies, ...; not views or tuples), each loop's body
   counted its trip count times (``_trip_count``; a loop whose count is unknown: once; loop
   conditions are not counted), a conditional by its cheapest branch (the sampler's top-k/top-p
-  branch runs only when a slot asks for it). Also ``"copied_bytes"``: bytes written by the
+  branch runs only when a slot asks for it). Also ``"conditionals"``: the conditionals run (on a
+  GPU each copies its predicate to the host and waits for it: ``choice.truncation_on_host``), and
+  ``"copied_bytes"``: bytes written by the
   launches that only move data (a copy, or a fusion of slices, copies, pads, transposes and
   reshapes: no arithmetic but on scalars), e.g. a layer's weights sliced out of the stacked
   weights into a buffer of their own; ``copies`` (when given) gets those bytes by result type
@@ -166,6 +168,7 @@ def launches(hlo: str, copies: collections.Counter | None = None) -> collections
         trip = _trip_count(line, comps)
         out.update({k: v * trip for k, v in body.items()})
       elif op == "conditional":
+        out["conditionals"] += 1
         names = re.search(r"branch_computations=\{([^}]*)\}", line)
         names = (re.findall(r"%([^,\s]+)", names.group(1)) if names else
                  [re.search(r"true_computation=%([^,\s]+)", line).group(1),
@@ -235,10 +238,12 @@ def _platform(device) -> str:
 
 
 def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, layers: str,
-             device, matmul: str, model=None, page_size: int = 0, extra_options=None):
+             device, matmul: str, model=None, page_size: int = 0, extra_options=None,
+             truncate: bool = False):
   """``(jitted function, its abstract arguments on ``device``)``: our engine's decode call (of
-  ``model``, a ``Transformer`` of ``cfg``; built when None) or the floor loop, built on the CPU and
-  re-targeted, compiled with ``matmul``'s options (``choice.compiler_options``) and
+  ``model``, a ``Transformer`` of ``cfg``; built when None; ``truncate``: the program for slots
+  that ask for top-k / top-p, where the engine compiles it apart) or the floor loop, built on the
+  CPU and re-targeted, compiled with ``matmul``'s options (``choice.compiler_options``) and
   ``extra_options``."""
   from areal_jax.kernels import choice
   matmul_options = {**(choice.compiler_options(matmul) or {}), **(extra_options or {})} or None
@@ -280,7 +285,8 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
   # the program's GEMMs as the options compile them (what its trace pads for: choice.query_rows)
   eng.matmul_impl = matmul
   with choice.lowering_for(_platform(device)):
-    fn = eng._make_generate(eng.kv_buckets[-1], slots).__wrapped__  # noqa: SLF001
+    fn = eng._make_generate(eng.kv_buckets[-1], slots,  # noqa: SLF001
+                            truncate=truncate).__wrapped__
     args = (abstract(eng.params), abstract(eng.state_shapes()))
     if page_size:  # the slots' page tables
       args += (abstract(jax.ShapeDtypeStruct((slots, eng.pages_per_slot), jnp.int32)),)
@@ -357,6 +363,9 @@ def main():
                   help="ours with the weights and the decode state held in the 'default' layouts "
                        "or the 'compiler's (JAX's Layout.AUTO), comma-separated (default: the "
                        "target's, choice.held_layouts)")
+  ap.add_argument("--truncate", action="store_true",
+                  help="our program for slots that ask for top-k / top-p (where the engine "
+                       "compiles it apart: choice.truncation_on_host)")
   ap.add_argument("--json", default=None)
   ap.add_argument("--dump", default=None, help="write each compiled program's HLO text here")
   ap.add_argument("--atomics", action="store_true",
@@ -393,7 +402,7 @@ def main():
       dump = tempfile.mkdtemp(prefix="aot_ptx_")
       extra = {"xla_dump_to": dump}
     fn, fargs = _program(what, cfg, slots, ctx, args.steps, args.attention, layers, device,
-                         matmul, model, args.page_size, extra)
+                         matmul, model, args.page_size, extra, args.truncate)
     found = None
     if auto:
       fn, found = _with_auto_layouts(fn, fargs, {**(choice.compiler_options(matmul) or {}),
@@ -411,11 +420,12 @@ def main():
     by_type = collections.Counter()
     per_step = {k: v / args.steps for k, v in sorted(launches(hlo, by_type).items())}
     copied = per_step.pop("copied_bytes", 0.0)
+    conditionals = per_step.pop("conditionals", 0.0)
     largest = {t: round(b / args.steps / 1e6, 2) for t, b in by_type.most_common(6)}
-    row = {"program": what, "layers": layers, "matmul": matmul,
+    row = {"program": what, "layers": layers, "matmul": matmul, "truncate": args.truncate and what == "ours",
            "held_layouts": "compiler" if auto else "default", "lower_s": t1 - t0,
            "compile_s": t2 - t1, "launches_per_step": sum(per_step.values()),
-           "copied_MB_per_step": copied / 1e6,
+           "copied_MB_per_step": copied / 1e6, "conditionals_per_step": conditionals,
            "gemms_per_step": {k: v for k, v in per_step.items() if k.startswith("gemm")},
            "by_kind_per_step": per_step, "largest_copies_MB_per_step": largest}
     if found:  # the compilation that found the layouts: the engine's widest variant if reusable
@@ -439,7 +449,8 @@ def main():
     rows.append(row)
     print(f"{what:>6} {layers:>8} {matmul:>5}{' compiler layouts' if auto else ''}: lower {row['lower_s']:5.1f} s, compile "
           f"{row['compile_s']:5.1f} s; per step {row['launches_per_step']:6.1f} launches, "
-          f"{row['copied_MB_per_step']:7.1f} MB copied, matmuls {row['gemms_per_step']}\n"
+          f"{row['copied_MB_per_step']:7.1f} MB copied, {conditionals:g} conditionals, "
+          f"matmuls {row['gemms_per_step']}\n"
           f"{'':>22}largest copies (MB a step, by result): {largest}", flush=True)
     if args.atomics:
       print(f"{'':>22}kernels with a compare-and-swap loop: {len(row['cas_kernels'])} "

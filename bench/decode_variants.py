@@ -10,7 +10,9 @@ only). Each variant is ``attention:layers:steps[:option...]`` (``choice.ATTENTIO
 ``choice.MATMUL``, ``paged``: the paged KV cache, a page table of 64-position pages per slot,
 ``launch=SPEC``: the Pallas GPU kernel's launch, ``$AREAL_JAX_PALLAS_GPU_PAGED`` with ``+`` for
 its commas, e.g. ``launch=bound=1+parts=4``; ``norms`` or ``norms=SPEC``: each RMSNorm in one
-kernel with the matmul after it, ``$AREAL_JAX_DECODE_NORM_MATMUL``, e.g. ``norms=block_n=32``),
+kernel with the matmul after it, ``$AREAL_JAX_DECODE_NORM_MATMUL``, e.g. ``norms=block_n=32``;
+``branch``: top-k / top-p decided in every step by a conditional, as before session 33, not on
+the host, ``$AREAL_JAX_TRUNCATION_ON_HOST=0``),
 forced through ``$AREAL_JAX_DECODE_ATTENTION`` / ``_LAYERS`` / ``_PROJECTIONS`` / ``_MATMUL`` while
 its engine is built; the floor's matmuls are compiled as ``--floor-matmul`` says (default: the
 platform's choice for our engine, so both run the same GEMMs);
@@ -56,7 +58,8 @@ PAGE = 64  # positions per page of the paged variants
 ENV = {"attention": "AREAL_JAX_DECODE_ATTENTION", "layers": "AREAL_JAX_DECODE_LAYERS",
        "matmul": "AREAL_JAX_DECODE_MATMUL", "projections": "AREAL_JAX_DECODE_PROJECTIONS",
        "launch": "AREAL_JAX_PALLAS_GPU_PAGED",  # (read when the programs are traced: in the run)
-       "norms": "AREAL_JAX_DECODE_NORM_MATMUL"}  # (read when an engine is built)
+       "norms": "AREAL_JAX_DECODE_NORM_MATMUL",  # (read when an engine is built)
+       "branch": "AREAL_JAX_TRUNCATION_ON_HOST"}  # (read when an engine is built)
 
 
 def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=None,
@@ -100,22 +103,26 @@ def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=
         state, out = dev.generate(dev.params, state, kv_len, **pages)
       jax.block_until_ready(out)
   if hlo_path:  # the optimized program of the timed call (compiled again, not run)
-    fn = dev._generate_fns[(kv_len, slots)]  # noqa: SLF001 (a benchmark's look inside)
+    fn = next(f for key, f in dev._generate_fns.items()  # noqa: SLF001 (a benchmark's look inside)
+              if key[:2] == (kv_len, slots))
     with open(hlo_path, "w") as f:
-      f.write(fn.lower(dev.params, state, *pages.values()).compile().as_text())
+      device = {k: v for k, v in state.items() if k != "truncates"}  # (engine.TRUNCATES: host)
+      f.write(fn.lower(dev.params, device, *pages.values()).compile().as_text())
   impl = {k: getattr(dev, f"{k}_impl", "legacy") for k in ("attention", "matmul", "layers")}
   impl["projections"] = getattr(dev, "projections", "legacy")
   impl["cache_layout"] = getattr(dev, "cache_layout", "legacy")
   norms = getattr(dev, "norm_tuning", "legacy")  # (None: as written)
   impl["norms"] = norms if isinstance(norms, str) else norms and dataclasses.asdict(norms)
+  impl["truncation_on_host"] = getattr(dev, "truncation_on_host", "legacy")
   return {"step_ms": min(times), "step_ms_all": times, "compile_and_first_s": first_s,
           "kv_len": kv_len, **impl}
 
 
 def parse_variant(variant: str, on_cpu: bool):
-  """``(attention, layers, steps, projections, matmul, paged, launch, norms)`` of a variant's
-  spelling (``launch``: the Pallas GPU kernel's, ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax, "" for
-  the engine's; ``norms``: ``$AREAL_JAX_DECODE_NORM_MATMUL``'s, "" for the engine's)."""
+  """``(attention, layers, steps, projections, matmul, paged, launch, norms, branch)`` of a
+  variant's spelling (``launch``: the Pallas GPU kernel's, ``$AREAL_JAX_PALLAS_GPU_PAGED``'s
+  syntax, "" for the engine's; ``norms``: ``$AREAL_JAX_DECODE_NORM_MATMUL``'s, "" for the
+  engine's; ``branch``: "branch" or "")."""
   attention, layers, steps, *options = variant.split(":")
   projections = next((o for o in options if o in choice.PROJECTIONS + ("auto",)), "auto")
   matmul = next((o for o in options if o in choice.MATMUL),
@@ -123,7 +130,8 @@ def parse_variant(variant: str, on_cpu: bool):
   paged = "paged" if "paged" in options else ""
   launch = next((o for o in options if o.startswith("launch=")), "")
   norms = next((o for o in options if o == "norms" or o.startswith("norms=")), "")
-  if unknown := set(options) - {projections, matmul, paged, launch, norms, ""}:
+  branch = "branch" if "branch" in options else ""
+  if unknown := set(options) - {projections, matmul, paged, launch, norms, branch, ""}:
     raise SystemExit(f"variant {variant!r}: unknown option(s) {sorted(unknown)}")
   launch = launch.removeprefix("launch=").replace("+", ",")
   if launch:
@@ -131,7 +139,7 @@ def parse_variant(variant: str, on_cpu: bool):
   if norms:  # "norms" alone: the kernel's default launch
     norms = norms.partition("=")[2].replace("+", ",") or "1"
     choice.norm_matmuls("gpu", True, norms)  # a bad one fails here, named
-  return attention, layers, steps, projections, matmul, paged, launch, norms
+  return attention, layers, steps, projections, matmul, paged, launch, norms, branch
 
 
 def main():
@@ -139,8 +147,8 @@ def main():
   ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
   ap.add_argument("--variants", default="dense:scan:16",
                   help="comma-separated attention:layers:steps[:option...], options: a "
-                       "projections, a matmul choice, paged, launch=SPEC (auto allowed in "
-                       "each field)")
+                       "projections, a matmul choice, paged, launch=SPEC, norms[=SPEC], branch "
+                       "(auto allowed in each field)")
   ap.add_argument("--floor-matmul", choices=("auto", "xla", "blas"), default="auto",
                   help="GEMMs of the floor loop's program: auto = our engine's choice here")
   ap.add_argument("--reps", type=int, default=5)
@@ -154,7 +162,7 @@ def main():
   args = ap.parse_args()
   shape, slots, context = SHAPES[args.model]
   on_cpu = jax.default_backend() == "cpu"
-  parsed = {v: parse_variant(v, on_cpu) if not args.legacy else (*v.split(":")[:3], "", "", "", "", "")
+  parsed = {v: parse_variant(v, on_cpu) if not args.legacy else (*v.split(":")[:3], "", "", "", "", "", "")
             for v in args.variants.split(",")}
   cfg = ModelConfig(**shape, dtype="float32" if on_cpu else "bfloat16")
   model = Transformer(cfg, nnx.Rngs(0))
@@ -191,7 +199,7 @@ def main():
           compiler_options=floor_options)
       print(f"{'floor loop, fused weights':>28}: {result['floor_fused_step_ms']:8.3f} ms/step")
   for n, variant in enumerate(args.variants.split(",")):
-    attention, layers, steps, projections, matmul, paged, launch, norms = parsed[variant]
+    attention, layers, steps, projections, matmul, paged, launch, norms, branch = parsed[variant]
     saved = {k: os.environ.get(v) for k, v in ENV.items()}
     try:
       if not args.legacy:
@@ -202,6 +210,8 @@ def main():
           os.environ[ENV["launch"]] = launch
         if norms:  # (else the process's own, if any)
           os.environ[ENV["norms"]] = norms
+        if branch:  # (else the process's own, if any)
+          os.environ[ENV["branch"]] = "0"
       row = engine_step_ms(model, slots, context, int(steps), args.reps,
                            args.trace if n == 0 else None, args.hlo if n == 0 else None,
                            paged=paged == "paged")

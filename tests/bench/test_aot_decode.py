@@ -114,11 +114,15 @@ def test_counts_scale_with_the_trip_counts_of_nested_loops():
 
 def test_a_conditional_counts_its_cheapest_branch():
   """The sampler's top-k/top-p branch (a sort of the vocabulary) runs only when asked: a
-  conditional counts as its cheapest branch, so the sort is not counted."""
+  conditional counts as its cheapest branch, so the sort is not counted; the conditionals run
+  are counted apart (on a GPU each is a wait for the host), by their loops' trip counts."""
   def f(p, x):
     return jax.lax.cond(p, lambda x: jnp.sort(jnp.exp(x) * 2, axis=-1), lambda x: x + 1, x)
   n = aot_decode.launches(_compiled(f, True, jnp.ones((4, 64))))
-  assert not any("sort" in k for k in n) and 1 <= sum(v for k, v in n.items() if k != "copied_bytes") <= 3
+  assert not any("sort" in k for k in n) and n["conditionals"] == 1
+  assert 1 <= sum(v for k, v in n.items() if k not in ("copied_bytes", "conditionals")) <= 3
+  looped = lambda p, x: jax.lax.fori_loop(0, 5, lambda i, x: f(p, x) * 0.5, x)
+  assert aot_decode.launches(_compiled(looped, True, jnp.ones((4, 64))))["conditionals"] == 5
 
 
 def test_same_program_ignores_names_schedule_and_metadata_but_not_shapes_or_layouts():
