@@ -107,10 +107,9 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
   its LoRA base is the learner's own array, already counted there."""
   c = engine.config
   state = engine.state_shapes()
-  # (where the engine compiles the program that sorts for top-k / top-p apart, on GPU, the one
-  # without the sort: the one the rollouts' default parameters run, which the persistent
-  # compilation cache then holds; the sort's buffers, a few [slots, vocab] float32 arrays, are
-  # not in the plan)
+  # (on GPU, where the top-k / top-p program is compiled apart: the one without the sort, which
+  # default rollouts run and the persistent compilation cache then holds; the other's sort
+  # buffers, a few [slots, vocab] float32 arrays, are not planned)
   generate = engine._make_generate(engine.kv_buckets[-1], c.num_slots)  # noqa: SLF001
   pages = ((jax.ShapeDtypeStruct((c.num_slots, engine.pages_per_slot), np.int32),)
            if engine.paged else ())  # a paged cache's page table
