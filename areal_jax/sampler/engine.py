@@ -97,8 +97,9 @@ from areal_jax.sampler import pages as pages_lib
 from areal_jax.sampler import warmup as warmup_lib
 
 State = dict[str, Any]
-# the decode state's host-side entry (not an array the programs take): per slot, whether its
-# sampling parameters truncate (``sampling.truncates``), as ``insert`` and ``move`` left them
+# the decode state's host-side entry (not an array the programs take): per slot, whether it holds a
+# sequence whose sampling parameters truncate (``sampling.truncates``): set by ``insert``, carried
+# by ``move`` (its sources cleared), cleared by ``deactivate`` and ``retire``
 TRUNCATES = "truncates"
 _COMPILED: dict[tuple, dict[str, Any]] = {}
 
@@ -511,8 +512,16 @@ class DecodeEngine:
   def deactivate(self, state: State, slots: list[int]) -> State:
     mask_S = np.zeros((self.config.num_slots,), np.bool_)
     mask_S[list(slots)] = True
-    device, truncates_S = _split(state)  # (the slots' parameters stay, on the device too)
-    return {**self._deactivate(device, mask_S), TRUNCATES: truncates_S}
+    device, truncates_S = _split(state)
+    return self.retire({**self._deactivate(device, mask_S), TRUNCATES: truncates_S}, slots)
+
+  def retire(self, state: State, slots: list[int]) -> State:
+    """``state`` with ``slots`` no longer counted as truncating (``TRUNCATES``): slots whose
+    sequences are over (stopped on the device, or deactivated). An inactive slot's draw is
+    dropped, so its top-k / top-p need not run; host only, no device work."""
+    truncates_S = _split(state)[1]
+    truncates_S[list(slots)] = False
+    return {**state, TRUNCATES: truncates_S}
 
   # ---- generate --------------------------------------------------------------------------------
 
@@ -616,7 +625,8 @@ class DecodeEngine:
     src_N[:k], dst_N[:k] = src, dst
     fn = self._variant(self._move_fns, n, self._make_move, f"move rows={n}")
     device, truncates_S = _split(state)
-    truncates_S[list(dst)] = truncates_S[list(src)]  # (the sources keep theirs, as on the device)
+    truncates_S[list(dst)] = truncates_S[list(src)]
+    truncates_S[list(src)] = False  # (inactive now)
     return {**fn(device, src_N, dst_N), TRUNCATES: truncates_S}
 
   def _make_move(self):

@@ -332,6 +332,7 @@ class JaxRolloutEngine(RolloutEngine):
           if self._slots[seq.slot] is seq:
             self._slots[seq.slot] = None
             self._release([seq.slot])
+            self._state = self.engine.retire(self._state, [seq.slot])  # (no device work)
     for s, n in before.items():
       seq = snapshot[s]
       if len(seq.tokens) > n:

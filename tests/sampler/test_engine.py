@@ -795,7 +795,9 @@ def test_the_host_picks_the_program_that_sorts_for_top_k_and_top_p(model, monkey
       outs.append(out)
       programs.append(sorted(e._generate_fns))  # noqa: SLF001
     state = e.move(state, [3], [2])  # the top-p sequence moves down
-    state = arm(e, state, [3], 3, greedy=True)  # and slot 3 is armed again, greedy
+    if e is on_host:
+      np.testing.assert_array_equal(state[engine_lib.TRUNCATES], [False, False, True, False])
+    state = arm(e, state, [3], 3, top_p=0.8, greedy=True)  # slot 3 armed again, greedy
     if e is on_host:
       np.testing.assert_array_equal(state[engine_lib.TRUNCATES], [False, False, True, False])
     state, out = e.generate(e.params, state, 64, 4)
@@ -815,6 +817,14 @@ def test_the_host_picks_the_program_that_sorts_for_top_k_and_top_p(model, monkey
   assert programs[4:] == [[(64, 4, True)], [(64, 2, False), (64, 4, True)],
                           [(64, 2, False), (64, 4, True)],
                           [(64, 2, False), (64, 4, False), (64, 4, True)]]
+  # a slot whose sequence is over no longer counts: deactivated, or retired (host only)
+  state = arm(on_host, on_host.init_state(), [0, 1, 2], 5, top_k=3)
+  state = on_host.deactivate(state, [0])
+  np.testing.assert_array_equal(state[engine_lib.TRUNCATES], [False, True, True, False])
+  device = {k: v for k, v in state.items() if k != engine_lib.TRUNCATES}
+  state = on_host.retire(state, [1, 2])
+  assert not state[engine_lib.TRUNCATES].any()
+  assert all(state[k] is v for k, v in device.items())
   ticks = []
   state = on_host.warmup(on_host.init_state(), lambda done, total, what: ticks.append(what))
   generates = [w for w in ticks if w.startswith("generate")]

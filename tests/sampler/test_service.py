@@ -375,3 +375,29 @@ def test_a_reprefill_swap_that_unshares_prompt_pages_preempts_and_resumes(model,
                                atol=1e-4)
     np.testing.assert_allclose(s.logprobs[j:], _logprobs(other_model, prompt, s.tokens, 0.8)[j:],
                                atol=1e-4)
+
+
+def test_a_finished_top_p_group_leaves_the_program_that_sorts(model, monkeypatch):
+  """Where the engine picks the program that sorts for top-k / top-p on the host (a GPU's
+  default; forced here): while a top-p group decodes its calls run that program; once it is over,
+  a plain group's calls run the one without the sort, next to a slot the top-p group held."""
+  from areal_jax.kernels import choice
+  from areal_jax.sampler import engine as engine_lib
+
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (this engine's programs its own)
+  monkeypatch.setenv(choice.TRUNCATION_ENV, "1")
+  eng = _engine(model, num_slots=4, steps_per_call=2, kv_buckets=(64,))
+  programs = eng.engine._generate_fns  # noqa: SLF001 ((kv bucket, width, sorts) -> program)
+  wide = lambda: sorted(k[2] for k in programs if k[1] == 4)  # noqa: E731 (4 slots: the groups)
+  eng.start()
+  try:
+    eng.submit(GroupRequest(0, [1, 2, 3], n=4, params=SamplingParams(
+        temperature=1.0, top_p=0.5, max_new_tokens=5, seed=0)))
+    _collect(eng, 4)
+    assert wide() == [True]
+    # 3 samples: slots 0-2, the width still 4, slot 3 left as the top-p group left it
+    eng.submit(GroupRequest(1, [4, 5], n=3, params=SamplingParams(max_new_tokens=5, seed=1)))
+    _collect(eng, 3)
+  finally:
+    eng.stop()
+  assert wide() == [False, True]
