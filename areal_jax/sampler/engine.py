@@ -579,10 +579,12 @@ class DecodeEngine:
     def one_step(extend, state):
       logits_Sx1xV, cache = extend(state["tokens"][:, None], state["pos"], state["cache"], kv_len,
                                    attention_impl=impl, writes_B=state["active"])
+      active = state["active"]
+      # (an inactive slot draws greedily: its token is dropped, and its parameters, left from its
+      # last sequence, do not make the step sort for top-k / top-p)
       token_S, logprob_S = sampling.sample(
           logits_Sx1xV[:, 0], state["key"], state["pos"], state["temperature"], state["top_k"],
-          state["top_p"], state["greedy"], select_by_mask=by_mask, truncate=truncate)
-      active = state["active"]
+          state["top_p"], state["greedy"] | ~active, select_by_mask=by_mask, truncate=truncate)
       hit_stop = jnp.any(token_S[:, None] == state["stop_ids"], axis=-1)
       new_len = state["pos"] + 2  # sequence length including the new token
       state = {**state, "cache": cache,

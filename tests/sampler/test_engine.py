@@ -831,3 +831,33 @@ def test_the_host_picks_the_program_that_sorts_for_top_k_and_top_p(model, monkey
   assert len(generates) == 2 * len(on_host.kv_buckets) * len(on_host.width_buckets)
   assert sum("top-k/top-p" in w for w in generates) == len(generates) // 2
   assert not state[engine_lib.TRUNCATES].any()
+
+
+def test_an_inactive_slot_draws_greedily_so_its_top_p_never_makes_the_step_sort(model):
+  """A slot whose sequence stopped keeps its sampling parameters on the device. Where the step
+  decides whether to sort (CPU's default), it draws for an inactive slot greedily (a token that
+  is dropped), so the slot's top-p does not make the step sort: its tokens are its argmax, and
+  the active slots draw what they draw beside an inactive slot without top-p."""
+  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,), steps_per_call=2)
+  eng = DecodeEngine(model, config)
+  prompt = [5, 7, 9, 11, 3, 1, 2]
+  prefix = eng.prefill(eng.params, prompt[:-1])
+  argmax = int(jnp.argmax(model(jnp.asarray([prompt]))[0, -1]))
+  runs = []
+  for stale_top_p in (0.3, 1.0):
+    state = eng.init_state()
+    for slots, seed, temperature, top_p in (([3], 9, 5.0, stale_top_p), ([0, 1], 1, 1.0, 1.0)):
+      keys = np.stack([np.asarray(sampling.slot_key(seed, i)) for i in range(len(slots))])
+      state = eng.insert(state, prefix, slots, token=[prompt[-1]] * len(slots),
+                         pos=[len(prompt) - 1] * len(slots), end=[64] * len(slots), keys=keys,
+                         temperature=temperature, top_k=0, top_p=top_p, greedy=False, stop_ids=[])
+    state = eng.deactivate(state, [3])
+    outs = []
+    for _ in range(3):
+      state, out = eng.generate(eng.params, state, 64)
+      outs.append(jax.device_get(out))
+    runs.append(outs)
+  for a, b in zip(*runs):
+    assert not a[2][:, 3].any() and (a[0][:, 3] == argmax).all()
+    for x, y in zip(a, b):
+      np.testing.assert_array_equal(x[:, :2], y[:, :2])
