@@ -320,6 +320,9 @@ def _with_auto_layouts(fn, fargs, compiler_options, platform: str):
                  compiler_options=compiler_options), info
 
 
+_SOURCE_TABLES = {"FileNames", "FunctionNames", "FileLocations", "StackFrames"}
+
+
 def same_program(hlo_a: str, hlo_b: str) -> bool:
   """Whether two compiled programs' texts hold the same instructions with the same layouts and the
   same entry layouts, up to instruction names, schedule order, source metadata and sharding
@@ -329,10 +332,16 @@ def same_program(hlo_a: str, hlo_b: str) -> bool:
                        r'|, sharding=\{(?:[^{}]|\{[^{}]*\})*\}')
 
   def signature(hlo: str):
-    header, *body = hlo.split("\nFileNames\n")[0].splitlines()  # (then the source tables)
+    header, *body = hlo.splitlines()
     entry = re.search(r"entry_computation_layout=\{(.*?)\}(?=, \w+=|$)", header)
-    lines = []
+    lines, table = [], False
     for line in body:
+      # the source tables (file and function names, locations, stack frames: a name line, then
+      # numbered entries), after the header or at the end, as the version writes them
+      if line in _SOURCE_TABLES or (table and re.match(r"\d+ ", line)):
+        table = True
+        continue
+      table = False
       line = re.sub(r"%[\w.-]+", "%", ignored.sub("", line)).strip()
       if line:
         lines.append(line)

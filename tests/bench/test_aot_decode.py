@@ -125,6 +125,13 @@ def test_a_conditional_counts_its_cheapest_branch():
   assert aot_decode.launches(_compiled(looped, True, jnp.ones((4, 64))))["conditionals"] == 5
 
 
+def _in_tables(lines, line):
+  """Whether ``line`` is one of the source tables' lines (a name line or a numbered entry)."""
+  import re  # noqa: PLC0415
+  return line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames") or bool(
+      re.match(r"\d+ ", line))
+
+
 def test_same_program_ignores_names_schedule_and_metadata_but_not_shapes_or_layouts():
   """``same_program``: whether the program that found the held layouts is the one compiled with
   them (the engine's widest variant); on programs XLA:CPU compiles here."""
@@ -141,9 +148,17 @@ def test_same_program_ignores_names_schedule_and_metadata_but_not_shapes_or_layo
   annotated = list(body)
   annotated[k] += ', sharding={{replicated}, {maximal device=0}}, metadata={op_name="jit(f)/while[' \
                   'body_jaxpr={ lambda ; a:f32[]. let  in (a,) }]" source_line=3}'
-  annotated = annotated[:annotated.index("FileNames") + 1] + ['1 "traced_elsewhere.py"']  # the
-  # source tables at the end
+  # the source tables (after the header in this version's text) hold other files and frames
+  tables = [i for i, line in enumerate(annotated) if line in ("FileNames", "StackFrames")]
+  assert tables, "no source tables in the compiled text"
+  for i in tables:
+    annotated[i + 1] = '1 "traced_elsewhere.py"' if annotated[i] == "FileNames" else "7 {x=1}"
   assert aot_decode.same_program(hlo, "\n".join([header] + annotated))
+  # tables moved to the end (as other versions write them): the same program
+  moved = [line for line in annotated if not _in_tables(annotated, line)]
+  assert aot_decode.same_program(hlo, "\n".join([header] + moved + ["FileNames", '1 "x.py"']))
+  # but a change in a computation's body (not in the header) is a different program
+  assert "tanh(" in hlo and not aot_decode.same_program(hlo, hlo.replace("tanh(", "exponential("))
   ops = [i for i, line in enumerate(body) if " = " in line and "ROOT" not in line]
   if len(ops) >= 2:  # the schedule's order of two instructions swapped
     swapped = list(body)
