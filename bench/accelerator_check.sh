@@ -20,7 +20,8 @@
 #    kernel with the matmul after it too (norms: 5 kernels a layer), the dense read over rows,
 #    XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
 # 3. SmolLM2-135M shape (64 slots, context 128): the same choices, with a profiler trace of the
-#    first (the paged default: where its ~13 kernels a layer spend the step);
+#    first (the paged default: where its ~13 kernels a layer spend the step); then the default
+#    with XLA's command buffers taking the decode loop too (+WHILE: the 16 steps one CUDA graph);
 # 4. a layer's attention step alone (bench/paged_kernel.py: the cache writes and JAX's Pallas
 #    kernel under its launches, pages per block, parts, the table cut to the kv bound, warps,
 #    stages; our writing kernel with and without dots, in 2 and 4 parts, at 8, 4, 2 warps; pages
@@ -62,6 +63,13 @@ log variants smollm2; t=$(limit 100) && timeout "$t" python3 bench/decode_varian
   --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:branch,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
   --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 trace smollm2
+# the SmolLM2 step's 16-step loop as one CUDA graph (XLA's command buffers for the while loop too):
+# with no conditional left in the step (session 33), the loop's body can be captured whole and the
+# host need not launch each step; the floor loop in the same process gets the same flag
+log variants smollm2, command buffers for the loop; t=$(limit 60) && \
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE" timeout "$t" \
+  python3 bench/decode_variants.py --model=smollm2-135m --reps 5 --floor-matmul blas \
+  --variants pallas_gpu:unrolled:16:blas:paged 2>&1 | keep
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
 fastest() { python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['impl']=='pallas_gpu' and x['page_size']==64]; print(min(r,key=lambda x:x['us_per_layer'])['tuning'] if r else '')" "$1" 2>/dev/null; }
 for m in "$BIG" smollm2-135m; do  # (its JSON is written row by row: a sweep cut short keeps its rows)
