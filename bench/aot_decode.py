@@ -137,6 +137,14 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
   return bounds[0] if len(bounds) == 1 and len(lt) == 1 else 1
 
 
+NOT_LAUNCHES = ("copied_bytes", "conditionals")  # the keys of ``launches`` that count no launch
+
+
+def launch_total(counts) -> float:
+  """The launches in ``launches``'s counts (its kinds, not ``NOT_LAUNCHES``)."""
+  return sum(v for k, v in counts.items() if isinstance(k, str) and k not in NOT_LAUNCHES)
+
+
 def launches(hlo: str, copies: collections.Counter | None = None) -> collections.Counter:
   """Device operations one run of a compiled HLO module launches, by ``_kind``: every instruction
   that runs something (fusions, library calls, copies, ...; not views or tuples), each loop's body
@@ -173,9 +181,7 @@ def launches(hlo: str, copies: collections.Counter | None = None) -> collections
         names = (re.findall(r"%([^,\s]+)", names.group(1)) if names else
                  [re.search(r"true_computation=%([^,\s]+)", line).group(1),
                   re.search(r"false_computation=%([^,\s]+)", line).group(1)])
-        out.update(min((count(n) for n in names),
-                       key=lambda c: sum(v for k, v in c.items()
-                                         if isinstance(k, str) and k != "copied_bytes")))
+        out.update(min((count(n) for n in names), key=launch_total))
       elif op == "call":
         out.update(count(re.search(r"to_apply=%([^,\s]+)", line).group(1)))
       elif op is not None and op not in _FREE:
@@ -431,7 +437,8 @@ def main():
     copied = per_step.pop("copied_bytes", 0.0)
     conditionals = per_step.pop("conditionals", 0.0)
     largest = {t: round(b / args.steps / 1e6, 2) for t, b in by_type.most_common(6)}
-    row = {"program": what, "layers": layers, "matmul": matmul, "truncate": args.truncate and what == "ours",
+    row = {"program": what, "layers": layers, "matmul": matmul,
+           "truncate": args.truncate and what == "ours",
            "held_layouts": "compiler" if auto else "default", "lower_s": t1 - t0,
            "compile_s": t2 - t1, "launches_per_step": sum(per_step.values()),
            "copied_MB_per_step": copied / 1e6, "conditionals_per_step": conditionals,

@@ -37,6 +37,7 @@ from flax import nnx
 
 from areal_jax import sharding
 from areal_jax.models import ModelConfig, Transformer
+from areal_jax.sampler import engine as engine_lib
 from areal_jax.sampler import sampling
 from areal_jax.sampler.service import JaxRolloutEngine
 import decode_floor
@@ -106,7 +107,8 @@ def engine_step_ms(model, slots, context, steps, reps, trace_dir=None, hlo_path=
     fn = next(f for key, f in dev._generate_fns.items()  # noqa: SLF001 (a benchmark's look inside)
               if key[:2] == (kv_len, slots))
     with open(hlo_path, "w") as f:
-      device = {k: v for k, v in state.items() if k != "truncates"}  # (engine.TRUNCATES: host)
+      host = getattr(engine_lib, "TRUNCATES", None)  # (the state's host entry; older: none)
+      device = {k: v for k, v in state.items() if k != host}
       f.write(fn.lower(dev.params, device, *pages.values()).compile().as_text())
   impl = {k: getattr(dev, f"{k}_impl", "legacy") for k in ("attention", "matmul", "layers")}
   impl["projections"] = getattr(dev, "projections", "legacy")

@@ -6,7 +6,8 @@
     matmul units much better than one short prompt at a time.
   * ``insert(state, prefix, slots, ...)``: copies one prefix into any number of slots (a GRPO group
     shares one prefill) and sets up those slots' sampling parameters, keys and stop conditions
-    (the state also keeps, on the host, which slots' parameters truncate: ``TRUNCATES``).
+    (the state also keeps, on the host, which slots hold a sequence whose parameters truncate:
+    ``TRUNCATES``).
   * ``generate(params, state, kv_len, width)``: advances slots ``[0, width)`` by ``steps_per_call``
     tokens. The decode state is donated; stop conditions (EOS / stop ids, max new tokens, cache full)
     are checked on device, so several steps can run per host sync.
