@@ -61,7 +61,7 @@ TARGETS = pathlib.Path(__file__).resolve().parent / "aot_targets"
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
          "call", "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency",
          "domain", "async-done", "copy-done", "all-reduce-done", "all-gather-done",
-         "collective-permute-done", "send-done", "recv-done"}
+         "collective-permute-done", "send-done", "recv-done", "fusion-done"}
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
@@ -100,7 +100,7 @@ def _kind(op: str, line: str) -> str:
   if op == "custom-call":
     target = re.search(r'custom_call_target="([^"]+)"', line).group(1)
     return "gemm:cublas" if "cublas" in target else f"custom-call:{target}"
-  if op == "fusion":
+  if op in ("fusion", "fusion-start"):  # (an asynchronous fusion, as JAX 0.11's XLA makes some)
     backend = re.search(r'"kind":"(\w+)"', line)
     if backend and "gemm" in backend.group(1):
       return "gemm:triton"
@@ -164,7 +164,7 @@ def launches(hlo: str, copies: collections.Counter | None = None) -> collections
       return True
     callee = re.search(r"calls=%([^,\s]+)", line)
     # (scalar arithmetic inside is index computation: a dynamic slice's clamped offsets)
-    return (op == "fusion" and callee is not None and callee.group(1) in comps
+    return (op in ("fusion", "fusion-start") and callee is not None and callee.group(1) in comps
             and all(_opcode(x) in _MOVES or _result_bytes(x) <= 8 for x in comps[callee.group(1)]))
 
   def count(name: str) -> collections.Counter:
@@ -317,7 +317,7 @@ def _with_auto_layouts(fn, fargs, compiler_options, platform: str):
                   compiler_options=compiler_options)
   t0 = time.perf_counter()
   with choice.lowering_for(platform):
-    compiled = found.trace(*fargs).lower(lowering_platforms=(platform,)).compile()
+    compiled = choice.lower(found, fargs, platform).compile()
   info = {"compiled": compiled, "compile_s": time.perf_counter() - t0}
   held, state_formats = compiled.input_formats[0][:2]
   info["reusable"] = jax.tree.leaves(compiled.output_formats[0]) == jax.tree.leaves(state_formats)
@@ -424,7 +424,7 @@ def main():
                                                  **extra} or None, _platform(device))
     t0 = time.perf_counter()
     with choice.lowering_for(_platform(device)):  # Pallas kernels are traced here: compiled ones
-      lowered = fn.trace(*fargs).lower(lowering_platforms=(_platform(device),))
+      lowered = choice.lower(fn, fargs, _platform(device), device.device_kind)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()

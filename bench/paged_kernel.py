@@ -196,7 +196,7 @@ def compiled(fn, fargs, target: str, n_layers: int) -> dict:
             for a in fargs]  # shapes only: nothing is allocated
   t0 = time.perf_counter()
   with choice.lowering_for("gpu"):
-    hlo = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).compile().as_text()
+    hlo = choice.lower(fn, shapes, "cuda").compile().as_text()
   counts = aot_decode.launches(hlo)
   kernels = aot_decode.launch_total(counts)
   return {"compile_s": time.perf_counter() - t0, "launches_per_layer": kernels / n_layers,

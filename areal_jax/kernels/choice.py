@@ -119,9 +119,10 @@ place at any bound and each row only up to its own length (the dense read: up to
 above the furthest slot).
 Pallas kernels run compiled on GPU and TPU and in Pallas interpret mode on a CPU backend (tests);
 ``lowering_for(platform)`` traces them compiled for ``platform`` from any backend, for programs
-lowered for another platform (``jit(f).trace(...).lower(lowering_platforms=...)``): on a CPU machine
-that checks that the kernels lower as a GPU or TPU would compile them (Mosaic's and Triton's
-constraints on block shapes are checked there, not in interpret mode).
+lowered for another platform (``lower(jit(f), args, platform)``: ``jit(f).trace(*args).lower(
+lowering_platforms=...)``, telling JAX 0.11's Triton lowering which GPU it compiles for): on a CPU
+machine that checks that the kernels lower as a GPU or TPU would compile them (Mosaic's and
+Triton's constraints on block shapes are checked there, not in interpret mode).
 
 A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` /
 ``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` / ``$AREAL_JAX_DECODE_PROJECTIONS``
@@ -188,6 +189,44 @@ def lowering_for(platform: str):
     yield
   finally:
     _LOWERING_FOR.reset(token)
+
+
+GPU_TARGET_KIND = "NVIDIA H100 80GB HBM3"  # the GPU ``lower`` compiles Pallas kernels for by default
+
+
+def lower(fn, args, platform: str, device_kind: str | None = None):
+  """``fn.trace(*args).lower(lowering_platforms=(platform,))`` (``fn`` jitted; inside
+  ``lowering_for(platform)``) from any backend. JAX's Pallas Triton lowering reads the GPU it
+  compiles a kernel for off the default device: on a machine without a GPU, JAX 0.10 takes
+  compute capability 9.0 (an H100's), JAX 0.11 raises unless an abstract GPU device is in effect.
+  That abstract device must also be the one of every mesh the program's values live on, so a
+  program built over this CPU's devices (an engine's, in tests) could not be lowered with it:
+  here the Triton lowering is told ``device_kind`` (an H100 by default) instead, around the trace
+  and the lowering only. JAX 0.10 needs nothing (it takes 9.0 whatever ``device_kind``)."""
+  import jax  # noqa: PLC0415
+
+  name = "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+  if name != "gpu" or jax.default_backend() == "gpu":
+    return fn.trace(*args).lower(lowering_platforms=(platform,))
+  with _triton_device_kind(device_kind or GPU_TARGET_KIND):
+    return fn.trace(*args).lower(lowering_platforms=(platform,))
+
+
+@contextlib.contextmanager
+def _triton_device_kind(kind: str):
+  try:
+    from jax._src.pallas.triton import gpu_info  # noqa: PLC0415 (JAX >= 0.11)
+  except ImportError:
+    gpu_info = None
+  if gpu_info is None or not hasattr(gpu_info, "get_device_kind"):
+    yield
+    return
+  saved = gpu_info.get_device_kind
+  gpu_info.get_device_kind = lambda: kind
+  try:
+    yield
+  finally:
+    gpu_info.get_device_kind = saved
 
 
 def rope_tables_materialized() -> bool:

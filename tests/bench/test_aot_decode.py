@@ -83,6 +83,17 @@ def test_counts_a_gpu_layer_loop_by_its_trip_count():
   assert copies == {"bf16[1,16,16]{2,1,0}": 4 * 16 * 16 * 2}  # what was copied, by result type
 
 
+def test_an_asynchronous_fusion_counts_once():
+  """JAX 0.11's XLA:GPU makes some fusions asynchronous (a decode call's output writes): a
+  ``fusion-start`` launches the fusion and its ``fusion-done`` only waits for it, so the pair
+  counts as the one fusion it replaces (JAX 0.10's program held that fusion plainly)."""
+  start = ("  %zs = ((f32[8,16]{1,0}), f32[8,16]{1,0}, u32[]) fusion-start(%y), kind=kLoop, "
+           "calls=%act\n  %z = f32[8,16]{1,0} fusion-done(%zs)")
+  plain = "  %z = f32[8,16]{1,0} fusion(%y), kind=kLoop, calls=%act"
+  assert plain in _HLO
+  assert aot_decode.launches(_HLO.replace(plain, start)) == aot_decode.launches(_HLO)
+
+
 def test_a_loop_without_a_known_trip_count_takes_its_conditions_bound():
   """TPU programs carry no ``known_trip_count``: the bound of the loop's ``i < N`` condition
   stands in (layouts annotated as a TPU program's are), and a loop with neither counts once."""

@@ -52,7 +52,7 @@ def _forms(cfg):
 
 def _lowered(platform, fn, args):
   with choice.lowering_for(platform):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return choice.lower(jax.jit(fn), args, platform).as_text()
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -119,8 +119,8 @@ def test_an_engine_decode_program_lowers_with_the_compiled_kernel(platform, page
         decode_projections="fused", kv_pages=24 if paged else 0, page_size=32), mesh=mesh)
     pages = (_spec(4, eng.pages_per_slot, dtype=jnp.int32),) if paged else ()
     generate = eng._make_generate(eng.kv_buckets[-1], 4)  # noqa: SLF001
-    text = generate.trace(eng.params, eng.state_shapes(), *pages).lower(
-        lowering_platforms=(platform,)).as_text()
+    text = choice.lower(generate, (eng.params, eng.state_shapes(), *pages),
+                        platform).as_text()
   assert text.count(KERNEL_CALL[platform]) >= 1
 
 

@@ -90,5 +90,5 @@ def test_the_kernel_lowers_for_a_gpu_at_the_benchmark_shapes(rows, d_in, d_out, 
   args += [spec(d_out)] if bias else []
   fn = jax.jit(lambda *a: pallas_norm_matmul.norm_matmul(*a, eps=EPS, glu=glu))
   with choice.lowering_for("gpu"):
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = choice.lower(fn, args, "cuda").as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1 and "norm_matmul" in text

@@ -206,5 +206,5 @@ def test_the_kernel_lowers_for_a_gpu_at_the_benchmark_shapes(launch, b, k, g, d)
           spec(b, n, dt=i32), spec(b, dt=i32), spec(b, dt=i32), spec(b, dt=i32)]
   rope = (spec(b, d // 2, dt=f32), spec(b, d // 2, dt=f32))
   fn = jax.jit(lambda *a: pallas_paged_step.step(*a[:8], 577, rope=a[8:], **launch))
-  text = fn.trace(*args, *rope).lower(lowering_platforms=("cuda",)).as_text()
+  text = choice.lower(fn, (*args, *rope), "cuda").as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1 and "paged_decode_step" in text
