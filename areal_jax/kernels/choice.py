@@ -202,7 +202,7 @@ def lower(fn, args, platform: str, device_kind: str | None = None):
   That abstract device must also be the one of every mesh the program's values live on, so a
   program built over this CPU's devices (an engine's, in tests) could not be lowered with it:
   here the Triton lowering is told ``device_kind`` (an H100 by default) instead, around the trace
-  and the lowering only. JAX 0.10 needs nothing (it takes 9.0 whatever ``device_kind``)."""
+  and the lowering only (under JAX 0.10, which has no such question, ``device_kind`` is unused)."""
   import jax  # noqa: PLC0415
 
   name = "gpu" if platform in ("cuda", "rocm", "gpu") else platform
