@@ -191,7 +191,7 @@ def lowering_for(platform: str):
     _LOWERING_FOR.reset(token)
 
 
-GPU_TARGET_KIND = "NVIDIA H100 80GB HBM3"  # the GPU ``lower`` compiles Pallas kernels for by default
+GPU_TARGET_KIND = "NVIDIA H100 80GB HBM3"  # the GPU `lower` compiles Pallas kernels for by default
 
 
 def lower(fn, args, platform: str, device_kind: str | None = None):
