@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The sampler's accelerator measurements in one go, most telling first (for a GPU/TPU machine):
 #   OUT=/some/dir bash bench/accelerator_check.sh [legacy_checkout_root]
+# (bench/device_prep.sh prepares, on a machine with pip, the flax wheel and the legacy checkout a
+# lent GPU machine needs, and prints the command to run there)
 # The whole script keeps to $ACC_DEADLINE seconds (default 560: one device call may run 600 s);
 # each step gets its own limit or what is left, whichever is less, and a step with under 30 s left
 # is skipped (its log line says so), so one that hangs or fails leaves the others' results.
