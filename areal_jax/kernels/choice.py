@@ -176,6 +176,11 @@ def platform_of(mesh: Mesh | None) -> str:
     name = mesh.devices.flat[0].platform
   else:
     name = _LOWERING_FOR.get() or jax.default_backend()
+  return _family(name)
+
+
+def _family(name: str) -> str:
+  """A platform's name as the choices here know it: CUDA and ROCm are both ``"gpu"``."""
   return "gpu" if name in ("cuda", "rocm", "gpu") else name
 
 
@@ -205,8 +210,7 @@ def lower(fn, args, platform: str, device_kind: str | None = None):
   and the lowering only (under JAX 0.10, which has no such question, ``device_kind`` is unused)."""
   import jax  # noqa: PLC0415
 
-  name = "gpu" if platform in ("cuda", "rocm", "gpu") else platform
-  if name != "gpu" or jax.default_backend() == "gpu":
+  if _family(platform) != "gpu" or _family(jax.default_backend()) == "gpu":
     return fn.trace(*args).lower(lowering_platforms=(platform,))
   with _triton_device_kind(device_kind or GPU_TARGET_KIND):
     return fn.trace(*args).lower(lowering_platforms=(platform,))
