@@ -114,8 +114,8 @@ class TrainerProcess:
             f"{backoff:.0f} s (it resumes from its newest checkpoint)", file=sys.stderr, flush=True)
       if self._stopping.wait(backoff):
         return
-      self.restarts += 1
       self._spawn()
+      self.restarts += 1  # (after the new process is in place: whoever reads it sees the new pid)
 
   def wait_announced(self, timeout: float) -> dict:
     """Blocks until the current process has published its first version; its status."""
