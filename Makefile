@@ -18,7 +18,13 @@ $(STAMP): requirements.lock pyproject.toml | $(PYBIN)
 	$(PYBIN) -m pip install --no-deps -e .
 	touch $(STAMP)
 
+# ACCEL=cuda12 | cuda13 | tpu: also JAX's plugin for that accelerator at the pinned JAX version
+# (pyproject.toml's extras; everything else stays as locked), e.g. `make install ACCEL=tpu`.
+ACCEL ?=
 install: $(STAMP)
+ifneq ($(ACCEL),)
+	$(PYBIN) -m pip install -q -c requirements.lock -e ".[$(ACCEL)]"
+endif
 
 # The full suite, slow end-to-end tests included, then the vLLM backend's tests under its own venv
 # (what CI runs). TEST_WORKERS pytest-xdist processes share the cores: many tests wait on

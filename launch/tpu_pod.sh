@@ -3,8 +3,9 @@
 #
 #   launch/tpu_pod.sh TPU_NAME ZONE gs://BUCKET/runs/gsm8k configs/gsm8k.py K [--config.x=y ...]
 #
-# Prerequisites: the repository checked out and installed (`make install`) at the same path on
-# every host (e.g. `gcloud compute tpus tpu-vm ssh $TPU --zone=$ZONE --worker=all --command=...`),
+# Prerequisites: the repository checked out and installed with JAX's TPU plugin (`make install
+# ACCEL=tpu`) at the same path on every host (e.g. `gcloud compute tpus tpu-vm ssh $TPU
+# --zone=$ZONE --worker=all --command=...`),
 # and a bucket every host can write (workdir and weights: the workers read each weights version
 # from gs://.../weights). Host 0 runs the driver, i.e. the learner on its own chips: Ray gets no
 # TPU resource there, so the K rollout workers (mesh.sampler_devices chips each) land on the other

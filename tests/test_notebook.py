@@ -42,3 +42,30 @@ def test_quickstart_notebook_executes(monkeypatch):
   assert "merged: [" in text and "'r': 8" in text
   images = [o for o in outputs(nb, "display_data") if "image/png" in o.get("data", {})]
   assert images, "the curves cell displayed no PNG"
+
+
+def test_install_cell_installs_the_clone_as_a_path_with_the_chosen_plugin(tmp_path, monkeypatch):
+  """Where areal_jax is not importable (Colab), the install cell clones the repository and pip
+  installs that directory, with JAX's plugin extra when one is chosen. pip reads an argument
+  without a path separator as a package name to look up in its index, not as the directory."""
+  nbformat = pytest.importorskip("nbformat")
+  interactiveshell = pytest.importorskip("IPython.core.interactiveshell")
+  cell = next(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
+              if c.cell_type == "code" and "%pip install" in c.source)
+  shell = interactiveshell.InteractiveShell.instance()
+  ran = []  # the shell commands and magics, their {expressions} expanded as IPython does
+  monkeypatch.setattr(shell, "system", lambda cmd: ran.append(shell.var_expand(cmd)))
+  monkeypatch.setattr(shell, "run_line_magic",
+                      lambda name, line, *a, **k: ran.append(f"%{name} {shell.var_expand(line)}"))
+  monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+  monkeypatch.chdir(tmp_path)
+  for extra, suffix in (("tpu", "[tpu]"), ("cuda12", "[cuda12]"), ("", "")):
+    ran.clear()
+    source = cell.replace("JAX_EXTRA = None ", f"JAX_EXTRA = {extra!r} ")
+    assert source != cell
+    assert shell.run_cell(source).success
+    clone, install = ran
+    assert clone.startswith("git clone") and clone.endswith(" areal_jax_repo")
+    target = install.split()[-1].strip('"')
+    assert install.startswith("%pip install") and target == f"./areal_jax_repo{suffix}"
+  shell.clear_instance()
