@@ -8,8 +8,14 @@ export PYTHONHASHSEED = 0
 
 .PHONY: install test test-fast demo serve-demo bench clean install-vllm test-vllm
 
+# The lock and jax 0.10.2 need Python 3.11 or 3.12 (Ubuntu 22.04, e.g. a TPU VM, ships 3.10).
+PY_CHECK = import sys; v = sys.version_info[:2]; sys.exit(None if (3, 11) <= v <= (3, 12) else \
+  f"error: $(VENV) got Python {v[0]}.{v[1]} ({sys.executable}); areal_jax needs 3.11 or 3.12: " \
+  "install python3.11, or name one: make install PY=python3.12")
+
 $(PYBIN):
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	@$(PYBIN) -c '$(PY_CHECK)' || { rm -rf $(VENV); exit 1; }
 
 $(STAMP): requirements.lock pyproject.toml | $(PYBIN)
 	$(PYBIN) -m pip install --upgrade pip
