@@ -103,7 +103,9 @@ layers unrolled (the C++ matmul kernel's packed weights are per layer; on XLA's 
 step measured no faster on CPU); on GPU a paged KV cache where the service keeps page tables
 (``kv_pages`` -1, the default of ``rollout.kv_pages`` and of the rollout service: ``kv_pages``)
 read in place by ``"pallas_gpu"``, ``"dense"`` over a cache of rows, ``"blas"`` matmuls and the
-layers unrolled; on TPU ``"dense"``, ``"xla"`` matmuls and the layers unrolled.
+layers unrolled (on GPUs older than Ampere, a T4 or a V100, which cannot run Pallas's Triton
+kernels, ``triton_unusable``: rows and ``"dense"``); on TPU ``"dense"``, ``"xla"`` matmuls and the
+layers unrolled.
 Measured on one H100 (``bench/results/h100-2026-11-27-s27``, 16 steps a call, the layers
 unrolled, ``"blas"``): the Pallas kernel over pages 3.99 ms a step at the Qwen2.5-1.5B shape
 (128 slots, context 512; the dense read over rows 4.97 ms, the floor loop 4.88 ms) and 1.38 ms
@@ -184,6 +186,34 @@ def _family(name: str) -> str:
   return "gpu" if name in ("cuda", "rocm", "gpu") else name
 
 
+TRITON_MIN_CAPABILITY = (8, 0)  # the NVIDIA GPUs XLA compiles Pallas's Triton kernels for
+
+
+def triton_unusable(devices) -> str | None:
+  """Why Pallas's GPU kernels (Triton: ``pallas_gpu``, ``pallas_paged_step``,
+  ``pallas_norm_matmul``) cannot run on ``devices``, or None where they can. XLA compiles Triton
+  kernels for NVIDIA GPUs of compute capability 8.0 (Ampere) and newer only: on a T4 (7.5, Colab's
+  free GPU) or a V100 (7.0) the first call of a program holding one fails ("Triton support is only
+  enabled for Ampere GPUs", jax-ml/jax#26799). There the decode step runs without them: its cache
+  as rows read by the dense attention (``kv_pages``, ``attention``). CPU devices (interpret mode)
+  and ROCm's (whose capability is not a number) are not held back."""
+  old = sorted({f"{getattr(d, 'device_kind', 'GPU')} (compute capability {cap[0]}.{cap[1]})"
+                for d in devices if _family(getattr(d, "platform", "")) == "gpu"
+                and (cap := _capability(d)) is not None and cap < TRITON_MIN_CAPABILITY})
+  if not old:
+    return None
+  return (f"Pallas's GPU kernels (Triton) need an NVIDIA GPU of compute capability "
+          f"{TRITON_MIN_CAPABILITY[0]}.{TRITON_MIN_CAPABILITY[1]} or newer; these devices are "
+          f"{', '.join(old)}")
+
+
+def _capability(device) -> tuple[int, int] | None:
+  """A CUDA device's compute capability as ``(major, minor)``, or None (no such attribute, or not
+  a number: ROCm's ``gfx90a``)."""
+  major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
+  return (int(major), int(minor or 0)) if major.isdigit() and (minor or "0").isdigit() else None
+
+
 @contextlib.contextmanager
 def lowering_for(platform: str):
   """Inside it, Pallas kernels are traced compiled for ``platform`` (``"gpu"``/``"cuda"`` or
@@ -255,20 +285,24 @@ def _requested(requested: str, env: str, valid: tuple[str, ...], what: str) -> s
   return value
 
 
-def attention(platform: str, requested: str = "auto", paged: bool = False) -> str:
+def attention(platform: str, requested: str = "auto", paged: bool = False,
+              no_triton: str | None = None) -> str:
   """The decode attention to run on ``platform`` (see the module docstring; ``paged``: over a
   paged KV cache whose pages the Pallas GPU kernel can read, a multiple of ``PALLAS_GPU_PAGE``
-  positions)."""
+  positions; ``no_triton``: ``triton_unusable``'s reason, where the devices cannot run the Pallas
+  GPU kernel)."""
   value = _requested(requested, ATTENTION_ENV, ATTENTION, "decode_attention")
   if value == "auto":
     if platform == "cpu":
       return "cpu" if not cpu_attention.is_disabled() and cpu_attention.available() else "xla"
-    if platform == "gpu" and paged:
+    if platform == "gpu" and paged and not no_triton:
       return "pallas_gpu"
     return "dense" if platform in ("gpu", "tpu") else "xla"
   if value not in _PLATFORMS.get(platform, ("xla", "dense")):
     raise ValueError(f"decode attention {value!r} cannot run on {platform!r} devices "
                      f"(valid there: {_PLATFORMS.get(platform, ('xla', 'dense'))})")
+  if value == "pallas_gpu" and no_triton:
+    raise ValueError(f"decode attention 'pallas_gpu' cannot run here: {no_triton} (use 'dense')")
   return value
 
 
@@ -279,7 +313,7 @@ def pallas_gpu_reads(page_size: int) -> bool:
 
 
 def kv_pages(platform: str, requested: int, attention_requested: str, slots_split: bool,
-             num_slots: int, max_len: int, page_size: int) -> int:
+             num_slots: int, max_len: int, page_size: int, no_triton: str | None = None) -> int:
   """Pages in an engine's paged KV cache pool (0: no paging, a cache row of ``max_len`` per slot):
   ``requested`` when it is >= 0; for -1 (``"auto"``) a pool of ``num_slots`` x (``max_len`` /
   ``page_size`` rounded up, + 1) pages where the platform reads a paged cache fastest, else 0.
@@ -294,7 +328,8 @@ def kv_pages(platform: str, requested: int, attention_requested: str, slots_spli
   The pool is a row's memory per slot and a page more: with that page a slot never waits for
   pages (``sampler.paging``'s page of headroom per live sample, at most a row's pages each), so
   the service admits whenever a cache of rows would and never preempts; it also gives a group's
-  samples their prompt's pages once. CPU and TPU keep rows (paging there: not measured faster).
+  samples their prompt's pages once. CPU and TPU keep rows (paging there: not measured faster),
+  and so do GPUs that cannot run the kernel (``no_triton``: ``triton_unusable``'s reason).
   ``$AREAL_JAX_PAGED_CACHE`` (``1``/``0``) forces the ``"auto"`` choice either way where the
   slots are not split (tests run the GPU's choice on CPU)."""
   if requested >= 0:
@@ -304,7 +339,8 @@ def kv_pages(platform: str, requested: int, attention_requested: str, slots_spli
     raise ValueError(f"${PAGED_ENV}={forced!r}: expected 0 or 1")
   attention_value = _requested(attention_requested, ATTENTION_ENV, ATTENTION, "decode_attention")
   wanted = (forced == "1" if forced else platform == "gpu"
-            and attention_value in ("auto", "pallas_gpu") and pallas_gpu_reads(page_size))
+            and attention_value in ("auto", "pallas_gpu") and pallas_gpu_reads(page_size)
+            and not no_triton)
   if not wanted or slots_split:
     return 0
   return num_slots * (-(-max_len // page_size) + 1)
@@ -546,8 +582,8 @@ def query_rows(cache_dtype) -> int:
   return 8 if _MATMULS.get() == "blas" and jnp.dtype(cache_dtype).itemsize == 2 else 1
 
 
-def norm_matmuls(platform: str, one_device: bool, spec: str | None = None
-                 ) -> pallas_norm_matmul.NormTuning | None:
+def norm_matmuls(platform: str, one_device: bool, spec: str | None = None,
+                 no_triton: str | None = None) -> pallas_norm_matmul.NormTuning | None:
   """How a decode program runs each RMSNorm with the matmul after it (``pallas_norm_matmul``: the
   norm and the q/k/v projection as one Pallas GPU kernel, the norm, the gate/up projection and
   SwiGLU as another; 3 kernels a layer fewer), or None: as written (a norm kernel, a GEMM, a
@@ -555,10 +591,13 @@ def norm_matmuls(platform: str, one_device: bool, spec: str | None = None
   yet. ``$AREAL_JAX_DECODE_NORM_MATMUL`` (``spec``: the same syntax instead): ``1``, or the
   launch's fields (``block_n=32,warps=8,stages=3``); ``0`` or unset: off. Taken on a GPU, and on
   a CPU in Pallas interpret mode (tests), by an engine over one device (the kernel is not split
-  over a mesh); read when an engine is built."""
+  over a mesh); read when an engine is built. Asked on GPUs that cannot run it (``no_triton``:
+  ``triton_unusable``'s reason), it raises ValueError."""
   spec = os.environ.get(NORM_MATMUL_ENV, "") if spec is None else spec
   if spec.strip() in ("", "0") or not one_device or platform not in ("gpu", "cpu"):
     return None
+  if no_triton:
+    raise ValueError(f"${NORM_MATMUL_ENV}={spec!r} cannot run here: {no_triton} (unset it)")
   return _launch(pallas_norm_matmul.NormTuning, spec, f"${NORM_MATMUL_ENV}", on=True)
 
 

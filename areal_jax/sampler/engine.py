@@ -177,15 +177,17 @@ class DecodeEngine:
     self.mesh = mesh or sharding.make_mesh({}, jax.devices()[:1])
     # the kernels (and steps per call) for this mesh's platform: ``kernels.choice``
     self.platform = platform = choice.platform_of(self.mesh)
+    # GPUs older than Ampere cannot run Pallas's Triton kernels: why, or None
+    no_triton = choice.triton_unusable(self.mesh.devices.flat)
     # slots split over devices: sharding.spec names the axes (None: not split)
     slots_split = sharding.spec(("cache_batch",), (config.num_slots,), self.mesh)[0] is not None
     # the paged cache's pool (kv_pages -1: the platform's choice, a pool that follows the slots)
     kv_pages = choice.kv_pages(platform, config.kv_pages, config.decode_attention, slots_split,
-                               config.num_slots, config.max_len, config.page_size)
+                               config.num_slots, config.max_len, config.page_size, no_triton)
     self.pool_follows_slots = config.kv_pages < 0 < kv_pages
     self.attention_impl = choice.attention(  # the Pallas GPU kernel where it reads the pages
         platform, config.decode_attention,
-        paged=kv_pages > 0 and choice.pallas_gpu_reads(config.page_size))
+        paged=kv_pages > 0 and choice.pallas_gpu_reads(config.page_size), no_triton=no_triton)
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers,
                                      paged=kv_pages > 0, attention_impl=self.attention_impl)
@@ -194,7 +196,7 @@ class DecodeEngine:
     # each RMSNorm with the matmul after it, in the decode programs (``choice.norm_matmuls``), and
     # the Pallas GPU kernel's launch they trace with (``choice.pallas_gpu_tuning``): both resolved
     # here, once
-    self.norm_tuning = choice.norm_matmuls(platform, self.mesh.size == 1)
+    self.norm_tuning = choice.norm_matmuls(platform, self.mesh.size == 1, no_triton=no_triton)
     self.paged_tuning = choice.pallas_gpu_tuning()
     # whether a generate call's program is picked by whether its slots truncate (top-k / top-p),
     # known on the host, rather than deciding it in every step (``choice.truncation_on_host``)

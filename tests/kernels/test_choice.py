@@ -192,3 +192,33 @@ def test_the_gpu_engine_decides_truncation_on_the_host(monkeypatch):
   monkeypatch.setenv(choice.TRUNCATION_ENV, "yes")
   with pytest.raises(ValueError, match="AREAL_JAX_TRUNCATION_ON_HOST='yes'"):
     choice.truncation_on_host("gpu")
+
+
+def test_gpus_older_than_ampere_decode_without_pallas_gpu_kernels(monkeypatch):
+  """XLA compiles Pallas's Triton kernels for compute capability 8.0 and newer only: on a T4 or a
+  V100 the GPU's choices fall back to the dense read over rows, and asking for a Pallas GPU
+  kernel there says why instead of failing at the first call."""
+  def gpu(kind, cap):
+    return type("Device", (), {"platform": "gpu", "device_kind": kind, "compute_capability": cap})()
+  h100, a100, t4, v100 = (gpu("NVIDIA H100 80GB HBM3", "9.0"), gpu("NVIDIA A100", "8.0"),
+                          gpu("Tesla T4", "7.5"), gpu("Tesla V100-SXM2-16GB", "7.0"))
+  mi250 = gpu("AMD Instinct MI250X", "gfx90a")  # ROCm: not a number, not held back
+  assert choice.triton_unusable([h100, a100]) is None and choice.triton_unusable([mi250]) is None
+  assert choice.triton_unusable(jax.devices()) is None  # CPU devices: interpret mode
+  why = choice.triton_unusable([h100, t4, t4])
+  assert "Tesla T4 (compute capability 7.5)" in why and "H100" not in why and "8.0" in why
+  assert "V100-SXM2-16GB (compute capability 7.0)" in choice.triton_unusable([v100])
+
+  monkeypatch.delenv(choice.ATTENTION_ENV, raising=False)
+  monkeypatch.delenv(choice.PAGED_ENV, raising=False)
+  kw = dict(num_slots=8, max_len=100, page_size=64)
+  assert choice.kv_pages("gpu", -1, "auto", False, **kw) == 24  # an Ampere or newer GPU: pages
+  assert choice.kv_pages("gpu", -1, "auto", False, **kw, no_triton=why) == 0  # rows
+  assert choice.kv_pages("gpu", 40, "auto", False, **kw, no_triton=why) == 40  # as configured
+  assert choice.attention("gpu", paged=True, no_triton=why) == "dense"
+  assert choice.attention("gpu", "dense", no_triton=why) == "dense"
+  with pytest.raises(ValueError, match=r"'pallas_gpu' cannot run here: .*Tesla T4 .*'dense'"):
+    choice.attention("gpu", "pallas_gpu", paged=True, no_triton=why)
+  assert choice.norm_matmuls("gpu", True, spec="", no_triton=why) is None
+  with pytest.raises(ValueError, match=r"AREAL_JAX_DECODE_NORM_MATMUL='1' cannot run here: .*T4"):
+    choice.norm_matmuls("gpu", True, spec="1", no_triton=why)

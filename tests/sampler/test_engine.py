@@ -861,3 +861,16 @@ def test_an_inactive_slot_draws_greedily_so_its_top_p_never_makes_the_step_sort(
     assert not a[2][:, 3].any() and (a[0][:, 3] == argmax).all()
     for x, y in zip(a, b):
       np.testing.assert_array_equal(x[:, :2], y[:, :2])
+
+
+def test_an_engine_asks_whether_its_devices_run_pallas_gpu_kernels(model, monkeypatch):
+  """The engine takes ``choice.triton_unusable`` of its mesh's devices into its kernel choices: told
+  its devices are too old for Triton, a requested Pallas GPU kernel stops the build with the
+  reason (on this CPU the kernel would otherwise run in interpret mode)."""
+  from areal_jax.kernels import choice
+  seen = []
+  monkeypatch.setattr(choice, "triton_unusable",
+                      lambda devices: seen.append(list(devices)) or "a Tesla T4 (7.5)")
+  with pytest.raises(ValueError, match=r"'pallas_gpu' cannot run here: a Tesla T4"):
+    DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, decode_attention="pallas_gpu"))
+  assert seen == [list(jax.devices()[:1])]
