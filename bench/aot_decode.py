@@ -219,24 +219,32 @@ def cas_kernels(dump_dir: str) -> list[str]:
 def target_device(target: str):
   """A compile-only device of ``target``: one chip of a TPU topology (``v5e:2x2``) or the GPU
   a file under ``bench/aot_targets`` describes (``h100``, ``t4``)."""
+  return target_devices(target)[0]
+
+
+def target_devices(target: str, count: int = 1) -> list:
+  """Compile-only devices of ``target``: every chip of a TPU topology (``v5e:2x4``: 8), or
+  ``count`` of the GPU a file under ``bench/aot_targets`` describes, as on one host. A program
+  over them compiles with the target's compiler (libtpu's, or XLA's GPU compiler and ptxas from
+  JAX's CUDA plugin) on a machine without one; nothing runs."""
   from jax.experimental import topologies
   if ":" in target:
     try:
-      return topologies.get_topology_desc(target, "tpu").devices[0]
+      return list(topologies.get_topology_desc(target, "tpu").devices)
     except Exception as e:  # noqa: BLE001 (libtpu's errors have no common type)
       raise SystemExit(f"compiling for TPU {target!r} needs libtpu, jax[tpu]=={jax.__version__} "
-                       f"(see this script's docstring): {type(e).__name__}: {e}") from e
+                       f"(see bench/aot_decode.py's docstring): {type(e).__name__}: {e}") from e
   paths = sorted(TARGETS.glob(f"{target}*.txtpb"))
   if not paths:
     raise SystemExit(f"no GPU target {target!r} in {TARGETS} (have: "
                      f"{sorted(p.stem for p in TARGETS.glob('*.txtpb'))})")
   try:
     topo = topologies.get_topology_desc("aot", "cuda", target_config=paths[0].read_text(),
-                                        topology="1x1x1")
+                                        topology=f"1x1x{count}")
   except (NotImplementedError, KeyError, RuntimeError) as e:
     raise SystemExit(f"compiling for a GPU needs JAX's CUDA plugin, jax[cuda12]=={jax.__version__} "
-                     f"(see this script's docstring): {type(e).__name__}: {e}") from e
-  return topo.devices[0]
+                     f"(see bench/aot_decode.py's docstring): {type(e).__name__}: {e}") from e
+  return list(topo.devices)
 
 
 def _platform(device) -> str:

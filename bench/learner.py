@@ -2,6 +2,7 @@
 
   python bench/learner.py [--quick] [--only ROWS] [--json PATH]
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan [--json PATH]
+  python bench/learner.py --plan --target v5e:2x4 [--only default,qwen3_lora]  # compiled for a TPU
   python bench/learner.py --depth [--json PATH]
 
 Workload: GRPO batches with GSM8K-like lengths (prompt 60..200 tokens, completion log-normal with
@@ -46,8 +47,14 @@ padding efficiency also counts the padding rows that round micro-batches up to a
 ``--depth`` compiles the train forward and backward (``remat="full"``, 2 rows of 768) of SmolLM2
 shapes at 2, 8 and 30 layers, unrolled and under the scan, and prints the compile seconds.
 ``--plan`` times nothing: it prints the memory plan of the shipped recipes (configs/gsm8k.py, the
-default on 4 FSDP devices of 16 GiB and ``:qwen7b`` on 8 of 80 GiB) for Qwen2.5-1.5B and -7B
-shapes, compiled on abstract shapes for fake CPU devices.
+default on 4 FSDP devices of 16 GiB, ``:qwen7b`` on 8 of 80 GiB, ``:qwen3_lora`` on one of 16 GiB)
+for Qwen2.5-1.5B and -7B and Qwen3-1.7B shapes, compiled on abstract shapes for fake CPU devices;
+with ``--target`` for the accelerator's own compiler on a machine without one (in a venv with
+``jax[tpu]`` or ``jax[cuda12]``, as bench/aot_decode.py):
+  python bench/learner.py --plan --target v5e:2x4                  # a TPU v5e-8's chips
+  python bench/learner.py --plan --only qwen7b --target h100 --devices 8
+XLA:CPU keeps float32 copies of bfloat16 matmul weights that a TPU or GPU multiplies as they are,
+so its figures run higher than the target's; run on an accelerator, the plan compiles for it.
 Runs on one device (all cores); set XLA_FLAGS as you like, only ``jax.devices()[0]`` is used.
 """
 
@@ -208,14 +215,22 @@ def publish_figures(learner: Learner, reps: int = 3) -> dict:
               orbax_mib=disk / 2**20)
 
 
-def plan_recipes() -> list[dict]:
-  """The memory plan of each shipped recipe on its learner mesh (abstract shapes)."""
+def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = ()) -> list[dict]:
+  """The memory plan of each shipped recipe (``only``: those presets) on its learner mesh
+  (abstract shapes), over this process's devices, or compiled for ``target``'s devices
+  (``aot_decode.target_devices``: a TPU topology, or ``count`` GPUs of a target file)."""
   import pathlib
   from areal_jax.runtime import meshes
+  devices = None
+  if target:
+    import aot_decode  # noqa: PLC0415 (its compile-only devices)
+    devices = aot_decode.target_devices(target, count)
   rows = []
   for name, preset, cfg, gib in RECIPES:
+    if only and preset not in only:
+      continue
     c = config_lib.load(f"{pathlib.Path(__file__).parents[1] / 'configs/gsm8k.py'}:{preset}")
-    mesh = meshes.build(c.mesh)[0]
+    mesh = meshes.build(c.mesh, devices)[0]
     gib = gib or c.mesh.device_memory_gib
     learner = Learner.abstract(cfg, c.actor, mesh, max_seq_len=c.rollout.max_prompt_len +
                                c.rollout.max_new_tokens)
@@ -226,6 +241,8 @@ def plan_recipes() -> list[dict]:
       print(f"{preset}: {e}")
       p, fits = memory.plan(learner, None), False
     rows.append(dict(recipe=f"configs/gsm8k.py:{preset}", model=name, devices=dict(mesh.shape),
+                     target=target or "this process's devices",
+                     device_kind=mesh.devices.flat[0].device_kind,
                      device_gib=gib, memory_fraction=c.mesh.memory_fraction,
                      micro_batch_tokens=p.micro_batch_tokens, row_len=p.row_len,
                      micro_rows=p.micro_rows, remat=c.actor.remat,
@@ -272,10 +289,18 @@ def main():
   ap.add_argument("--json", default=None, help="write results to this path")
   ap.add_argument("--plan", action="store_true", help="only the recipes' memory plans")
   ap.add_argument("--depth", action="store_true", help="only compile time by depth")
-  ap.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
+  ap.add_argument("--only", default="", help="comma-separated row names to run (default: all); "
+                  "with --plan, recipe presets (default, qwen7b, qwen3_lora)")
+  ap.add_argument("--target", default="", help="--plan compiled for this TPU topology (v5e:2x4) "
+                  "or GPU under bench/aot_targets (h100), on a machine without one")
+  ap.add_argument("--devices", type=int, default=8, help="GPUs of a --target GPU (one host)")
   args = ap.parse_args()
+  if args.target:  # the target's compiler only: this machine's CPU stays JAX's backend
+    jax.config.update("jax_platforms", "cpu")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # (the CUDA plugin's driver check)
   if args.plan or args.depth:
-    rows = plan_recipes() if args.plan else compile_depth()
+    only = tuple(filter(None, args.only.split(",")))
+    rows = plan_recipes(args.target, args.devices, only) if args.plan else compile_depth()
     if args.json:
       with open(args.json, "w") as f:
         json.dump(dict(machine=machine(), load_avg=os.getloadavg()[0],

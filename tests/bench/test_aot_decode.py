@@ -192,3 +192,16 @@ def test_cas_kernels_names_the_kernels_that_update_memory_by_compare_and_swap(tm
       ".entry input_reduce_fusion(\n)\n{\n\tatom.global.add.f32 \t%f1, [%rd1], %f2;\n}\n")
   (tmp_path / "module_0001.jit_fn.ir-with-opt.ll").write_text("cmpxchg")  # not PTX
   assert aot_decode.cas_kernels(str(tmp_path)) == ["input_scatter_fusion_3"]
+
+
+def test_target_devices_name_what_is_missing():
+  """A GPU target with no file under bench/aot_targets, and a TPU topology without libtpu (CI has
+  neither the CUDA plugin nor libtpu), stop with a message that names what to install or use."""
+  import pytest
+  with pytest.raises(SystemExit, match=r"no GPU target 'a100' .*'h100_sxm', 't4'"):
+    aot_decode.target_devices("a100", 8)
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    with pytest.raises(SystemExit, match=r"compiling for TPU 'v5e:2x4' needs libtpu, jax\[tpu\]"):
+      aot_decode.target_devices("v5e:2x4")
