@@ -218,7 +218,7 @@ def cas_kernels(dump_dir: str) -> list[str]:
 
 def target_device(target: str):
   """A compile-only device of ``target``: one chip of a TPU topology (``v5e:2x2``) or the GPU
-  a file under ``bench/aot_targets`` describes (``h100``, ``t4``)."""
+  a file under ``bench/aot_targets`` describes (``h100``, ``a100``, ``b200``, ``t4``)."""
   return target_devices(target)[0]
 
 
@@ -367,7 +367,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-1.5b")
   ap.add_argument("--target", default="h100",
-                  help="a GPU under bench/aot_targets (h100, t4) or a TPU topology (v5e:2x2)")
+                  help="a GPU under bench/aot_targets (h100, a100, b200, t4) or a TPU topology (v5e:2x2)")
   ap.add_argument("--programs", default="ours,floor")
   ap.add_argument("--matmul", default=None,
                   help="GEMM choices (choice.MATMUL's xla, blas; default: xla,blas on a GPU, xla)")
