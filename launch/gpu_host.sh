@@ -22,7 +22,8 @@ G=$(nvidia-smi --list-gpus | wc -l)
 "$PY" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null || {
   echo "error: JAX in $PY sees no GPU ($G attached): install its CUDA plugin, make install ACCEL=cuda12" >&2
   exit 1; }
-RAY=$(dirname "$PY")/ray
+RAY=$(dirname "$(command -v "$PY")")/ray  # the ray beside that Python, else the one on PATH
+[ -x "$RAY" ] || RAY=ray
 PER=$(( (G - L) / K ))
 (( PER >= 1 )) || { echo "error: $G GPUs leave none for $K rollout workers after $L for the learner" >&2; exit 1; }
 LEARNER_GPUS=$(seq -s, 0 $((L - 1)))
