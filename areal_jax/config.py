@@ -35,9 +35,10 @@ def base_config() -> ConfigDict:
   c.mesh.sampler_devices = 4
   c.mesh.learner = ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: all remaining devices
   c.mesh.sampler = ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-  # The learner's memory plan (areal_jax/learner/memory.py) checks its train step against
-  # memory_fraction x device_memory_gib per device before the first step; 0: the memory the
-  # device reports (accelerators), no check where it reports none (CPU).
+  # The memory plans (areal_jax/learner/memory.py, areal_jax/sampler/memory.py) check the train
+  # step and the sampler against memory_fraction x device_memory_gib per device before the first
+  # step (colocated: one budget for both, the sampler's slots planned first); 0: the memory the
+  # device reports (accelerators; never more than that), no check where it reports none (CPU).
   c.mesh.device_memory_gib = 0.0
   c.mesh.memory_fraction = 0.9
 

@@ -261,34 +261,50 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
   ``extra_options``."""
   from areal_jax.kernels import choice
   matmul_options = {**(choice.compiler_options(matmul) or {}), **(extra_options or {})} or None
-  abstract = lambda tree: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(
-          device)), tree)
+  on = lambda tree: abstract(tree, device)  # noqa: E731
   if what == "floor":
     import decode_floor
     run, state = decode_floor.make(cfg, slots, ctx + 16 * steps, jnp.bfloat16, steps, fused=True,
                                    compiler_options=matmul_options)
-    return run.func, (abstract(run.args[0]), abstract(state))
+    return run.func, (on(run.args[0]), on(state))
   from flax import nnx
 
   from areal_jax.models import Transformer
-  from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+  from areal_jax.sampler.engine import EngineConfig
   max_len = ctx + 16 * steps
   paged = dict(kv_pages=slots * -(-max_len // page_size), page_size=page_size) if page_size else {}
+  eng = target_engine(device, model or Transformer(cfg, nnx.Rngs(0)), EngineConfig(
+      num_slots=slots, max_len=max_len, prefill_buckets=(16,),
+      kv_buckets=(ctx + 4 * steps + 1,), steps_per_call=steps, decode_attention=attention,
+      decode_layers=layers, decode_matmul="xla", decode_projections="fused", **paged))
+  # the program's GEMMs as the options compile them (what its trace pads for: choice.query_rows)
+  eng.matmul_impl = matmul
+  with choice.lowering_for(_platform(device)):
+    fn = eng._make_generate(eng.kv_buckets[-1], slots,  # noqa: SLF001
+                            truncate=truncate).__wrapped__
+    args = (on(eng.params), on(eng.state_shapes()))
+    if page_size:  # the slots' page tables
+      args += (on(jax.ShapeDtypeStruct((slots, eng.pages_per_slot), jnp.int32)),)
+    return jax.jit(fn, donate_argnums=1, compiler_options=matmul_options), args
+
+
+def target_engine(device, model, engine_config):
+  """Our ``DecodeEngine`` of ``model`` built on this CPU as it builds itself for ``device``'s
+  platform (its choices of layouts, forms and kernels: choice.heads_major_per_layer, scatter
+  writes, vocabulary-major logits, a paged cache on a GPU), its Pallas kernels traced compiled for
+  it, with its programs' mesh ``device``'s. Its jitted programs pin this CPU's shardings: lower
+  fresh jits of their ``__wrapped__`` functions on arguments placed on ``device`` (``abstract``),
+  inside ``choice.lowering_for``."""
+  from areal_jax.kernels import choice
+  from areal_jax.sampler.engine import DecodeEngine
   platform = "tpu" if _platform(device) == "tpu" else "gpu"
   on_cpu = choice.platform_of
-  # the engine lives on this CPU, built as for the target (its choices of layouts and forms:
-  # choice.heads_major_per_layer, scatter writes, vocabulary-major logits), its Pallas kernels
-  # traced compiled for it; its programs' mesh is the target's, their shardings unpinned
   choice.platform_of = lambda mesh=None: platform
   held_env = os.environ.get(choice.HELD_LAYOUTS_ENV)
   os.environ[choice.HELD_LAYOUTS_ENV] = "default"  # (the compiler's: _with_auto_layouts)
   try:
     with choice.lowering_for(_platform(device)):
-      eng = DecodeEngine(model or Transformer(cfg, nnx.Rngs(0)), EngineConfig(
-          num_slots=slots, max_len=max_len, prefill_buckets=(16,),
-          kv_buckets=(ctx + 4 * steps + 1,), steps_per_call=steps, decode_attention=attention,
-          decode_layers=layers, decode_matmul="xla", decode_projections="fused", **paged))
+      eng = DecodeEngine(model, engine_config)
   finally:
     choice.platform_of = on_cpu
     os.environ.pop(choice.HELD_LAYOUTS_ENV)
@@ -296,15 +312,47 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
       os.environ[choice.HELD_LAYOUTS_ENV] = held_env
   eng.mesh = jax.sharding.Mesh(np.array([device]).reshape(eng.mesh.devices.shape),
                                eng.mesh.axis_names)
-  # the program's GEMMs as the options compile them (what its trace pads for: choice.query_rows)
-  eng.matmul_impl = matmul
-  with choice.lowering_for(_platform(device)):
-    fn = eng._make_generate(eng.kv_buckets[-1], slots,  # noqa: SLF001
-                            truncate=truncate).__wrapped__
-    args = (abstract(eng.params), abstract(eng.state_shapes()))
-    if page_size:  # the slots' page tables
-      args += (abstract(jax.ShapeDtypeStruct((slots, eng.pages_per_slot), jnp.int32)),)
-    return jax.jit(fn, donate_argnums=1, compiler_options=matmul_options), args
+  return eng
+
+
+def abstract(tree, device):
+  """``tree``'s arrays as shapes placed on ``device``."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
+
+
+def sampler_plan(device, model, engine_config, **budget):
+  """The sampler's memory plan (``sampler.memory.plan``: its weights, decode state, and the two
+  largest programs' temporaries) with both programs compiled for ``device`` (a TPU chip or a GPU
+  of ``target_devices``) by its own compiler, for an engine of one device (``target_engine``).
+  ``budget``: ``SamplerPlan``'s ``budget_bytes`` / ``resident_budget``."""
+  from areal_jax import sharding
+  from areal_jax.kernels import choice
+  from areal_jax.sampler import memory
+  eng = target_engine(device, model, engine_config)
+  c, platform = eng.config, _platform(device)
+
+  def compiled(fn, *args):
+    with choice.lowering_for(platform):
+      return choice.lower(fn, args, platform, device.device_kind).compile().memory_analysis()
+
+  params, state = abstract(eng.params, device), abstract(eng.state_shapes(), device)
+  pages = (abstract(jax.ShapeDtypeStruct((c.num_slots, eng.pages_per_slot), jnp.int32), device),
+           ) if eng.paged else ()
+  rows, bucket = eng.prefill_rows(c.max_prefill_batch), eng.prefill_buckets[-1]
+  tokens = abstract(jax.ShapeDtypeStruct((rows, bucket), jnp.int32), device)
+  with choice.lowering_for(platform):  # (as sampler.memory.plan: the widest decode call)
+    generate = eng._make_generate(eng.kv_buckets[-1], c.num_slots).__wrapped__  # noqa: SLF001
+    prefill = eng._make_prefill(bucket, rows).__wrapped__  # noqa: SLF001
+  gen = compiled(jax.jit(generate, donate_argnums=1, compiler_options=eng.compiler_options),
+                 params, state, *pages)
+  pre = compiled(jax.jit(prefill, compiler_options=eng.compiler_options), params, tokens)
+  return memory.SamplerPlan(
+      weights=sharding.device_bytes(eng.params), lora_base=0,
+      state=sharding.device_bytes(eng.state_shapes()), generate_temp=gen.temp_size_in_bytes,
+      prefill=pre.temp_size_in_bytes + pre.output_size_in_bytes, num_slots=c.num_slots,
+      kv_pages=c.kv_pages, pool_follows_slots=eng.pool_follows_slots,
+      **{"budget_bytes": None, **budget})
 
 
 def _with_auto_layouts(fn, fargs, compiler_options, platform: str):

@@ -47,8 +47,13 @@ padding efficiency also counts the padding rows that round micro-batches up to a
 ``--depth`` compiles the train forward and backward (``remat="full"``, 2 rows of 768) of SmolLM2
 shapes at 2, 8 and 30 layers, unrolled and under the scan, and prints the compile seconds.
 ``--plan`` times nothing: it prints the memory plan of the shipped recipes (configs/gsm8k.py, the
-default on 4 FSDP devices of 16 GiB, ``:qwen7b`` on 8 of 80 GiB, ``:qwen3_lora`` on one of 16 GiB)
-for Qwen2.5-1.5B and -7B and Qwen3-1.7B shapes, compiled on abstract shapes for fake CPU devices;
+default on 4 FSDP devices of 16 GiB, ``:qwen7b`` on 8 80 GB GPUs, which report 60 GiB under JAX's
+allocator, ``:qwen3_lora`` on one of 16 GiB) for Qwen2.5-1.5B and -7B and Qwen3-1.7B shapes,
+compiled on abstract shapes for fake CPU devices. A colocated recipe's learner is planned beside
+what its sampler keeps (``sampler_resident``: weights and KV cache, from shapes), as a run plans
+it; with ``--target`` and a model under 3B parameters the sampler's own plan is compiled for the
+target too (``aot_decode.sampler_plan``: its decode and prefill programs, random weights built on
+this CPU) and checked beside the learner;
 with ``--target`` for the accelerator's own compiler on a machine without one (in a venv with
 ``jax[tpu]`` or ``jax[cuda12]``, as bench/aot_decode.py):
   python bench/learner.py --plan --target v5e:2x4                  # a TPU v5e-8's chips
@@ -82,7 +87,9 @@ from areal_jax.rollout_api import Sample
 from areal_jax.runtime import weight_transfer
 from common import QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine
 
-RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, None),
+# (name, preset, shape, GiB per device the recipe is written for; 80 GB GPUs report 60: JAX's
+# allocator takes 75% of a GPU by default, XLA_PYTHON_CLIENT_MEM_FRACTION)
+RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, 60.0),
            ("qwen3-1.7b", "qwen3_lora", QWEN3_1P7B, 16.0))
 
 def gsm8k_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -215,10 +222,53 @@ def publish_figures(learner: Learner, reps: int = 3) -> dict:
               orbax_mib=disk / 2**20)
 
 
+def sampler_resident(cfg: ModelConfig, c, devices: int) -> dict:
+  """What a colocated recipe's JAX sampler keeps per device between its turns (the part of
+  ``sampler.memory.SamplerPlan.resident_bytes`` the learner plans beside), from shapes alone: its
+  weights in the compute dtype ``model.dtype``, norm scales and biases float32 (one copy per device: the recipes' sampler meshes
+  are data-parallel, an engine per device; with LoRA the merged copy, its base the learner's) and
+  the dense KV cache of ``rollout.num_slots / devices`` slots of ``max(prefill_buckets) +
+  max_new_tokens`` positions in that dtype (a paged pool that follows the slots holds the same
+  positions rounded up to pages). Bytes: ``weights``, ``state`` and ``slots`` (per device)."""
+  from areal_jax.sampler import slot_cache
+  cfg = dataclasses.replace(cfg, dtype=c.model.dtype)
+  params = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+  weights = sum(x.size * (4 if x.ndim == 1 else cfg.compute_dtype.itemsize)  # (norms, biases:
+                for x in jax.tree.leaves(params))                           # float32)
+  slots = c.rollout.num_slots // devices
+  max_len = max(c.rollout.prefill_buckets) + c.rollout.max_new_tokens
+  cache = jax.eval_shape(lambda: slot_cache.make(cfg, slots, max_len, cfg.compute_dtype,
+                                                 slot_cache.STACKED))
+  return dict(weights=weights, state=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)),
+              slots=slots)
+
+
+SAMPLER_PROGRAMS_MAX_PARAMS = 3e9  # its random weights are built on this CPU: 7B's would not fit
+
+
+def target_sampler_plan(device, cfg: ModelConfig, c, slots: int):
+  """The recipe ``c``'s sampler plan on ``device`` (one engine of ``slots`` slots, random weights
+  of ``cfg`` in ``model.dtype``), its decode and prefill programs compiled by the target's
+  compiler (``aot_decode.sampler_plan``)."""
+  import aot_decode  # noqa: PLC0415
+  from areal_jax.sampler.engine import EngineConfig
+  r = c.rollout
+  model = Transformer(dataclasses.replace(cfg, dtype=c.model.dtype), nnx.Rngs(0))
+  return aot_decode.sampler_plan(device, model, EngineConfig(
+      num_slots=slots, max_len=max(r.prefill_buckets) + r.max_new_tokens,
+      prefill_buckets=tuple(r.prefill_buckets), steps_per_call=r.steps_per_call,
+      decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
+      decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
+      kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64)))
+
+
 def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = ()) -> list[dict]:
   """The memory plan of each shipped recipe (``only``: those presets) on its learner mesh
   (abstract shapes), over this process's devices, or compiled for ``target``'s devices
-  (``aot_decode.target_devices``: a TPU topology, or ``count`` GPUs of a target file)."""
+  (``aot_decode.target_devices``: a TPU topology, or ``count`` GPUs of a target file). A colocated
+  recipe's learner is planned beside what its sampler keeps (``sampler_resident``), as
+  ``runtime.engines.build_planned`` plans it; when not even its smallest micro-batch fits there,
+  the row says how many slots per device leave it room (the run's sampler takes that many)."""
   import pathlib
   from areal_jax.runtime import meshes
   devices = None
@@ -231,32 +281,64 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = ()) -
       continue
     c = config_lib.load(f"{pathlib.Path(__file__).parents[1] / 'configs/gsm8k.py'}:{preset}")
     mesh = meshes.build(c.mesh, devices)[0]
-    gib = gib or c.mesh.device_memory_gib
     learner = Learner.abstract(cfg, c.actor, mesh, max_seq_len=c.rollout.max_prompt_len +
                                c.rollout.max_new_tokens)
+    budget = int(c.mesh.memory_fraction * gib * memory.GIB)
+    sampler = sampler_resident(cfg, c, mesh.size) if c.mesh.colocated else None
+    reserved = sampler["weights"] + sampler["state"] if sampler else 0
+    programs = None  # the sampler's plan, its programs compiled for the target
+    if sampler and target and cfg.num_params() < SAMPLER_PROGRAMS_MAX_PARAMS:
+      programs = target_sampler_plan(devices[0], cfg, c, sampler["slots"])
+      reserved = programs.resident_bytes
     t = time.perf_counter()
     try:
-      p, fits = memory.plan(learner, int(c.mesh.memory_fraction * gib * memory.GIB)), True
-    except MemoryError as e:  # report the configured micro-batch's plan and that it does not fit
+      p, fits = memory.plan(learner, budget - reserved), True
+    except memory.DoesNotFit as e:  # report the smallest micro-batch's plan and that it does not fit
       print(f"{preset}: {e}")
-      p, fits = memory.plan(learner, None), False
-    rows.append(dict(recipe=f"configs/gsm8k.py:{preset}", model=name, devices=dict(mesh.shape),
-                     target=target or "this process's devices",
-                     device_kind=mesh.devices.flat[0].device_kind,
-                     device_gib=gib, memory_fraction=c.mesh.memory_fraction,
-                     micro_batch_tokens=p.micro_batch_tokens, row_len=p.row_len,
-                     micro_rows=p.micro_rows, remat=c.actor.remat,
-                     logits_chunk=c.actor.logits_chunk, plan_s=time.perf_counter() - t, fits=fits,
-                     lora_rank=c.actor.lora.rank,
-                     **{f"{k}_gib": v / memory.GIB for k, v in p.parts.items()}))
+      p, fits = e.smallest, False
+    row = dict(recipe=f"configs/gsm8k.py:{preset}", model=name, devices=dict(mesh.shape),
+               target=target or "this process's devices",
+               device_kind=mesh.devices.flat[0].device_kind,
+               device_gib=gib, memory_fraction=c.mesh.memory_fraction,
+               micro_batch_tokens=p.micro_batch_tokens, row_len=p.row_len,
+               micro_rows=p.micro_rows, remat=c.actor.remat,
+               logits_chunk=c.actor.logits_chunk, plan_s=time.perf_counter() - t, fits=fits,
+               lora_rank=c.actor.lora.rank,
+               **{f"{k}_gib": v / memory.GIB for k, v in p.parts.items()})
+    if sampler:
+      per_slot = sampler["state"] / sampler["slots"]
+      row.update(sampler_weights_gib=sampler["weights"] / memory.GIB,
+                 sampler_cache_gib=sampler["state"] / memory.GIB,
+                 sampler_slots=sampler["slots"] if fits else max(
+                     0, int((budget - p.peak_bytes - sampler["weights"]) // per_slot)))
+    if programs:  # its peak beside what the learner keeps, at the slots the run would take
+      if not fits and row["sampler_slots"] >= c.rollout.n_samples:
+        programs = target_sampler_plan(devices[0], cfg, c, row["sampler_slots"])
+      kept = sum(v for k, v in p.parts.items() if k in ("params", "opt", "ref", "frozen"))
+      row.update({f"sampler_{k}_gib": getattr(programs, k) / memory.GIB for k in (
+                     "weights", "state", "generate_temp", "prefill", "resident_bytes",
+                     "peak_bytes")},
+                 sampler_program_slots=programs.num_slots, sampler_kv_pages=programs.kv_pages,
+                 sampler_fits=programs.peak_bytes <= budget - kept
+                 and programs.resident_bytes + p.peak_bytes <= budget)
+      print(f"{preset}: sampler memory plan compiled for {row['device_kind']}: "
+            f"{programs.summary()}; {row['sampler_fits'] and 'fits' or 'does not fit'} beside "
+            f"the learner ({kept / memory.GIB:.2f} GiB kept, {p.peak_gib:.2f} GiB at its peak) "
+            f"in {budget / memory.GIB:.2f} GiB", flush=True)
+    rows.append(row)
   print(f"{'recipe':<30}{'model':<14}{'mesh':>24}{'tokens':>8}{'params':>8}{'opt':>7}{'grads':>7}"
-        f"{'acc':>7}{'update':>8}{'peak GiB':>10}{'budget':>8}")
+        f"{'acc':>7}{'update':>8}{'peak GiB':>10}{'sampler':>9}{'budget':>8}")
   for r in rows:
     mesh = ",".join(f"{k}={v}" for k, v in r["devices"].items())
+    sampler = (f"{r['sampler_weights_gib'] + r['sampler_cache_gib']:.2f}"
+               if "sampler_slots" in r else "-")  # kept beside the learner, at the configured slots
+    note = "" if r["fits"] else "  does not fit" + (
+        f" beside the sampler's slots; {r['sampler_slots']} slots per device leave room"
+        if "sampler_slots" in r else "")
     print(f"{r['recipe']:<30}{r['model']:<14}{mesh:>24}{r['micro_rows'] * r['row_len']:>8}"
           f"{r['params_gib']:>8.2f}{r['opt_gib']:>7.2f}{r['grads_gib']:>7.2f}"
-          f"{r['accumulate_gib']:>7.2f}{r['update_gib']:>8.2f}{r['peak_gib']:>10.2f}"
-          f"{r['memory_fraction'] * r['device_gib']:>8.1f}{'' if r['fits'] else '  does not fit'}")
+          f"{r['accumulate_gib']:>7.2f}{r['update_gib']:>8.2f}{r['peak_gib']:>10.2f}{sampler:>9}"
+          f"{r['memory_fraction'] * r['device_gib']:>8.1f}{note}")
   return rows
 
 

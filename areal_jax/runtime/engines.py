@@ -23,31 +23,83 @@ from areal_jax.rollout_api import RolloutEngine
 DATA_PARALLEL = ("replicas", "sharded")  # rollout.data_parallel: the JAX sampler over a data axis
 
 
-def sampler_budget(config, sampler_mesh, learner_plan=None) -> dict | None:
+def sampler_budget(config, sampler_mesh, learner=None, learner_peak: int | None = None
+                   ) -> dict | None:
   """``build``'s ``memory_budget`` for the JAX sampler: the memory of this process's sampler
-  devices (``mesh.memory_fraction`` of ``mesh.device_memory_gib`` or of what they report).
-  Colocated (learner and sampler alternate on the same devices) with the learner's plan
-  (``learner.memory.fit``): the sampler's peak beside what the learner keeps between steps and its
-  resident part beside the learner's planned peak. Without one (the serve runtime, whose trainer
-  has no memory plan) the sampler alone is checked against the devices. None where no device size
-  is known (CPU without mesh.device_memory_gib): no check."""
+  devices (``learner.memory.device_budget``: ``mesh.memory_fraction`` of ``mesh.device_memory_gib``
+  or of what they report). Colocated (learner and sampler alternate on the same devices) with the
+  ``learner`` of this process: the sampler's peak beside what the learner keeps between steps
+  (``learner.memory.kept_bytes``), and with ``learner_peak`` (bytes per device of its smallest
+  train step) its resident part beside that. Without a learner (the serve runtime, a learner
+  group) the sampler alone is checked against the devices. None where no device size is known
+  (CPU without mesh.device_memory_gib): no check."""
   budget = learner_memory.device_budget(config.mesh, [
       d for d in sampler_mesh.devices.flat if d.process_index == jax.process_index()])
-  if budget is None or not config.mesh.colocated or learner_plan is None:
+  if budget is None or not config.mesh.colocated or learner is None:
     return None if budget is None else {"budget_bytes": budget}
-  parts = learner_plan.parts
-  kept = parts["params"] + parts["opt"] + parts["ref"] + parts["frozen"]
+  kept = learner_memory.kept_bytes(learner)
   # LoRA: the sampler merges into the learner's frozen base itself when both use one dtype
-  shared = parts["frozen"] > 0 and config.actor.dtype == config.model.dtype
-  return {"budget_bytes": budget - kept, "resident_budget": budget - learner_plan.peak_bytes,
-          "shared_base": shared}
+  shared = kept["frozen"] > 0 and config.actor.dtype == config.model.dtype
+  out = {"budget_bytes": budget - sum(kept.values()), "shared_base": shared}
+  if learner_peak is not None:
+    out["resident_budget"] = budget - learner_peak
+  return out
+
+
+def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> RolloutEngine:
+  """``build`` with the memory plans of the sampler and of this process's ``learner`` (None: a
+  learner group, which plans in its own processes). On disjoint devices each is planned against
+  its own devices, the learner first. Colocated, the two take turns on the same
+  devices and each keeps its resident part while the other runs: the sampler is planned first
+  (its peak beside what the learner keeps; ``rollout.num_slots`` lowered only if that does not
+  fit), then the learner's micro-batch beside what the sampler keeps (weights, KV cache). When not
+  even the learner's smallest micro-batch fits there, the sampler is rebuilt with the slots that
+  leave it room (printed), or the run stops naming both."""
+  if learner is not None and not config.mesh.colocated:  # each on devices of its own
+    plan_learner(config, learner)
+    learner = None
+  budget = sampler_budget(config, sampler_mesh, learner)
+  engine = build(config, model, tokenizer, sampler_mesh, memory_budget=budget)
+  if learner is None:
+    return engine
+  sampler = getattr(engine, "memory_plan", None)
+  if sampler is None:  # (no budget: nothing to check)
+    plan_learner(config, learner)
+    return engine
+  try:
+    plan_learner(config, learner, sampler)
+  except learner_memory.DoesNotFit as e:
+    print(f"learner memory plan: not even {e.smallest.micro_batch_tokens} tokens a micro-batch "
+          f"({e.smallest.peak_gib:.2f} GiB) fit beside the {sampler.resident_bytes / 2**30:.2f} "
+          f"GiB the colocated sampler keeps ({sampler.num_slots} slots); rebuilding the sampler "
+          "with fewer slots", flush=True)
+    del engine  # its weights and programs go before the next engine places its own
+    budget = sampler_budget(config, sampler_mesh, learner, e.smallest.peak_bytes)
+    engine = build(config, model, tokenizer, sampler_mesh, memory_budget=budget)
+    plan_learner(config, learner, engine.memory_plan)
+  return engine
+
+
+def plan_learner(config, learner, sampler=None):
+  """``learner.memory.fit`` (beside ``sampler``: a colocated sampler's ``SamplerPlan``), printed."""
+  beside = "" if sampler is None else (
+      f", less {sampler.resident_bytes / learner_memory.GIB:.2f} GiB the colocated sampler keeps: "
+      f"weights and KV cache of rollout.num_slots={sampler.num_slots}")
+  plan = learner_memory.fit(learner, config.mesh, sampler.resident_bytes if sampler else 0,
+                            beside)
+  if plan is not None:
+    print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
+          f"{plan.budget_bytes / learner_memory.GIB:.2f} GiB{beside} (actor.micro_batch_tokens="
+          f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
+  return plan
 
 
 def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> RolloutEngine:
   """``memory_budget``: bytes per sampler device the JAX sampler may use, or a dict of
   ``sampler.memory.check``'s keyword arguments (``budget_bytes``, ``resident_budget``,
   ``shared_base``); its memory plan is checked against it before the decode state is allocated,
-  with fewer slots than ``rollout.num_slots`` when those do not fit (``sampler.memory.fit``)."""
+  with fewer slots than ``rollout.num_slots`` when those do not fit (``sampler.memory.fit``), and
+  kept as the JAX engine's ``memory_plan`` (per device; None without a budget)."""
   r = config.rollout
   lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
   if r.backend == "jax":
@@ -70,11 +122,14 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
     meshes = replica_meshes(sampler_mesh, r.get("data_parallel", "replicas"))
     if meshes is None:  # one engine (its slots split over the data axis, if any)
       if budget is None:
-        return make(r.num_slots)
-      engine, plan = memory.fit(make, r.num_slots, min_slots=r.n_samples, **budget)
-      print(f"sampler memory plan: {plan.summary()}", flush=True)
+        engine, plan = make(r.num_slots), None
+      else:
+        engine, plan = memory.fit(make, r.num_slots, min_slots=r.n_samples, **budget)
+        print(f"sampler memory plan: {plan.summary()}", flush=True)
+      engine.memory_plan = plan  # (per device; None: unplanned)
       return engine
     slots = r.num_slots // len(meshes)  # per replica (the first one's memory plan may lower it)
+    plans = []
 
     def make_replica(mesh, output):
       nonlocal slots
@@ -83,10 +138,13 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
       engine, plan = memory.fit(lambda s: make(s, mesh, output), slots, min_slots=r.n_samples,
                                 **budget)
       slots = plan.num_slots
+      plans.append(plan)
       print(f"sampler memory plan (each of {len(meshes)} replicas): {plan.summary()}", flush=True)
       return engine
 
-    return replicas.ReplicatedRolloutEngine(make_replica, meshes)
+    engine = replicas.ReplicatedRolloutEngine(make_replica, meshes)
+    engine.memory_plan = plans[0] if plans else None  # (per device: each replica's)
+    return engine
   if r.backend == "vllm":  # optional: needs vLLM (make install-vllm), raises a clear error without
     from areal_jax.vllm_rollout.factory import build as build_vllm
 

@@ -27,7 +27,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from areal_jax import config as config_lib
 from areal_jax import models, tasks, workflows
 from areal_jax import learner as learner_lib
-from areal_jax.learner import memory
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import (checkpoint, engines, learner_group, meshes, plots, ray_cluster,
@@ -65,10 +64,11 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
     # dtype) the sampler use these very arrays instead of copies.
     lora_lib.freeze_model_base(model, c_act.dtype)
   task = tasks.get_task(config.task)
-  learner, group, plan = _build_learner(config, workdir, model, learner_mesh)
+  learner, group = _build_learner(config, workdir, model, learner_mesh)
   if config.runtime.mode == "local":  # (in ray mode the workers hold the engines, built above)
-    engine = engines.build(config, model, tokenizer, sampler_mesh,
-                           memory_budget=engines.sampler_budget(config, sampler_mesh, plan))
+    # memory plans (colocated: the sampler's slots first, the learner's micro-batch beside them)
+    engine = engines.build_planned(config, model, tokenizer, sampler_mesh,
+                                   None if group else learner)
     transfer = _build_transfer(config, workdir, learner, model, learner_mesh, sampler_mesh, group)
   elif group:  # the group's processes publish; the workers read its versions directly
     transfer = engine.announcer = learner.announcer()
@@ -239,21 +239,19 @@ def _phase(progress, phase: str):
 
 
 def _build_learner(config, workdir: str, model, learner_mesh):
-  """``(learner, is_group, memory plan or None)``: the learner in this process (memory plan
-  checked), or a group of ``runtime.learner_processes`` processes (``learner_group.py``; the
-  driver's learner mesh unused)."""
+  """``(learner, is_group)``: the learner in this process (its memory plan comes with the
+  sampler's: ``engines.build_planned``; in ray mode here), or a group of
+  ``runtime.learner_processes`` processes (``learner_group.py``; the driver's learner mesh
+  unused)."""
   if learner_group.check_config(config) > 1:
-    return learner_group.LearnerGroup(config, workdir), True, None
+    return learner_group.LearnerGroup(config, workdir), True
   c_roll = config.rollout
   learner = learner_lib.Learner(model, config.actor, learner_mesh, temperature=c_roll.temperature,
                                 total_steps=config.train.total_steps,
                                 max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
-  plan = memory.fit(learner, config.mesh)  # may lower actor.micro_batch_tokens; None: no budget
-  if plan is not None:
-    print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
-          f"{plan.budget_bytes / 2**30:.2f} GiB (actor.micro_batch_tokens="
-          f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
-  return learner, False, plan
+  if config.runtime.mode != "local":  # (the rollout workers plan their own devices)
+    engines.plan_learner(config, learner)
+  return learner, False
 
 
 def _build_transfer(config, workdir: str, learner, model, learner_mesh, sampler_mesh, group: bool):

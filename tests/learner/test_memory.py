@@ -36,6 +36,25 @@ def test_shape_follows_the_token_budget():
   assert memory.shape(learner, 4096) == (512, 8)  # rows of 256 doubled, 8 of them (2 per device)
   assert memory.shape(learner, 512) == (512, 2)
   assert memory.shape(learner, 256) == (256, 2)  # at least one row per data-parallel device
+  assert memory.shape(learner, 64) == (256, 2)  # a sequence of max_seq_len still fills a row
+
+
+def test_the_planned_shape_holds_every_micro_batch_the_packer_makes():
+  """Whatever the lengths, ``packing.plan``'s micro-batches (rows x row length) are never larger
+  than the plan's shape: the plan's peak bounds the step's (a 256-token budget once planned rows
+  of 256 while a 1500-token sequence trained in a row of 1536)."""
+  import numpy as np
+
+  from areal_jax.learner import packing
+  learner = small_learner()
+  rng = np.random.default_rng(0)
+  for mbt in (64, 128, 256, 512, 1024, 4096):
+    row_len, rows = memory.shape(learner, mbt)
+    for lengths in ([256] * 8, [256, 17, 90], list(rng.integers(1, 257, 40)), [33] * 64):
+      layout = packing.plan([int(n) for n in lengths], 1, mbt, dp=learner.dp,
+                            min_row_len=min(256, mbt))
+      assert layout.micro_rows * layout.row_len <= rows * row_len, (mbt, lengths)
+      assert layout.row_len <= row_len, (mbt, lengths)
 
 
 def test_planner_keeps_lowers_or_stops():
@@ -46,6 +65,8 @@ def test_planner_keeps_lowers_or_stops():
   assert 0 <= parts["grads"] - parts["params"] < 64  # float32 gradient sums (+ metric sums)
   assert 0 <= parts["opt"] - 2 * parts["params"] < 64  # AdamW moments and step counters
   assert parts["peak"] == max(parts["accumulate"], parts["update"]) > parts["params"] + parts["opt"]
+  # what it keeps between steps, known without compiling (a colocated sampler's budget)
+  assert memory.kept_bytes(learner) == {k: parts[k] for k in ("params", "opt", "ref", "frozen")}
   # A budget between the smallest and the configured micro-batch's peak: a halving that fits.
   smallest = memory.step_peak(learner, *memory.shape(learner, 256))["peak"]
   budget = (smallest + roomy.peak_bytes) // 2

@@ -1,6 +1,7 @@
 """runtime.engines: a backend that needs full weights gets LoRA adapters merged into its base."""
 
 import jax
+import pytest
 import numpy as np
 from flax import nnx
 
@@ -36,3 +37,128 @@ def test_merging_engine_hands_merged_weights_and_passes_the_rest_through():
   engine.update_params(base, 4)  # full weights go through untouched
   assert inner.updates[-1] == (base, 4)
   assert engine.poll() == ["sample"]
+
+
+def _colocated(slots=16, micro_batch_tokens=2048):
+  """A colocated tiny recipe on one CPU device: its config, model, tokenizer, abstract learner."""
+  import dataclasses
+
+  from areal_jax import config as config_lib
+  from areal_jax import sharding
+  from areal_jax.learner import Learner
+  from areal_jax.models import tokenizer as tok_lib
+
+  c = config_lib.base_config()
+  c.mesh.colocated, c.mesh.memory_fraction = True, 1.0
+  c.rollout.num_slots, c.rollout.n_samples = slots, 2
+  c.rollout.prefill_buckets, c.rollout.max_new_tokens, c.rollout.max_prompt_len = (16,), 496, 16
+  c.actor.micro_batch_tokens = micro_batch_tokens
+  cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
+                    d_ff=256)
+  mesh = sharding.make_mesh({}, jax.devices()[:1])
+  learner = Learner.abstract(cfg, c.actor, sharding.make_mesh(dict(fsdp=1), jax.devices()[:1]),
+                             max_seq_len=512)
+  model = Transformer(dataclasses.replace(cfg), nnx.Rngs(0))
+  return c, model, tok_lib.byte_tokenizer(), mesh, learner
+
+
+def test_colocated_the_sampler_keeps_its_slots_and_the_learner_plans_beside_them(capsys):
+  """Colocated, the two take turns on one device and each keeps its resident part while the other
+  runs: the learner's micro-batch is planned beside what the sampler keeps, not the sampler
+  squeezed into what a greedy learner plan left (which starved it: the shipped qwen3_lora recipe's
+  learner took 9.54 of its 9.6 GiB on a 16 GiB chip, leaving the sampler's 5.8 GiB no room)."""
+  from areal_jax.learner import memory as learner_memory
+  from areal_jax.runtime import engines
+  from areal_jax.sampler import memory as sampler_memory
+
+  c, model, tokenizer, mesh, learner = _colocated()
+  sampler = sampler_memory.plan(engines.build(c, model, tokenizer, mesh).engine, None)
+  kept = sum(learner_memory.kept_bytes(learner).values())
+  big = learner_memory.plan(learner, None)
+  smallest = learner_memory.step_peak(learner, *learner_memory.shape(learner, 1))["peak"]
+  assert big.micro_batch_tokens == 2048 and smallest < big.peak_bytes
+  # the learner alone fits at its configured micro-batch; beside the sampler's 16 slots it does not
+  budget = big.peak_bytes + sampler.resident_bytes // 2
+  assert kept + sampler.peak_bytes <= budget
+  c.mesh.device_memory_gib = budget / learner_memory.GIB
+  engine = engines.build_planned(c, model, tokenizer, mesh, learner)
+  out = capsys.readouterr().out
+  assert engine.num_slots == 16 and engine.memory_plan.resident_bytes == sampler.resident_bytes
+  assert 0 < learner.opts.micro_batch_tokens < 2048, out
+  assert "the colocated sampler keeps" in out and "rollout.num_slots=16" in out
+  plan = learner_memory.plan(learner, None)
+  assert plan.peak_bytes + sampler.resident_bytes <= budget  # training beside the sampler
+  assert kept + engine.memory_plan.peak_bytes <= budget  # generating beside the learner
+
+
+def test_colocated_the_sampler_yields_slots_when_the_learner_cannot_fit_beside_it(capsys,
+                                                                                 monkeypatch):
+  from areal_jax.learner import memory as learner_memory
+  from areal_jax.runtime import engines
+  from areal_jax.sampler import memory as sampler_memory
+
+  c, model, tokenizer, mesh, learner = _colocated()
+  sampler = sampler_memory.plan(engines.build(c, model, tokenizer, mesh).engine, None)
+  kept = sum(learner_memory.kept_bytes(learner).values())
+  budget = kept + 2 * sampler.peak_bytes  # room for the sampler's peak beside what the learner keeps
+  # a learner whose smallest train step needs all but a third of the sampler's KV cache
+  need = budget - sampler.resident_bytes + sampler.state // 3
+  planned = []
+
+  def learner_plan(learner, budget_bytes, beside=""):
+    p = learner_memory.Plan(256, 256, 1, need, budget_bytes, {})
+    planned.append(budget_bytes)
+    if budget_bytes is not None and need > budget_bytes:
+      raise learner_memory.DoesNotFit(f"learner memory plan: does not fit{beside}", p)
+    return p
+
+  monkeypatch.setattr(learner_memory, "plan", learner_plan)
+  c.mesh.device_memory_gib = budget / learner_memory.GIB
+  engine = engines.build_planned(c, model, tokenizer, mesh, learner)
+  out = capsys.readouterr().out
+  assert "rebuilding the sampler with fewer slots" in out and "num_slots=16 does not fit" in out
+  assert 2 <= engine.num_slots < 16 and planned[0] == budget - sampler.resident_bytes
+  assert need + engine.memory_plan.resident_bytes <= budget == planned[-1] + engine.memory_plan.resident_bytes
+  # not even rollout.n_samples slots leave the learner room: the run stops, naming the sampler
+  c.rollout.n_samples = 16
+  with pytest.raises(MemoryError, match="at least 16 needed: rollout.n_samples"):
+    engines.build_planned(c, model, tokenizer, mesh, learner)
+
+
+def test_sampler_budget_colocated_leaves_what_the_learner_keeps():
+  from areal_jax.learner import memory as learner_memory
+  from areal_jax.runtime import engines
+
+  c, _, _, mesh, learner = _colocated()
+  c.mesh.device_memory_gib, c.mesh.memory_fraction = 1.0, 0.5
+  kept = learner_memory.kept_bytes(learner)
+  assert kept["params"] > 0 and kept["opt"] > kept["params"] and kept["ref"] == kept["frozen"] == 0
+  c.mesh.colocated = False  # disjoint devices: all of theirs
+  assert engines.sampler_budget(c, mesh, learner) == {"budget_bytes": 2**29}
+  c.mesh.colocated = True  # its peak beside what the learner keeps; its resident part beside a peak
+  assert engines.sampler_budget(c, mesh, learner) == {
+      "budget_bytes": 2**29 - sum(kept.values()), "shared_base": False}
+  assert engines.sampler_budget(c, mesh, learner, 2**28)["resident_budget"] == 2**29 - 2**28
+  assert engines.sampler_budget(c, mesh) == {"budget_bytes": 2**29}  # no learner here (serve)
+  c.mesh.device_memory_gib = 0.0  # CPU reports no size: no check
+  assert engines.sampler_budget(c, mesh, learner) is None
+
+
+def test_device_memory_gib_never_exceeds_what_the_devices_report():
+  """A GPU reports the pool JAX's allocator took (75% of its memory by default): a plan for the
+  card's full size would run out of memory."""
+  import types
+
+  from areal_jax import config as config_lib
+  from areal_jax.learner import memory as learner_memory
+
+  gib = learner_memory.GIB
+  gpu = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 60 * gib})
+  m = config_lib.base_config().mesh
+  m.memory_fraction = 0.5
+  assert learner_memory.device_budget(m, [gpu]) == 30 * gib  # 0: as reported
+  m.device_memory_gib = 80.0
+  assert learner_memory.device_budget(m, [gpu]) == 30 * gib  # never more than reported
+  m.device_memory_gib = 40.0
+  assert learner_memory.device_budget(m, [gpu]) == 20 * gib  # less: as configured
+  assert learner_memory.device_budget(m, jax.devices()[:1]) == 20 * gib  # CPU reports none

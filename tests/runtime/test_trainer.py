@@ -161,15 +161,16 @@ def test_launch_stops_a_sampler_that_cannot_fit_with_a_brief_message(tmp_path):
   the sampler do: launch.py prints the plan's message (no traceback) and exits 1, nothing
   trained."""
   cmd = [sys.executable, str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={tmp_path}",
-         "--config.train.total_steps=1", "--config.mesh.device_memory_gib=0.02",
-         "--config.actor.micro_batch_tokens=1024"]  # one halving (each larger plan compiles ~10 s)
+         "--config.train.total_steps=1", "--config.mesh.device_memory_gib=0.15",
+         # one halving, to one row of the longest sequence (each larger plan compiles ~10 s)
+         "--config.actor.micro_batch_tokens=4096"]
   env = dict(os.environ)  # (conftest.py's XLA_FLAGS: 8 devices, the tests' compile flags)
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-3000:]
   assert "Traceback" not in out.stderr
   assert "error: sampler memory plan: does not fit" in out.stderr
   assert "rollout.n_samples" in out.stderr
-  assert "actor.micro_batch_tokens=1024 does not fit" in out.stdout  # the learner's plan lowered it
+  assert "actor.micro_batch_tokens=4096 does not fit" in out.stdout  # the learner's plan lowered it
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
 
 

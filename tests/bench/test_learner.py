@@ -1,0 +1,38 @@
+"""``bench/learner.py``'s figure of what a colocated recipe's sampler keeps per device, from shapes
+alone, against the memory plan of the engine the run builds."""
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+import learner as bench_learner  # noqa: E402
+
+from areal_jax import config as config_lib  # noqa: E402
+from areal_jax import sharding  # noqa: E402
+from areal_jax.models import ModelConfig, Transformer  # noqa: E402
+from areal_jax.models import tokenizer as tok_lib  # noqa: E402
+from areal_jax.runtime import engines  # noqa: E402
+from areal_jax.sampler import memory  # noqa: E402
+
+
+def test_sampler_resident_is_what_the_engine_plans_per_device():
+  from flax import nnx
+  cfg = ModelConfig(vocab_size=384, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
+                    d_ff=128)
+  c = config_lib.base_config()
+  c.model.dtype = "bfloat16"  # weights and cache held in the compute dtype
+  c.rollout.num_slots, c.rollout.n_samples = 8, 2
+  c.rollout.prefill_buckets, c.rollout.max_new_tokens = (16, 32), 48
+  model = Transformer(dataclasses.replace(cfg, dtype="bfloat16"), nnx.Rngs(0))
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])  # a replica per device, 4 slots each
+  engine = engines.build(c, model, tok_lib.byte_tokenizer(), mesh, memory_budget=2**40)
+  plan = memory.plan(engine.engine, None)
+  want = bench_learner.sampler_resident(cfg, c, devices=2)
+  assert want["slots"] == plan.num_slots == 4
+  assert want["weights"] == plan.weights
+  # the plan's state adds each slot's small vectors (position, sampling settings, stop tokens)
+  assert 0 <= plan.state - want["state"] < 4 * 128
+  assert engine.memory_plan.resident_bytes == plan.resident_bytes
