@@ -74,6 +74,9 @@ def base_config() -> ConfigDict:
   c.rollout.continuation = "keep_cache"  # "keep_cache" | "reprefill" after a weight swap
   c.rollout.num_slots = 64  # decode slots of the JAX sampler
   c.rollout.prefill_buckets = (64, 128, 256, 512)
+  # tokens per prefill call (rows x bucket, at least one row): fewer prompts per call at long
+  # buckets bound the call's memory (the sampler's plan counts its largest); 0: no bound
+  c.rollout.max_prefill_tokens = 4096
   c.rollout.steps_per_call = 0  # decode steps per jitted call (host sync); 0: 1 on CPU, 16 on GPU/TPU
   c.rollout.decode_attention = "auto"  # "auto" | "cpu" | "xla" | "dense" | "pallas_gpu" | "pallas_tpu"
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla" | "blas" (GPU library GEMMs)
@@ -307,6 +310,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
                   "'blas' or 'auto'): the CPU kernel's packed weights are per layer")
   if r.steps_per_call < 0:
     errors.append(f"rollout.steps_per_call={r.steps_per_call} must be >= 0 (0: per platform)")
+  if r.get("max_prefill_tokens", 0) < 0:
+    errors.append(f"rollout.max_prefill_tokens={r.max_prefill_tokens} must be >= 0 (0: no bound)")
   kv_pages, page_size = r.get("kv_pages", -1), r.get("page_size", 64)
   if kv_pages < -1 or page_size < 1:
     errors.append(f"rollout.kv_pages={kv_pages} must be >= -1 (-1: per platform, 0: no paging) "

@@ -322,9 +322,10 @@ def abstract(tree, device):
 
 
 def sampler_plan(device, model, engine_config, **budget):
-  """The sampler's memory plan (``sampler.memory.plan``: its weights, decode state, and the two
-  largest programs' temporaries) with both programs compiled for ``device`` (a TPU chip or a GPU
-  of ``target_devices``) by its own compiler, for an engine of one device (``target_engine``).
+  """The sampler's memory plan (``sampler.memory.plan``: its weights, decode state, and the
+  largest programs' temporaries) with the programs compiled for ``device`` (a TPU chip or a GPU of
+  ``target_devices``) by its own compiler, for an engine of one device (``target_engine``), the
+  weights and state in the layouts the engine holds them in there (``choice.held_layouts``).
   ``budget``: ``SamplerPlan``'s ``budget_bytes`` / ``resident_budget``."""
   from areal_jax import sharding
   from areal_jax.kernels import choice
@@ -339,18 +340,24 @@ def sampler_plan(device, model, engine_config, **budget):
   params, state = abstract(eng.params, device), abstract(eng.state_shapes(), device)
   pages = (abstract(jax.ShapeDtypeStruct((c.num_slots, eng.pages_per_slot), jnp.int32), device),
            ) if eng.paged else ()
-  rows, bucket = eng.prefill_rows(c.max_prefill_batch), eng.prefill_buckets[-1]
-  tokens = abstract(jax.ShapeDtypeStruct((rows, bucket), jnp.int32), device)
   with choice.lowering_for(platform):  # (as sampler.memory.plan: the widest decode call)
     generate = eng._make_generate(eng.kv_buckets[-1], c.num_slots).__wrapped__  # noqa: SLF001
-    prefill = eng._make_prefill(bucket, rows).__wrapped__  # noqa: SLF001
-  gen = compiled(jax.jit(generate, donate_argnums=1, compiler_options=eng.compiler_options),
-                 params, state, *pages)
-  pre = compiled(jax.jit(prefill, compiler_options=eng.compiler_options), params, tokens)
+    prefills = [(eng._make_prefill(bucket, rows).__wrapped__,  # noqa: SLF001
+                 abstract(jax.ShapeDtypeStruct((rows, bucket), jnp.int32), device))
+                for bucket, rows in eng.prefill_shapes_to_plan()]
+  options = eng.compiler_options
+  gen_fn, held = jax.jit(generate, donate_argnums=1, compiler_options=options), None
+  if choice.held_layouts(platform) == "compiler":  # (a TPU) the layouts the engine holds there
+    gen_fn, found = _with_auto_layouts(gen_fn, (params, state, *pages), options, platform)
+    held = found["compiled"].input_formats[0][0]
+  gen = compiled(gen_fn, params, state, *pages)
+  pre = max(sum((lambda m: (m.temp_size_in_bytes, m.output_size_in_bytes))(compiled(
+      jax.jit(fn, in_shardings=None if held is None else (held, None), compiler_options=options),
+      params, tokens))) for fn, tokens in prefills)
   return memory.SamplerPlan(
       weights=sharding.device_bytes(eng.params), lora_base=0,
       state=sharding.device_bytes(eng.state_shapes()), generate_temp=gen.temp_size_in_bytes,
-      prefill=pre.temp_size_in_bytes + pre.output_size_in_bytes, num_slots=c.num_slots,
+      prefill=pre, num_slots=c.num_slots,
       kv_pages=c.kv_pages, pool_follows_slots=eng.pool_follows_slots,
       **{"budget_bytes": None, **budget})
 

@@ -259,10 +259,12 @@ def target_sampler_plan(device, cfg: ModelConfig, c, slots: int):
       prefill_buckets=tuple(r.prefill_buckets), steps_per_call=r.steps_per_call,
       decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
       decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
-      kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64)))
+      kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64),
+      max_prefill_tokens=r.get("max_prefill_tokens", 0)))
 
 
-def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = ()) -> list[dict]:
+def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
+                 overrides: list[str] = ()) -> list[dict]:
   """The memory plan of each shipped recipe (``only``: those presets) on its learner mesh
   (abstract shapes), over this process's devices, or compiled for ``target``'s devices
   (``aot_decode.target_devices``: a TPU topology, or ``count`` GPUs of a target file). A colocated
@@ -280,6 +282,11 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = ()) -
     if only and preset not in only:
       continue
     c = config_lib.load(f"{pathlib.Path(__file__).parents[1] / 'configs/gsm8k.py'}:{preset}")
+    for item in overrides:  # KEY=VALUE, the value as the key's type
+      key, value = item.split("=", 1)
+      *parents, leaf = key.split(".")
+      node = functools.reduce(getattr, parents, c)
+      setattr(node, leaf, type(getattr(node, leaf))(value))
     mesh = meshes.build(c.mesh, devices)[0]
     learner = Learner.abstract(cfg, c.actor, mesh, max_seq_len=c.rollout.max_prompt_len +
                                c.rollout.max_new_tokens)
@@ -325,6 +332,7 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = ()) -
             f"{programs.summary()}; {row['sampler_fits'] and 'fits' or 'does not fit'} beside "
             f"the learner ({kept / memory.GIB:.2f} GiB kept, {p.peak_gib:.2f} GiB at its peak) "
             f"in {budget / memory.GIB:.2f} GiB", flush=True)
+    row["overrides"] = list(overrides)
     rows.append(row)
   print(f"{'recipe':<30}{'model':<14}{'mesh':>24}{'tokens':>8}{'params':>8}{'opt':>7}{'grads':>7}"
         f"{'acc':>7}{'update':>8}{'peak GiB':>10}{'sampler':>9}{'budget':>8}")
@@ -376,13 +384,16 @@ def main():
   ap.add_argument("--target", default="", help="--plan compiled for this TPU topology (v5e:2x4) "
                   "or GPU under bench/aot_targets (h100), on a machine without one")
   ap.add_argument("--devices", type=int, default=8, help="GPUs of a --target GPU (one host)")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="--plan: override a key of every recipe (e.g. actor.logits_chunk=1024)")
   args = ap.parse_args()
   if args.target:  # the target's compiler only: this machine's CPU stays JAX's backend
     jax.config.update("jax_platforms", "cpu")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # (the CUDA plugin's driver check)
   if args.plan or args.depth:
     only = tuple(filter(None, args.only.split(",")))
-    rows = plan_recipes(args.target, args.devices, only) if args.plan else compile_depth()
+    rows = (plan_recipes(args.target, args.devices, only, args.set) if args.plan
+            else compile_depth())
     if args.json:
       with open(args.json, "w") as f:
         json.dump(dict(machine=machine(), load_avg=os.getloadavg()[0],

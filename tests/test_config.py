@@ -128,7 +128,9 @@ def test_learner_memory_settings_are_checked():
   c = config_lib.base_config()
   c.actor.remat, c.actor.logits_chunk = "some", -1
   c.mesh.memory_fraction, c.mesh.device_memory_gib = 1.5, -2.0
+  c.rollout.max_prefill_tokens = -1
   with pytest.raises(ValueError) as e:
     config_lib.validate(c)
-  for key in ("actor.remat", "actor.logits_chunk", "mesh.memory_fraction", "mesh.device_memory_gib"):
+  for key in ("actor.remat", "actor.logits_chunk", "mesh.memory_fraction", "mesh.device_memory_gib",
+              "rollout.max_prefill_tokens"):
     assert key in str(e.value)

@@ -2,8 +2,9 @@
 
   * ``prefill(params, tokens)``: runs a prompt (padded to one of a few length buckets, so compilation
     is bounded) through the model and returns its KV prefix. ``prefill_batch`` runs several prompts
-    in one call (up to ``max_prefill_batch`` rows, padded to a power of two), which uses the
-    matmul units much better than one short prompt at a time.
+    in one call (up to ``max_prefill_batch`` rows, padded to a power of two, and no more rows than
+    keep a call within ``max_prefill_tokens``), which uses the matmul units much better than one
+    short prompt at a time.
   * ``insert(state, prefix, slots, ...)``: copies one prefix into any number of slots (a GRPO group
     shares one prefill) and sets up those slots' sampling parameters, keys and stop conditions
     (the state also keeps, on the host, which slots hold a sequence whose parameters truncate:
@@ -152,6 +153,9 @@ class EngineConfig:
   steps_per_call: int = 0  # decode steps per generate call (per host sync); 0: per platform
   max_stop_ids: int = 8  # EOS + stop ids per slot
   max_prefill_batch: int = 8  # prompts per prefill call
+  # tokens per prefill call (rows x bucket; at least one row): bounds its memory at long buckets
+  # (0: no bound)
+  max_prefill_tokens: int = 0
   cache_dtype: str | None = None  # default: the model's compute dtype
   decode_attention: str = "auto"  # kernels.choice.ATTENTION, or "auto" (per platform)
   decode_matmul: str = "auto"  # kernels.choice.MATMUL, or "auto"
@@ -164,7 +168,8 @@ class EngineConfig:
 
   def __post_init__(self):
     if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 0 or \
-        self.max_prefill_batch < 1 or self.kv_pages < -1 or self.page_size < 1:
+        self.max_prefill_batch < 1 or self.kv_pages < -1 or self.page_size < 1 or \
+        self.max_prefill_tokens < 0:
       raise ValueError(f"invalid engine config {self}")
 
 
@@ -404,11 +409,16 @@ class DecodeEngine:
     pads to its longest prompt's bucket."""
     out = [None] * len(token_lists)
     todo = sorted((i for i, t in enumerate(token_lists) if len(t)), key=lambda i: len(token_lists[i]))
-    step = self.prefill_rows(len(todo))
-    for start in range(0, len(todo), step):
+    step, start = self.prefill_rows(len(todo)), 0
+    longest = lambda chunk: self.prefill_bucket(max(len(token_lists[i]) for i in chunk))  # noqa: E731
+    while start < len(todo):
       chunk = todo[start:start + step]
-      bucket = self.prefill_bucket(max(len(token_lists[i]) for i in chunk))
-      n = self.prefill_rows(len(chunk))
+      bucket = longest(chunk)
+      n = self.prefill_rows(len(chunk), bucket)
+      if n < len(chunk):  # the token budget: fewer rows at this bucket (shortest first)
+        chunk = chunk[:n]
+        bucket = longest(chunk)
+      start += len(chunk)
       tokens_NxL = np.zeros((n, bucket), np.int32)
       for row, i in enumerate(chunk):
         tokens_NxL[row, :len(token_lists[i])] = token_lists[i]
@@ -418,12 +428,23 @@ class DecodeEngine:
         out[i] = prefix
     return out
 
-  def prefill_rows(self, k: int) -> int:
+  def prefill_rows(self, k: int, bucket: int = 0) -> int:
     """Rows of a prefill call for ``k`` prompts: a power of two, at most ``max_prefill_batch`` and
-    the slot count (rounded up), the most prompts one admission round can bring."""
+    the slot count (rounded up), the most prompts one admission round can bring; at ``bucket``
+    also at most ``max_prefill_tokens / bucket`` (at least one)."""
     pow2 = lambda n: 1 << max(n - 1, 0).bit_length()
-    cap = min(1 << (self.config.max_prefill_batch.bit_length() - 1), pow2(self.config.num_slots))
+    floor2 = lambda n: 1 << (max(n, 1).bit_length() - 1)
+    cap = min(floor2(self.config.max_prefill_batch), pow2(self.config.num_slots))
+    if bucket and self.config.max_prefill_tokens:
+      cap = min(cap, floor2(self.config.max_prefill_tokens // bucket))
     return min(pow2(k), cap)
+
+  def prefill_shapes_to_plan(self) -> list[tuple[int, int]]:
+    """``(bucket, rows)`` of the prefill calls whose memory bounds every other's: the largest
+    bucket at its most rows, and the bucket whose most rows hold the most tokens (under
+    ``max_prefill_tokens`` a smaller bucket can take more rows)."""
+    most = [(b, self.prefill_rows(self.config.max_prefill_batch, b)) for b in self.prefill_buckets]
+    return sorted({most[-1], max(most, key=lambda s: (s[0] * s[1], s[0]))})
 
   def _make_prefill(self, bucket: int, n: int):
     cfg, mesh, cache_dtype = self.model_cfg, self.mesh, self._cache_dtype

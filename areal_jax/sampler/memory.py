@@ -7,8 +7,10 @@ Per device (the fullest one), before the decode state is allocated:
        + decode state          (the KV cache of every slot and the per-slot vectors)
        + the larger program    (XLA's memory analysis of the two largest programs, compiled on
                                 abstract shapes: the decode call at full width and the largest kv
-                                bucket, its temporaries; the prefill call at the largest bucket and
-                                most rows, its temporaries and the prefixes it returns)
+                                bucket, its temporaries; the largest prefill call, its temporaries
+                                and the prefixes it returns: at the largest bucket and the most rows
+                                rollout.max_prefill_tokens leaves it, or at the bucket whose rows
+                                hold the most tokens)
 
 The budget is the caller's (``learner.memory.device_budget`` of the sampler's devices). Colocated
 with the learner, the two alternate on the same devices and what each keeps between its turns
@@ -114,16 +116,14 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
   pages = ((jax.ShapeDtypeStruct((c.num_slots, engine.pages_per_slot), np.int32),)
            if engine.paged else ())  # a paged cache's page table
   gen_temp, _ = _compiled_memory(generate, engine.params, state, *pages)
-  rows = engine.prefill_rows(c.max_prefill_batch)
-  bucket = engine.prefill_buckets[-1]
-  tokens = jax.ShapeDtypeStruct((rows, bucket), np.int32)
-  pre_temp, pre_out = _compiled_memory(engine._make_prefill(bucket, rows),  # noqa: SLF001
-                                       engine.params, tokens)
+  prefill = max(sum(_compiled_memory(engine._make_prefill(bucket, rows),  # noqa: SLF001
+                                     engine.params, jax.ShapeDtypeStruct((rows, bucket), np.int32)))
+                for bucket, rows in engine.prefill_shapes_to_plan())
   base = engine.weights.lora_base  # with LoRA: the base the adapters are merged into
   return SamplerPlan(
       weights=sharding.device_bytes(engine.params),
       lora_base=sharding.device_bytes(base) if base is not None and not shared_base else 0,
-      state=sharding.device_bytes(state), generate_temp=gen_temp, prefill=pre_temp + pre_out,
+      state=sharding.device_bytes(state), generate_temp=gen_temp, prefill=prefill,
       num_slots=c.num_slots, budget_bytes=budget_bytes, resident_budget=resident_budget,
       kv_pages=c.kv_pages, pool_follows_slots=engine.pool_follows_slots)
 
@@ -166,8 +166,8 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
 
 def _too_big(p: SamplerPlan, max_len: int, mesh, min_slots: int = 1) -> MemoryError:
   need = f" (at least {min_slots} needed: rollout.n_samples)" if min_slots > 1 else ""
-  prefill = (" Most of it is the prefill call: lower the largest of rollout.prefill_buckets."
-             if p.prefill > p.state + p.generate_temp else "")
+  prefill = (" Most of it is the prefill call: lower rollout.max_prefill_tokens or the largest "
+             "of rollout.prefill_buckets." if p.prefill > p.state + p.generate_temp else "")
   if p.kv_pages and not p.pool_follows_slots:
     return MemoryError(
         f"sampler memory plan: does not fit: {p.summary()}. Lower rollout.kv_pages (now "

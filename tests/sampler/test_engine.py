@@ -142,6 +142,35 @@ def test_batched_prefill_equals_one_prompt_at_a_time(model):
                                    atol=1e-5)
 
 
+def test_a_token_budget_caps_prefill_rows_at_long_buckets_and_changes_no_prefix(model):
+  """``max_prefill_tokens``: a call at a long bucket takes fewer prompts (its memory grows with
+  rows x bucket), short buckets keep their rows, and every prefix is what the uncapped engine
+  gives."""
+  cfg = dict(num_slots=8, max_len=64, prefill_buckets=(8, 16, 32), max_prefill_batch=8)
+  eng = DecodeEngine(model, EngineConfig(max_prefill_tokens=64, **cfg))
+  free = DecodeEngine(model, EngineConfig(**cfg))
+  assert [eng.prefill_rows(8, b) for b in eng.prefill_buckets] == [8, 4, 2, 1]  # 63: the last
+  assert [free.prefill_rows(8, b) for b in free.prefill_buckets] == [8, 8, 8, 8]
+  assert eng.prefill_rows(3, 32) == 2 and eng.prefill_rows(1, 63) == 1  # at least one row
+  # the largest bucket at its rows, and the one whose rows hold the most tokens (of equal
+  # tokens the longer bucket: its attention is larger)
+  assert eng.prefill_shapes_to_plan() == [(32, 2), (63, 1)]
+  assert free.prefill_shapes_to_plan() == [(63, 8)]
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(1, 100, n)) for n in (3, 30, 12, 7, 50, 9, 31, 2, 15, 40)]
+  calls = []
+  eng._variant = lambda fns, key, make, what: calls.append(key) or make()  # noqa: SLF001
+  capped, uncapped = eng.prefill_batch(eng.params, prompts), free.prefill_batch(free.params, prompts)
+  assert all(rows * bucket <= 64 or rows == 1 for bucket, rows in calls), calls
+  for prompt, a, b in zip(prompts, capped, uncapped):
+    for layer_a, layer_b in zip(a, b):
+      for name in ("k", "v"):
+        np.testing.assert_allclose(layer_a[name][:, :len(prompt)], layer_b[name][:, :len(prompt)],
+                                   atol=1e-5)
+  with pytest.raises(ValueError, match="invalid engine config"):
+    EngineConfig(max_prefill_tokens=-1, **cfg)
+
+
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
 def test_moved_sequences_continue_exactly_at_a_narrower_width(model, layers):
   """Sequences moved down mid-decode and advanced at a smaller width draw the same tokens with the

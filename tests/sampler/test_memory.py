@@ -161,3 +161,19 @@ def test_a_pool_sized_by_the_slots_shrinks_with_them(monkeypatch):
   assert holder.engine.config.kv_pages == fitted.num_slots * 5 and fitted.state < p.state
   with pytest.raises(MemoryError, match="lower rollout.num_slots"):
     memory.check(eng, p.peak_bytes - 1)
+
+
+def test_the_plan_bounds_every_prefill_call_under_a_token_budget():
+  """With ``max_prefill_tokens`` the largest prefill call may be at a smaller bucket with more
+  rows: the plan takes the largest of the calls the engine can make, and a budget shrinks it."""
+  cfg = dict(num_slots=8, max_len=96, prefill_buckets=(16, 32, 64))
+  capped = DecodeEngine(tiny_model(0), EngineConfig(max_prefill_tokens=128, **cfg))
+  free = DecodeEngine(tiny_model(0), EngineConfig(**cfg))
+  plan = memory.plan(capped, None)
+  assert plan.prefill < memory.plan(free, None).prefill
+  for bucket in capped.prefill_buckets:
+    for rows in {capped.prefill_rows(k, bucket) for k in range(1, 9)}:
+      fn = capped._make_prefill(bucket, rows)  # noqa: SLF001
+      m = fn.lower(capped.params, jax.ShapeDtypeStruct((rows, bucket), "int32")).compile()
+      m = m.memory_analysis()
+      assert m.temp_size_in_bytes + m.output_size_in_bytes <= plan.prefill, (bucket, rows)
