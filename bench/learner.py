@@ -286,7 +286,8 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
       key, value = item.split("=", 1)
       *parents, leaf = key.split(".")
       node = functools.reduce(getattr, parents, c)
-      setattr(node, leaf, type(getattr(node, leaf))(value))
+      kind = type(getattr(node, leaf))
+      setattr(node, leaf, value.lower() in ("1", "true") if kind is bool else kind(value))
     mesh = meshes.build(c.mesh, devices)[0]
     learner = Learner.abstract(cfg, c.actor, mesh, max_seq_len=c.rollout.max_prompt_len +
                                c.rollout.max_new_tokens)

@@ -52,15 +52,17 @@ Presets:
              python -m areal_jax.export --config=configs/gsm8k.py:qwen3_lora \
                  --checkpoint=$HOME/runs/q3lora --output=$HOME/q3lora_adapter   # PEFT adapter dir
            Memory: learner and sampler share mesh.memory_fraction (0.9) of the device; the sampler's
-           merged bf16 copy (3.21 GiB) and KV cache (0.16 GiB a slot of 1536 positions) stay
+           merged bf16 copy (3.21 GiB) and KV cache (2.63 GiB for 16 slots of 1536 positions) stay
            resident beside the learner (the frozen base included in its plan, 3.40 GiB kept
-           between steps). Compiled by a TPU v5e's own compiler on a CPU machine (bench/learner.py
-           --plan --target v5e:2x4, bench/results/plan-colocated-2026-11-29-s36) for a 16 GiB
-           chip: the learner needs 9.15 GiB at its smallest micro-batch (one row of 1536 tokens;
-           9.57 at 1 x 3072), so the run rebuilds the sampler with 12 of its 16 slots (printed),
-           whose peak, 9.36 GiB (weights twice during a swap, decode call 48 MiB, prefill call
-           1.0 GiB), fits beside what the learner keeps. On a larger device (Colab's 40 GB A100)
-           all 16 slots have room (not planned here). Not run on an accelerator (not measured).
+           between steps). Compiled by the accelerators' own compilers on a CPU machine
+           (bench/learner.py --plan --target v5e:2x4 | h100 --devices 1,
+           bench/results/plan-colocated-2026-11-29-s36) for 16 GiB: the learner needs 4.83 GiB
+           on a TPU v5e chip (5.48 by XLA's GPU compiler for an H100) for its configured
+           micro-batch of 1 x 3072 tokens, with the layers unrolled (9.57 GiB with them under
+           one scan, which copies the stacked weights), beside all 16 slots of the sampler, whose
+           peak, 10.02 GiB (10.24 on the GPU, paged; weights twice during a swap, prefill call
+           1.0 GiB), fits beside what the learner keeps. Not run on an accelerator (not
+           measured).
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """
 
@@ -180,8 +182,11 @@ def get_config(preset: str = "default"):
     c.actor.lora.rank = 16
     c.actor.lora.alpha = 32.0
     # One device: the sampler's merged bf16 weights (3.21 GiB) and KV cache (2.63 GiB) stay
-    # resident beside the learner, whose plan (frozen base included) must fit the rest; the LM
-    # head 512 tokens at a time (9.15 instead of 9.94 GiB at one row of 1536 on a TPU v5e chip).
+    # resident beside the learner, whose plan (frozen base included) must fit the rest. Layers
+    # unrolled, each rematerialised: the scan stacks every layer's weights into a copy inside the
+    # step (compiled for a TPU v5e chip, 1 x 3072 tokens: 4.83 GiB unrolled, 9.57 scanned); the LM
+    # head 512 tokens at a time.
+    c.actor.scan_layers = False
     c.actor.logits_chunk = 512
     c.actor.lr = 1e-4
     c.actor.weight_decay = 0.0
