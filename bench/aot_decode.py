@@ -326,40 +326,37 @@ def sampler_plan(device, model, engine_config, **budget):
   largest programs' temporaries) with the programs compiled for ``device`` (a TPU chip or a GPU of
   ``target_devices``) by its own compiler, for an engine of one device (``target_engine``), the
   weights and state in the layouts the engine holds them in there (``choice.held_layouts``).
-  ``budget``: ``SamplerPlan``'s ``budget_bytes`` / ``resident_budget``."""
-  from areal_jax import sharding
+  ``budget``: ``plan``'s ``budget_bytes`` / ``resident_budget``."""
   from areal_jax.kernels import choice
   from areal_jax.sampler import memory
-  eng = target_engine(device, model, engine_config)
-  c, platform = eng.config, _platform(device)
+  platform = _platform(device)
 
   def compiled(fn, *args):
     with choice.lowering_for(platform):
       return choice.lower(fn, args, platform, device.device_kind).compile().memory_analysis()
 
-  params, state = abstract(eng.params, device), abstract(eng.state_shapes(), device)
-  pages = (abstract(jax.ShapeDtypeStruct((c.num_slots, eng.pages_per_slot), jnp.int32), device),
-           ) if eng.paged else ()
-  with choice.lowering_for(platform):  # (as sampler.memory.plan: the widest decode call)
-    generate = eng._make_generate(eng.kv_buckets[-1], c.num_slots).__wrapped__  # noqa: SLF001
-    prefills = [(eng._make_prefill(bucket, rows).__wrapped__,  # noqa: SLF001
-                 abstract(jax.ShapeDtypeStruct((rows, bucket), jnp.int32), device))
-                for bucket, rows in eng.prefill_shapes_to_plan()]
-  options = eng.compiler_options
-  gen_fn, held = jax.jit(generate, donate_argnums=1, compiler_options=options), None
-  if choice.held_layouts(platform) == "compiler":  # (a TPU) the layouts the engine holds there
-    gen_fn, found = _with_auto_layouts(gen_fn, (params, state, *pages), options, platform)
-    held = found["compiled"].input_formats[0][0]
-  gen = compiled(gen_fn, params, state, *pages)
-  pre = max(sum((lambda m: (m.temp_size_in_bytes, m.output_size_in_bytes))(compiled(
-      jax.jit(fn, in_shardings=None if held is None else (held, None), compiler_options=options),
-      params, tokens))) for fn, tokens in prefills)
-  return memory.SamplerPlan(
-      weights=sharding.device_bytes(eng.params), lora_base=0,
-      state=sharding.device_bytes(eng.state_shapes()), generate_temp=gen.temp_size_in_bytes,
-      prefill=pre, num_slots=c.num_slots,
-      kv_pages=c.kv_pages, pool_follows_slots=eng.pool_follows_slots,
-      **{"budget_bytes": None, **budget})
+  def programs(eng):  # (memory.program_bytes, compiled for the target)
+    c = eng.config
+    params, state = abstract(eng.params, device), abstract(eng.state_shapes(), device)
+    pages = (abstract(jax.ShapeDtypeStruct((c.num_slots, eng.pages_per_slot), jnp.int32),
+                      device),) if eng.paged else ()
+    with choice.lowering_for(platform):  # (the widest decode call)
+      generate = eng._make_generate(eng.kv_buckets[-1], c.num_slots).__wrapped__  # noqa: SLF001
+      prefills = [(eng._make_prefill(bucket, rows).__wrapped__,  # noqa: SLF001
+                   abstract(jax.ShapeDtypeStruct((rows, bucket), jnp.int32), device))
+                  for bucket, rows in eng.prefill_shapes_to_plan()]
+    options = eng.compiler_options
+    gen_fn, held = jax.jit(generate, donate_argnums=1, compiler_options=options), None
+    if choice.held_layouts(platform) == "compiler":  # (a TPU) the layouts the engine holds there
+      gen_fn, found = _with_auto_layouts(gen_fn, (params, state, *pages), options, platform)
+      held = found["compiled"].input_formats[0][0]
+    pre = [compiled(jax.jit(fn, in_shardings=None if held is None else (held, None),
+                            compiler_options=options), params, tokens) for fn, tokens in prefills]
+    return (compiled(gen_fn, params, state, *pages).temp_size_in_bytes,
+            max(m.temp_size_in_bytes + m.output_size_in_bytes for m in pre))
+
+  return memory.plan(target_engine(device, model, engine_config), budget.get("budget_bytes"),
+                     budget.get("resident_budget"), programs=programs)
 
 
 def _with_auto_layouts(fn, fargs, compiler_options, platform: str):

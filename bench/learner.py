@@ -66,6 +66,7 @@ Runs on one device (all cores); set XLA_FLAGS as you like, only ``jax.devices()[
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
 import json
@@ -85,6 +86,7 @@ from areal_jax.models import ModelConfig, Transformer
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import Sample
 from areal_jax.runtime import weight_transfer
+from areal_jax.sampler import memory as sampler_memory
 from common import QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine
 
 # (name, preset, shape, GiB per device the recipe is written for; 80 GB GPUs report 60: JAX's
@@ -282,12 +284,13 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
     if only and preset not in only:
       continue
     c = config_lib.load(f"{pathlib.Path(__file__).parents[1] / 'configs/gsm8k.py'}:{preset}")
-    for item in overrides:  # KEY=VALUE, the value as the key's type
+    for item in overrides:  # KEY=VALUE, the value a Python literal (else a string)
       key, value = item.split("=", 1)
-      *parents, leaf = key.split(".")
-      node = functools.reduce(getattr, parents, c)
-      kind = type(getattr(node, leaf))
-      setattr(node, leaf, value.lower() in ("1", "true") if kind is bool else kind(value))
+      try:
+        value = ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        pass
+      config_lib.override(c, key, value)
     mesh = meshes.build(c.mesh, devices)[0]
     learner = Learner.abstract(cfg, c.actor, mesh, max_seq_len=c.rollout.max_prompt_len +
                                c.rollout.max_new_tokens)
@@ -313,16 +316,18 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
                logits_chunk=c.actor.logits_chunk, plan_s=time.perf_counter() - t, fits=fits,
                lora_rank=c.actor.lora.rank,
                **{f"{k}_gib": v / memory.GIB for k, v in p.parts.items()})
-    if sampler:
-      per_slot = sampler["state"] / sampler["slots"]
+    if sampler:  # the slots that leave the learner's smallest step room, as the run's plan says
+      room = sampler_memory.SamplerPlan(
+          weights=sampler["weights"], lora_base=0, state=sampler["state"], generate_temp=0,
+          prefill=0, num_slots=sampler["slots"], budget_bytes=None,
+          resident_budget=budget - p.peak_bytes)
       row.update(sampler_weights_gib=sampler["weights"] / memory.GIB,
                  sampler_cache_gib=sampler["state"] / memory.GIB,
-                 sampler_slots=sampler["slots"] if fits else max(
-                     0, int((budget - p.peak_bytes - sampler["weights"]) // per_slot)))
+                 sampler_slots=sampler["slots"] if fits else room.slots_that_fit())
     if programs:  # its peak beside what the learner keeps, at the slots the run would take
       if not fits and row["sampler_slots"] >= c.rollout.n_samples:
         programs = target_sampler_plan(devices[0], cfg, c, row["sampler_slots"])
-      kept = sum(v for k, v in p.parts.items() if k in ("params", "opt", "ref", "frozen"))
+      kept = sum(memory.kept_bytes(learner).values())
       row.update({f"sampler_{k}_gib": getattr(programs, k) / memory.GIB for k in (
                      "weights", "state", "generate_temp", "prefill", "resident_bytes",
                      "peak_bytes")},

@@ -70,7 +70,8 @@ def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> Rollo
     plan_learner(config, learner, sampler)
   except learner_memory.DoesNotFit as e:
     print(f"learner memory plan: not even {e.smallest.micro_batch_tokens} tokens a micro-batch "
-          f"({e.smallest.peak_gib:.2f} GiB) fit beside the {sampler.resident_bytes / 2**30:.2f} "
+          f"({e.smallest.peak_gib:.2f} GiB) fit beside the "
+          f"{sampler.resident_bytes / learner_memory.GIB:.2f} "
           f"GiB the colocated sampler keeps ({sampler.num_slots} slots); rebuilding the sampler "
           "with fewer slots", flush=True)
     del engine  # its weights and programs go before the next engine places its own

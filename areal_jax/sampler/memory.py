@@ -103,29 +103,38 @@ def _compiled_memory(jitted, *args):
   return m.temp_size_in_bytes, m.output_size_in_bytes
 
 
-def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
-         shared_base: bool = False) -> SamplerPlan:
-  """The plan of a ``DecodeEngine`` (its weights placed, its state not needed); ``shared_base``:
-  its LoRA base is the learner's own array, already counted there."""
+def program_bytes(engine) -> tuple[int, int]:
+  """``(decode call's temporaries, largest prefill call's temporaries and returned prefixes)``,
+  compiled on abstract shapes for the engine's own devices."""
   c = engine.config
-  state = engine.state_shapes()
   # (on GPU, where the top-k / top-p program is compiled apart: the one without the sort, which
   # default rollouts run and the persistent compilation cache then holds; the other's sort
   # buffers, a few [slots, vocab] float32 arrays, are not planned)
   generate = engine._make_generate(engine.kv_buckets[-1], c.num_slots)  # noqa: SLF001
   pages = ((jax.ShapeDtypeStruct((c.num_slots, engine.pages_per_slot), np.int32),)
            if engine.paged else ())  # a paged cache's page table
-  gen_temp, _ = _compiled_memory(generate, engine.params, state, *pages)
+  gen_temp, _ = _compiled_memory(generate, engine.params, engine.state_shapes(), *pages)
   prefill = max(sum(_compiled_memory(engine._make_prefill(bucket, rows),  # noqa: SLF001
                                      engine.params, jax.ShapeDtypeStruct((rows, bucket), np.int32)))
                 for bucket, rows in engine.prefill_shapes_to_plan())
+  return gen_temp, prefill
+
+
+def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
+         shared_base: bool = False, programs=program_bytes) -> SamplerPlan:
+  """The plan of a ``DecodeEngine`` (its weights placed, its state not needed); ``shared_base``:
+  its LoRA base is the learner's own array, already counted there; ``programs``: what gives the
+  programs' bytes (``program_bytes``; bench/aot_decode.py compiles them for another device)."""
+  c = engine.config
+  gen_temp, prefill = programs(engine)
   base = engine.weights.lora_base  # with LoRA: the base the adapters are merged into
   return SamplerPlan(
       weights=sharding.device_bytes(engine.params),
       lora_base=sharding.device_bytes(base) if base is not None and not shared_base else 0,
-      state=sharding.device_bytes(state), generate_temp=gen_temp, prefill=prefill,
-      num_slots=c.num_slots, budget_bytes=budget_bytes, resident_budget=resident_budget,
-      kv_pages=c.kv_pages, pool_follows_slots=engine.pool_follows_slots)
+      state=sharding.device_bytes(engine.state_shapes()), generate_temp=gen_temp,
+      prefill=prefill, num_slots=c.num_slots, budget_bytes=budget_bytes,
+      resident_budget=resident_budget, kv_pages=c.kv_pages,
+      pool_follows_slots=engine.pool_follows_slots)
 
 
 def check(engine, budget_bytes: int | None, resident_budget: int | None = None,
