@@ -79,6 +79,9 @@ def base_config() -> ConfigDict:
   c.rollout.max_prefill_tokens = 4096
   c.rollout.steps_per_call = 0  # decode steps per jitted call (host sync); 0: 1 on CPU, 16 on GPU/TPU
   c.rollout.decode_attention = "auto"  # "auto" | "cpu" | "xla" | "dense" | "pallas_gpu" | "pallas_tpu"
+  # a prefill's attention: "auto" (a flash kernel on GPU and TPU, dense on CPU) | "dense" |
+  # "pallas_gpu" | "pallas_tpu"
+  c.rollout.prefill_attention = "auto"
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla" | "blas" (GPU library GEMMs)
   c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan for pallas_tpu unpaged)
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
@@ -140,6 +143,9 @@ def base_config() -> ConfigDict:
   c.actor.remat = "none"
   c.actor.scan_layers = False  # run the layers as one lax.scan (compile time flat in depth)
   c.actor.logits_chunk = 0  # tokens whose LM-head logits exist at once; 0: the whole micro-batch
+  # the train step's causal attention: "auto" (a flash kernel on GPU and TPU, which holds no
+  # L x L scores; dense on CPU) | "dense" | "pallas_gpu" | "pallas_tpu"
+  c.actor.attention = "auto"
   # LoRA (rank 0: off, full fine-tuning). The base is frozen and stored in actor.dtype; only the
   # adapters train, get optimizer state, are checkpointed and are published to the sampler.
   c.actor.lora = ConfigDict()
@@ -277,6 +283,9 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   }
   from areal_jax.kernels import choice as kernel_choice  # noqa: PLC0415 (imports jax)
   choices["rollout.decode_attention"] = (r.decode_attention, ("auto",) + kernel_choice.ATTENTION)
+  choices["rollout.prefill_attention"] = (r.get("prefill_attention", "auto"),
+                                          ("auto",) + kernel_choice.CAUSAL)
+  choices["actor.attention"] = (a.get("attention", "auto"), ("auto",) + kernel_choice.CAUSAL)
   choices["rollout.decode_matmul"] = (r.decode_matmul, ("auto",) + kernel_choice.MATMUL)
   choices["rollout.decode_layers"] = (r.decode_layers, ("auto",) + kernel_choice.LAYERS)
   choices["rollout.decode_projections"] = (r.get("decode_projections", "auto"),

@@ -327,13 +327,14 @@ def sampler_plan(device, model, engine_config, **budget):
   ``target_devices``) by its own compiler, for an engine of one device (``target_engine``), the
   weights and state in the layouts the engine holds them in there (``choice.held_layouts``).
   ``budget``: ``plan``'s ``budget_bytes`` / ``resident_budget``."""
+  from areal_jax import program_memory
   from areal_jax.kernels import choice
   from areal_jax.sampler import memory
   platform = _platform(device)
 
-  def compiled(fn, *args):
+  def compiled(fn, *args):  # (a program the compiler refuses for want of memory: what it needed)
     with choice.lowering_for(platform):
-      return choice.lower(fn, args, platform, device.device_kind).compile().memory_analysis()
+      return program_memory.cost(choice.lower(fn, args, platform, device.device_kind), args)
 
   def programs(eng):  # (memory.program_bytes, compiled for the target)
     c = eng.config
@@ -352,8 +353,8 @@ def sampler_plan(device, model, engine_config, **budget):
       held = found["compiled"].input_formats[0][0]
     pre = [compiled(jax.jit(fn, in_shardings=None if held is None else (held, None),
                             compiler_options=options), params, tokens) for fn, tokens in prefills]
-    return (compiled(gen_fn, params, state, *pages).temp_size_in_bytes,
-            max(m.temp_size_in_bytes + m.output_size_in_bytes for m in pre))
+    return (compiled(gen_fn, params, state, *pages)["temp"],
+            max(m["temp"] + m["out"] for m in pre))
 
   return memory.plan(target_engine(device, model, engine_config), budget.get("budget_bytes"),
                      budget.get("resident_budget"), programs=programs)

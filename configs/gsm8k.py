@@ -17,8 +17,10 @@ tokens, under 90% of a 16 GiB chip; with actor.remat="none" and no logits chunki
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan
 Compiled by a TPU v5e's own compiler (libtpu, on a CPU machine: bench/learner.py --plan --target
 v5e:2x4; bench/results/plan-targets-2026-11-29-s35): 9.78 GiB per chip (XLA:CPU keeps float32
-copies of the bfloat16 weights a TPU multiplies as they are). Never run on an accelerator (not
-measured).
+copies of the bfloat16 weights a TPU multiplies as they are); 9.37 GiB with the flash attention
+kernel the train step runs on TPU and GPU since session 37 (bench/results/plan-flash-2026-11-29-s37,
+where 8k-token sequences, rollout.max_new_tokens=8192, fit 4 chips at 12.79 GiB: 17.22 with the
+dense attention). Never run on an accelerator (not measured).
 
 Presets:
   :tiny    random tiny model with a byte tokenizer; the full asynchronous loop in ~1 minute on CPU.
@@ -57,11 +59,12 @@ Presets:
            between steps). Compiled by the accelerators' own compilers on a CPU machine
            (bench/learner.py --plan --target v5e:2x4 | h100 --devices 1,
            bench/results/plan-colocated-2026-11-29-s36) for 16 GiB: the learner needs 4.83 GiB
+           (4.49 with session 37's flash attention, plan-flash-2026-11-29-s37)
            on a TPU v5e chip (5.48 by XLA's GPU compiler for an H100) for its configured
            micro-batch of 1 x 3072 tokens, with the layers unrolled (9.57 GiB with them under
            one scan, which copies the stacked weights), beside all 16 slots of the sampler, whose
            peak, 10.02 GiB (10.24 on the GPU, paged; weights twice during a swap, prefill call
-           1.0 GiB), fits beside what the learner keeps. Not run on an accelerator (not
+           1.0 GiB; 10.13 and 1.09 with the flash prefill), fits beside what the learner keeps. Not run on an accelerator (not
            measured).
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """

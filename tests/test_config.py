@@ -93,6 +93,14 @@ def test_decode_kernel_keys_are_checked():
   c.rollout.decode_projections = "merged"
   with pytest.raises(ValueError, match="rollout.decode_projections='merged'"):
     config_lib.validate(c)
+  c = config_lib.base_config()
+  c.rollout.prefill_attention, c.actor.attention = "flash", "xla"
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(c)
+  assert "rollout.prefill_attention='flash'" in str(e.value) and "pallas_tpu" in str(e.value)
+  assert "actor.attention='xla'" in str(e.value)
+  c.rollout.prefill_attention, c.actor.attention = "pallas_gpu", "dense"
+  config_lib.validate(c)
 
 
 def test_paged_cache_keys_are_checked():

@@ -1,4 +1,4 @@
-"""The one place that picks the sampler's decode kernels by backend.
+"""The one place that picks the platform kernels (the sampler's decode, whole rows' attention).
 
 Decode attention (``ATTENTION``):
   * ``"cpu"``: the C++ kernel (``cpu_attention``), each row read up to its own position. CPU only.
@@ -126,6 +126,18 @@ lowering_platforms=...)``, telling JAX 0.11's Triton lowering which GPU it compi
 machine that checks that the kernels lower as a GPU or TPU would compile them (Mosaic's and
 Triton's constraints on block shapes are checked there, not in interpret mode).
 
+Causal attention of whole rows (``CAUSAL``, ``causal_attention``): a training step's over packed
+rows and a prefill's (``causal_attention``'s module). ``"auto"``: on GPU and TPU the flash kernels
+JAX ships (``"pallas_gpu"``, ``"pallas_tpu"``), which never hold a row's ``L x L`` scores; on CPU
+(and on GPUs without Triton, or head sizes Mosaic refuses) ``"dense"``, the model's masked form.
+Chosen for memory, not speed: compiled for a TPU v5e chip (libtpu on this CPU machine), the
+default recipe's train step at 16k-token sequences needs temporaries the compiler refuses
+(23.91 GB of a 15.75 GB chip) with the dense form and 16.85 GiB in all with the kernel
+(``bench/results/plan-flash-2026-11-29-s37``). Their run time on an accelerator is not measured
+(no device was lent to this project since they were added). ``actor.attention`` and
+``rollout.prefill_attention`` request one (``$AREAL_JAX_CAUSAL_ATTENTION`` where they say auto);
+the platform is that of the program being traced (``platform_here``: the mesh in use).
+
 A request other than ``"auto"`` (an engine's config) wins; else ``$AREAL_JAX_DECODE_ATTENTION`` /
 ``$AREAL_JAX_DECODE_MATMUL`` / ``$AREAL_JAX_DECODE_LAYERS`` / ``$AREAL_JAX_DECODE_PROJECTIONS``
 when set; else the platform's default.
@@ -141,8 +153,9 @@ import os
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from areal_jax.kernels import (cpu_attention, cpu_matmul, pallas_attention, pallas_norm_matmul,
-                                pallas_tpu_attention)
+from areal_jax import sharding
+from areal_jax.kernels import (causal_attention as causal_kernels, cpu_attention, cpu_matmul,
+                               pallas_attention, pallas_norm_matmul, pallas_tpu_attention)
 
 ATTENTION = ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu")
 MATMUL = ("cpu_packed", "xla", "blas")
@@ -152,6 +165,8 @@ ATTENTION_ENV = "AREAL_JAX_DECODE_ATTENTION"
 MATMUL_ENV = "AREAL_JAX_DECODE_MATMUL"
 LAYERS_ENV = "AREAL_JAX_DECODE_LAYERS"
 PROJECTIONS_ENV = "AREAL_JAX_DECODE_PROJECTIONS"
+CAUSAL = causal_kernels.IMPLS
+CAUSAL_ENV = "AREAL_JAX_CAUSAL_ATTENTION"
 HELD_LAYOUTS_ENV = "AREAL_JAX_HELD_LAYOUTS"
 QUERY_ROWS_ENV = "AREAL_JAX_DECODE_QUERY_ROWS"
 PAGED_ENV = "AREAL_JAX_PAGED_CACHE"
@@ -277,6 +292,19 @@ def interpret() -> bool:
   return platform_of(None) == "cpu"
 
 
+def interpret_here() -> bool:
+  """Whether Pallas kernels of the program being traced run in interpret mode: its devices (the
+  active ``sharding.use`` mesh's, else the default backend's) are CPUs, and it is not lowered for
+  another platform (``lowering_for``)."""
+  import jax  # noqa: PLC0415
+
+  if _LOWERING_FOR.get() is not None:
+    return _family(_LOWERING_FOR.get()) == "cpu"
+  ctx = sharding.current()
+  name = ctx[0].devices.flat[0].platform if ctx is not None else jax.default_backend()
+  return _family(name) == "cpu"
+
+
 def _requested(requested: str, env: str, valid: tuple[str, ...], what: str) -> str:
   value = requested if requested != "auto" else os.environ.get(env, "auto") or "auto"
   if value != "auto" and value not in valid:
@@ -304,6 +332,47 @@ def attention(platform: str, requested: str = "auto", paged: bool = False,
   if value == "pallas_gpu" and no_triton:
     raise ValueError(f"decode attention 'pallas_gpu' cannot run here: {no_triton} (use 'dense')")
   return value
+
+
+def platform_here() -> str:
+  """The platform of the program being traced: ``lowering_for``'s inside it, else that of the
+  active ``sharding.use`` mesh (a learner's or an engine's, also when compiled for another
+  machine's devices), else the default backend's."""
+  ctx = sharding.current()
+  if _LOWERING_FOR.get() is None and ctx is not None:
+    return platform_of(ctx[0])
+  return platform_of(None)
+
+
+def causal_attention(requested: str = "auto", head_dim: int = 128) -> tuple[str, bool]:
+  """``(impl, interpret)``: the causal attention of whole rows (a training step's, a prefill's;
+  ``CAUSAL``, ``kernels.causal_attention``) for the program being traced (``platform_here``), and
+  whether its Pallas kernel runs in interpret mode (a CPU device). ``"auto"``: the flash kernels
+  on GPU and TPU (``"pallas_gpu"`` where Triton runs: ``triton_unusable``; ``"pallas_tpu"`` for
+  the head sizes Mosaic takes), else ``"dense"`` (the model's masked form; every kernel runs on
+  CPU, interpreted). Their run time on an accelerator is not measured by this project (no device
+  was lent to it): they are chosen there for memory, as a step's dense scores grow with the square
+  of its rows' length."""
+  platform = platform_here()
+  value = _requested(requested, CAUSAL_ENV, CAUSAL, "attention")
+  ctx = sharding.current()
+  no_triton = triton_unusable(ctx[0].devices.flat) if ctx is not None else None
+  interpret = interpret_here()
+  if value == "auto":
+    value = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "dense")
+    if (value == "pallas_gpu" and no_triton) or causal_kernels.unusable(value, head_dim,
+                                                                        not interpret):
+      value = "dense"
+    return value, interpret
+  valid = {"gpu": ("dense", "pallas_gpu"), "tpu": ("dense", "pallas_tpu")}.get(platform, CAUSAL)
+  if value not in valid:
+    raise ValueError(f"causal attention {value!r} cannot run on {platform!r} devices (valid "
+                     f"there: {valid})")
+  why = (no_triton if value == "pallas_gpu" else None) or causal_kernels.unusable(
+      value, head_dim, not interpret)
+  if why:
+    raise ValueError(f"causal attention {value!r} cannot run here: {why} (use 'dense')")
+  return value, interpret
 
 
 def pallas_gpu_reads(page_size: int) -> bool:

@@ -16,7 +16,8 @@ update, with the training state donated). Their shapes depend only on the bucket
 rows per micro-batch, never on the number of sequences or micro-batches, and a shape already
 compiled is reused when it costs little more (``packing.plan``'s ``known``), so steady state does
 not recompile (``compiles`` in the step's metrics counts it). The forward is
-``models.train_forward.hidden`` (``actor.remat``, ``actor.scan_layers``) followed by the LM head in
+``models.train_forward.hidden`` (``actor.remat``, ``actor.scan_layers``, ``actor.attention``: on
+GPU and TPU a flash kernel, which holds no ``L x L`` scores of a row) followed by the LM head in
 chunks (``head.py``, ``actor.logits_chunk``); ``memory.py`` plans the step's device memory.
 An update whose loss or gradient is not finite is not applied: the parameters stay
 those of the last good update and ``train_step`` raises ``FloatingPointError`` naming the step.
@@ -247,7 +248,8 @@ class Learner:
         params = lora_lib.wrap(frozen, params, self.lora, dropout_key)
       model = nnx.merge(self.graphdef, params)
       h_RxLxE = train_forward.hidden(model, b["tokens"], b["positions"], b["segment_ids"],
-                                     remat=opts.remat, scan=opts.scan_layers)
+                                     remat=opts.remat, scan=opts.scan_layers,
+                                     attention=opts.get("attention", "auto"))
       w, transpose_w = train_forward.head_weight(model)
       return head.token_logprobs(h_RxLxE, w, transpose_w, b["tokens"], self.temperature,
                                  opts.logits_chunk)

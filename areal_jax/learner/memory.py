@@ -18,7 +18,8 @@ device reports, and never more than it reports; none on CPU, where nothing is ch
 (``reserved``: ``runtime.engines.build_planned``). The configured ``actor.micro_batch_tokens``
 either fits, or the largest halving of it that fits is used, or the plan stops with a message
 naming what to change (``DoesNotFit``, with the smallest micro-batch's plan). Figures are those of the backend the
-plan compiles for (XLA:CPU's fusion and buffer assignment differ somewhat from TPU's or GPU's).
+plan compiles for (XLA:CPU's fusion and buffer assignment differ somewhat from TPU's or GPU's); a
+program a TPU's compiler refuses for want of memory does not fit (``program_memory``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from areal_jax import sharding
+from areal_jax import program_memory, sharding
 from areal_jax.learner import packing
 
 GIB = 1024**3
@@ -89,12 +90,6 @@ def kept_bytes(learner) -> dict:
               frozen=sum(sharding.device_bytes(f) for f in learner._frozen_args))  # noqa: SLF001
 
 
-def _cost(compiled) -> dict:
-  m = compiled.memory_analysis()
-  return dict(args=m.argument_size_in_bytes, out=m.output_size_in_bytes,
-              alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes)
-
-
 def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None = None) -> dict:
   """Per-device bytes of the train step on ``micro_rows`` rows of ``row_len``: ``peak`` and its
   parts (see the module docstring). ``update_cost``: the update's compiled cost, if known (it does
@@ -120,18 +115,18 @@ def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None =
   variants = [(learner._acc_self_fn, batch)] if self_prox else []
   if not self_prox or opts.ppo_n_minibatches > 1:
     variants.append((learner._acc_fn, dict(batch, old_logp=rows(jnp.float32))))
-  parts["accumulate"] = max(
-      peak_of(_cost(fn.lower(params, acc, b, n_tokens, *frozen).compile()), opt_b + ref_b)
-      for fn, b in variants)
+  cost = lambda fn, *args: program_memory.cost(fn.lower(*args), args)  # noqa: E731
+  parts["accumulate"] = max(peak_of(cost(fn, params, acc, b, n_tokens, *frozen), opt_b + ref_b)
+                            for fn, b in variants)
   if not self_prox or opts.ppo_n_minibatches > 1 or opts.kl_coef:
     ref = [params] if opts.kl_coef else []
     plain = {f: batch[f] for f in packing.FIELDS}
-    parts["forward"] = peak_of(_cost(learner._logp_fn.lower(params, plain, *ref, *frozen).compile()),
+    parts["forward"] = peak_of(cost(learner._logp_fn, params, plain, *ref, *frozen),
                                opt_b + (0 if opts.kl_coef else ref_b))
   if update_cost is None:
     grads = acc["grads"]
     loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=learner.replicated)
-    update_cost = _cost(learner._apply_fn.lower(state, grads, loss).compile())
+    update_cost = cost(learner._apply_fn, state, grads, loss)
   parts["update"] = peak_of(update_cost, ref_b + frozen_b)
   parts["update_cost"] = update_cost
   parts["peak"] = max(parts[k] for k in ("accumulate", "forward", "update") if k in parts)

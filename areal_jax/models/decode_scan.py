@@ -31,6 +31,8 @@ from flax import nnx
 
 from areal_jax import sharding
 from areal_jax.kernels import attention as attention_kernels
+from areal_jax.kernels import causal_attention as causal_kernels
+from areal_jax.kernels import choice
 from areal_jax.kernels.paged_attention import POOL_AXES
 from areal_jax.models.transformer import (Block, ModelConfig, Transformer, attention,
                                           decode_attention, decode_step_paged,
@@ -113,33 +115,34 @@ def stack_cache(per_layer: list[dict]) -> StackedCache:
 
 def extend(graph: Graphs, params: dict, tokens_BxL, start_B, cache: StackedCache,
            kv_len: int | None = None, attention_impl: str | None = None, pages_BxN=None,
-           writes_B=None):
+           writes_B=None, prefill_attention: str | None = None):
   """``Transformer.extend`` over stacked parameters (``stack_layers``) and a stacked cache: appends
   L tokens per row at ``start_B``; returns ``(logits_BxLxV, cache)``. The cache may have more rows
   than the tokens (rows from B on are left as they are).
 
   Paged (``pages_BxN``: each row's page table; decode steps only, L = 1, ``kv_len`` required):
   ``cache`` is a paged cache's pools (``init_pool``); a row writes its new K/V into its page of
-  ``start_B`` where ``writes_B`` (default: every row), else into the trash page."""
+  ``start_B`` where ``writes_B`` (default: every row), else into the trash page.
+  ``prefill_attention``: as ``Transformer.extend``'s (a prefill's causal kernel)."""
   layers = functools.partial(_scan_layers, graph, params)
   return _extend(layers, tokens_BxL, start_B, cache, kv_len, attention_impl, pages_BxN, writes_B,
-                 graph.group)
+                 graph.group, prefill_attention)
 
 
 def extend_unrolled(model: Transformer, tokens_BxL, start_B, cache: StackedCache,
                     kv_len: int | None = None, attention_impl: str | None = None, pages_BxN=None,
-                    writes_B=None):
+                    writes_B=None, prefill_attention: str | None = None):
   """``extend`` with ``model``'s own per-layer weights, the layers unrolled (one traced body per
   layer, each layer's index static), over the same stacked cache or paged cache's pools: a paged
   cache without the scan, whose slices of stacked weights a GPU or TPU compiler copies at every
   layer and step (``kernels.choice``)."""
   layers = functools.partial(_unrolled_layers, model)
   return _extend(layers, tokens_BxL, start_B, cache, kv_len, attention_impl, pages_BxN, writes_B,
-                 model.cfg.n_heads // model.cfg.n_kv_heads)
+                 model.cfg.n_heads // model.cfg.n_kv_heads, prefill_attention)
 
 
 def _extend(run_layers, tokens_BxL, start_B, cache: StackedCache, kv_len, attention_impl,
-            pages_BxN, writes_B, group: int):
+            pages_BxN, writes_B, group: int, prefill_attention: str | None = None):
   """``extend``'s body; ``run_layers(tokens, positions, cache, n_layers, attend_layer)`` runs the
   model's layers (``_scan_layers`` or ``_unrolled_layers``)."""
   b, l = tokens_BxL.shape
@@ -162,6 +165,10 @@ def _extend(run_layers, tokens_BxL, start_B, cache: StackedCache, kv_len, attent
     if l == 1:  # the decode attention reads layer i of the stack (the kernels' choice how)
       return decode_attention(q, k_all, v_all, start_B, t, impl=attention_impl, heads_major=True,
                               layer=i, cache_axes=CACHE_AXES), k_all, v_all
+    if prefill_attention not in (None, "dense"):  # a prefill: the causal kernel over the new
+      # keys and values, as the cache holds them
+      return causal_kernels.attend(q, k.astype(k_all.dtype), v.astype(v_all.dtype), None,
+                                   prefill_attention, choice.interpret_here()), k_all, v_all
     # prefill and continuation chunks (once per group): this layer's rows [0, b) and positions
     # [0, t) in the prompt attention's layout
     kv, d = k.shape[2:]

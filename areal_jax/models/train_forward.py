@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models.transformer import Transformer, causal_attention, rope_tables
+from areal_jax.models.transformer import Transformer, rope_tables, row_attention
 
 REMAT_POLICIES = ("none", "full", "dots", "offload")
 
@@ -38,45 +38,38 @@ def remat_policy(name: str):
   raise ValueError(f"remat={name!r} is not one of {REMAT_POLICIES}")
 
 
-def packed_mask(segment_ids_BxL, b: int, l: int):
-  """``[B, L, L]`` attention mask of packed rows: causal, inside a segment, never to padding."""
-  mask_BxLxL = jnp.broadcast_to(jnp.tril(jnp.ones((l, l), jnp.bool_)), (b, l, l))
-  if segment_ids_BxL is not None:
-    same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-    mask_BxLxL = mask_BxLxL & same & (segment_ids_BxL[:, None, :] > 0)
-  return mask_BxLxL
-
-
 def hidden(model: Transformer, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
-           remat: str = "none", scan: bool = False):
+           remat: str = "none", scan: bool = False, attention: str = "auto"):
   """Final-normed hidden states ``[B, L, E]`` of ``model(tokens_BxL, positions_BxL,
   segment_ids_BxL)`` (the same computation up to the LM head).
 
   ``remat`` names a ``remat_policy`` applied per layer (``jax.checkpoint``). ``scan``: the layers
   run as one ``lax.scan`` over a stacked ``[n_layers, ...]`` view of their parameters, so the
   compiled program holds one layer whatever the depth (on XLA:CPU remat only saves memory then:
-  unrolled, the checkpointed layers are scheduled without regard to it)."""
+  unrolled, the checkpointed layers are scheduled without regard to it). ``attention``: the
+  causal attention (``transformer.row_attention``): on GPU and TPU by default a flash kernel,
+  which holds no ``L x L`` mask or scores."""
   b, l = tokens_BxL.shape
   if positions_BxL is None:
     positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-  mask_BxLxL = packed_mask(segment_ids_BxL, b, l)
+  attend_with, seen = row_attention(segment_ids_BxL, b, l, model.cfg.head_dim, attention)
   x = model._embed(tokens_BxL)
   rope_BxLxF = rope_tables(positions_BxL, model.cfg.head_dim, model.cfg.rope_theta)
   graphdef = nnx.graphdef(model.layers[0])
 
-  def layer(state, x_BxLxE, rope_BxLxF, mask_BxLxL):
+  def layer(state, x_BxLxE, rope_BxLxF, seen):
     block = nnx.merge(graphdef, state)
-    return block(x_BxLxE, rope_BxLxF, lambda q, k, v: causal_attention(q, k, v, mask_BxLxL))
+    return block(x_BxLxE, rope_BxLxF, attend_with(seen))
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=not scan)
   states = [nnx.state(block) for block in model.layers]
   if scan:
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    x, _ = jax.lax.scan(lambda x, s: (layer(s, x, rope_BxLxF, mask_BxLxL), None), x, stacked)
+    x, _ = jax.lax.scan(lambda x, s: (layer(s, x, rope_BxLxF, seen), None), x, stacked)
   else:
     for state in states:
-      x = layer(state, x, rope_BxLxF, mask_BxLxL)
+      x = layer(state, x, rope_BxLxF, seen)
   return model.final_norm(x)
 
 

@@ -26,6 +26,7 @@ from flax import nnx
 
 from areal_jax import sharding
 from areal_jax.kernels import attention as attention_kernels
+from areal_jax.kernels import causal_attention as causal_kernels
 from areal_jax.kernels import choice, cpu_matmul, pallas_norm_matmul, xla_attention
 
 Cache = list[dict[str, jax.Array]]  # per layer: {"k": [B, T, Hkv, D], "v": [B, T, Hkv, D]}
@@ -250,6 +251,31 @@ def causal_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask_BxLxL, block: int | N
   return jnp.concatenate(outs, axis=1)
 
 
+def packed_mask(segment_ids_BxL, b: int, l: int):
+  """``[B, L, L]`` attention mask of packed rows: causal, inside a segment, never to padding."""
+  mask_BxLxL = jnp.broadcast_to(jnp.tril(jnp.ones((l, l), jnp.bool_)), (b, l, l))
+  if segment_ids_BxL is not None:
+    same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    mask_BxLxL = mask_BxLxL & same & (segment_ids_BxL[:, None, :] > 0)
+  return mask_BxLxL
+
+
+def row_attention(segment_ids_BxL, b: int, l: int, head_dim: int, impl: str = "auto"):
+  """``(attend_with, seen)``: causal attention of whole rows of ``l`` positions from position 0
+  (packed segments where ``segment_ids_BxL`` is given) as ``impl`` runs it
+  (``kernels.choice.causal_attention``), where ``attend_with(seen)`` is a ``Block``'s
+  ``attend(q, k, v)`` and ``seen`` what it reads besides them: ``"dense"``, ``causal_attention``
+  over ``packed_mask``; a flash kernel on GPU and TPU (``kernels.causal_attention``) over the
+  segment ids, with no ``L x L`` mask or scores. Padding positions' outputs differ between the
+  forms (meaningless in both)."""
+  impl, interpret = choice.causal_attention(impl, head_dim)
+  if impl == "dense":
+    return (lambda mask: lambda q, k, v: causal_attention(q, k, v, mask),
+            packed_mask(segment_ids_BxL, b, l))
+  return (lambda ids: lambda q, k, v: causal_kernels.attend(q, k, v, ids, impl, interpret),
+          segment_ids_BxL)
+
+
 DECODE_CHUNK = xla_attention.CHUNK  # cache positions per step of the "xla" decode attention loop
 DECODE_GROUP = xla_attention.GROUP  # rows per group of that loop (rows sorted by position)
 
@@ -470,24 +496,24 @@ class Transformer(nnx.Module):
       logits = linear(x, w.astype(dt), transpose_w=tied, out_dtype=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "act_vocab"))
 
-  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
+               attention_impl: str = "auto"):
+    """Logits ``[B, L, V]`` of packed rows (``segment_ids_BxL``: a segment per sequence, 0 for
+    padding; positions restart per segment). ``attention_impl``: ``kernels.choice.CAUSAL`` or
+    ``"auto"`` (``row_attention``)."""
     b, l = tokens_BxL.shape
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    causal_LxL = jnp.tril(jnp.ones((l, l), jnp.bool_))
-    mask_BxLxL = jnp.broadcast_to(causal_LxL, (b, l, l))
-    if segment_ids_BxL is not None:
-      same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-      mask_BxLxL = mask_BxLxL & same & (segment_ids_BxL[:, None, :] > 0)
+    attend_with, seen = row_attention(segment_ids_BxL, b, l, self.cfg.head_dim, attention_impl)
     x = self._embed(tokens_BxL)
     rope_BxLxF = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta)
     for block in self.layers:
-      x = block(x, rope_BxLxF, lambda q, k, v: causal_attention(q, k, v, mask_BxLxL))
+      x = block(x, rope_BxLxF, attend_with(seen))
     return self._logits(x)
 
   def extend(self, tokens_BxL, start_B, cache: Cache, kv_len: int | None = None,
              attention_impl: str | None = None, heads_major: bool = False,
-             scatter_writes: bool = False):
+             scatter_writes: bool = False, prefill_attention: str | None = None):
     """Append L tokens per row at ``start_B`` to ``cache``; returns logits and the updated cache.
 
     The cache may have more rows than ``tokens_BxL``: row b of the tokens uses cache row b and rows
@@ -497,7 +523,10 @@ class Transformer(nnx.Module):
     ``heads_major``) instead of ``[rows, T, kv_heads, D]``.
     ``scatter_writes``: the new keys and values go into each layer's cache by one scatter even when
     the call covers every row (else there a per-row update, one ``dynamic_update_slice`` per row,
-    which a TPU compiles into a loop over the rows)."""
+    which a TPU compiles into a loop over the rows).
+    ``prefill_attention``: the call is a prefill (every row from position 0, ``kv_len`` equal to
+    L): its attention runs over the new keys and values as that causal kernel
+    (``kernels.choice.CAUSAL``) instead of a masked read of the cache (None or ``"dense"``)."""
     b, l = tokens_BxL.shape
     rows = cache[0]["k"].shape[0]
     t_axis = 2 if heads_major else 1
@@ -527,6 +556,10 @@ class Transformer(nnx.Module):
         if l == 1:  # decode: the kernels' choice how to read the cache
           return decode_attention(q, updated["k"], updated["v"], start_B, t,
                                   impl=attention_impl, heads_major=heads_major)
+        if prefill_attention not in (None, "dense"):  # as the cache holds them
+          return causal_kernels.attend(q, k.astype(updated["k"].dtype),
+                                       v.astype(updated["v"].dtype), None, prefill_attention,
+                                       choice.interpret_here())
         k_all, v_all = updated["k"][:b], updated["v"][:b]
         if heads_major:  # the prompt attention's [B, T, K, D]
           k_all, v_all = jnp.swapaxes(k_all, 1, 2), jnp.swapaxes(v_all, 1, 2)

@@ -116,7 +116,8 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
           decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
           decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
           lora=lora, kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64),
-          max_prefill_tokens=r.get("max_prefill_tokens", 0), output=output)
+          max_prefill_tokens=r.get("max_prefill_tokens", 0),
+          prefill_attention=r.get("prefill_attention", "auto"), output=output)
 
     budget = memory_budget if isinstance(memory_budget, dict) or memory_budget is None \
         else {"budget_bytes": memory_budget}

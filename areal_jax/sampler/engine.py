@@ -156,6 +156,8 @@ class EngineConfig:
   # tokens per prefill call (rows x bucket; at least one row): bounds its memory at long buckets
   # (0: no bound)
   max_prefill_tokens: int = 0
+  # a prefill's causal attention: kernels.choice.CAUSAL, or "auto" (a flash kernel on GPU and TPU)
+  prefill_attention: str = "auto"
   cache_dtype: str | None = None  # default: the model's compute dtype
   decode_attention: str = "auto"  # kernels.choice.ATTENTION, or "auto" (per platform)
   decode_matmul: str = "auto"  # kernels.choice.MATMUL, or "auto"
@@ -193,6 +195,9 @@ class DecodeEngine:
     self.attention_impl = choice.attention(  # the Pallas GPU kernel where it reads the pages
         platform, config.decode_attention,
         paged=kv_pages > 0 and choice.pallas_gpu_reads(config.page_size), no_triton=no_triton)
+    with sharding.use(self.mesh):  # a prefill's attention (``choice.causal_attention``)
+      self.prefill_attention = choice.causal_attention(config.prefill_attention,
+                                                       self.model_cfg.head_dim)[0]
     self.matmul_impl = choice.matmul(self.mesh, self.model_cfg.compute_dtype, config.decode_matmul)
     self.layers_impl = choice.layers(platform, self.matmul_impl, config.decode_layers,
                                      paged=kv_pages > 0, attention_impl=self.attention_impl)
@@ -241,7 +246,8 @@ class DecodeEngine:
     # Pallas GPU kernel's launch: engines built under another launch, as a benchmark builds them
     # side by side, compile their own).
     self._fns = fns = _COMPILED.setdefault(
-        (self.graphdef, config, self.mesh, self.attention_impl, self.matmul_impl,
+        (self.graphdef, config, self.mesh, self.attention_impl, self.prefill_attention,
+         self.matmul_impl,
          self.layers_impl, choice.held_layouts(platform), self.norm_tuning, self.paged_tuning), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
@@ -448,13 +454,14 @@ class DecodeEngine:
 
   def _make_prefill(self, bucket: int, n: int):
     cfg, mesh, cache_dtype = self.model_cfg, self.mesh, self._cache_dtype
-    layers, layout = self.layers, self.cache_layout
+    layers, layout, attention = self.layers, self.cache_layout, self.prefill_attention
 
     def fn(params, tokens_NxL):
       with sharding.use(mesh):
         cache = slot_cache.make(cfg, n, bucket, cache_dtype, layout)
         start = jnp.zeros((n,), jnp.int32)
-        _, cache = layers.extend(params)(tokens_NxL, start, cache, kv_len=bucket)
+        _, cache = layers.extend(params)(tokens_NxL, start, cache, kv_len=bucket,
+                                         prefill_attention=attention)
       # one prefix per prompt, as separate buffers
       return [slot_cache.row(cache, i, layout) for i in range(n)]
 

@@ -34,7 +34,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from areal_jax import sharding
+from areal_jax import program_memory, sharding
 
 GIB = 1024**3
 
@@ -99,8 +99,8 @@ def _size(n: int) -> str:
 
 
 def _compiled_memory(jitted, *args):
-  m = jitted.lower(*args).compile().memory_analysis()
-  return m.temp_size_in_bytes, m.output_size_in_bytes
+  cost = program_memory.cost(jitted.lower(*args), args)  # (a refused program: too large)
+  return cost["temp"], cost["out"]
 
 
 def program_bytes(engine) -> tuple[int, int]:

@@ -76,10 +76,11 @@ class JaxRolloutEngine(RolloutEngine):
                version: int = 0, decode_attention: str = "auto", decode_matmul: str = "auto",
                decode_layers: str = "auto", decode_projections: str = "auto", lora=None,
                kv_pages: int = -1, page_size: int = 64, max_prefill_tokens: int = 0,
-               output=None):
+               prefill_attention: str = "auto", output=None):
     """``kv_pages``: the paged cache's pool (0: rows; -1: the platform's choice,
     ``kernels.choice.kv_pages``: paged on GPU). ``max_prefill_tokens``: tokens per prefill call
-    (``EngineConfig``; 0: no bound). ``output``: where finished samples go (anything
+    (``EngineConfig``; 0: no bound). ``prefill_attention``: a prefill's causal attention
+    (``kernels.choice.CAUSAL``; "auto": a flash kernel on GPU and TPU). ``output``: where finished samples go (anything
     with ``put``; default: this engine's own queue, drained by ``poll``): ``replicas`` routes
     several engines' samples to one queue."""
     if continuation not in CONTINUATION_MODES:
@@ -90,7 +91,8 @@ class JaxRolloutEngine(RolloutEngine):
         kv_buckets=kv_buckets, steps_per_call=steps_per_call, max_stop_ids=max_stop_ids,
         cache_dtype=cache_dtype, decode_attention=decode_attention, decode_matmul=decode_matmul,
         decode_layers=decode_layers, decode_projections=decode_projections, kv_pages=kv_pages,
-        page_size=page_size, max_prefill_tokens=max_prefill_tokens), mesh, lora=lora)
+        page_size=page_size, max_prefill_tokens=max_prefill_tokens,
+        prefill_attention=prefill_attention), mesh, lora=lora)
     # a paged cache's page table and preempted sequences (host side); None: a row per slot
     kv_pages = self.engine.config.kv_pages  # (-1 resolved)
     self._paging = paging.Paging(PageTable(num_slots, kv_pages, page_size, max_len),

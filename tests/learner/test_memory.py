@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from areal_jax import config as config_lib
@@ -80,6 +81,28 @@ def test_planner_keeps_lowers_or_stops():
     memory.plan(learner, smallest - 1)
   for key in ("actor.micro_batch_tokens", "actor.remat", "mesh.learner", "mesh.device_memory_gib"):
     assert key in str(e.value)
+
+
+def test_a_micro_batch_the_compiler_refuses_is_halved(monkeypatch):
+  """A TPU's compiler refuses a train step that does not fit the chip (libtpu raises
+  RESOURCE_EXHAUSTED at compile time): the plan takes it as not fitting and tries the next
+  halving, rather than stopping the run."""
+  learner = small_learner()
+  compile_ = jax.stages.Lowered.compile
+  refused = []
+
+  def compile(self, *args, **kwargs):  # refuses programs over micro-batches above 1024 tokens
+    rows = [a for a in jax.tree.leaves(self.args_info) if len(a.shape) == 2 and
+            a.dtype == jnp.int32 and a.shape[0] * a.shape[1] > 1024]  # the micro-batch's tokens
+    if rows:
+      refused.append(rows[0].shape)
+      raise jax.errors.JaxRuntimeError(
+          "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+          "temporaries (23.91G) exceeds available HBM (15.75G).")
+    return compile_(self, *args, **kwargs)
+  monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
+  p = memory.plan(learner, 20 * GIB)
+  assert refused and p.fits and p.micro_rows * p.row_len <= 1024 < 4096
 
 
 def test_lora_plan_counts_the_frozen_base_and_adapter_state_only():

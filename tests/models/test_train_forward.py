@@ -49,6 +49,43 @@ def test_hidden_with_remat_and_scan_equals_the_forward(remat, scan):
     train_forward.remat_policy("some")
 
 
+@pytest.mark.parametrize("impl,scan", [("pallas_gpu", False), ("pallas_gpu", True),
+                                       ("pallas_tpu", False)])
+def test_flash_attention_trains_what_the_dense_attention_trains(impl, scan):
+  """``attention``: the flash kernels (Pallas interpret mode on CPU) over packed rows give the
+  dense form's loss and parameter gradients (the loss over real tokens: padding's outputs differ
+  and are never trained on), with the layers unrolled or under the scan, rematerialised (not the
+  TPU kernel's interpret mode, whose callbacks remat refuses); and the model's own forward takes
+  the same choice."""
+  cfg = transformer.ModelConfig(vocab_size=VOCAB, n_layers=2, n_heads=4, n_kv_heads=2,
+                                head_dim=16, d_model=64, d_ff=128)
+  model = transformer.Transformer(cfg, nnx.Rngs(3))
+  graphdef, params = nnx.split(model)
+  tokens = jnp.asarray(_tokens(2, 20, seed=1))
+  segments = jnp.asarray([[1] * 9 + [2] * 8 + [0] * 3, [1] * 16 + [0] * 4], jnp.int32)
+  positions = jnp.asarray([list(range(9)) + list(range(8)) + [0] * 3,
+                           list(range(16)) + [0] * 4], jnp.int32)
+  weights = jax.random.normal(jax.random.key(1), (2, 20, cfg.d_model)) * (segments > 0)[..., None]
+
+  def loss(p, attention):
+    m = nnx.merge(graphdef, p)
+    h = train_forward.hidden(m, tokens, positions, segments, scan=scan, attention=attention,
+                             remat="none" if impl == "pallas_tpu" else "full")
+    return jnp.sum(jnp.tanh(h) * weights)
+
+  want, got = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, a)
+               for a in ("dense", impl))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+    scale = float(jnp.max(jnp.abs(b)))  # float32 sums in another order: 1e-6 of it, measured
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale,
+                               err_msg=jax.tree_util.keystr(path))
+  real = np.asarray(segments > 0)
+  logits = [np.asarray(model(tokens, positions, segments, attention_impl=a))[real]
+            for a in ("dense", impl)]
+  np.testing.assert_allclose(logits[1], logits[0], atol=1e-4)
+
+
 def test_scanned_program_does_not_grow_with_depth():
   """Under the scan the lowered train forward holds one layer: an added layer only adds its
   parameters to the stack (a few lines), unrolled it adds a whole layer's forward and backward."""

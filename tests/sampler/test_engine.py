@@ -171,6 +171,29 @@ def test_a_token_budget_caps_prefill_rows_at_long_buckets_and_changes_no_prefix(
     EngineConfig(max_prefill_tokens=-1, **cfg)
 
 
+@pytest.mark.parametrize("impl,layers", [("pallas_gpu", "unrolled"), ("pallas_gpu", "scan"),
+                                         ("pallas_tpu", "unrolled")])
+def test_a_flash_prefill_gives_the_dense_prefill_s_cache_and_tokens(model, impl, layers):
+  """``prefill_attention``: the flash kernel (Pallas interpret mode here) over a prompt's own keys
+  and values fills the cache the dense prefill fills (every position of the bucket, padding
+  included: both attend causally), for several prompts a call, and the decode after it draws the
+  same greedy tokens with the same logprobs."""
+  cfg = dict(num_slots=4, max_len=64, prefill_buckets=(8, 32), max_prefill_batch=2,
+             decode_layers=layers, decode_matmul="xla")
+  dense = DecodeEngine(model, EngineConfig(prefill_attention="dense", **cfg))
+  flash = DecodeEngine(model, EngineConfig(prefill_attention=impl, **cfg))
+  assert (dense.prefill_attention, flash.prefill_attention) == ("dense", impl)
+  prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2, 3, 5, 3]]
+  for a, b in zip(dense.prefill_batch(dense.params, prompts),
+                  flash.prefill_batch(flash.params, prompts)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+  prompt = prompts[1]
+  (t_d, lp_d), (t_f, lp_f) = (_decode(e, prompt, 2, 12, greedy=True) for e in (dense, flash))
+  assert t_f == t_d
+  np.testing.assert_allclose(lp_f, lp_d, atol=1e-4)
+
+
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
 def test_moved_sequences_continue_exactly_at_a_narrower_width(model, layers):
   """Sequences moved down mid-decode and advanced at a smaller width draw the same tokens with the
