@@ -58,6 +58,10 @@ with ``--target`` for the accelerator's own compiler on a machine without one (i
 ``jax[tpu]`` or ``jax[cuda12]``, as bench/aot_decode.py):
   python bench/learner.py --plan --target v5e:2x4                  # a TPU v5e-8's chips
   python bench/learner.py --plan --only qwen7b --target h100 --devices 8
+  python bench/learner.py --plan --target v5e:2x4 --only default \
+      --set rollout.max_new_tokens=8192 [--set actor.attention=dense]   # long rows, either attention
+(the train step's attention is the target's flash kernel unless ``actor.attention`` says dense;
+a program the target's compiler refuses for want of memory counts as not fitting.)
 XLA:CPU keeps float32 copies of bfloat16 matmul weights that a TPU or GPU multiplies as they are,
 so its figures run higher than the target's; run on an accelerator, the plan compiles for it.
 Runs on one device (all cores); set XLA_FLAGS as you like, only ``jax.devices()[0]`` is used.

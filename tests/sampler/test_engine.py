@@ -172,14 +172,17 @@ def test_a_token_budget_caps_prefill_rows_at_long_buckets_and_changes_no_prefix(
 
 
 @pytest.mark.parametrize("impl,layers", [("pallas_gpu", "unrolled"), ("pallas_gpu", "scan"),
-                                         ("pallas_tpu", "unrolled")])
+                                         ("pallas_gpu", "paged"), ("pallas_tpu", "unrolled")])
 def test_a_flash_prefill_gives_the_dense_prefill_s_cache_and_tokens(model, impl, layers):
   """``prefill_attention``: the flash kernel (Pallas interpret mode here) over a prompt's own keys
   and values fills the cache the dense prefill fills (every position of the bucket, padding
-  included: both attend causally), for several prompts a call, and the decode after it draws the
-  same greedy tokens with the same logprobs."""
+  included: both attend causally), for several prompts a call, with the layers unrolled over
+  per-layer caches, in a scan, or unrolled over the stacked prefix a paged engine inserts (a GPU's
+  default); and the decode after it draws the same greedy tokens with the same logprobs."""
+  paged = layers == "paged"
   cfg = dict(num_slots=4, max_len=64, prefill_buckets=(8, 32), max_prefill_batch=2,
-             decode_layers=layers, decode_matmul="xla")
+             decode_layers="unrolled" if paged else layers, decode_matmul="xla",
+             **(dict(kv_pages=20, page_size=8) if paged else {}))
   dense = DecodeEngine(model, EngineConfig(prefill_attention="dense", **cfg))
   flash = DecodeEngine(model, EngineConfig(prefill_attention=impl, **cfg))
   assert (dense.prefill_attention, flash.prefill_attention) == ("dense", impl)
@@ -188,6 +191,9 @@ def test_a_flash_prefill_gives_the_dense_prefill_s_cache_and_tokens(model, impl,
                   flash.prefill_batch(flash.params, prompts)):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+  if paged:  # (decoding over pages from equal prefixes: test_a_paged_cache_decodes_...)
+    assert flash.paged and flash.cache_layout == slot_cache.STACKED
+    return
   prompt = prompts[1]
   (t_d, lp_d), (t_f, lp_f) = (_decode(e, prompt, 2, 12, greedy=True) for e in (dense, flash))
   assert t_f == t_d
