@@ -48,7 +48,8 @@ padding efficiency also counts the padding rows that round micro-batches up to a
 shapes at 2, 8 and 30 layers, unrolled and under the scan, and prints the compile seconds.
 ``--plan`` times nothing: it prints the memory plan of the shipped recipes (configs/gsm8k.py, the
 default on 4 FSDP devices of 16 GiB, ``:qwen7b`` on 8 80 GB GPUs, which report 60 GiB under JAX's
-allocator, ``:qwen3_lora`` on one of 16 GiB) for Qwen2.5-1.5B and -7B and Qwen3-1.7B shapes,
+allocator, ``:qwen3`` as the default, ``:qwen3_lora`` on one of 16 GiB) for Qwen2.5-1.5B and -7B and
+Qwen3-1.7B shapes,
 compiled on abstract shapes for fake CPU devices. A colocated recipe's learner is planned beside
 what its sampler keeps (``sampler_resident``: weights and KV cache, from shapes), as a run plans
 it; with ``--target`` and a model under 3B parameters the sampler's own plan is compiled for the
@@ -96,7 +97,7 @@ from common import QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, 
 # (name, preset, shape, GiB per device the recipe is written for; 80 GB GPUs report 60: JAX's
 # allocator takes 75% of a GPU by default, XLA_PYTHON_CLIENT_MEM_FRACTION)
 RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, 60.0),
-           ("qwen3-1.7b", "qwen3_lora", QWEN3_1P7B, 16.0))
+           ("qwen3-1.7b", "qwen3", QWEN3_1P7B, 16.0), ("qwen3-1.7b", "qwen3_lora", QWEN3_1P7B, 16.0))
 
 def gsm8k_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
   prompt = rng.integers(60, 200, n)
@@ -390,7 +391,7 @@ def main():
   ap.add_argument("--plan", action="store_true", help="only the recipes' memory plans")
   ap.add_argument("--depth", action="store_true", help="only compile time by depth")
   ap.add_argument("--only", default="", help="comma-separated row names to run (default: all); "
-                  "with --plan, recipe presets (default, qwen7b, qwen3_lora)")
+                  "with --plan, recipe presets (default, qwen7b, qwen3, qwen3_lora)")
   ap.add_argument("--target", default="", help="--plan compiled for this TPU topology (v5e:2x4) "
                   "or GPU under bench/aot_targets (h100), on a machine without one")
   ap.add_argument("--devices", type=int, default=8, help="GPUs of a --target GPU (one host)")

@@ -46,6 +46,10 @@ Presets:
            completions are plain step-by-step answers that fit max_new_tokens=1024 and the \boxed{}
            reward. With task.enable_thinking=True the model writes a <think> trace first (raise
            rollout.max_new_tokens: traces often exceed 1024 tokens and would be cut, scoring 0).
+           At 16k (rollout.max_new_tokens=16384) add actor.scan_layers=False: compiled for
+           v5e chips (bench/results/plan-flash-2026-11-29-s37) the learner then needs 12.46 GiB
+           per chip with the flash attention it runs on TPU and GPU (the scan keeps more); the
+           sampler keeps fewer slots (1.8 GiB of KV cache each). Not run (not measured).
   :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
              and MLP projection, thinking off as in :qwen3.

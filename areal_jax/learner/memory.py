@@ -177,9 +177,19 @@ def plan(learner, budget_bytes: int | None, beside: str = "") -> Plan:
       f"of which "
       f"parameters {p.parts['params'] / GIB:.2f}, optimizer state {p.parts['opt'] / GIB:.2f}, "
       f"gradients {p.parts['grads'] / GIB:.2f} GiB. Lower actor.micro_batch_tokens, set "
-      f"actor.remat (now {opts.remat!r}; 'full' keeps least) with actor.scan_layers=True and "
-      f"actor.logits_chunk, or shard over more devices (mesh.learner.* = {dict(mesh.shape)}, "
-      f"mesh.learner_devices)", p)
+      f"actor.remat (now {opts.remat!r}; 'full' keeps least) with {_layers_advice(mesh)} and "
+      f"actor.logits_chunk, split long rows' heads and MLP over mesh.learner.tensor, or shard "
+      f"over more devices (mesh.learner.* = {dict(mesh.shape)}, mesh.learner_devices)", p)
+
+
+def _layers_advice(mesh) -> str:
+  """Which ``actor.scan_layers`` keeps less on ``mesh``'s platform: XLA:CPU rematerialises only
+  under the scan; libtpu, compiling for a v5e chip, kept less with the layers unrolled (the
+  default recipe at rows of 24576: 11.36 GiB unrolled, 16.85 scanned;
+  bench/results/plan-flash-2026-11-29-s37)."""
+  if mesh.devices.flat[0].platform == "cpu":
+    return "actor.scan_layers=True (XLA:CPU rematerialises only under the scan)"
+  return "actor.scan_layers=False (the scan keeps more: a stacked copy of the weights)"
 
 
 def fit(learner, mesh_config, reserved: int = 0, beside: str = "") -> Plan | None:
