@@ -45,6 +45,26 @@ def test_sharded_8_devices_equals_1_and_non_finite_guard():
   assert eight.version == 2
 
 
+def test_flash_attention_on_8_devices_trains_as_the_dense_attention(monkeypatch):
+  """``actor.attention``: the Pallas GPU flash kernel (interpret mode on these CPU devices, under
+  ``shard_map`` over data, FSDP and tensor axes, the layers rematerialised) trains a step as the
+  dense attention does: the same loss, gradients and updated parameters."""
+  from areal_jax.kernels import causal_attention
+  traced, attend = [], causal_attention.attend
+  monkeypatch.setattr(causal_attention, "attend", lambda *a, **kw: traced.append(a[4]) or attend(
+      *a, **kw))
+  groups, rewards = batch(2, groups=2, n=4)
+  dense, flash = (Learner(model(), actor(attention=a, remat="full"), mesh(8, data=2, fsdp=2,
+                                                                          tensor=2))
+                  for a in ("dense", "pallas_gpu"))
+  assert_trees_close(flash.gradients(groups, rewards)[0], dense.gradients(groups, rewards)[0])
+  m_d, m_f = dense.train_step(groups, rewards), flash.train_step(groups, rewards)
+  for k in ("loss", "grad_norm", "entropy"):
+    np.testing.assert_allclose(m_f[k], m_d[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  assert_trees_close(flash.params(), dense.params(), rtol=1e-4, atol=1e-4)
+  assert traced and set(traced) == {"pallas_gpu"}  # (the kernel was traced, the dense form not)
+
+
 def test_state_round_trip_options_and_no_recompilation():
   """Sampler logprobs as the old policy (no recompute), a KL penalty, warmup, two minibatches; the
   state round trip; and few compiled shapes over batches of varying lengths."""
