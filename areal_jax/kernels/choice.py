@@ -129,7 +129,8 @@ Triton's constraints on block shapes are checked there, not in interpret mode).
 Causal attention of whole rows (``CAUSAL``, ``causal_attention``): a training step's over packed
 rows and a prefill's (``causal_attention``'s module). ``"auto"``: on GPU and TPU the flash kernels
 JAX ships (``"pallas_gpu"``, ``"pallas_tpu"``), which never hold a row's ``L x L`` scores; on CPU
-(and on GPUs without Triton, or head sizes Mosaic refuses) ``"dense"``, the model's masked form.
+(and on GPUs without Triton, TPUs before v4, or head sizes Mosaic refuses: ``mosaic_unusable``)
+``"dense"``, the model's masked form.
 Chosen for memory, not speed: compiled for a TPU v5e chip (libtpu on this CPU machine), the
 default recipe's train step at 16k-token sequences needs temporaries the compiler refuses
 (23.91 GB of a 15.75 GB chip) with the dense form and 16.85 GiB in all with the kernel
@@ -220,6 +221,32 @@ def triton_unusable(devices) -> str | None:
   return (f"Pallas's GPU kernels (Triton) need an NVIDIA GPU of compute capability "
           f"{TRITON_MIN_CAPABILITY[0]}.{TRITON_MIN_CAPABILITY[1]} or newer; these devices are "
           f"{', '.join(old)}")
+
+
+MOSAIC_MIN_TPU = 4  # the TPU generations whose Mosaic compiles the flash kernel's bf16 matmuls
+
+
+def mosaic_unusable(devices) -> str | None:
+  """Why JAX's Pallas TPU flash kernel (``causal_attention``) cannot run on ``devices``, or None
+  where it can: compiled by libtpu 0.0.42 on this CPU machine for TPU v4, v5e, v5p and v6e chips
+  it compiles, for a TPU v3 (Kaggle's TPU v3-8) Mosaic refuses its matmuls ("Unsupported matmul
+  RHS type on target: vector<128x128xbf16>"): TPUs before v4 keep the dense attention."""
+  old = sorted({d.device_kind for d in devices if _family(getattr(d, "platform", "")) == "tpu"
+                and (gen := _tpu_generation(getattr(d, "device_kind", ""))) is not None
+                and gen < MOSAIC_MIN_TPU})
+  if not old:
+    return None
+  return (f"JAX's Pallas TPU flash kernel needs a TPU v{MOSAIC_MIN_TPU} or newer (Mosaic refuses "
+          f"its bfloat16 matmuls on older chips); these devices are {', '.join(old)}")
+
+
+def _tpu_generation(kind: str) -> int | None:
+  """The generation of a TPU's ``device_kind`` ("TPU v3" -> 3, "TPU v5 lite" -> 5, "TPU7x" -> 7),
+  or None."""
+  import re  # noqa: PLC0415
+
+  m = re.match(r"TPU\s*v?(\d+)", kind)
+  return int(m[1]) if m else None
 
 
 def _capability(device) -> tuple[int, int] | None:
@@ -356,20 +383,21 @@ def causal_attention(requested: str = "auto", head_dim: int = 128) -> tuple[str,
   platform = platform_here()
   value = _requested(requested, CAUSAL_ENV, CAUSAL, "attention")
   ctx = sharding.current()
-  no_triton = triton_unusable(ctx[0].devices.flat) if ctx is not None else None
+  devices = list(ctx[0].devices.flat) if ctx is not None else []
+  # why the devices cannot run the platform's kernel (GPUs before Ampere, TPUs before v4)
+  held_back = {"pallas_gpu": triton_unusable(devices), "pallas_tpu": mosaic_unusable(devices)}
   interpret = interpret_here()
   if value == "auto":
     value = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "dense")
-    if (value == "pallas_gpu" and no_triton) or causal_kernels.unusable(value, head_dim,
-                                                                        not interpret):
+    if value != "dense" and (held_back[value] or causal_kernels.unusable(value, head_dim,
+                                                                         not interpret)):
       value = "dense"
     return value, interpret
   valid = {"gpu": ("dense", "pallas_gpu"), "tpu": ("dense", "pallas_tpu")}.get(platform, CAUSAL)
   if value not in valid:
     raise ValueError(f"causal attention {value!r} cannot run on {platform!r} devices (valid "
                      f"there: {valid})")
-  why = (no_triton if value == "pallas_gpu" else None) or causal_kernels.unusable(
-      value, head_dim, not interpret)
+  why = held_back.get(value) or causal_kernels.unusable(value, head_dim, not interpret)
   if why:
     raise ValueError(f"causal attention {value!r} cannot run here: {why} (use 'dense')")
   return value, interpret

@@ -165,3 +165,26 @@ def test_choice_follows_the_active_mesh():
   also a mesh of another machine's devices when compiling for it), here CPU ones."""
   with sharding.use(sharding.make_mesh({}, jax.devices()[:1])):
     assert choice.platform_here() == "cpu" and choice.causal_attention()[0] == "dense"
+
+
+def test_older_accelerators_keep_the_dense_form(monkeypatch):
+  """TPUs before v4 (Mosaic refuses the kernel's bfloat16 matmuls there: compiled by libtpu for a
+  TPU v3, session 37) and GPUs before Ampere (no Triton) keep the dense attention under ``auto``,
+  and a request for the kernel there names why; newer chips get the kernel."""
+  import types
+  monkeypatch.delenv(choice.CAUSAL_ENV, raising=False)
+
+  def on(platform, kind, **attrs):
+    device = types.SimpleNamespace(platform=platform, device_kind=kind, **attrs)
+    mesh = types.SimpleNamespace(devices=np.array([device]), size=1)
+    monkeypatch.setattr(sharding, "current", lambda: (mesh, sharding.DEFAULT_RULES))
+    return choice.causal_attention()[0]
+  assert on("tpu", "TPU v3") == "dense" and on("tpu", "TPU v2") == "dense"
+  assert on("tpu", "TPU v4") == on("tpu", "TPU v5 lite") == on("tpu", "TPU7x") == "pallas_tpu"
+  assert on("gpu", "Tesla T4", compute_capability="7.5") == "dense"
+  assert on("gpu", "NVIDIA H100 80GB HBM3", compute_capability="9.0") == "pallas_gpu"
+  on("tpu", "TPU v3")
+  with pytest.raises(ValueError, match="TPU v4 or newer.*TPU v3"):
+    choice.causal_attention("pallas_tpu")
+  assert "TPU v3" in choice.mosaic_unusable([types.SimpleNamespace(platform="tpu",
+                                                                   device_kind="TPU v3")])
