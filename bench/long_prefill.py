@@ -12,8 +12,8 @@ of a one-slot engine of the model's shape (random bfloat16 weights built on this
 programs compiled by the target's compiler in the layouts the engine holds there
 (``aot_decode.sampler_plan``): the prefill call's temporaries and returned prefix, and the plan's
 peak (two weight versions, the KV cache, the larger call). Where the compiler refuses a program
-for want of memory (a TPU's does) the figure is what it said it needed (``refused``). Compiles
-only: no run time. A few minutes a bucket on 2 cores.
+for want of memory (a TPU's does) the figure is what it said it needed (``program_memory``; the
+table does not mark which). Compiles only: no run time. A few minutes a bucket on 2 cores.
 """
 
 from __future__ import annotations

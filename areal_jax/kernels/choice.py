@@ -150,6 +150,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import re
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -243,8 +244,6 @@ def mosaic_unusable(devices) -> str | None:
 def _tpu_generation(kind: str) -> int | None:
   """The generation of a TPU's ``device_kind`` ("TPU v3" -> 3, "TPU v5 lite" -> 5, "TPU7x" -> 7),
   or None."""
-  import re  # noqa: PLC0415
-
   m = re.match(r"TPU\s*v?(\d+)", kind)
   return int(m[1]) if m else None
 

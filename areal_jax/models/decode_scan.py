@@ -31,12 +31,11 @@ from flax import nnx
 
 from areal_jax import sharding
 from areal_jax.kernels import attention as attention_kernels
-from areal_jax.kernels import causal_attention as causal_kernels
-from areal_jax.kernels import choice
 from areal_jax.kernels.paged_attention import POOL_AXES
 from areal_jax.models.transformer import (Block, ModelConfig, Transformer, attention,
                                           decode_attention, decode_step_paged,
-                                          decode_step_rotating, rope_tables)
+                                          decode_step_rotating, prefill_kernel_attention,
+                                          rope_tables)
 
 StackedCache = dict[str, jax.Array]  # {"k", "v"}: [n_layers, rows, Hkv, T, D]
 # The cache writes below (and the paged cache's, ``kernels.paged_attention.decode_step_paged``)
@@ -165,10 +164,8 @@ def _extend(run_layers, tokens_BxL, start_B, cache: StackedCache, kv_len, attent
     if l == 1:  # the decode attention reads layer i of the stack (the kernels' choice how)
       return decode_attention(q, k_all, v_all, start_B, t, impl=attention_impl, heads_major=True,
                               layer=i, cache_axes=CACHE_AXES), k_all, v_all
-    if prefill_attention not in (None, "dense"):  # a prefill: the causal kernel over the new
-      # keys and values, as the cache holds them
-      return causal_kernels.attend(q, k.astype(k_all.dtype), v.astype(v_all.dtype), None,
-                                   prefill_attention, choice.interpret_here()), k_all, v_all
+    if prefill_attention not in (None, "dense"):  # a prefill: the causal kernel
+      return prefill_kernel_attention(q, k, v, k_all.dtype, prefill_attention), k_all, v_all
     # prefill and continuation chunks (once per group): this layer's rows [0, b) and positions
     # [0, t) in the prompt attention's layout
     kv, d = k.shape[2:]

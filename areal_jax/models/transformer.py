@@ -276,6 +276,14 @@ def row_attention(segment_ids_BxL, b: int, l: int, head_dim: int, impl: str = "a
           segment_ids_BxL)
 
 
+def prefill_kernel_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, cache_dtype, impl: str):
+  """A prefill's attention (every row from position 0) over the chunk's own keys and values as
+  the causal kernel ``impl`` (``kernels.causal_attention``), the keys and values in the cache's
+  dtype, as the dense form reads them from the cache."""
+  return causal_kernels.attend(q_BxLxHxD, k_BxLxKxD.astype(cache_dtype),
+                               v_BxLxKxD.astype(cache_dtype), None, impl, choice.interpret_here())
+
+
 DECODE_CHUNK = xla_attention.CHUNK  # cache positions per step of the "xla" decode attention loop
 DECODE_GROUP = xla_attention.GROUP  # rows per group of that loop (rows sorted by position)
 
@@ -497,14 +505,14 @@ class Transformer(nnx.Module):
     return sharding.constrain(logits, ("batch", "length", "act_vocab"))
 
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
-               attention_impl: str = "auto"):
+               attention: str = "auto"):
     """Logits ``[B, L, V]`` of packed rows (``segment_ids_BxL``: a segment per sequence, 0 for
-    padding; positions restart per segment). ``attention_impl``: ``kernels.choice.CAUSAL`` or
+    padding; positions restart per segment). ``attention``: ``kernels.choice.CAUSAL`` or
     ``"auto"`` (``row_attention``)."""
     b, l = tokens_BxL.shape
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    attend_with, seen = row_attention(segment_ids_BxL, b, l, self.cfg.head_dim, attention_impl)
+    attend_with, seen = row_attention(segment_ids_BxL, b, l, self.cfg.head_dim, attention)
     x = self._embed(tokens_BxL)
     rope_BxLxF = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta)
     for block in self.layers:
@@ -556,10 +564,8 @@ class Transformer(nnx.Module):
         if l == 1:  # decode: the kernels' choice how to read the cache
           return decode_attention(q, updated["k"], updated["v"], start_B, t,
                                   impl=attention_impl, heads_major=heads_major)
-        if prefill_attention not in (None, "dense"):  # as the cache holds them
-          return causal_kernels.attend(q, k.astype(updated["k"].dtype),
-                                       v.astype(updated["v"].dtype), None, prefill_attention,
-                                       choice.interpret_here())
+        if prefill_attention not in (None, "dense"):
+          return prefill_kernel_attention(q, k, v, updated["k"].dtype, prefill_attention)
         k_all, v_all = updated["k"][:b], updated["v"][:b]
         if heads_major:  # the prompt attention's [B, T, K, D]
           k_all, v_all = jnp.swapaxes(k_all, 1, 2), jnp.swapaxes(v_all, 1, 2)

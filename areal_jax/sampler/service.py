@@ -80,9 +80,9 @@ class JaxRolloutEngine(RolloutEngine):
     """``kv_pages``: the paged cache's pool (0: rows; -1: the platform's choice,
     ``kernels.choice.kv_pages``: paged on GPU). ``max_prefill_tokens``: tokens per prefill call
     (``EngineConfig``; 0: no bound). ``prefill_attention``: a prefill's causal attention
-    (``kernels.choice.CAUSAL``; "auto": a flash kernel on GPU and TPU). ``output``: where finished samples go (anything
-    with ``put``; default: this engine's own queue, drained by ``poll``): ``replicas`` routes
-    several engines' samples to one queue."""
+    (``kernels.choice.CAUSAL``; "auto": a flash kernel on GPU and TPU). ``output``: where
+    finished samples go (anything with ``put``; default: this engine's own queue, drained by
+    ``poll``): ``replicas`` routes several engines' samples to one queue."""
     if continuation not in CONTINUATION_MODES:
       raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
     self.continuation = continuation
