@@ -34,7 +34,10 @@
 #    shape with the engine's launch and the fastest over pages of 64, side by side;
 # 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the "today");
-# 6. bench/sampler.py --quick (the service's continuous batching over the paged default) with the
+# 6. the causal attention of whole rows (bench/causal_attention.py: a train step's and a prefill's,
+#    JAX's flash kernel, the default on GPU and TPU since session 37, against the dense form) at
+#    the 1.5B shape's heads, rows of 1k-16k positions: chosen for memory, its run time never measured;
+# 7. bench/sampler.py --quick (the service's continuous batching over the paged default) with the
 #    time left.
 set -u
 OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
@@ -98,5 +101,8 @@ if [ -n "${1:-}" ]; then  # (its figure in the log only: the files a call brings
   log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
     --no-floor --model=smollm2-135m --variants x:x:1 2>&1 | keep
 fi
+# (its figures in the log only)
+log causal attention "$BIG", flash kernel against dense; t=$(limit 90) && timeout "$t" \
+  python3 bench/causal_attention.py --model="$BIG" --reps 3 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
 log sampler quick; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --quick 2>&1 | keep
 rm -rf "$JAX_COMPILATION_CACHE_DIR"; log done; ls -la "$OUT"
