@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 from flax import nnx
 
 from areal_jax.models.hf import CheckpointError, load_hf, save_hf
@@ -24,7 +25,17 @@ from areal_jax.models.tokenizer import Tokenizer, byte_tokenizer
 from areal_jax.models.transformer import Cache, ModelConfig, Transformer, init_cache
 
 __all__ = ["Cache", "CheckpointError", "ModelConfig", "Tokenizer", "Transformer", "byte_tokenizer",
-           "init_cache", "load", "save_hf", "small_config", "tiny_config"]
+           "init_cache", "load", "save_hf", "small_config", "tiny_config", "weights_to_host"]
+
+
+def weights_to_host(model: Transformer) -> None:
+  """Moves ``model``'s parameters into host memory (NumPy arrays), in place. ``load`` leaves them
+  on JAX's default device, in float32: on an accelerator a whole float32 copy of the weights on
+  the first chip (6 GiB for a 1.5B model), kept as long as the model is. A caller that places
+  the weights elsewhere (a learner's shardings, a sampler's) can hold the model here instead: it
+  still computes (each call moves the weights to a device) and is placed from here as from a
+  device."""
+  nnx.update(model, jax.device_get(nnx.state(model, nnx.Param)))
 
 
 def _byte_llama(tokenizer: Tokenizer, dtype: str, **dims) -> ModelConfig:

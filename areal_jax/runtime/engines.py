@@ -23,6 +23,17 @@ from areal_jax.rollout_api import RolloutEngine
 DATA_PARALLEL = ("replicas", "sharded")  # rollout.data_parallel: the JAX sampler over a data axis
 
 
+def transfer_dtype(config) -> str | None:
+  """The dtype the in-process weight transfer casts the learner's weights to before its copy onto
+  the sampler's devices: the JAX sampler's compute dtype (``model.dtype``) where it receives whole
+  weights by ``weights.transfer="device_put"``; None otherwise (Orbax versions and the rollout
+  workers' transfers carry the learner's float32, LoRA publishes adapters, vLLM loads its own)."""
+  lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
+  if config.rollout.backend == "jax" and config.weights.transfer == "device_put" and lora is None:
+    return config.model.dtype
+  return None
+
+
 def sampler_budget(config, sampler_mesh, learner=None, learner_peak: int | None = None
                    ) -> dict | None:
   """``build``'s ``memory_budget`` for the JAX sampler: the memory of this process's sampler
@@ -32,15 +43,21 @@ def sampler_budget(config, sampler_mesh, learner=None, learner_peak: int | None 
   (``learner.memory.kept_bytes``), and with ``learner_peak`` (bytes per device of its smallest
   train step) its resident part beside that. Without a learner (the serve runtime, a learner
   group) the sampler alone is checked against the devices. None where no device size is known
-  (CPU without mesh.device_memory_gib): no check."""
+  (CPU without mesh.device_memory_gib): no check. A weight swap is planned with a version arriving
+  in ``transfer_dtype`` (float32 where that is None), beside decode calls unless colocated (the
+  sampler is paused while the learner trains and publishes)."""
   budget = learner_memory.device_budget(config.mesh, [
       d for d in sampler_mesh.devices.flat if d.process_index == jax.process_index()])
-  if budget is None or not config.mesh.colocated or learner is None:
-    return None if budget is None else {"budget_bytes": budget}
+  if budget is None:
+    return None
+  swap = {"incoming_dtype": transfer_dtype(config) or "float32",
+          "swap_while_decoding": not (config.mesh.colocated and learner is not None)}
+  if not config.mesh.colocated or learner is None:
+    return {"budget_bytes": budget, **swap}
   kept = learner_memory.kept_bytes(learner)
   # LoRA: the sampler merges into the learner's frozen base itself when both use one dtype
   shared = kept["frozen"] > 0 and config.actor.dtype == config.model.dtype
-  out = {"budget_bytes": budget - sum(kept.values()), "shared_base": shared}
+  out = {"budget_bytes": budget - sum(kept.values()), "shared_base": shared, **swap}
   if learner_peak is not None:
     out["resident_budget"] = budget - learner_peak
   return out
@@ -121,6 +138,8 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
 
     budget = memory_budget if isinstance(memory_budget, dict) or memory_budget is None \
         else {"budget_bytes": memory_budget}
+    if budget is not None:  # (a swap's arriving version: as the run's transfer delivers it)
+      budget = {"incoming_dtype": transfer_dtype(config) or "float32", **budget}
     meshes = replica_meshes(sampler_mesh, r.get("data_parallel", "replicas"))
     if meshes is None:  # one engine (its slots split over the data axis, if any)
       if budget is None:

@@ -58,11 +58,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
   c_roll, c_act, c_train = config.rollout, config.actor, config.train
   learner_mesh, sampler_mesh = meshes.build(config.mesh, remote_sampler=config.runtime.mode == "ray")
 
-  model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
-  if lora_lib.LoraConfig.from_config(c_act.lora) is not None:
-    # LoRA: the frozen base is stored once in the compute dtype; the learner and (colocated, same
-    # dtype) the sampler use these very arrays instead of copies.
-    lora_lib.freeze_model_base(model, c_act.dtype)
+  model, tokenizer = _load_model(config)
   task = tasks.get_task(config.task)
   learner, group = _build_learner(config, workdir, model, learner_mesh)
   if config.runtime.mode == "local":  # (in ray mode the workers hold the engines, built above)
@@ -238,6 +234,20 @@ def _phase(progress, phase: str):
   return None if progress is None else functools.partial(progress, phase)
 
 
+def _load_model(config):
+  """``(model, tokenizer)`` of ``model.source``, its weights where the run needs them: with LoRA
+  the frozen base once in the compute dtype (the learner and, colocated in the same dtype, the
+  sampler use these very arrays instead of copies); else in host memory, as the learner and the
+  sampler place copies of their own (``models.load`` leaves a float32 copy on the first device,
+  which the run would keep to its end beside the learner's or the sampler's planned memory)."""
+  model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+  if lora_lib.LoraConfig.from_config(config.actor.lora) is not None:
+    lora_lib.freeze_model_base(model, config.actor.dtype)
+  else:
+    models.weights_to_host(model)
+  return model, tokenizer
+
+
 def _build_learner(config, workdir: str, model, learner_mesh):
   """``(learner, is_group)``: the learner in this process (its memory plan comes with the
   sampler's: ``engines.build_planned``; in ray mode here), or a group of
@@ -263,7 +273,8 @@ def _build_transfer(config, workdir: str, learner, model, learner_mesh, sampler_
   else:
     shardings = weight_transfer.target_shardings(model, sampler_mesh)
   return weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
-                               learner.params(), shardings=shardings)
+                               learner.params(), shardings=shardings,
+                               dtype=engines.transfer_dtype(config))
 
 
 def _save(ckpt, learner, controller, staleness, version, totals, t_start) -> None:

@@ -6,7 +6,8 @@ Parameters cross components as an NNX pure dict (nested dicts of ``jax.Array``, 
 
 * ``"device_put"``: one process. ``publish`` copies the tree onto the sampler mesh's shardings with
   ``jax.device_put`` (a real copy even when the meshes share devices, so the learner may donate or
-  overwrite its buffers afterwards) and waits for the copy; ``fetch`` hands out that copy.
+  overwrite its buffers afterwards; cast first to the sampler's compute dtype when given one) and
+  waits for the copy; ``fetch`` hands out that copy, ``send`` hands it over and keeps none.
 * ``"orbax"``: the learner writes ``<path>/<version>/`` with Orbax, so any process (or machine, with a
   bucket path) can read it. Orbax writes into ``<version>.orbax-checkpoint-tmp-*`` and renames it
   when complete (on object stores, where rename is not atomic, it writes ``commit_success.txt``
@@ -28,11 +29,15 @@ import threading
 import time
 import uuid
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from etils import epath
 from flax import nnx
 
 from areal_jax import sharding
+from areal_jax.models.transformer import cast_weights
 from areal_jax.runtime.errors import RunDirError
 
 COMMIT_FILE = "commit_success.txt"  # written by Orbax when a save is finalized
@@ -84,8 +89,14 @@ class DevicePutTransfer:
 
   mode = "device_put"
 
-  def __init__(self, shardings):
+  def __init__(self, shardings, dtype=None):
+    """``dtype``: the matmul weights, embedding and biases are cast to it on the learner's devices
+    before the copy (``models.transformer.cast_weights``: the sampler's compute dtype, the cast
+    its engine would make itself, so it holds the same values): the copy on the sampler mesh is
+    half the float32 one (a swap holds it beside the version it becomes). None: as given."""
     self.shardings = shardings
+    self._cast = None if dtype is None or jnp.dtype(dtype) == jnp.float32 else jax.jit(
+        functools.partial(cast_weights, dtype=jnp.dtype(dtype)))
     self._lock = threading.Lock()
     self._version: int | None = None
     self._params = None
@@ -96,7 +107,10 @@ class DevicePutTransfer:
     t0 = time.perf_counter()
     with self._lock:
       _check_version(version, self._version)
-    out = jax.device_put(_pure(params), self.shardings, may_alias=False)
+    params = _pure(params)
+    if self._cast is not None:  # (on the learner's devices, in its shardings: a new array each)
+      params = self._cast(params)
+    out = jax.device_put(params, self.shardings, may_alias=False)
     jax.block_until_ready(out)  # always: a version is announced only once it is really there
     with self._lock:
       _check_version(version, self._version)
@@ -112,20 +126,28 @@ class DevicePutTransfer:
       return self._version
 
   def fetch(self, version: int | None = None) -> dict:
-    """The published parameters, already on the sampler mesh (only the latest version is held)."""
+    """The published parameters, already on the sampler mesh (only the latest version is held,
+    and none after ``send``, which hands its copy over)."""
     with self._lock:
       if self._version is None:
         raise LookupError("no weights have been published yet")
       if version is not None and version != self._version:
         raise LookupError(f"version {version} is not held (device_put keeps only the latest, "
                           f"{self._version})")
+      if self._params is None:
+        raise LookupError(f"version {self._version} was handed over by send(); none is held")
       self.last_fetch_s = 0.0
       return self._params
 
   def send(self, params, version: int) -> dict:
-    """``publish`` then ``fetch``: the parameters of ``version`` on the sampler mesh."""
+    """``publish`` then ``fetch``: the parameters of ``version`` on the sampler mesh, handed over:
+    this transfer keeps no reference to them (a sampler converts them into the weights it holds,
+    and a copy kept here would stay on every sampler device, in the learner's dtype, until the
+    next version; ``fetch`` after ``send`` raises)."""
     self.publish(params, version)
-    return self.fetch(version)
+    with self._lock:
+      out, self._params = self._params, None
+    return out
 
   def close(self) -> None:
     with self._lock:
@@ -393,14 +415,15 @@ def _remove(path: epath.Path) -> None:
 
 
 # ---- factory ------------------------------------------------------------------------------------
-def build(weights, workdir, learner_mesh, sampler_mesh, params, shardings=None):
+def build(weights, workdir, learner_mesh, sampler_mesh, params, shardings=None, dtype=None):
   """The transfer named by ``weights.transfer`` (config section ``weights``).
 
   ``params`` is the model (``nnx.Module``) or its ``nnx.State`` of ``nnx.Param`` variables, from
   which the sampler shardings are derived; with a pure dict, pass ``shardings`` (a pure dict of
   shardings on ``sampler_mesh``). ``learner_mesh`` only tells whether the two meshes share devices
   (``.colocated`` on the result); ``device_put`` copies in both cases. ``weights.path`` "" means
-  ``<workdir>/weights``.
+  ``<workdir>/weights``. ``dtype``: ``device_put``'s cast before its copy
+  (``DevicePutTransfer``; Orbax versions keep the learner's dtype).
   """
   if shardings is None:
     if not isinstance(params, (nnx.Module, nnx.State)):
@@ -410,7 +433,7 @@ def build(weights, workdir, learner_mesh, sampler_mesh, params, shardings=None):
                       "sampler mesh)")
     shardings = target_shardings(params, sampler_mesh)
   if weights.transfer == "device_put":
-    transfer = DevicePutTransfer(shardings)
+    transfer = DevicePutTransfer(shardings, dtype)
   elif weights.transfer == "orbax":
     path = weights.path or os.path.join(os.fspath(workdir), "weights")
     transfer = OrbaxTransfer(path, weights.keep, abstract_params(params, shardings))

@@ -51,10 +51,12 @@ class HeldWeights:
         lambda: Transformer(self.cfg, nnx.Rngs(0)))
     self.graphdef = nnx.graphdef(held)
     self.param_shardings = sharding.param_shardings(model, mesh)
+    self.param_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                     nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     self.shardings = sharding.param_shardings(held, mesh)
     fuse = ((lambda params: fuse_projections(params, given))
             if self.cfg.fused_projections != given.fused_projections else None)
-    dtype = jnp.dtype(given.compute_dtype)
+    dtype = self.compute_dtype = jnp.dtype(given.compute_dtype)
     if packed:  # one CPU device, float32: packed, never stacked
       which = cpu_matmul.packable(nnx.to_pure_dict(nnx.state(held, nnx.Param)))
       self.shardings = jax.tree.map(
@@ -82,6 +84,20 @@ class HeldWeights:
           self.param_shardings)
       self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
                             out_shardings=self.param_shardings)
+
+  def incoming_bytes(self, dtype=None) -> int:
+    """Bytes per device of a weight version as ``put`` takes it, before the conversion: the model's
+    layout on ``param_shardings``, its matmul weights, embedding and biases in ``dtype`` (the
+    compute dtype by default: what a transfer that casts before its copy delivers, and with LoRA
+    the base merged with the adapters), norm scales float32. A swap holds it beside the held
+    version it becomes until ``put`` returns."""
+    dtype = self.compute_dtype if dtype is None else jnp.dtype(dtype)
+    if self._merge is not None:  # (adapters come in; the merged base is what is converted)
+      dtype = self.compute_dtype
+    shapes = jax.eval_shape(lambda p: cast_weights(p, dtype), self.param_shapes)
+    return sharding.device_bytes(jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+        self.param_shardings))
 
   def shapes(self, params: dict) -> dict:
     """The held weights' shapes and dtypes for ``params`` (arrays or shapes in the model's

@@ -2,15 +2,22 @@
 
 Per device (the fullest one), before the decode state is allocated:
 
-  peak = 2 x held weights      (a weight swap holds the old and the new version until it lands)
+  peak = held weights          (the version the engine decodes with)
        + frozen LoRA base      (with LoRA: the base the adapters are merged into)
        + decode state          (the KV cache of every slot and the per-slot vectors)
+       + a weight swap         (the version arriving, in the model's layout and the dtype the
+                                transfer delivers (``incoming``), and the held version it is
+                                converted into, both until the conversion returns)
        + the larger program    (XLA's memory analysis of the two largest programs, compiled on
                                 abstract shapes: the decode call at full width and the largest kv
                                 bucket, its temporaries; the largest prefill call, its temporaries
                                 and the prefixes it returns: at the largest bucket and the most rows
                                 rollout.max_prefill_tokens leaves it, or at the bucket whose rows
                                 hold the most tokens)
+
+The swap and a program add up where the sampler decodes while a version arrives (its own devices:
+the learner publishes while it generates); colocated it is paused then, and the peak is the
+larger of the two.
 
 The budget is the caller's (``learner.memory.device_budget`` of the sampler's devices). Colocated
 with the learner, the two alternate on the same devices and what each keeps between its turns
@@ -53,6 +60,8 @@ class SamplerPlan:
   resident_budget: int | None = None  # colocated: what the learner's peak leaves
   kv_pages: int = 0  # a paged cache's pages (its state is the pool, not slots x max_len)
   pool_follows_slots: bool = False  # the pool was sized by the slots (kv_pages -1): fewer shrink it
+  incoming: int = 0  # a weight version as it arrives, before its conversion (``incoming_bytes``)
+  swap_while_decoding: bool = True  # a swap happens beside a decode or prefill call
 
   @property
   def resident_bytes(self) -> int:
@@ -60,8 +69,16 @@ class SamplerPlan:
     return self.weights + self.lora_base + self.state
 
   @property
+  def swap_bytes(self) -> int:
+    """A weight swap's bytes beside the resident part: the arriving version and the held one it
+    is converted into."""
+    return self.incoming + self.weights
+
+  @property
   def peak_bytes(self) -> int:
-    return self.resident_bytes + self.weights + max(self.generate_temp, self.prefill)
+    programs = max(self.generate_temp, self.prefill)
+    return self.resident_bytes + (self.swap_bytes + programs if self.swap_while_decoding
+                                  else max(self.swap_bytes, programs))
 
   @property
   def fits(self) -> bool:
@@ -72,8 +89,12 @@ class SamplerPlan:
     """About how many slots fit the budget (the state and the decode call's temporaries taken as
     proportional to the slots; the weights and the prefill call are not)."""
     fits, n = [], self.num_slots
-    if self.budget_bytes is not None:  # both branches of the peak's max must fit
-      free = self.budget_bytes - 2 * self.weights - self.lora_base
+    if self.budget_bytes is not None:  # every branch of the peak's max must fit
+      free = self.budget_bytes - self.weights - self.lora_base
+      if self.swap_while_decoding:
+        free -= self.swap_bytes
+      else:
+        fits.append((free - self.swap_bytes) // (self.state / n))
       fits += [free // ((self.state + self.generate_temp) / n),
                (free - self.prefill) // (self.state / n)]
     if self.resident_budget is not None:
@@ -86,8 +107,10 @@ class SamplerPlan:
     resident = "" if self.resident_budget is None else (
         f" ({_size(self.resident_bytes)} resident beside the learner's peak, of "
         f"{_size(self.resident_budget)})")
-    return (f"{_size(self.peak_bytes)} per device{budget}{resident}: weights 2 x "
-            f"{_size(self.weights)}, "
+    swap = "beside" if self.swap_while_decoding else "between"
+    return (f"{_size(self.peak_bytes)} per device{budget}{resident}: weights "
+            f"{_size(self.weights)}, a swap's {_size(self.incoming)} arriving and "
+            f"{_size(self.weights)} converted ({swap} decode calls), "
             + (f"LoRA base {_size(self.lora_base)}, " if self.lora_base else "")
             + f"KV cache and slots {_size(self.state)} ({self.num_slots} slots"
             + (f", {self.kv_pages} pages" if self.kv_pages else "") + "), decode call "
@@ -121,10 +144,14 @@ def program_bytes(engine) -> tuple[int, int]:
 
 
 def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
-         shared_base: bool = False, programs=program_bytes) -> SamplerPlan:
+         shared_base: bool = False, programs=program_bytes, incoming_dtype=None,
+         swap_while_decoding: bool = True) -> SamplerPlan:
   """The plan of a ``DecodeEngine`` (its weights placed, its state not needed); ``shared_base``:
   its LoRA base is the learner's own array, already counted there; ``programs``: what gives the
-  programs' bytes (``program_bytes``; bench/aot_decode.py compiles them for another device)."""
+  programs' bytes (``program_bytes``; bench/aot_decode.py compiles them for another device);
+  ``incoming_dtype``: the dtype of the matmul weights of a version as it arrives (None: the
+  compute dtype, as a transfer that casts before its copy delivers them); ``swap_while_decoding``:
+  whether a swap happens beside decode calls (False: colocated, paused while the learner runs)."""
   c = engine.config
   gen_temp, prefill = programs(engine)
   base = engine.weights.lora_base  # with LoRA: the base the adapters are merged into
@@ -134,13 +161,16 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
       state=sharding.device_bytes(engine.state_shapes()), generate_temp=gen_temp,
       prefill=prefill, num_slots=c.num_slots, budget_bytes=budget_bytes,
       resident_budget=resident_budget, kv_pages=c.kv_pages,
-      pool_follows_slots=engine.pool_follows_slots)
+      pool_follows_slots=engine.pool_follows_slots,
+      incoming=engine.weights.incoming_bytes(incoming_dtype),
+      swap_while_decoding=swap_while_decoding)
 
 
 def check(engine, budget_bytes: int | None, resident_budget: int | None = None,
-          shared_base: bool = False) -> SamplerPlan:
-  """``plan``, raising ``MemoryError`` naming what to change when it does not fit."""
-  p = plan(engine, budget_bytes, resident_budget, shared_base)
+          shared_base: bool = False, **swap) -> SamplerPlan:
+  """``plan`` (``swap``: its ``incoming_dtype`` and ``swap_while_decoding``), raising
+  ``MemoryError`` naming what to change when it does not fit."""
+  p = plan(engine, budget_bytes, resident_budget, shared_base, **swap)
   if not p.fits:
     raise _too_big(p, engine.config.max_len, engine.mesh)
   return p

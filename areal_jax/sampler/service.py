@@ -101,7 +101,11 @@ class JaxRolloutEngine(RolloutEngine):
     self.num_slots, self.max_len = num_slots, max_len
     self.vocab_size = model.cfg.vocab_size
     self.eos_token_ids = tuple(model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    self._params = self.engine.params if params is None else self.engine.put_params(params)
+    # the version the engine runs is its ``params``: the one it built from ``model`` is dropped
+    # as soon as another replaces it (a version is held once per device, as the memory plan says)
+    if params is not None:
+      self.engine.params = self.engine.put_params(params)
+    self._params = self.engine.params
     self._version = version
     self._state = None
     self._slots: list[Seq | None] = [None] * num_slots
@@ -522,6 +526,7 @@ class JaxRolloutEngine(RolloutEngine):
     if pending is None:
       return
     self._params, self._version = pending
+    self.engine.params = self._params  # (the replaced version is freed once no call reads it)
     self._prefixes.clear()
     self._continued.clear()
     self.stats["swaps"] += 1

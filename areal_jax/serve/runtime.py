@@ -79,7 +79,7 @@ class ServeRuntime:
           shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
         self._new_transfer = lambda: weight_transfer.build(
             config.weights, self.workdir, learner_mesh, sampler_mesh, learner.params(),
-            shardings=shardings)
+            shardings=shardings, dtype=engines.transfer_dtype(config))
         return self._new_transfer()
       self.trainer = trainer_process.build_trainer(config, self.workdir, self.store, model,
                                                    learner_mesh, transfer_fn, self.engine)

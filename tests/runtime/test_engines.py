@@ -133,13 +133,20 @@ def test_sampler_budget_colocated_leaves_what_the_learner_keeps():
   c.mesh.device_memory_gib, c.mesh.memory_fraction = 1.0, 0.5
   kept = learner_memory.kept_bytes(learner)
   assert kept["params"] > 0 and kept["opt"] > kept["params"] and kept["ref"] == kept["frozen"] == 0
+  # a swap's version arrives in the sampler's compute dtype (device_put casts before its copy),
+  # while the sampler decodes unless colocated (paused while the learner trains and publishes)
+  c.model.dtype = "bfloat16"
+  swap = {"incoming_dtype": "bfloat16", "swap_while_decoding": True}
   c.mesh.colocated = False  # disjoint devices: all of theirs
-  assert engines.sampler_budget(c, mesh, learner) == {"budget_bytes": 2**29}
+  assert engines.sampler_budget(c, mesh, learner) == {"budget_bytes": 2**29, **swap}
   c.mesh.colocated = True  # its peak beside what the learner keeps; its resident part beside a peak
   assert engines.sampler_budget(c, mesh, learner) == {
-      "budget_bytes": 2**29 - sum(kept.values()), "shared_base": False}
+      "budget_bytes": 2**29 - sum(kept.values()), "shared_base": False, **swap,
+      "swap_while_decoding": False}
   assert engines.sampler_budget(c, mesh, learner, 2**28)["resident_budget"] == 2**29 - 2**28
-  assert engines.sampler_budget(c, mesh) == {"budget_bytes": 2**29}  # no learner here (serve)
+  assert engines.sampler_budget(c, mesh) == {"budget_bytes": 2**29, **swap}  # no learner (serve)
+  c.weights.transfer = "orbax"  # versions read back as the learner wrote them: float32
+  assert engines.sampler_budget(c, mesh)["incoming_dtype"] == "float32"
   c.mesh.device_memory_gib = 0.0  # CPU reports no size: no check
   assert engines.sampler_budget(c, mesh, learner) is None
 

@@ -214,3 +214,59 @@ def test_lora_run_publishes_and_checkpoints_adapters_then_exports(tmp_path):
   merged, _ = models.load(paths["merged"])
   expected = lora.merged_model(base, adapters, lcfg)
   np.testing.assert_array_equal(merged.layers[1].attn.q[...], expected.layers[1].attn.q[...])
+
+
+def _device_bytes() -> dict[int, int]:
+  """Bytes of the distinct device buffers alive, per device id (an array viewing another's
+  buffer, as a replica's view of a replicated shard, counted once)."""
+  import jax
+  seen, out = set(), {}
+  for a in jax.live_arrays():
+    for s in a.addressable_shards:
+      key = (s.device.id, s.data.unsafe_buffer_pointer())
+      if key not in seen:
+        seen.add(key)
+        out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
+  return out
+
+
+@pytest.mark.parametrize("data_parallel", ["replicas", "sharded"])
+def test_weight_versions_leave_one_copy_per_device(data_parallel):
+  """Set up as a run does (learner on 2 devices, sampler on 2), then publish versions: each
+  sampler device holds one version of the weights it decodes with (the memory plan's resident
+  weights) and each learner device its own state, nothing else: not the float32 copy ``load``
+  makes on the first device, not the transfer's copy in the learner's dtype, not the version the
+  sampler was built with."""
+  import gc
+
+  import jax
+  from areal_jax import sharding
+  from areal_jax.runtime import engines, meshes, trainer
+
+  c = tiny_config(**{"mesh.learner_devices": 2, "mesh.sampler_devices": 2,
+                     "model.dtype": "bfloat16", "rollout.data_parallel": data_parallel})
+  gc.collect()
+  before = _device_bytes()
+  model, tokenizer = trainer._load_model(c)
+  learner_mesh, sampler_mesh = meshes.build(c.mesh)
+  learner, _ = trainer._build_learner(c, "/unused", model, learner_mesh)
+  engine = engines.build_planned(c, model, tokenizer, sampler_mesh, learner)
+  transfer = trainer._build_transfer(c, "/unused", learner, model, learner_mesh, sampler_mesh,
+                                     False)
+  held = [e.engine for e in getattr(engine, "replicas", [engine])]
+  for version in range(3):  # (no rollout loop running: each version lands at once)
+    engine.update_params(transfer.send(learner.params(), version), version)
+  gc.collect()
+  now = _device_bytes()
+  grown = {d: now.get(d, 0) - before.get(d, 0) for d in set(now) | set(before)}
+  learner_ids = [d.id for d in learner_mesh.devices.flat]
+  sampler_ids = [d.id for d in sampler_mesh.devices.flat]
+  state = jax.tree.leaves(learner._state)
+  for d in learner_ids:
+    assert grown[d] == sum(s.data.nbytes for x in state for s in x.addressable_shards
+                           if s.device.id == d), (d, grown)
+  weights = sharding.device_bytes(held[0].params)  # (per device, bfloat16 matmul weights)
+  assert all(grown[d] == weights for d in sampler_ids), (weights, grown)
+  assert all(e.params is h._params for e, h in zip(held, getattr(engine, "replicas", [engine])))
+  assert not set(grown) - set(learner_ids) - set(sampler_ids) or all(
+      grown[d] == 0 for d in set(grown) - set(learner_ids) - set(sampler_ids))

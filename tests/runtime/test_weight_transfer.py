@@ -1,8 +1,10 @@
 """Weight transfer learner (devices 0-3) -> sampler (devices 4-7): device_put and Orbax."""
 
+import gc
 import os
 import shutil
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -73,6 +75,31 @@ def test_device_put_lands_on_sampler_mesh(setup, shape):
     transfer.publish(setup["params"], 2)
   with pytest.raises(LookupError, match="only the latest"):
     transfer.fetch(1)
+
+
+@pytest.mark.parametrize("shape", SAMPLER_SHAPES, ids=str)
+def test_device_put_casts_before_its_copy_and_send_keeps_none(setup, shape):
+  """Given the sampler's compute dtype, the copy on the sampler mesh is the learner's weights cast
+  as the sampler's engine casts them (matmul weights, embedding and biases; norm scales stay
+  float32), half the float32 copy's bytes; ``send`` hands it over and keeps no reference."""
+  from areal_jax.models.transformer import cast_weights
+  mesh = sampler_mesh(setup, shape)
+  transfer = wt.build(weights_config("device_put"), "/unused", setup["learner_mesh"], mesh,
+                      setup["state"], dtype="bfloat16")
+  out = transfer.send(setup["params"], 1)
+  shardings = wt.target_shardings(setup["state"], mesh)
+  assert_on_sampler(out, cast_weights(setup["params"], jax.numpy.bfloat16), shardings, setup)
+  dtypes = {str(x.dtype) for x in jax.tree.leaves(out)}
+  assert dtypes == {"bfloat16", "float32"}  # (the norm scales)
+  assert all(x.dtype == jax.numpy.float32 for x in jax.tree.leaves(out) if x.ndim == 1)
+  assert sum(x.nbytes for x in jax.tree.leaves(out)) < 0.51 * sum(
+      x.nbytes for x in jax.tree.leaves(setup["params"]))
+  with pytest.raises(LookupError, match="handed over"):
+    transfer.fetch(1)
+  refs = [weakref.ref(x) for x in jax.tree.leaves(out)]
+  del out  # nothing else holds the copy: its buffers go
+  gc.collect()
+  assert all(r() is None for r in refs)
 
 
 @pytest.mark.parametrize("shape", SAMPLER_SHAPES, ids=str)

@@ -4,7 +4,9 @@ the slots that fit) when it does not fit, and the runtime's budget for it."""
 import types
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from areal_jax import sharding
 from areal_jax.kernels import choice
@@ -27,8 +29,37 @@ def test_plan_counts_weights_cache_and_programs():
   assert p.state == cache + vectors
   assert p.weights == sum(x.nbytes for x in jax.tree.leaves(eng.params))
   assert p.generate_temp > 0 and p.prefill > 0 and p.lora_base == 0
-  assert p.peak_bytes == 2 * p.weights + p.state + max(p.generate_temp, p.prefill)
+  # a swap: the version arriving in the model's layout (float32 here, as held) and the one held
+  assert p.incoming == sum(x.nbytes for x in jax.tree.leaves(
+      nnx.to_pure_dict(nnx.state(tiny_model(0), nnx.Param))))
+  assert p.peak_bytes == p.weights + p.state + p.incoming + p.weights + max(p.generate_temp,
+                                                                             p.prefill)
   assert p.fits and "8 slots" in p.summary()
+  # colocated (paused while a version arrives) the swap and the programs do not add up
+  paused = memory.plan(eng, None, swap_while_decoding=False)
+  assert paused.peak_bytes == p.weights + p.state + max(
+      p.incoming + p.weights, p.generate_temp, p.prefill)
+
+
+def test_a_version_arriving_in_the_compute_dtype_is_planned_at_its_size():
+  """A bfloat16 engine: a transfer that casts before its copy delivers half the float32 bytes
+  (norm scales stay float32); the plan counts what arrives, as told."""
+  eng = DecodeEngine(tiny_model(0, dtype="bfloat16"), EngineConfig(num_slots=8, max_len=64))
+  f32 = memory.plan(eng, None, incoming_dtype="float32")
+  bf16 = memory.plan(eng, None)
+  norms = sum(x.nbytes for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(
+      tiny_model(0), nnx.Param))) if x.ndim == 1 and x.dtype == jnp.float32)
+  assert bf16.incoming == (f32.incoming - norms) // 2 + norms
+  assert f32.peak_bytes - bf16.peak_bytes == f32.incoming - bf16.incoming
+  # what fits: every slot-bound branch of the peak, counted with the swap
+  for dtype, overlap in ((None, True), ("float32", True), (None, False)):
+    swap = dict(incoming_dtype=dtype, swap_while_decoding=overlap)
+    need = memory.plan(eng, None, **swap)
+    budget = need.peak_bytes - need.state // 2
+    slots = memory.plan(eng, budget, **swap).slots_that_fit()
+    assert 0 < slots < 8
+    fewer = DecodeEngine(tiny_model(0, dtype="bfloat16"), EngineConfig(num_slots=slots, max_len=64))
+    assert memory.plan(fewer, budget, **swap).fits
 
 
 def test_slots_split_over_the_data_axis_split_the_cache():
