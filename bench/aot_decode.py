@@ -288,7 +288,7 @@ def _program(what: str, cfg, slots: int, ctx: int, steps: int, attention: str, l
     return jax.jit(fn, donate_argnums=1, compiler_options=matmul_options), args
 
 
-def target_engine(device, model, engine_config):
+def target_engine(device, model, engine_config, lora=None):
   """Our ``DecodeEngine`` of ``model`` built on this CPU as it builds itself for ``device``'s
   platform (its choices of layouts, forms and kernels: choice.heads_major_per_layer, scatter
   writes, vocabulary-major logits, a paged cache on a GPU), its Pallas kernels traced compiled for
@@ -304,7 +304,7 @@ def target_engine(device, model, engine_config):
   os.environ[choice.HELD_LAYOUTS_ENV] = "default"  # (the compiler's: _with_auto_layouts)
   try:
     with choice.lowering_for(_platform(device)):
-      eng = DecodeEngine(model, engine_config)
+      eng = DecodeEngine(model, engine_config, lora=lora)
   finally:
     choice.platform_of = on_cpu
     os.environ.pop(choice.HELD_LAYOUTS_ENV)
@@ -321,13 +321,15 @@ def abstract(tree, device):
       x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), tree)
 
 
-def sampler_plan(device, model, engine_config, **budget):
-  """The sampler's memory plan (``sampler.memory.plan``: its weights, decode state, and the
-  largest programs' temporaries) with the programs compiled for ``device`` (a TPU chip or a GPU of
-  ``target_devices``) by its own compiler, for an engine of one device (``target_engine``), the
+def sampler_plan(device, model, engine_config, lora=None, **budget):
+  """The sampler's memory plan (``sampler.memory.plan``: its weights, decode state, a weight swap
+  and the largest programs' temporaries) with the programs compiled for ``device`` (a TPU chip or
+  a GPU of ``target_devices``) by its own compiler, for an engine of one device
+  (``target_engine``; ``lora``: merging adapters, the merge compiled for ``device`` too), the
   weights and state in the layouts the engine holds them in there (``choice.held_layouts``).
-  ``budget``: ``plan``'s ``budget_bytes`` / ``resident_budget``."""
-  from areal_jax import program_memory
+  ``budget``: ``plan``'s ``budget_bytes``, ``resident_budget``, ``shared_base``,
+  ``incoming_dtype`` and ``swap_while_decoding``."""
+  from areal_jax import program_memory, sharding
   from areal_jax.kernels import choice
   from areal_jax.sampler import memory
   platform = _platform(device)
@@ -356,8 +358,17 @@ def sampler_plan(device, model, engine_config, **budget):
     return (compiled(gen_fn, params, state, *pages)["temp"],
             max(m["temp"] + m["out"] for m in pre))
 
-  return memory.plan(target_engine(device, model, engine_config), budget.get("budget_bytes"),
-                     budget.get("resident_budget"), programs=programs)
+  eng = target_engine(device, model, engine_config, lora)
+  incoming = None
+  if eng.weights.adapter_shapes is not None:  # the merge and conversion as the target compiles it
+    w = eng.weights
+    args = (abstract(w.lora_base, device), abstract(w.adapter_shapes, device))
+    incoming = sharding.device_bytes(w.adapter_shapes) + compiled(
+        jax.jit(w._merge_steps), *args)["temp"]  # noqa: SLF001
+  return memory.plan(eng, budget.get("budget_bytes"), budget.get("resident_budget"),
+                     budget.get("shared_base", False), programs=programs,
+                     incoming_dtype=budget.get("incoming_dtype"),
+                     swap_while_decoding=budget.get("swap_while_decoding", True), incoming=incoming)
 
 
 def _with_auto_layouts(fn, fargs, compiler_options, platform: str):

@@ -253,21 +253,58 @@ def sampler_resident(cfg: ModelConfig, c, devices: int) -> dict:
 SAMPLER_PROGRAMS_MAX_PARAMS = 3e9  # its random weights are built on this CPU: 7B's would not fit
 
 
-def target_sampler_plan(device, cfg: ModelConfig, c, slots: int):
+def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: int | None = None):
   """The recipe ``c``'s sampler plan on ``device`` (one engine of ``slots`` slots, random weights
   of ``cfg`` in ``model.dtype``), its decode and prefill programs compiled by the target's
-  compiler (``aot_decode.sampler_plan``)."""
+  compiler (``aot_decode.sampler_plan``), a weight swap planned as the run plans it
+  (``runtime.engines.sampler_budget``: LoRA adapters merged into the learner's frozen base, or
+  whole weights in the dtype the transfer delivers; paused while colocated)."""
   import aot_decode  # noqa: PLC0415
+  from areal_jax.models import lora as lora_lib
+  from areal_jax.runtime import engines
   from areal_jax.sampler.engine import EngineConfig
   r = c.rollout
   model = Transformer(dataclasses.replace(cfg, dtype=c.model.dtype), nnx.Rngs(0))
+  lcfg = lora_lib.LoraConfig.from_config(c.actor.get("lora"))
+  swap = dict(incoming_dtype=engines.transfer_dtype(c) or "float32",
+              swap_while_decoding=not c.mesh.colocated,
+              shared_base=lcfg is not None and c.mesh.colocated and c.actor.dtype == c.model.dtype)
   return aot_decode.sampler_plan(device, model, EngineConfig(
       num_slots=slots, max_len=max(r.prefill_buckets) + r.max_new_tokens,
       prefill_buckets=tuple(r.prefill_buckets), steps_per_call=r.steps_per_call,
       decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
       decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
       kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64),
-      max_prefill_tokens=r.get("max_prefill_tokens", 0)))
+      max_prefill_tokens=r.get("max_prefill_tokens", 0)), lora=lcfg, budget_bytes=budget_bytes,
+      **swap)
+
+
+def disjoint_sampler_plan(c, cfg: ModelConfig, devices, budget: int, preset: str) -> dict:
+  """A recipe's sampler on devices of its own (``mesh.colocated`` False): one engine's plan per
+  device (``rollout.data_parallel="replicas"``: ``rollout.num_slots`` split over them) compiled
+  for the target, against the whole budget, a weight swap beside its decode calls; where the
+  configured slots do not fit, the plan again at the slots the run would take
+  (``sampler.memory.fit``: ``slots_that_fit``, at least ``rollout.n_samples``)."""
+  from areal_jax.runtime import meshes
+  r = c.rollout
+  sampler_mesh = meshes.build(c.mesh, devices)[1]
+  data = sampler_mesh.shape.get("data", 1)  # (a target's hosts: engines.replica_meshes's split)
+  if sampler_mesh.size > 1 and (data != sampler_mesh.size
+                                or r.get("data_parallel", "replicas") != "replicas"):
+    return {}  # (one engine over several devices: not compiled here)
+  slots = r.num_slots // data
+  device = sampler_mesh.devices.flat[0]
+  programs = target_sampler_plan(device, cfg, c, slots, budget)
+  if not programs.fits and r.n_samples <= programs.slots_that_fit() < slots:
+    programs = target_sampler_plan(device, cfg, c, programs.slots_that_fit(), budget)
+  print(f"{preset}: sampler memory plan compiled for {device.device_kind} (an engine a device, "
+        f"{slots} slots configured): {programs.summary()}; "
+        f"{'fits' if programs.fits else 'does not fit'}", flush=True)
+  return dict(sampler_configured_slots=slots, sampler_slots=programs.num_slots,
+              sampler_fits=programs.fits, sampler_kv_pages=programs.kv_pages,
+              **{f"sampler_{k}_gib": getattr(programs, k) / memory.GIB for k in (
+                  "weights", "state", "incoming", "generate_temp", "prefill", "resident_bytes",
+                  "peak_bytes")})
 
 
 def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
@@ -343,6 +380,8 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
             f"{programs.summary()}; {row['sampler_fits'] and 'fits' or 'does not fit'} beside "
             f"the learner ({kept / memory.GIB:.2f} GiB kept, {p.peak_gib:.2f} GiB at its peak) "
             f"in {budget / memory.GIB:.2f} GiB", flush=True)
+    elif target and cfg.num_params() < SAMPLER_PROGRAMS_MAX_PARAMS:  # on devices of its own
+      row.update(disjoint_sampler_plan(c, cfg, devices, budget, preset))
     row["overrides"] = list(overrides)
     rows.append(row)
   print(f"{'recipe':<30}{'model':<14}{'mesh':>24}{'tokens':>8}{'params':>8}{'opt':>7}{'grads':>7}"
@@ -350,10 +389,10 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
   for r in rows:
     mesh = ",".join(f"{k}={v}" for k, v in r["devices"].items())
     sampler = (f"{r['sampler_weights_gib'] + r['sampler_cache_gib']:.2f}"
-               if "sampler_slots" in r else "-")  # kept beside the learner, at the configured slots
+               if "sampler_cache_gib" in r else "-")  # kept beside the learner, configured slots
     note = "" if r["fits"] else "  does not fit" + (
         f" beside the sampler's slots; {r['sampler_slots']} slots per device leave room"
-        if "sampler_slots" in r else "")
+        if "sampler_cache_gib" in r else "")
     print(f"{r['recipe']:<30}{r['model']:<14}{mesh:>24}{r['micro_rows'] * r['row_len']:>8}"
           f"{r['params_gib']:>8.2f}{r['opt_gib']:>7.2f}{r['grads_gib']:>7.2f}"
           f"{r['accumulate_gib']:>7.2f}{r['update_gib']:>8.2f}{r['peak_gib']:>10.2f}{sampler:>9}"

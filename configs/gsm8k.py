@@ -20,7 +20,10 @@ v5e:2x4; bench/results/plan-targets-2026-11-29-s35): 9.78 GiB per chip (XLA:CPU 
 copies of the bfloat16 weights a TPU multiplies as they are); 9.37 GiB with the flash attention
 kernel the train step runs on TPU and GPU since session 37 (bench/results/plan-flash-2026-11-29-s37,
 where 8k-token sequences, rollout.max_new_tokens=8192, fit 4 chips at 12.79 GiB: 17.22 with the
-dense attention). Never run on an accelerator (not measured).
+dense attention). The sampler, an engine per chip (64 slots), compiled for a v5e chip: 11.78 GiB
+of 14.40 at its peak (weights 2.88, KV cache 2.63, a weight swap's 2.88 arriving in bfloat16 and
+2.88 converted beside a decode call; bench/results/plan-swap-2026-11-29-s38). Never run on an
+accelerator (not measured).
 
 Presets:
   :tiny    random tiny model with a byte tokenizer; the full asynchronous loop in ~1 minute on CPU.
@@ -68,8 +71,10 @@ Presets:
            micro-batch of 1 x 3072 tokens, with the layers unrolled (9.57 GiB with them under
            one scan, which copies the stacked weights), beside all 16 slots of the sampler, whose
            peak, 10.02 GiB (10.24 on the GPU, paged; weights twice during a swap, prefill call
-           1.0 GiB; 10.13 and 1.09 with the flash prefill), fits beside what the learner keeps. Not run on an accelerator (not
-           measured).
+           1.0 GiB; 10.13 and 1.09 with the flash prefill), fits beside what the learner keeps.
+           Planned since session 38 with the swap as it happens (paused; the adapters merged into
+           the new copy in one program: bench/results/plan-swap-2026-11-29-s38): 9.10 GiB.
+           Not run on an accelerator (not measured).
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """
 

@@ -16,7 +16,7 @@ per-layer parameter dict in the model's own layout, sharded like the model on th
 
 With LoRA the engine keeps the base weights it was built with (in the compute dtype; a base
 already in that dtype on this mesh is the caller's array, not a copy) and also accepts adapters,
-merged into that base before the conversion.
+merged into that base and converted in one program (no merged copy beside the held one).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from areal_jax import sharding
+from areal_jax import program_memory, sharding
 from areal_jax.kernels import cpu_matmul
 from areal_jax.models import decode_scan
 from areal_jax.models import lora as lora_lib
@@ -76,14 +76,18 @@ class HeldWeights:
 
     self._steps = convert
     self._convert = jax.jit(convert, out_shardings=self.shardings) if steps else None
-    self.lora_base, self._merge = None, None
+    self.lora_base, self._merge, self.adapter_shapes = None, None, None
     if lora is not None:
       # an eager cast and placement: a base already in the compute dtype on this mesh is shared
       self.lora_base = jax.device_put(
           lora_lib.frozen_base(nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype),
           self.param_shardings)
-      self._merge = jax.jit(lambda base, adapters: lora_lib.merge(base, adapters, lora),
-                            out_shardings=self.param_shardings)
+      # the merge and the conversion in one program: no merged copy in the model's layout beside
+      # the held one it becomes (a weight's worth of temporaries at a time, not the whole model)
+      self._merge_steps = lambda base, adapters: convert(lora_lib.merge(base, adapters, lora))
+      self._merge = jax.jit(self._merge_steps, out_shardings=self.shardings)
+      self.adapter_shapes = lora_lib.abstract_adapters(self.param_shapes, lora,
+                                                       NamedSharding(mesh, P()))
 
   def incoming_bytes(self, dtype=None) -> int:
     """Bytes per device of a weight version as ``put`` takes it, before the conversion: the model's
@@ -91,9 +95,11 @@ class HeldWeights:
     compute dtype by default: what a transfer that casts before its copy delivers, and with LoRA
     the base merged with the adapters), norm scales float32. A swap holds it beside the held
     version it becomes until ``put`` returns."""
+    if self._merge is not None:  # adapters come in, merged and converted in one program
+      args = (self.lora_base, self.adapter_shapes)
+      return (sharding.device_bytes(self.adapter_shapes)
+              + program_memory.cost(self._merge.lower(*args), args)["temp"])
     dtype = self.compute_dtype if dtype is None else jnp.dtype(dtype)
-    if self._merge is not None:  # (adapters come in; the merged base is what is converted)
-      dtype = self.compute_dtype
     shapes = jax.eval_shape(lambda p: cast_weights(p, dtype), self.param_shapes)
     return sharding.device_bytes(jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
@@ -108,12 +114,14 @@ class HeldWeights:
     """From now on ``put`` returns the weights in ``formats`` (a tree of ``jax`` ``Format``:
     layouts with the held shardings, ``kernels.choice.held_layouts``)."""
     self._convert = jax.jit(self._steps, out_shardings=formats)
+    if self._merge is not None:
+      self._merge = jax.jit(self._merge_steps, out_shardings=formats)
 
   def put(self, params: dict) -> dict:
     """``params`` (a pure parameter dict in the model's layout, or with LoRA its adapters) placed
     on the sampler mesh and converted to the held layout; the caller's arrays are left as they
     are."""
     if self._merge is not None and lora_lib.is_adapters(params):
-      params = self._merge(self.lora_base, params)
+      return self._merge(self.lora_base, params)
     placed = jax.device_put(params, self.param_shardings)
     return placed if self._convert is None else self._convert(placed)

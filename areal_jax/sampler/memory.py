@@ -145,13 +145,15 @@ def program_bytes(engine) -> tuple[int, int]:
 
 def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
          shared_base: bool = False, programs=program_bytes, incoming_dtype=None,
-         swap_while_decoding: bool = True) -> SamplerPlan:
+         swap_while_decoding: bool = True, incoming: int | None = None) -> SamplerPlan:
   """The plan of a ``DecodeEngine`` (its weights placed, its state not needed); ``shared_base``:
   its LoRA base is the learner's own array, already counted there; ``programs``: what gives the
   programs' bytes (``program_bytes``; bench/aot_decode.py compiles them for another device);
   ``incoming_dtype``: the dtype of the matmul weights of a version as it arrives (None: the
   compute dtype, as a transfer that casts before its copy delivers them); ``swap_while_decoding``:
-  whether a swap happens beside decode calls (False: colocated, paused while the learner runs)."""
+  whether a swap happens beside decode calls (False: colocated, paused while the learner runs);
+  ``incoming``: those bytes as given (bench/aot_decode.py: a LoRA merge compiled for another
+  device) instead of ``HeldWeights.incoming_bytes``."""
   c = engine.config
   gen_temp, prefill = programs(engine)
   base = engine.weights.lora_base  # with LoRA: the base the adapters are merged into
@@ -162,7 +164,7 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
       prefill=prefill, num_slots=c.num_slots, budget_bytes=budget_bytes,
       resident_budget=resident_budget, kv_pages=c.kv_pages,
       pool_follows_slots=engine.pool_follows_slots,
-      incoming=engine.weights.incoming_bytes(incoming_dtype),
+      incoming=engine.weights.incoming_bytes(incoming_dtype) if incoming is None else incoming,
       swap_while_decoding=swap_while_decoding)
 
 

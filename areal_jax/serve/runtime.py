@@ -56,6 +56,8 @@ class ServeRuntime:
     self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
     model, self.tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+    if not config.actor.lora.rank:  # placed where they run: none kept on the first device
+      models.weights_to_host(model)
     # the sampler's memory plan against its devices (fewer slots when they do not fit; a
     # MemoryError naming the keys when not even a group's do), before anything is opened
     self.engine = engines.build(config, model, self.tokenizer, sampler_mesh,

@@ -130,6 +130,8 @@ def main(argv) -> None:
   store = TurnStore(config.serve.db_path or os.path.join(workdir, "turns.sqlite"))
   learner_mesh, _ = meshes.build(config.mesh)
   model, _ = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+  if not config.actor.lora.rank:  # placed where they run: none kept on the first device
+    models.weights_to_host(model)
   publisher = lambda _: weight_transfer.OrbaxPublisher(weights_path(config, workdir), config.weights.keep)
   loop = build_trainer(config, workdir, store, model, learner_mesh, publisher)
   state = dict(pid=os.getpid(), started=time.time(), cores=sorted(os.sched_getaffinity(0)))

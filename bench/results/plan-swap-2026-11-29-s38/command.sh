@@ -1,0 +1,15 @@
+# Session 38 (2026-11-29, AMD EPYC 2 cores, jax 0.10.2, libtpu 0.0.42; no accelerator): the
+# sampler's memory plans with a weight swap as it happens, compiled by libtpu for TPU v5e chips.
+# venv with jax[tpu]==0.10.2 at /tmp/tpu (make install ACCEL=tpu into a scratch venv)
+PYTHONPATH=$PWD:$PWD/bench /tmp/tpu/bin/python bench/learner.py --plan --target v5e:2x4 \
+  --only default,qwen3_lora --json bench/results/plan-swap-2026-11-29-s38/v5e-default-qwen3_lora.json
+#   (this first run printed no sampler plan for the default recipe: the bench's check of the
+#    sampler's replicas refused a target's multi-host devices; fixed, then:)
+PYTHONPATH=$PWD:$PWD/bench /tmp/tpu/bin/python bench/learner.py --plan --target v5e:2x4 \
+  --only default --json bench/results/plan-swap-2026-11-29-s38/v5e-default.json
+# a LoRA version merged, converted, and both in one program, Qwen3-1.7B shape, rank 16
+# (temporaries and outputs of each program as the target's compiler assigns them):
+PYTHONPATH=$PWD:$PWD/bench /tmp/tpu/bin/python bench/results/plan-swap-2026-11-29-s38/lora_merge.py v5e:2x2
+PYTHONPATH=$PWD:$PWD/bench JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/cu/bin/python \
+  bench/results/plan-swap-2026-11-29-s38/lora_merge.py h100
+PYTHONPATH=$PWD:$PWD/bench .venv/bin/python bench/results/plan-swap-2026-11-29-s38/lora_merge.py cpu
