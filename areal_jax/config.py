@@ -72,6 +72,11 @@ def base_config() -> ConfigDict:
   c.rollout.max_concurrent_rollouts = 0  # C in groups; 0: equal to actor.batch_size
   c.rollout.partial_rollouts = True  # apply new weights mid-sequence
   c.rollout.continuation = "keep_cache"  # "keep_cache" | "reprefill" after a weight swap
+  # how the JAX sampler takes a new version: "overlap" (converted while it decodes with the current
+  # one: both held) | "pause" (it stops between two calls, lets go of the current one, converts
+  # the new one: one version less at the swap's peak) | "auto" (overlap where the memory plan
+  # fits it, else pause; pause when colocated, where the sampler is idle during a swap anyway)
+  c.rollout.weight_swap = "auto"
   c.rollout.num_slots = 64  # decode slots of the JAX sampler
   c.rollout.prefill_buckets = (64, 128, 256, 512)
   # tokens per prefill call (rows x bucket, at least one row): fewer prompts per call at long
@@ -278,6 +283,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "actor.lr_schedule": (a.lr_schedule, ("constant", "cosine", "linear")),
       "actor.remat": (a.remat, ("none", "full", "dots", "offload")),
       "weights.transfer": (config.weights.transfer, ("device_put", "orbax", "jax_transfer")),
+      "rollout.weight_swap": (r.get("weight_swap", "auto"), ("auto", "overlap", "pause")),
       "task.name": (config.task.name, ("gsm8k", "arithmetic")),
       "task.reward": (config.task.reward, ("answer", "digit_share")),
   }

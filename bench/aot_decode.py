@@ -328,7 +328,7 @@ def sampler_plan(device, model, engine_config, lora=None, **budget):
   (``target_engine``; ``lora``: merging adapters, the merge compiled for ``device`` too), the
   weights and state in the layouts the engine holds them in there (``choice.held_layouts``).
   ``budget``: ``plan``'s ``budget_bytes``, ``resident_budget``, ``shared_base``,
-  ``incoming_dtype`` and ``swap_while_decoding``."""
+  ``incoming_dtype``, ``swap_while_decoding`` and ``weight_swap``."""
   from areal_jax import program_memory, sharding
   from areal_jax.kernels import choice
   from areal_jax.sampler import memory
@@ -368,7 +368,8 @@ def sampler_plan(device, model, engine_config, lora=None, **budget):
   return memory.plan(eng, budget.get("budget_bytes"), budget.get("resident_budget"),
                      budget.get("shared_base", False), programs=programs,
                      incoming_dtype=budget.get("incoming_dtype"),
-                     swap_while_decoding=budget.get("swap_while_decoding", True), incoming=incoming)
+                     swap_while_decoding=budget.get("swap_while_decoding", True), incoming=incoming,
+                     weight_swap=budget.get("weight_swap", "overlap"))
 
 
 def _with_auto_layouts(fn, fargs, compiler_options, platform: str):

@@ -253,7 +253,8 @@ def sampler_resident(cfg: ModelConfig, c, devices: int) -> dict:
 SAMPLER_PROGRAMS_MAX_PARAMS = 3e9  # its random weights are built on this CPU: 7B's would not fit
 
 
-def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: int | None = None):
+def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: int | None = None,
+                        pause: bool = False):
   """The recipe ``c``'s sampler plan on ``device`` (one engine of ``slots`` slots, random weights
   of ``cfg`` in ``model.dtype``), its decode and prefill programs compiled by the target's
   compiler (``aot_decode.sampler_plan``), a weight swap planned as the run plans it
@@ -266,8 +267,10 @@ def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: i
   r = c.rollout
   model = Transformer(dataclasses.replace(cfg, dtype=c.model.dtype), nnx.Rngs(0))
   lcfg = lora_lib.LoraConfig.from_config(c.actor.get("lora"))
+  mode = r.get("weight_swap", "auto")
   swap = dict(incoming_dtype=engines.transfer_dtype(c) or "float32",
               swap_while_decoding=not c.mesh.colocated,
+              weight_swap="pause" if pause or (mode == "auto" and c.mesh.colocated) else mode,
               shared_base=lcfg is not None and c.mesh.colocated and c.actor.dtype == c.model.dtype)
   return aot_decode.sampler_plan(device, model, EngineConfig(
       num_slots=slots, max_len=max(r.prefill_buckets) + r.max_new_tokens,
@@ -295,13 +298,17 @@ def disjoint_sampler_plan(c, cfg: ModelConfig, devices, budget: int, preset: str
   slots = r.num_slots // data
   device = sampler_mesh.devices.flat[0]
   programs = target_sampler_plan(device, cfg, c, slots, budget)
+  if not programs.fits and r.get("weight_swap", "auto") == "auto":  # (as sampler.memory.fit)
+    programs = programs.pausing()
   if not programs.fits and r.n_samples <= programs.slots_that_fit() < slots:
-    programs = target_sampler_plan(device, cfg, c, programs.slots_that_fit(), budget)
+    programs = target_sampler_plan(device, cfg, c, programs.slots_that_fit(), budget,
+                                   programs.swap_pauses)
   print(f"{preset}: sampler memory plan compiled for {device.device_kind} (an engine a device, "
         f"{slots} slots configured): {programs.summary()}; "
         f"{'fits' if programs.fits else 'does not fit'}", flush=True)
   return dict(sampler_configured_slots=slots, sampler_slots=programs.num_slots,
               sampler_fits=programs.fits, sampler_kv_pages=programs.kv_pages,
+              sampler_swap_pauses=programs.swap_pauses,
               **{f"sampler_{k}_gib": getattr(programs, k) / memory.GIB for k in (
                   "weights", "state", "incoming", "generate_temp", "prefill", "resident_bytes",
                   "peak_bytes")})
@@ -374,6 +381,7 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
                      "weights", "state", "generate_temp", "prefill", "resident_bytes",
                      "peak_bytes")},
                  sampler_program_slots=programs.num_slots, sampler_kv_pages=programs.kv_pages,
+                 sampler_swap_pauses=programs.swap_pauses,
                  sampler_fits=programs.peak_bytes <= budget - kept
                  and programs.resident_bytes + p.peak_bytes <= budget)
       print(f"{preset}: sampler memory plan compiled for {row['device_kind']}: "

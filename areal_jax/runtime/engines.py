@@ -134,18 +134,34 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
           decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
           lora=lora, kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64),
           max_prefill_tokens=r.get("max_prefill_tokens", 0),
-          prefill_attention=r.get("prefill_attention", "auto"), output=output)
+          prefill_attention=r.get("prefill_attention", "auto"), output=output,
+          weight_swap=swap)
 
     budget = memory_budget if isinstance(memory_budget, dict) or memory_budget is None \
         else {"budget_bytes": memory_budget}
+    # how a version lands (rollout.weight_swap): colocated the sampler is idle during a swap, so
+    # "auto" pauses it (one version less held); else the memory plan decides (memory.fit)
+    swap = r.get("weight_swap", "auto")
+    if swap == "auto" and config.mesh.colocated:
+      swap = "pause"
     if budget is not None:  # (a swap's arriving version: as the run's transfer delivers it)
-      budget = {"incoming_dtype": transfer_dtype(config) or "float32", **budget}
+      budget = {"incoming_dtype": transfer_dtype(config) or "float32", "weight_swap": swap,
+                **budget}
+    planned = swap
+    swap = "overlap" if swap == "auto" else swap  # (until a plan says it must pause)
+
+    def decided(engine, plan):  # the plan's choice, also for the replicas built after it
+      nonlocal swap
+      if planned == "auto" and plan.swap_pauses:
+        swap = engine.weight_swap = "pause"
+
     meshes = replica_meshes(sampler_mesh, r.get("data_parallel", "replicas"))
     if meshes is None:  # one engine (its slots split over the data axis, if any)
       if budget is None:
         engine, plan = make(r.num_slots), None
       else:
         engine, plan = memory.fit(make, r.num_slots, min_slots=r.n_samples, **budget)
+        decided(engine, plan)
         print(f"sampler memory plan: {plan.summary()}", flush=True)
       engine.memory_plan = plan  # (per device; None: unplanned)
       return engine
@@ -158,6 +174,7 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
         return make(slots, mesh, output)
       engine, plan = memory.fit(lambda s: make(s, mesh, output), slots, min_slots=r.n_samples,
                                 **budget)
+      decided(engine, plan)
       slots = plan.num_slots
       plans.append(plan)
       print(f"sampler memory plan (each of {len(meshes)} replicas): {plan.summary()}", flush=True)

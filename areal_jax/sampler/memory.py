@@ -17,7 +17,11 @@ Per device (the fullest one), before the decode state is allocated:
 
 The swap and a program add up where the sampler decodes while a version arrives (its own devices:
 the learner publishes while it generates); colocated it is paused then, and the peak is the
-larger of the two.
+larger of the two. A swap that pauses (``rollout.weight_swap="pause"``, the service's
+``weight_swap``) lets go of the current version before converting the new one: its bytes are the
+arriving version's, and no program runs beside it. Under ``"auto"``, ``fit`` keeps the swap
+overlapping decode calls where that fits the budget and pauses it otherwise, before it takes any
+slot away.
 
 The budget is the caller's (``learner.memory.device_budget`` of the sampler's devices). Colocated
 with the learner, the two alternate on the same devices and what each keeps between its turns
@@ -62,6 +66,7 @@ class SamplerPlan:
   pool_follows_slots: bool = False  # the pool was sized by the slots (kv_pages -1): fewer shrink it
   incoming: int = 0  # a weight version as it arrives, before its conversion (``incoming_bytes``)
   swap_while_decoding: bool = True  # a swap happens beside a decode or prefill call
+  swap_pauses: bool = False  # the current version is let go of before the new one is converted
 
   @property
   def resident_bytes(self) -> int:
@@ -71,14 +76,23 @@ class SamplerPlan:
   @property
   def swap_bytes(self) -> int:
     """A weight swap's bytes beside the resident part: the arriving version and the held one it
-    is converted into."""
-    return self.incoming + self.weights
+    is converted into (in place of the current one, when the swap pauses)."""
+    return self.incoming + (0 if self.swap_pauses else self.weights)
 
   @property
   def peak_bytes(self) -> int:
     programs = max(self.generate_temp, self.prefill)
-    return self.resident_bytes + (self.swap_bytes + programs if self.swap_while_decoding
+    return self.resident_bytes + (self.swap_bytes + programs if self.overlapping
                                   else max(self.swap_bytes, programs))
+
+  @property
+  def overlapping(self) -> bool:
+    """Whether a swap's bytes and a decode call's are held at once."""
+    return self.swap_while_decoding and not self.swap_pauses
+
+  def pausing(self) -> SamplerPlan:
+    """This plan with the swap paused (``weight_swap="pause"``)."""
+    return dataclasses.replace(self, swap_pauses=True)
 
   @property
   def fits(self) -> bool:
@@ -91,7 +105,7 @@ class SamplerPlan:
     fits, n = [], self.num_slots
     if self.budget_bytes is not None:  # every branch of the peak's max must fit
       free = self.budget_bytes - self.weights - self.lora_base
-      if self.swap_while_decoding:
+      if self.overlapping:
         free -= self.swap_bytes
       else:
         fits.append((free - self.swap_bytes) // (self.state / n))
@@ -107,10 +121,11 @@ class SamplerPlan:
     resident = "" if self.resident_budget is None else (
         f" ({_size(self.resident_bytes)} resident beside the learner's peak, of "
         f"{_size(self.resident_budget)})")
-    swap = "beside" if self.swap_while_decoding else "between"
+    swap = ("paused, the current version let go of first" if self.swap_pauses else
+            "beside decode calls" if self.swap_while_decoding else "between decode calls")
     return (f"{_size(self.peak_bytes)} per device{budget}{resident}: weights "
             f"{_size(self.weights)}, a swap's {_size(self.incoming)} arriving and "
-            f"{_size(self.weights)} converted ({swap} decode calls), "
+            f"{_size(self.weights)} converted ({swap}), "
             + (f"LoRA base {_size(self.lora_base)}, " if self.lora_base else "")
             + f"KV cache and slots {_size(self.state)} ({self.num_slots} slots"
             + (f", {self.kv_pages} pages" if self.kv_pages else "") + "), decode call "
@@ -145,7 +160,8 @@ def program_bytes(engine) -> tuple[int, int]:
 
 def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
          shared_base: bool = False, programs=program_bytes, incoming_dtype=None,
-         swap_while_decoding: bool = True, incoming: int | None = None) -> SamplerPlan:
+         swap_while_decoding: bool = True, incoming: int | None = None,
+         weight_swap: str = "overlap") -> SamplerPlan:
   """The plan of a ``DecodeEngine`` (its weights placed, its state not needed); ``shared_base``:
   its LoRA base is the learner's own array, already counted there; ``programs``: what gives the
   programs' bytes (``program_bytes``; bench/aot_decode.py compiles them for another device);
@@ -153,7 +169,8 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
   compute dtype, as a transfer that casts before its copy delivers them); ``swap_while_decoding``:
   whether a swap happens beside decode calls (False: colocated, paused while the learner runs);
   ``incoming``: those bytes as given (bench/aot_decode.py: a LoRA merge compiled for another
-  device) instead of ``HeldWeights.incoming_bytes``."""
+  device) instead of ``HeldWeights.incoming_bytes``; ``weight_swap``: ``"pause"`` plans a swap
+  that lets go of the current version first (``"overlap"`` and ``"auto"``: one that does not)."""
   c = engine.config
   gen_temp, prefill = programs(engine)
   base = engine.weights.lora_base  # with LoRA: the base the adapters are merged into
@@ -165,7 +182,7 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
       resident_budget=resident_budget, kv_pages=c.kv_pages,
       pool_follows_slots=engine.pool_follows_slots,
       incoming=engine.weights.incoming_bytes(incoming_dtype) if incoming is None else incoming,
-      swap_while_decoding=swap_while_decoding)
+      swap_while_decoding=swap_while_decoding, swap_pauses=weight_swap == "pause")
 
 
 def check(engine, budget_bytes: int | None, resident_budget: int | None = None,
@@ -183,9 +200,19 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
   e.g. a ``JaxRolloutEngine``) when its plan fits ``budget`` (``check``'s keywords); else rebuilt
   with the most slots that fit, a multiple of the mesh's data-axis size (slots are split over it)
   and at least ``min_slots`` (a group's samples are admitted together), and printed. Raises
-  ``check``'s ``MemoryError`` when even that does not fit."""
+  ``check``'s ``MemoryError`` when even that does not fit. ``weight_swap`` ``"auto"`` (in
+  ``budget``): the swap overlaps decode calls where that fits, else pauses (printed), before any
+  slot goes; the plan says which (``swap_pauses``)."""
+  auto = budget.get("weight_swap") == "auto"
   holder = make(num_slots)
   first = p = plan(holder.engine, **budget)
+  if auto and not p.fits and p.pausing().fits:
+    print(f"sampler memory plan: a weight swap beside decode calls does not fit ({p.summary()}); "
+          "it pauses the sampler instead (rollout.weight_swap)", flush=True)
+    return holder, p.pausing()
+  if auto and not p.fits:  # (fewer slots, the swap paused: the most slots a budget can hold)
+    first = p = p.pausing()
+    budget = {**budget, "weight_swap": "pause"}
   max_len, mesh = holder.engine.config.max_len, holder.engine.mesh
   if p.kv_pages and not p.pool_follows_slots and not p.fits:  # the pool is what to lower
     raise _too_big(first, max_len, mesh, min_slots)

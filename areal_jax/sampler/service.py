@@ -23,6 +23,12 @@ next turn of the conversation, or a turn cut at a tool call and continued) runs 
 after the shared start on top of it instead of prefilling the whole history.
 
 Weight swaps (``update_params``) take effect between two decode calls without draining sequences.
+How a version lands (``weight_swap``):
+  * ``"overlap"``: it is converted into the engine's held weights on the caller's thread while the
+    loop goes on decoding with the current version; both are held until the swap lands.
+  * ``"pause"``: the loop stops between two decode calls, lets go of the current version, converts
+    the new one and goes on: one held version less at the swap's peak (``sampler.memory``), for
+    as long as the conversion takes (a cast and concatenation of the weights, in one program).
 Continuation modes:
   * ``"keep_cache"``: in-flight sequences keep the KV cache computed by the old weights; tokens after
     the swap are drawn from the new weights attending to that old cache. Their logprobs are those of
@@ -63,6 +69,7 @@ from areal_jax.sampler.sequences import Group, Seq
 log = logging.getLogger(__name__)
 
 CONTINUATION_MODES = ("keep_cache", "reprefill")
+WEIGHT_SWAPS = ("overlap", "pause")
 
 
 class JaxRolloutEngine(RolloutEngine):
@@ -76,7 +83,7 @@ class JaxRolloutEngine(RolloutEngine):
                version: int = 0, decode_attention: str = "auto", decode_matmul: str = "auto",
                decode_layers: str = "auto", decode_projections: str = "auto", lora=None,
                kv_pages: int = -1, page_size: int = 64, max_prefill_tokens: int = 0,
-               prefill_attention: str = "auto", output=None):
+               prefill_attention: str = "auto", output=None, weight_swap: str = "overlap"):
     """``kv_pages``: the paged cache's pool (0: rows; -1: the platform's choice,
     ``kernels.choice.kv_pages``: paged on GPU). ``max_prefill_tokens``: tokens per prefill call
     (``EngineConfig``; 0: no bound). ``prefill_attention``: a prefill's causal attention
@@ -85,7 +92,9 @@ class JaxRolloutEngine(RolloutEngine):
     ``poll``): ``replicas`` routes several engines' samples to one queue."""
     if continuation not in CONTINUATION_MODES:
       raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
-    self.continuation = continuation
+    if weight_swap not in WEIGHT_SWAPS:
+      raise ValueError(f"weight_swap={weight_swap!r}; expected one of {WEIGHT_SWAPS}")
+    self.continuation, self.weight_swap = continuation, weight_swap
     self.engine = DecodeEngine(model, EngineConfig(
         num_slots=num_slots, max_len=max_len, prefill_buckets=prefill_buckets,
         kv_buckets=kv_buckets, steps_per_call=steps_per_call, max_stop_ids=max_stop_ids,
@@ -193,9 +202,10 @@ class JaxRolloutEngine(RolloutEngine):
     return drain(self._out, timeout)
 
   def update_params(self, params: Any, version: int) -> None:
-    placed = self.engine.put_params(params)
+    # "pause": converted by the loop once it has let go of the current version (_apply_params)
+    placed = self.engine.put_params(params) if self.weight_swap == "overlap" else None
     with self._lock:
-      self._pending_params = (placed, int(version))
+      self._pending_params = (placed, params if placed is None else None, int(version))
       self._lock.notify_all()
     if self._thread is None:
       self._apply_params()
@@ -525,10 +535,16 @@ class JaxRolloutEngine(RolloutEngine):
       pending, self._pending_params = self._pending_params, None
     if pending is None:
       return
-    self._params, self._version = pending
-    self.engine.params = self._params  # (the replaced version is freed once no call reads it)
+    placed, given, version = pending
     self._prefixes.clear()
     self._continued.clear()
+    if placed is None:  # "pause": no call reads the current version once drained; then let it go
+      self._drain_inflight()
+      self._params = self.engine.params = None
+      placed = self.engine.put_params(given)
+      del given, pending
+    self._params, self._version = placed, version
+    self.engine.params = self._params  # (the replaced version is freed once no call reads it)
     self.stats["swaps"] += 1
     if self.continuation != "reprefill" or self._state is None:
       return

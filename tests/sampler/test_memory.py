@@ -98,6 +98,7 @@ def test_engines_build_checks_the_budget(capsys):
 
   c = config_lib.base_config()
   c.rollout.num_slots, c.rollout.prefill_buckets, c.rollout.max_new_tokens = 8, (16,), 16
+  c.rollout.weight_swap = "overlap"  # (auto would pause the swap first: the next test)
   model, tokenizer = tiny_model(0), tok_lib.byte_tokenizer()
   mesh = sharding.make_mesh({}, jax.devices()[:1])
   engine = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
@@ -117,6 +118,39 @@ def test_engines_build_checks_the_budget(capsys):
     engines.build(c, model, tokenizer, mesh, memory_budget=room)
   with pytest.raises(MemoryError, match="sampler memory plan: does not fit"):
     engines.build(c, model, tokenizer, mesh, memory_budget=2**16)
+
+
+def test_auto_weight_swap_pauses_before_it_takes_slots(capsys):
+  """``rollout.weight_swap="auto"``: the swap overlaps decode calls where the plan fits that;
+  where it fits only paused (the current version let go of first, no decode call beside it) the
+  sampler pauses for swaps and keeps its slots; forced to overlap it loses slots instead.
+  Colocated (idle during a swap anyway) it pauses."""
+  from areal_jax import config as config_lib
+  from areal_jax.models import tokenizer as tok_lib
+  from areal_jax.runtime import engines
+
+  c = config_lib.base_config()
+  c.rollout.num_slots, c.rollout.prefill_buckets, c.rollout.max_new_tokens = 8, (16,), 240
+  c.rollout.n_samples = 2
+  model, tokenizer = tiny_model(0), tok_lib.byte_tokenizer()
+  mesh = sharding.make_mesh({}, jax.devices()[:1])
+  roomy = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
+  assert roomy.weight_swap == "overlap" and not roomy.memory_plan.swap_pauses
+  over = memory.plan(roomy.engine, None)
+  paused = memory.plan(roomy.engine, None, weight_swap="pause")
+  assert paused.peak_bytes == paused.resident_bytes + max(
+      paused.incoming, paused.generate_temp, paused.prefill) < over.peak_bytes
+  room = (paused.peak_bytes + over.peak_bytes) // 2
+  capsys.readouterr()
+  engine = engines.build(c, model, tokenizer, mesh, memory_budget=room)
+  assert engine.weight_swap == "pause" and engine.memory_plan.swap_pauses
+  assert engine.engine.config.num_slots == 8 and engine.memory_plan.fits
+  assert "it pauses the sampler instead" in capsys.readouterr().out
+  c.rollout.weight_swap = "overlap"
+  engine = engines.build(c, model, tokenizer, mesh, memory_budget=room)
+  assert engine.weight_swap == "overlap" and 2 <= engine.engine.config.num_slots < 8
+  c.rollout.weight_swap, c.mesh.colocated = "auto", True
+  assert engines.build(c, model, tokenizer, mesh).weight_swap == "pause"
 
 
 def test_a_lora_base_counts_unless_it_is_the_learners_own():

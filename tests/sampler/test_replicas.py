@@ -230,6 +230,11 @@ def test_engines_build_makes_a_replica_per_data_index_and_plans_one(capsys):
   # a budget four slots do not fit: the first replica's plan lowers every replica's slots
   four = memory.plan(eng.engine, None)
   room = four.peak_bytes - four.state // 3
+  # (rollout.weight_swap="auto" fits it with the swap paused, every replica so, all slots kept)
+  eng = engines.build(c, model, tokenizer, mesh, memory_budget=room)
+  assert [r.weight_swap for r in eng.replicas] == ["pause", "pause"] and eng.num_slots == 8
+  c.rollout.weight_swap = "overlap"
+  capsys.readouterr()
   eng = engines.build(c, model, tokenizer, mesh, memory_budget=room)
   out = capsys.readouterr().out
   assert "each of 2 replicas" in out and "rollout.num_slots=4 does not fit" in out

@@ -1,6 +1,8 @@
 """Host loop: streaming, group sampling, in-flight weight swaps, pause/resume/abort, bad input."""
 
+import gc
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -147,16 +149,20 @@ def _swap_run(model, new_model, continuation, steps_per_call, prompt=(3, 1, 4, 1
                          [("reprefill", 1, "unrolled"), ("keep_cache", 1, "unrolled"),
                           ("reprefill", 4, "unrolled"), ("keep_cache", 4, "unrolled"),
                           ("reprefill", 4, "scan"), ("keep_cache", 3, "scan"),
-                          ("reprefill", 4, "paged"), ("keep_cache", 3, "paged")])
+                          ("reprefill", 4, "paged"), ("keep_cache", 3, "paged"),
+                          ("reprefill", 4, "pause"), ("keep_cache", 3, "pause")])
 def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call, layers):
   """Exact continuation across a swap, also with several decode steps per call (the swap lands
-  between two calls: every token of a call comes from one version) and with the layers in a scan
+  between two calls: every token of a call comes from one version), with the layers in a scan
   (the new version's weights fused and stacked in put_params, the stacked cache kept or
-  re-prefilled)."""
+  re-prefilled), and with a swap that pauses the loop to convert the new version (the same
+  tokens and logprobs: only when the conversion runs changes)."""
   new_model = other_model
   prompt, temperature = [3, 1, 4, 1, 5], 0.8
   kw = {"decode_layers": "scan", "decode_attention": "dense", "decode_matmul": "xla",
-        "decode_projections": "fused"} if layers != "unrolled" else {}  # the GPU/TPU default
+        "decode_projections": "fused"} if layers not in ("unrolled", "pause") else {}
+  if layers == "pause":
+    kw["weight_swap"] = "pause"
   if layers == "paged":  # pages of 8: the swap lands while the slots hold several
     kw.update(kv_pages=24, page_size=8)
   for s in _swap_run(model, new_model, continuation, steps_per_call, **kw)[0]:
@@ -179,6 +185,38 @@ def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call,
       fresh = _logprobs(new_model, prompt, s.tokens, temperature)[j:]
       assert np.abs(fresh - ref).max() > 1e-3  # the stale cache does matter
     np.testing.assert_allclose(s.logprobs[j:], ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("weight_swap", ["overlap", "pause"])
+def test_a_paused_swap_lets_go_of_the_current_version_before_converting(model, other_model,
+                                                                        weight_swap):
+  """With ``weight_swap="pause"`` no array of the current version is alive when the new one is
+  converted (one held version less at a swap's peak, as the memory plan counts it); overlapping,
+  the current one stays while the loop goes on decoding with it."""
+  eng = _engine(model, num_slots=4, eos_token_ids=(), weight_swap=weight_swap)
+  old = [weakref.ref(x) for x in jax.tree.leaves(eng.engine.params)]
+  alive, put = [], eng.engine.put_params
+
+  def counting_put(params):
+    gc.collect()
+    alive.append(sum(r() is not None for r in old))
+    return put(params)
+
+  eng.engine.put_params = counting_put
+  eng.start()
+  try:
+    eng.submit(GroupRequest(0, [3, 1, 4], n=2, params=SamplingParams(max_new_tokens=30, seed=1)))
+    deadline = time.time() + 60
+    while eng.stats["tokens"] < 4 and time.time() < deadline:
+      time.sleep(0.001)
+    eng.update_params(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)), version=1)
+    samples = _collect(eng, 2)
+  finally:
+    eng.stop()
+  assert alive == ([len(old)] if weight_swap == "overlap" else [0])
+  assert all(len(s.tokens) == 30 and 1 in s.versions for s in samples)
+  with pytest.raises(ValueError, match="weight_swap"):
+    _engine(model, weight_swap="later")
 
 
 def test_pause_resume_abort_and_bad_requests(model):
