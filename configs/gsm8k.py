@@ -72,8 +72,9 @@ Presets:
            one scan, which copies the stacked weights), beside all 16 slots of the sampler, whose
            peak, 10.02 GiB (10.24 on the GPU, paged; weights twice during a swap, prefill call
            1.0 GiB; 10.13 and 1.09 with the flash prefill), fits beside what the learner keeps.
-           Planned since session 38 with the swap as it happens (paused; the adapters merged into
-           the new copy in one program: bench/results/plan-swap-2026-11-29-s38): 9.10 GiB.
+           Planned since session 38 with the swap as it happens (the sampler, idle then, lets go
+           of its version first; the adapters merged into the new copy in one program:
+           bench/results/plan-swap-2026-11-29-s38): 6.93 GiB (7.15 compiled for an H100).
            Not run on an accelerator (not measured).
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """

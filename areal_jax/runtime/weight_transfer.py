@@ -22,14 +22,13 @@ the version is announced to the sampler; the returned seconds feed the ``weight_
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
 import threading
 import time
 import uuid
-
-import functools
 
 import jax
 import jax.numpy as jnp

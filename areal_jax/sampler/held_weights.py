@@ -83,7 +83,8 @@ class HeldWeights:
           lora_lib.frozen_base(nnx.to_pure_dict(nnx.state(model, nnx.Param)), dtype),
           self.param_shardings)
       # the merge and the conversion in one program: no merged copy in the model's layout beside
-      # the held one it becomes (a weight's worth of temporaries at a time, not the whole model)
+      # the held one it becomes (compiled at the Qwen3-1.7B shape: no temporaries for a v5e chip,
+      # 0.05 GiB for an H100, against 3.21 GiB merged first; XLA:CPU keeps float32 ones)
       self._merge_steps = lambda base, adapters: convert(lora_lib.merge(base, adapters, lora))
       self._merge = jax.jit(self._merge_steps, out_shardings=self.shardings)
       self.adapter_shapes = lora_lib.abstract_adapters(self.param_shapes, lora,

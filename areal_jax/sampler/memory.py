@@ -187,7 +187,7 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
 
 def check(engine, budget_bytes: int | None, resident_budget: int | None = None,
           shared_base: bool = False, **swap) -> SamplerPlan:
-  """``plan`` (``swap``: its ``incoming_dtype`` and ``swap_while_decoding``), raising
+  """``plan`` (``swap``: its ``incoming_dtype``, ``swap_while_decoding``, ``weight_swap``), raising
   ``MemoryError`` naming what to change when it does not fit."""
   p = plan(engine, budget_bytes, resident_budget, shared_base, **swap)
   if not p.fits:
