@@ -25,6 +25,11 @@ _NEEDED = (re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)"),
 UNKNOWN = 2**50  # the temporaries of a refused program whose message names no size
 
 
+def refused(error: Exception) -> bool:
+  """Whether ``error`` is a compiler refusing a program for want of device memory."""
+  return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
 def cost(lowered, args) -> dict:
   """``{args, out, alias, temp}`` bytes per device of ``lowered`` compiled; where the compiler
   refuses it for want of memory, ``temp`` the bytes it said it needed, ``args`` those of ``args``
@@ -33,7 +38,7 @@ def cost(lowered, args) -> dict:
     m = lowered.compile().memory_analysis()
   except jax.errors.JaxRuntimeError as e:
     text = str(e)
-    if "RESOURCE_EXHAUSTED" not in text:
+    if not refused(e):
       raise
     needed = next((m for m in (r.search(text) for r in _NEEDED) if m), None)
     temp = int(float(needed[1]) * _UNITS[needed[2]]) if needed else UNKNOWN

@@ -351,8 +351,12 @@ def sampler_plan(device, model, engine_config, lora=None, **budget):
     options = eng.compiler_options
     gen_fn, held = jax.jit(generate, donate_argnums=1, compiler_options=options), None
     if choice.held_layouts(platform) == "compiler":  # (a TPU) the layouts the engine holds there
-      gen_fn, found = _with_auto_layouts(gen_fn, (params, state, *pages), options, platform)
-      held = found["compiled"].input_formats[0][0]
+      try:
+        gen_fn, found = _with_auto_layouts(gen_fn, (params, state, *pages), options, platform)
+        held = found["compiled"].input_formats[0][0]
+      except jax.errors.JaxRuntimeError as e:  # too wide for the chip: the engine keeps the
+        if not program_memory.refused(e):       # default layouts (DecodeEngine._compiler_layouts)
+          raise
     pre = [compiled(jax.jit(fn, in_shardings=None if held is None else (held, None),
                             compiler_options=options), params, tokens) for fn, tokens in prefills]
     return (compiled(gen_fn, params, state, *pages)["temp"],

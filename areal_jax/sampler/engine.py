@@ -80,6 +80,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any
 
@@ -89,7 +90,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from areal_jax import sharding
+from areal_jax import program_memory, sharding
 from areal_jax.kernels import choice
 from areal_jax.models import decode_scan
 from areal_jax.models import lora as lora_lib
@@ -97,6 +98,8 @@ from areal_jax.models.transformer import ModelConfig, Transformer
 from areal_jax.sampler import held_weights, sampling, slot_cache, variants
 from areal_jax.sampler import pages as pages_lib
 from areal_jax.sampler import warmup as warmup_lib
+
+log = logging.getLogger(__name__)
 
 State = dict[str, Any]
 # the decode state's host-side entry (not an array the programs take): per slot, whether it holds a
@@ -350,7 +353,17 @@ class DecodeEngine:
       args += (jax.ShapeDtypeStruct((width, self.pages_per_slot), jnp.int32),)
     t0 = time.perf_counter()
     formats = (auto(self.held_shardings), auto(self.state_shardings))
-    compiled = self._make_generate(kv_len, width, formats).lower(*args).compile()
+    try:
+      compiled = self._make_generate(kv_len, width, formats).lower(*args).compile()
+    except jax.errors.JaxRuntimeError as e:
+      if not program_memory.refused(e):
+        raise
+      # (too many slots for the device: the memory plan says so, and builds the engine again
+      # with fewer, which finds its layouts; this one is never run)
+      log.warning("sampler: the widest decode program (%d slots, kv %d) does not fit the device "
+                  "(%s); its weights and state are held in the default layouts", width, kv_len,
+                  str(e).splitlines()[0][:200])
+      return self.held_shardings, self.state_shardings
     self.layouts_compile_s = time.perf_counter() - t0
     held, state = compiled.input_formats[0][:2]
     if jax.tree.leaves(compiled.output_formats[0]) == jax.tree.leaves(state):

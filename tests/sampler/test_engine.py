@@ -3,6 +3,7 @@ bounded compilation, and a 4-device sampler mesh with slots over data."""
 
 import dataclasses
 import gc
+import types
 import weakref
 
 import jax
@@ -697,6 +698,45 @@ def test_a_slow_first_call_is_logged_as_a_warning(model, monkeypatch, caplog):
   assert [level for level, _ in records] == [logging.INFO, logging.WARNING], records
   assert "generate kv_len=24 width=2 compiled in" in records[0][1]
   assert "generate kv_len=48 width=2" in records[1][1] and "compile_cache_dir" in records[1][1]
+
+
+def test_a_device_too_small_for_the_widest_decode_program_still_builds_the_engine(model,
+                                                                                  monkeypatch):
+  """Where the compiler's layouts are held (a TPU), the engine compiles its widest decode program
+  when built; a TPU's compiler refuses one whose buffers exceed the chip (64 slots of 16k
+  positions of Qwen3-1.7B: 118.87 GiB, compiled for a v5e by libtpu on a CPU). The engine then
+  holds the default layouts instead of raising, so the memory plan can build it again with the
+  slots that fit (which find their layouts)."""
+  from areal_jax.kernels import choice
+  from areal_jax.sampler import engine as engine_lib
+
+  real = DecodeEngine._make_generate
+
+  def refusing(self, kv_len, width, formats=None, truncate=False):
+    fn = real(self, kv_len, width, formats, truncate)
+    if formats is None or width <= 4:
+      return fn
+
+    class Refused:
+      def lower(self, *args):
+        def compile():
+          raise jax.errors.JaxRuntimeError(
+              "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+              "temporaries (118.87G) exceeds available HBM (15.75G).")
+        return types.SimpleNamespace(compile=compile)
+    return Refused()
+
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  monkeypatch.setenv(choice.HELD_LAYOUTS_ENV, "compiler")
+  monkeypatch.setattr(DecodeEngine, "_make_generate", refusing)
+  wide = DecodeEngine(model, EngineConfig(num_slots=8, max_len=64, prefill_buckets=(8,)))
+  assert wide.held_formats is wide.held_shardings and wide.state_formats is wide.state_shardings
+  narrow = DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,)))
+  assert narrow.held_formats is not narrow.held_shardings  # (its compile went through)
+  monkeypatch.setattr(DecodeEngine, "_make_generate", lambda *a, **k: (_ for _ in ()).throw(
+      jax.errors.JaxRuntimeError("INTERNAL: something else")))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+    DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, prefill_buckets=(8,)))
 
 
 @pytest.mark.parametrize("paged", [False, True])
