@@ -300,9 +300,9 @@ def disjoint_sampler_plan(c, cfg: ModelConfig, devices, budget: int, preset: str
   programs = target_sampler_plan(device, cfg, c, slots, budget)
   if not programs.fits and r.get("weight_swap", "auto") == "auto":  # (as sampler.memory.fit)
     programs = programs.pausing()
-  if not programs.fits and r.n_samples <= programs.slots_that_fit() < slots:
-    programs = target_sampler_plan(device, cfg, c, programs.slots_that_fit(), budget,
-                                   programs.swap_pauses)
+  if not programs.fits and programs.slots_that_fit() < slots:  # (at least a group's: fit's look)
+    programs = target_sampler_plan(device, cfg, c, max(r.n_samples, programs.slots_that_fit()),
+                                   budget, programs.swap_pauses)
   print(f"{preset}: sampler memory plan compiled for {device.device_kind} (an engine a device, "
         f"{slots} slots configured): {programs.summary()}; "
         f"{'fits' if programs.fits else 'does not fit'}", flush=True)

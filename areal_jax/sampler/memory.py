@@ -216,16 +216,22 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
   max_len, mesh = holder.engine.config.max_len, holder.engine.mesh
   if p.kv_pages and not p.pool_follows_slots and not p.fits:  # the pool is what to lower
     raise _too_big(first, max_len, mesh, min_slots)
-  for _ in range(4):  # slots_that_fit extrapolates: a second look settles it
+  looked = False  # at the fewest slots a group needs
+  for _ in range(5):  # slots_that_fit extrapolates: a second look settles it
     if p.fits:
       if p.num_slots != num_slots:
         print(f"sampler memory plan: rollout.num_slots={num_slots} does not fit "
               f"({first.summary()}); using {p.num_slots}", flush=True)
       return holder, p
     shards = holder.engine.mesh.shape.get("data", 1)
+    need = -(-max(min_slots, shards) // shards) * shards
     slots = min(p.slots_that_fit(), p.num_slots - 1) // shards * shards
-    if slots < max(min_slots, shards):
-      break
+    if slots < need:
+      # the extrapolation can undershoot (a program the compiler refused for want of memory is
+      # costed at all it said it needed): look at the fewest slots a group needs, once
+      if looked or p.num_slots <= need:
+        break
+      slots, looked = need, True
     del holder  # its weights go before the next engine places its own
     holder = make(slots)
     p = plan(holder.engine, **budget)

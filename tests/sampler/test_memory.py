@@ -153,6 +153,23 @@ def test_auto_weight_swap_pauses_before_it_takes_slots(capsys):
   assert engines.build(c, model, tokenizer, mesh).weight_swap == "pause"
 
 
+def test_fit_looks_at_a_groups_slots_before_giving_up(monkeypatch):
+  """``slots_that_fit`` extrapolates from the widest plan; where that plan's decode program was
+  refused by the compiler (costed at everything it said it needed) it undershoots: before
+  stopping, the plan is looked at once with the fewest slots a group needs."""
+  eight = memory.plan(_engine(slots=8), None)
+  budget = memory.plan(_engine(slots=2), None).peak_bytes
+  assert not memory.plan(_engine(slots=8), budget).fits
+  monkeypatch.setattr(memory.SamplerPlan, "slots_that_fit", lambda self: 1)  # (undershooting)
+  holder = types.SimpleNamespace
+  engine, p = memory.fit(lambda n: holder(engine=_engine(slots=n)), 8, min_slots=2,
+                         budget_bytes=budget)
+  assert p.fits and p.num_slots == 2 == engine.engine.config.num_slots
+  with pytest.raises(MemoryError, match="at least 2 needed"):  # (and not below a group)
+    memory.fit(lambda n: holder(engine=_engine(slots=n)), 8, min_slots=2,
+               budget_bytes=budget - eight.state // 8)
+
+
 def test_a_lora_base_counts_unless_it_is_the_learners_own():
   from areal_jax.models import lora
   eng = DecodeEngine(tiny_model(0), EngineConfig(num_slots=4, max_len=32, prefill_buckets=(8,)),
