@@ -52,7 +52,9 @@ Presets:
            At 16k (rollout.max_new_tokens=16384) add actor.scan_layers=False: compiled for
            v5e chips (bench/results/plan-flash-2026-11-29-s37) the learner then needs 12.46 GiB
            per chip with the flash attention it runs on TPU and GPU (the scan keeps more); the
-           sampler keeps fewer slots (1.8 GiB of KV cache each). Not run (not measured).
+           sampler keeps 4 slots a chip (a group; 1.8 GiB of KV cache each): 14.14 of 14.40 GiB,
+           its weight swaps paused (rollout.weight_swap "auto"; plan-swap-2026-11-29-s38).
+           Not run (not measured).
   :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
              and MLP projection, thinking off as in :qwen3.
