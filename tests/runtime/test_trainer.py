@@ -267,6 +267,5 @@ def test_weight_versions_leave_one_copy_per_device(data_parallel):
                            if s.device.id == d), (d, grown)
   weights = sharding.device_bytes(held[0].params)  # (per device, bfloat16 matmul weights)
   assert all(grown[d] == weights for d in sampler_ids), (weights, grown)
-  assert all(e.params is h._params for e, h in zip(held, getattr(engine, "replicas", [engine])))
-  assert not set(grown) - set(learner_ids) - set(sampler_ids) or all(
-      grown[d] == 0 for d in set(grown) - set(learner_ids) - set(sampler_ids))
+  others = set(grown) - set(learner_ids) - set(sampler_ids)
+  assert all(grown[d] == 0 for d in others), grown
