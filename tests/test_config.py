@@ -101,6 +101,12 @@ def test_decode_kernel_keys_are_checked():
   assert "actor.attention='xla'" in str(e.value)
   c.rollout.prefill_attention, c.actor.attention = "pallas_gpu", "dense"
   config_lib.validate(c)
+  c.rollout.weight_swap = "later"
+  with pytest.raises(ValueError, match="rollout.weight_swap='later' is not one of"):
+    config_lib.validate(c)
+  for swap in ("auto", "overlap", "pause"):
+    c.rollout.weight_swap = swap
+    config_lib.validate(c)
 
 
 def test_paged_cache_keys_are_checked():
