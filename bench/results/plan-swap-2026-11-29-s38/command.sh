@@ -28,3 +28,6 @@ PYTHONPATH=$PWD:$PWD/bench JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/cu/bin/python 
 # final v5e plans (default, qwen3_lora) with every change of the session:
 PYTHONPATH=$PWD:$PWD/bench /tmp/tpu/bin/python bench/learner.py --plan --target v5e:2x4 \
   --only default,qwen3_lora --json bench/results/plan-swap-2026-11-29-s38/v5e-final.json
+# the default recipe compiled for 8 H100s (4 + 4; the bench plans every recipe against 16 GiB)
+PYTHONPATH=$PWD:$PWD/bench JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/cu/bin/python bench/learner.py --plan \
+  --target h100 --devices 8 --only default --json bench/results/plan-swap-2026-11-29-s38/h100-default.json
