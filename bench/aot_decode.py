@@ -329,7 +329,7 @@ def sampler_plan(device, model, engine_config, lora=None, **budget):
   weights and state in the layouts the engine holds them in there (``choice.held_layouts``).
   ``budget``: ``plan``'s ``budget_bytes``, ``resident_budget``, ``shared_base``,
   ``incoming_dtype``, ``swap_while_decoding`` and ``weight_swap``."""
-  from areal_jax import program_memory, sharding
+  from areal_jax import program_memory
   from areal_jax.kernels import choice
   from areal_jax.sampler import memory
   platform = _platform(device)
@@ -363,15 +363,13 @@ def sampler_plan(device, model, engine_config, lora=None, **budget):
             max(m["temp"] + m["out"] for m in pre))
 
   eng = target_engine(device, model, engine_config, lora)
-  incoming = None
-  if eng.weights.adapter_shapes is not None:  # the merge and conversion as the target compiles it
-    w = eng.weights
-    args = (abstract(w.lora_base, device), abstract(w.adapter_shapes, device))
-    incoming = sharding.device_bytes(w.adapter_shapes) + compiled(
-        jax.jit(w._merge_steps), *args)["temp"]  # noqa: SLF001
+
+  def merge_temp(fn, *args):  # (with LoRA: the merge and conversion as the target compiles it)
+    return compiled(jax.jit(fn), *(abstract(x, device) for x in args))["temp"]
+
+  incoming = eng.weights.incoming_bytes(budget.get("incoming_dtype"), temp=merge_temp)
   return memory.plan(eng, budget.get("budget_bytes"), budget.get("resident_budget"),
                      budget.get("shared_base", False), programs=programs,
-                     incoming_dtype=budget.get("incoming_dtype"),
                      swap_while_decoding=budget.get("swap_while_decoding", True), incoming=incoming,
                      weight_swap=budget.get("weight_swap", "overlap"))
 

@@ -267,10 +267,8 @@ def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: i
   r = c.rollout
   model = Transformer(dataclasses.replace(cfg, dtype=c.model.dtype), nnx.Rngs(0))
   lcfg = lora_lib.LoraConfig.from_config(c.actor.get("lora"))
-  mode = r.get("weight_swap", "auto")
-  swap = dict(incoming_dtype=engines.transfer_dtype(c) or "float32",
-              swap_while_decoding=not c.mesh.colocated,
-              weight_swap="pause" if pause or (mode == "auto" and c.mesh.colocated) else mode,
+  swap = dict(engines.swap_plan(c, beside_learner=True),
+              weight_swap="pause" if pause else engines.weight_swap(c),
               shared_base=lcfg is not None and c.mesh.colocated and c.actor.dtype == c.model.dtype)
   return aot_decode.sampler_plan(device, model, EngineConfig(
       num_slots=slots, max_len=max(r.prefill_buckets) + r.max_new_tokens,

@@ -34,6 +34,21 @@ def transfer_dtype(config) -> str | None:
   return None
 
 
+def swap_plan(config, beside_learner: bool) -> dict:
+  """How the sampler's memory plan counts a weight swap (``sampler.memory.plan``'s keywords): the
+  version arriving in ``transfer_dtype`` (float32 where that is None), beside decode calls unless
+  colocated with a learner in this process (the sampler is paused while it trains and publishes)."""
+  return {"incoming_dtype": transfer_dtype(config) or "float32",
+          "swap_while_decoding": not (config.mesh.colocated and beside_learner)}
+
+
+def weight_swap(config) -> str:
+  """``rollout.weight_swap`` as the JAX sampler takes it: "auto" is "pause" colocated (the sampler
+  is idle during a swap anyway), else left to the memory plan (``sampler.memory.fit``)."""
+  mode = config.rollout.get("weight_swap", "auto")
+  return "pause" if mode == "auto" and config.mesh.colocated else mode
+
+
 def sampler_budget(config, sampler_mesh, learner=None, learner_peak: int | None = None
                    ) -> dict | None:
   """``build``'s ``memory_budget`` for the JAX sampler: the memory of this process's sampler
@@ -43,15 +58,12 @@ def sampler_budget(config, sampler_mesh, learner=None, learner_peak: int | None 
   (``learner.memory.kept_bytes``), and with ``learner_peak`` (bytes per device of its smallest
   train step) its resident part beside that. Without a learner (the serve runtime, a learner
   group) the sampler alone is checked against the devices. None where no device size is known
-  (CPU without mesh.device_memory_gib): no check. A weight swap is planned with a version arriving
-  in ``transfer_dtype`` (float32 where that is None), beside decode calls unless colocated (the
-  sampler is paused while the learner trains and publishes)."""
+  (CPU without mesh.device_memory_gib): no check. A weight swap is planned as ``swap_plan``."""
   budget = learner_memory.device_budget(config.mesh, [
       d for d in sampler_mesh.devices.flat if d.process_index == jax.process_index()])
   if budget is None:
     return None
-  swap = {"incoming_dtype": transfer_dtype(config) or "float32",
-          "swap_while_decoding": not (config.mesh.colocated and learner is not None)}
+  swap = swap_plan(config, learner is not None)
   if not config.mesh.colocated or learner is None:
     return {"budget_bytes": budget, **swap}
   kept = learner_memory.kept_bytes(learner)
@@ -139,20 +151,14 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
 
     budget = memory_budget if isinstance(memory_budget, dict) or memory_budget is None \
         else {"budget_bytes": memory_budget}
-    # how a version lands (rollout.weight_swap): colocated the sampler is idle during a swap, so
-    # "auto" pauses it (one version less held); else the memory plan decides (memory.fit)
-    swap = r.get("weight_swap", "auto")
-    if swap == "auto" and config.mesh.colocated:
-      swap = "pause"
-    if budget is not None:  # (a swap's arriving version: as the run's transfer delivers it)
-      budget = {"incoming_dtype": transfer_dtype(config) or "float32", "weight_swap": swap,
-                **budget}
-    planned = swap
-    swap = "overlap" if swap == "auto" else swap  # (until a plan says it must pause)
+    mode = weight_swap(config)  # (how a version lands; "auto": as the memory plan says)
+    if budget is not None:
+      budget = {**swap_plan(config, False), "weight_swap": mode, **budget}
+    swap = "overlap" if mode == "auto" else mode  # (until a plan says it must pause)
 
     def decided(engine, plan):  # the plan's choice, also for the replicas built after it
       nonlocal swap
-      if planned == "auto" and plan.swap_pauses:
+      if plan.swap_pauses:
         swap = engine.weight_swap = "pause"
 
     meshes = replica_meshes(sampler_mesh, r.get("data_parallel", "replicas"))

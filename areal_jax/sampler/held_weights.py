@@ -90,16 +90,19 @@ class HeldWeights:
       self.adapter_shapes = lora_lib.abstract_adapters(self.param_shapes, lora,
                                                        NamedSharding(mesh, P()))
 
-  def incoming_bytes(self, dtype=None) -> int:
+  def incoming_bytes(self, dtype=None, temp=None) -> int:
     """Bytes per device of a weight version as ``put`` takes it, before the conversion: the model's
     layout on ``param_shardings``, its matmul weights, embedding and biases in ``dtype`` (the
     compute dtype by default: what a transfer that casts before its copy delivers, and with LoRA
     the base merged with the adapters), norm scales float32. A swap holds it beside the held
-    version it becomes until ``put`` returns."""
+    version it becomes until ``put`` returns. With LoRA: the adapters and the temporaries of the
+    program merging and converting them, ``temp(fn, base, adapters)`` (default: compiled for this
+    mesh; bench/aot_decode.py compiles ``fn`` for another device)."""
     if self._merge is not None:  # adapters come in, merged and converted in one program
       args = (self.lora_base, self.adapter_shapes)
-      return (sharding.device_bytes(self.adapter_shapes)
-              + program_memory.cost(self._merge.lower(*args), args)["temp"])
+      needed = (temp(self._merge_steps, *args) if temp is not None else
+                program_memory.cost(self._merge.lower(*args), args)["temp"])
+      return sharding.device_bytes(self.adapter_shapes) + needed
     dtype = self.compute_dtype if dtype is None else jnp.dtype(dtype)
     shapes = jax.eval_shape(lambda p: cast_weights(p, dtype), self.param_shapes)
     return sharding.device_bytes(jax.tree.map(
