@@ -329,9 +329,34 @@ def sampler_plan(device, model, engine_config, lora=None, **budget):
   weights and state in the layouts the engine holds them in there (``choice.held_layouts``).
   ``budget``: ``plan``'s ``budget_bytes``, ``resident_budget``, ``shared_base``,
   ``incoming_dtype``, ``swap_while_decoding`` and ``weight_swap``."""
+  from areal_jax.sampler import memory
+  eng = target_engine(device, model, engine_config, lora)
+  return memory.plan(eng, **_plan_args(device, eng, budget))
+
+
+def sampler_fit(device, model, engine_config, lora=None, min_slots: int = 1, **budget):
+  """``sampler_plan`` where the run would take it: ``sampler.memory.fit`` (the swap paused, fewer
+  slots, or a paged pool sized to the budget where the configured slots do not fit), each engine
+  it tries built and compiled for ``device``; the plan it settles on (MemoryError when none)."""
+  import types
+  from areal_jax.sampler import memory
+  first = target_engine(device, model, engine_config, lora)
+  args = _plan_args(device, first, budget)  # (a version's incoming bytes: whatever the slots)
+  made = [first]
+
+  def make(num_slots, **kw):
+    eng = made.pop() if made else target_engine(
+        device, model, dataclasses.replace(engine_config, num_slots=num_slots, **kw), lora)
+    return types.SimpleNamespace(engine=eng)
+
+  return memory.fit(make, engine_config.num_slots, min_slots, **args)[1]
+
+
+def _plan_args(device, eng, budget) -> dict:
+  """``memory.plan``'s keyword arguments for ``eng`` (``target_engine``) with its programs and
+  a version's conversion compiled for ``device``."""
   from areal_jax import program_memory
   from areal_jax.kernels import choice
-  from areal_jax.sampler import memory
   platform = _platform(device)
 
   def compiled(fn, *args):  # (a program the compiler refuses for want of memory: what it needed)
@@ -362,16 +387,14 @@ def sampler_plan(device, model, engine_config, lora=None, **budget):
     return (compiled(gen_fn, params, state, *pages)["temp"],
             max(m["temp"] + m["out"] for m in pre))
 
-  eng = target_engine(device, model, engine_config, lora)
-
   def merge_temp(fn, *args):  # (with LoRA: the merge and conversion as the target compiles it)
     return compiled(jax.jit(fn), *(abstract(x, device) for x in args))["temp"]
 
-  incoming = eng.weights.incoming_bytes(budget.get("incoming_dtype"), temp=merge_temp)
-  return memory.plan(eng, budget.get("budget_bytes"), budget.get("resident_budget"),
-                     budget.get("shared_base", False), programs=programs,
-                     swap_while_decoding=budget.get("swap_while_decoding", True), incoming=incoming,
-                     weight_swap=budget.get("weight_swap", "overlap"))
+  return dict(budget_bytes=budget.get("budget_bytes"), resident_budget=budget.get("resident_budget"),
+              shared_base=budget.get("shared_base", False), programs=programs,
+              swap_while_decoding=budget.get("swap_while_decoding", True),
+              incoming=eng.weights.incoming_bytes(budget.get("incoming_dtype"), temp=merge_temp),
+              weight_swap=budget.get("weight_swap", "overlap"))
 
 
 def _with_auto_layouts(fn, fargs, compiler_options, platform: str):

@@ -254,12 +254,14 @@ SAMPLER_PROGRAMS_MAX_PARAMS = 3e9  # its random weights are built on this CPU: 7
 
 
 def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: int | None = None,
-                        pause: bool = False):
+                        pause: bool = False, fit: bool = False):
   """The recipe ``c``'s sampler plan on ``device`` (one engine of ``slots`` slots, random weights
   of ``cfg`` in ``model.dtype``), its decode and prefill programs compiled by the target's
   compiler (``aot_decode.sampler_plan``), a weight swap planned as the run plans it
   (``runtime.engines.sampler_budget``: LoRA adapters merged into the learner's frozen base, or
-  whole weights in the dtype the transfer delivers; paused while colocated)."""
+  whole weights in the dtype the transfer delivers; paused while colocated). ``fit``: the plan
+  the run settles on where those slots do not fit (``aot_decode.sampler_fit``:
+  ``sampler.memory.fit``, at least ``rollout.n_samples`` slots)."""
   import aot_decode  # noqa: PLC0415
   from areal_jax.models import lora as lora_lib
   from areal_jax.runtime import engines
@@ -270,22 +272,26 @@ def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: i
   swap = dict(engines.swap_plan(c, beside_learner=True),
               weight_swap="pause" if pause else engines.weight_swap(c),
               shared_base=lcfg is not None and c.mesh.colocated and c.actor.dtype == c.model.dtype)
-  return aot_decode.sampler_plan(device, model, EngineConfig(
+  config = EngineConfig(
       num_slots=slots, max_len=max(r.prefill_buckets) + r.max_new_tokens,
       prefill_buckets=tuple(r.prefill_buckets), steps_per_call=r.steps_per_call,
       decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
       decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
       kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64),
-      max_prefill_tokens=r.get("max_prefill_tokens", 0)), lora=lcfg, budget_bytes=budget_bytes,
-      **swap)
+      max_prefill_tokens=r.get("max_prefill_tokens", 0))
+  if fit:
+    return aot_decode.sampler_fit(device, model, config, lora=lcfg, min_slots=r.n_samples,
+                                  budget_bytes=budget_bytes, **swap)
+  return aot_decode.sampler_plan(device, model, config, lora=lcfg, budget_bytes=budget_bytes,
+                                 **swap)
 
 
 def disjoint_sampler_plan(c, cfg: ModelConfig, devices, budget: int, preset: str) -> dict:
   """A recipe's sampler on devices of its own (``mesh.colocated`` False): one engine's plan per
   device (``rollout.data_parallel="replicas"``: ``rollout.num_slots`` split over them) compiled
   for the target, against the whole budget, a weight swap beside its decode calls; where the
-  configured slots do not fit, the plan again at the slots the run would take
-  (``sampler.memory.fit``: ``slots_that_fit``, at least ``rollout.n_samples``)."""
+  configured slots do not fit, the plan the run would settle on (``sampler.memory.fit``: the swap
+  paused, a paged pool sized to the budget, or fewer slots)."""
   from areal_jax.runtime import meshes
   r = c.rollout
   sampler_mesh = meshes.build(c.mesh, devices)[1]
@@ -295,17 +301,16 @@ def disjoint_sampler_plan(c, cfg: ModelConfig, devices, budget: int, preset: str
     return {}  # (one engine over several devices: not compiled here)
   slots = r.num_slots // data
   device = sampler_mesh.devices.flat[0]
-  programs = target_sampler_plan(device, cfg, c, slots, budget)
-  if not programs.fits and r.get("weight_swap", "auto") == "auto":  # (as sampler.memory.fit)
-    programs = programs.pausing()
-  if not programs.fits and programs.slots_that_fit() < slots:  # (at least a group's: fit's look)
-    programs = target_sampler_plan(device, cfg, c, max(r.n_samples, programs.slots_that_fit()),
-                                   budget, programs.swap_pauses)
+  try:
+    programs, fits = target_sampler_plan(device, cfg, c, slots, budget, fit=True), True
+  except MemoryError as e:  # (not even a group's slots: the plan at the configured ones)
+    print(f"{preset}: {e}", flush=True)
+    programs, fits = target_sampler_plan(device, cfg, c, slots, budget), False
   print(f"{preset}: sampler memory plan compiled for {device.device_kind} (an engine a device, "
         f"{slots} slots configured): {programs.summary()}; "
-        f"{'fits' if programs.fits else 'does not fit'}", flush=True)
+        f"{'fits' if fits else 'does not fit'}", flush=True)
   return dict(sampler_configured_slots=slots, sampler_slots=programs.num_slots,
-              sampler_fits=programs.fits, sampler_kv_pages=programs.kv_pages,
+              sampler_fits=fits, sampler_kv_pages=programs.kv_pages,
               sampler_swap_pauses=programs.swap_pauses,
               **{f"sampler_{k}_gib": getattr(programs, k) / memory.GIB for k in (
                   "weights", "state", "incoming", "generate_temp", "prefill", "resident_bytes",

@@ -17,7 +17,11 @@ accelerator path, run on this backend):
   * ``rows_4x``: ``4 x rows`` slots, a row each (KV memory 4 M): what the paged engine's slots
     would cost without paging;
   * ``paged_half``: ``4 x rows`` slots over a pool of M / 2: memory pressure, so sequences are
-    preempted and re-prefilled (what that costs).
+    preempted and re-prefilled (what that costs);
+  * ``planned``: what the sampler's memory plan (``sampler.memory.fit``) builds when asked for
+    ``4 x rows`` slots of a paged cache whose pool follows the slots (``kv_pages=-1``, the GPU's
+    choice, forced here) within the memory of that cache at ``rows`` slots: it keeps the slots
+    over the pages that fit (until session 39 it lowered the slots, to about ``rows``).
 Tokens/s counts generated tokens over wall time, prefill included; ``kv_positions`` is the KV
 memory in positions (x 2 x layers x kv heads x head dim x 4 bytes); ``preempted`` counts paged
 preemptions. SmolLM2-135M shape, random weights, float32.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -50,10 +55,28 @@ def workload(groups: int, vocab: int, max_new: int, seed: int = 0):
   return out
 
 
-def run(model, work, slots, max_len, kv_pages=0):
-  eng = JaxRolloutEngine(model, num_slots=slots, max_len=max_len, prefill_buckets=(PROMPT,),
-                         eos_token_ids=(), decode_layers="scan", decode_matmul="xla",
-                         decode_attention="dense", kv_pages=kv_pages, page_size=PAGE)
+def engine(model, slots, max_len, kv_pages=0):
+  return JaxRolloutEngine(model, num_slots=slots, max_len=max_len, prefill_buckets=(PROMPT,),
+                          eos_token_ids=(), decode_layers="scan", decode_matmul="xla",
+                          decode_attention="dense", kv_pages=kv_pages, page_size=PAGE)
+
+
+def planned(model, slots, max_len, budget_bytes):
+  """The engine ``sampler.memory.fit`` settles on for ``slots`` slots of a paged cache whose pool
+  follows them (kv_pages -1, the GPU's choice, forced here) within ``budget_bytes``."""
+  from areal_jax.kernels import choice
+  from areal_jax.sampler import memory
+  os.environ[choice.PAGED_ENV] = "1"
+  try:
+    return memory.fit(lambda n, kv_pages=-1: engine(model, n, max_len, kv_pages), slots,
+                      min_slots=N, budget_bytes=budget_bytes)
+  finally:
+    os.environ.pop(choice.PAGED_ENV)
+
+
+def run(model, work, slots, max_len, kv_pages=0, eng=None):
+  eng = eng or engine(model, slots, max_len, kv_pages)
+  slots, kv_pages = eng.num_slots, eng.engine.config.kv_pages
   eng.warmup()
   eng.stats.clear()
   eng.start()
@@ -95,14 +118,26 @@ def main():
     r = result["rows"][name] = run(model, work, slots, max_len, kv_pages)
     print(f"{name:>8} {slots:>6} {r['kv_positions']:>13} {r['tok_per_s']:>8} {r['wall_s']:>7} "
           f"{r['decode_calls']:>6} {r['preempted']:>9}", flush=True)
+  # the memory plan's choice within the KV memory of ``rows`` rows: the budget of a cache whose
+  # pool follows ``rows`` slots (a page for each of their positions and one more each), asked
+  # for 4 x rows slots (before session 39 it lowered the slots; now it keeps them over the pool)
+  from areal_jax.sampler import memory
+  budget = memory.plan(planned(model, rows, max_len, None)[0].engine, None).peak_bytes
+  holder, plan = planned(model, 4 * rows, max_len, budget)
+  result["planned"] = {"budget_bytes": budget, "slots": plan.num_slots, "kv_pages": plan.kv_pages}
+  r = result["rows"]["planned"] = run(model, work, 0, max_len, eng=holder)
+  print(f"{'planned':>8} {plan.num_slots:>6} {r['kv_positions']:>13} {r['tok_per_s']:>8} "
+        f"{r['wall_s']:>7} {r['decode_calls']:>6} {r['preempted']:>9}", flush=True)
   rr = result["rows"]
+  result["planned_over_rows"] = round(rr["planned"]["tok_per_s"] / rr["rows"]["tok_per_s"], 2)
   result["paged_over_rows"] = round(rr["paged"]["tok_per_s"] / rr["rows"]["tok_per_s"], 2)
   result["paged_over_rows_4x"] = round(rr["paged"]["tok_per_s"] / rr["rows_4x"]["tok_per_s"], 2)
   result["paged_half_over_rows"] = round(rr["paged_half"]["tok_per_s"] / rr["rows"]["tok_per_s"],
                                          2)
   print(f"paged / rows at the same KV memory: {result['paged_over_rows']}x; paged / rows with 4x "
         f"the memory: {result['paged_over_rows_4x']}x; paged with half the memory / rows: "
-        f"{result['paged_half_over_rows']}x")
+        f"{result['paged_half_over_rows']}x; the memory plan's choice within a budget of "
+        f"{rows} rows (+ a page each) / rows: {result['planned_over_rows']}x")
   finish(result, args.json, t_start)
 
 

@@ -128,15 +128,16 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
   """``memory_budget``: bytes per sampler device the JAX sampler may use, or a dict of
   ``sampler.memory.check``'s keyword arguments (``budget_bytes``, ``resident_budget``,
   ``shared_base``); its memory plan is checked against it before the decode state is allocated,
-  with fewer slots than ``rollout.num_slots`` when those do not fit (``sampler.memory.fit``), and
-  kept as the JAX engine's ``memory_plan`` (per device; None without a budget)."""
+  with a paged cache's pool of the pages that fit, or fewer slots than ``rollout.num_slots``, when
+  those do not fit (``sampler.memory.fit``; every replica as the first one's plan says), and kept
+  as the JAX engine's ``memory_plan`` (per device; None without a budget)."""
   r = config.rollout
   lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
   if r.backend == "jax":
     from areal_jax.sampler import memory, replicas
     from areal_jax.sampler.service import JaxRolloutEngine
 
-    def make(num_slots, mesh=sampler_mesh, output=None):
+    def make(num_slots, mesh=sampler_mesh, output=None, kv_pages=None):  # (None: the config's)
       return JaxRolloutEngine(
           model, mesh=mesh, num_slots=num_slots,
           max_len=max(r.prefill_buckets) + r.max_new_tokens,
@@ -144,7 +145,8 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
           eos_token_ids=tuple(tokenizer.eos_token_ids), steps_per_call=r.steps_per_call,
           decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
           decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
-          lora=lora, kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64),
+          lora=lora, kv_pages=r.get("kv_pages", -1) if kv_pages is None else kv_pages,
+          page_size=r.get("page_size", 64),
           max_prefill_tokens=r.get("max_prefill_tokens", 0),
           prefill_attention=r.get("prefill_attention", "auto"), output=output,
           weight_swap=swap)
@@ -172,16 +174,18 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
       engine.memory_plan = plan  # (per device; None: unplanned)
       return engine
     slots = r.num_slots // len(meshes)  # per replica (the first one's memory plan may lower it)
+    pages = None  # a paged pool the first one's plan sized to its memory, for all of them
     plans = []
 
     def make_replica(mesh, output):
-      nonlocal slots
+      nonlocal slots, pages
       if budget is None or mesh is not meshes[0]:
-        return make(slots, mesh, output)
-      engine, plan = memory.fit(lambda s: make(s, mesh, output), slots, min_slots=r.n_samples,
-                                **budget)
+        return make(slots, mesh, output, pages)
+      engine, plan = memory.fit(lambda s, **kw: make(s, mesh, output, **kw), slots,
+                                min_slots=r.n_samples, **budget)
       decided(engine, plan)
       slots = plan.num_slots
+      pages = None if plan.pool_follows_slots or not plan.kv_pages else plan.kv_pages
       plans.append(plan)
       print(f"sampler memory plan (each of {len(meshes)} replicas): {plan.summary()}", flush=True)
       return engine

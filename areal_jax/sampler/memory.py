@@ -30,7 +30,9 @@ reference and frozen weights), and the sampler's resident part (``resident_bytes
 base, decode state) beside the learner's planned peak (``resident_budget``). A LoRA base the
 learner holds in the compute dtype is the very array the sampler merges into (shared, counted
 once). When the configured slots do not fit, ``fit`` rebuilds the engine with the most slots
-that do (as the learner's plan lowers its micro-batch) and says so; a run stops, before the decode
+that do (as the learner's plan lowers its micro-batch) and says so; a paged cache whose pool the
+slots sized (a page for every position they could hold) keeps its slots first, over the most
+pages that fit (sequences take pages as they grow). A run stops, before the decode
 state is allocated, only when not even the fewest slots it needs fit, with the parts of the plan.
 The programs compiled for the plan are ones the sampler runs: with the persistent compilation
 cache (``runtime.compile_cache_dir``, on by default) their first calls read the plan's
@@ -64,6 +66,7 @@ class SamplerPlan:
   resident_budget: int | None = None  # colocated: what the learner's peak leaves
   kv_pages: int = 0  # a paged cache's pages (its state is the pool, not slots x max_len)
   pool_follows_slots: bool = False  # the pool was sized by the slots (kv_pages -1): fewer shrink it
+  page_bytes: int = 0  # a paged cache: one page of the pool (its keys and values, all layers)
   incoming: int = 0  # a weight version as it arrives, before its conversion (``incoming_bytes``)
   swap_while_decoding: bool = True  # a swap happens beside a decode or prefill call
   swap_pauses: bool = False  # the current version is let go of before the new one is converted
@@ -115,6 +118,25 @@ class SamplerPlan:
       free = self.resident_budget - self.weights - self.lora_base
       fits.append(free // (self.state / n))
     return max(0, int(min(fits, default=self.num_slots)))
+
+  def pages_that_fit(self) -> int:
+    """A paged cache: the most pages of a pool that fit the budget at these slots (the per-slot
+    vectors and the programs' temporaries taken as they are: a decode call's do not grow with the
+    pool, whose pages it reads through the page table)."""
+    if not self.page_bytes:
+      return 0
+    rest = self.state - (self.kv_pages + 1) * self.page_bytes  # the per-slot vectors
+    room = []
+    if self.budget_bytes is not None:
+      programs = max(self.generate_temp, self.prefill)
+      room.append(self.budget_bytes - self.weights - self.lora_base - rest
+                  - (self.swap_bytes + programs if self.overlapping
+                     else max(self.swap_bytes, programs)))
+    if self.resident_budget is not None:
+      room.append(self.resident_budget - self.weights - self.lora_base - rest)
+    if not room:
+      return self.kv_pages
+    return max(0, int(min(room)) // self.page_bytes - 1)  # (and the trash page)
 
   def summary(self) -> str:
     budget = "" if self.budget_bytes is None else f" of {_size(self.budget_bytes)}"
@@ -181,6 +203,8 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
       prefill=prefill, num_slots=c.num_slots, budget_bytes=budget_bytes,
       resident_budget=resident_budget, kv_pages=c.kv_pages,
       pool_follows_slots=engine.pool_follows_slots,
+      page_bytes=(sharding.device_bytes(engine.state_shapes()["cache"]) // (c.kv_pages + 1)
+                  if engine.paged else 0),
       incoming=engine.weights.incoming_bytes(incoming_dtype) if incoming is None else incoming,
       swap_while_decoding=swap_while_decoding, swap_pauses=weight_swap == "pause")
 
@@ -202,7 +226,16 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
   and at least ``min_slots`` (a group's samples are admitted together), and printed. Raises
   ``check``'s ``MemoryError`` when even that does not fit. ``weight_swap`` ``"auto"`` (in
   ``budget``): the swap overlaps decode calls where that fits, else pauses (printed), before any
-  slot goes; the plan says which (``swap_pauses``)."""
+  slot goes; the plan says which (``swap_pauses``).
+
+  A paged cache keeps its slots first: rebuilt as ``make(num_slots, kv_pages=n)`` over the
+  most pages ``n`` that fit, if those hold at least a group's sequences to ``max_len``
+  (``min_slots`` rows' pages), and printed (a pool that follows the slots, ``kv_pages`` -1, has a
+  page for every position they could hold; a configured pool is lowered as slots are). Sequences take pages as they grow, so the pool holds
+  as many as their lengths allow, not as their longest could; when it runs out the service
+  preempts the sequences admitted last and re-prefills them later (``sampler.paging``). Only
+  when not even that pool fits do slots go, where the pool follows them (a configured pool: the
+  run stops, naming ``rollout.kv_pages``)."""
   auto = budget.get("weight_swap") == "auto"
   holder = make(num_slots)
   first = p = plan(holder.engine, **budget)
@@ -214,8 +247,28 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
     first = p = p.pausing()
     budget = {**budget, "weight_swap": "pause"}
   max_len, mesh = holder.engine.config.max_len, holder.engine.mesh
-  if p.kv_pages and not p.pool_follows_slots and not p.fits:  # the pool is what to lower
-    raise _too_big(first, max_len, mesh, min_slots)
+  if p.kv_pages and not p.fits:  # a paged cache: the slots kept, over the pool that fits
+    page_size = holder.engine.config.page_size
+    least = max(min_slots, 1) * -(-max_len // page_size)  # a group's sequences, each to max_len
+    pooled = p
+    for _ in range(3):  # pages_that_fit extrapolates (programs as they were): a look settles it
+      pages = pooled.pages_that_fit()
+      if pages < least or pages >= pooled.kv_pages:
+        break
+      del holder
+      holder = make(num_slots, kv_pages=pages)
+      pooled = plan(holder.engine, **budget)
+      if pooled.fits:
+        asked = (f"rollout.num_slots={num_slots} with a page for every position they could hold"
+                 if p.pool_follows_slots else f"rollout.kv_pages={p.kv_pages}")
+        print(f"sampler memory plan: {asked} does not fit ({first.summary()}); the "
+              f"{num_slots} slots are kept over a pool of {pages} pages ({pages * page_size} positions, "
+              f"{pages * page_size / max_len:.1f} sequences of {max_len}): sequences take pages as "
+              "they grow, and when the pool runs out the last admitted wait (preempted, then "
+              "re-prefilled)", flush=True)
+        return holder, pooled
+    if not p.pool_follows_slots:  # the pool is the user's to lower: fewer slots keep it as large
+      raise _too_big(first, max_len, mesh, min_slots)
   looked = False  # at the fewest slots a group needs
   for _ in range(5):  # slots_that_fit extrapolates: a second look settles it
     if p.fits:

@@ -1,6 +1,7 @@
 """The sampler's memory plan: exact resident bytes per device, a clear stop (naming the keys and
 the slots that fit) when it does not fit, and the runtime's budget for it."""
 
+import dataclasses
 import types
 
 import jax
@@ -201,7 +202,9 @@ def test_the_programs_compiled_for_the_plan_are_the_ones_the_sampler_runs():
 
 def test_a_paged_cache_is_planned_as_its_pool_not_its_slots():
   """With kv_pages the decode state is the pool of pages (and per-slot vectors), whatever the slot
-  count; a pool that does not fit names rollout.kv_pages and is not 'fixed' by fewer slots."""
+  count; a pool that does not fit is lowered to the pages that do (the slots kept), and where not
+  even a group's sequences' pages fit the run stops naming rollout.kv_pages, not 'fixed' by fewer
+  slots."""
   def engine(slots):
     return DecodeEngine(tiny_model(0), EngineConfig(
         num_slots=slots, max_len=64, prefill_buckets=(16,), kv_pages=8, page_size=16,
@@ -217,30 +220,64 @@ def test_a_paged_cache_is_planned_as_its_pool_not_its_slots():
   with pytest.raises(MemoryError, match=r"Lower rollout.kv_pages \(now 8"):
     memory.check(eng, p.peak_bytes - 1)
   made = []
-  with pytest.raises(MemoryError, match="rollout.kv_pages"):
-    memory.fit(lambda n: made.append(n) or types.SimpleNamespace(engine=engine(n)), 16,
-               budget_bytes=p.peak_bytes - 1)
-  assert made == [16]  # no smaller slot count tried
+
+  def make(n, kv_pages=8):
+    made.append((n, kv_pages))
+    return types.SimpleNamespace(engine=DecodeEngine(tiny_model(0), dataclasses.replace(
+        eng.config, num_slots=n, kv_pages=kv_pages)))
+
+  holder, fitted = memory.fit(make, 16, budget_bytes=p.peak_bytes - 1)
+  assert made == [(16, 8), (16, 7)] and fitted.fits and fitted.kv_pages == 7
+  made.clear()
+  with pytest.raises(MemoryError, match=r"Lower rollout.kv_pages \(now 8"):  # (a group of 3: 12)
+    memory.fit(make, 16, min_slots=3, budget_bytes=p.peak_bytes - 1)
+  assert made == [(16, 8)]  # no smaller slot count tried
 
 
-def test_a_pool_sized_by_the_slots_shrinks_with_them(monkeypatch):
-  """kv_pages -1 where the platform pages (the GPU's choice, forced on CPU): the pool follows the
-  slots, so a plan that does not fit is met with fewer slots (and their smaller pool), as rows."""
+def _paged(slots, kv_pages=-1):
+  return DecodeEngine(tiny_model(0), EngineConfig(
+      num_slots=slots, max_len=64, prefill_buckets=(16,), kv_pages=kv_pages, page_size=16,
+      decode_layers="scan", decode_matmul="xla"))
+
+
+def test_a_pool_sized_by_the_slots_keeps_them_over_the_pages_that_fit(monkeypatch, capsys):
+  """kv_pages -1 where the platform pages (the GPU's choice, forced on CPU): the pool is a page
+  for every position the slots could hold. Where that does not fit, the slots stay and the pool
+  is the most pages the budget holds (sequences take pages as they grow), if those hold a group's
+  sequences to max_len; below that, slots go with their pool, as rows."""
   monkeypatch.setenv(choice.PAGED_ENV, "1")
-
-  def engine(slots):
-    return DecodeEngine(tiny_model(0), EngineConfig(
-        num_slots=slots, max_len=64, prefill_buckets=(16,), kv_pages=-1, page_size=16,
-        decode_layers="scan", decode_matmul="xla"))
-  eng = engine(16)
+  eng = _paged(16)
   assert eng.paged and eng.pool_follows_slots and eng.config.kv_pages == 16 * (4 + 1)
   p = memory.plan(eng, None)
-  assert p.pool_follows_slots and f"{16 * 5} pages" in p.summary()
+  page = 2 * TINY.n_kv_heads * TINY.n_layers * 16 * TINY.head_dim * 4  # k, v of 16 positions
+  assert p.pool_follows_slots and f"{16 * 5} pages" in p.summary() and p.page_bytes == page
+  budget = p.peak_bytes - p.state // 2
   made = []
-  holder, fitted = memory.fit(lambda n: made.append(n) or types.SimpleNamespace(engine=engine(n)),
-                              16, budget_bytes=p.peak_bytes - p.state // 2)
-  assert fitted.fits and made[0] == 16 and 0 < fitted.num_slots < 16
-  assert holder.engine.config.kv_pages == fitted.num_slots * 5 and fitted.state < p.state
+
+  def make(n, **kw):
+    made.append((n, kw))
+    return types.SimpleNamespace(engine=_paged(n, **kw))
+
+  holder, fitted = memory.fit(make, 16, min_slots=4, budget_bytes=budget)
+  pages = holder.engine.config.kv_pages
+  assert made[0] == (16, {}) and made[-1] == (16, {"kv_pages": pages})
+  assert fitted.fits and fitted.num_slots == 16 and not fitted.pool_follows_slots
+  assert 4 * 4 <= pages < 16 * 5 and fitted.kv_pages == pages
+  assert not memory.plan(_paged(16, pages + 1), budget).fits  # the most pages that fit
+  assert f"the 16 slots are kept over a pool of {pages} pages" in capsys.readouterr().out
+  # a group of 16 needs 64 pages (16 rows of 4): the pool cannot hold it, nor can fewer slots
+  made.clear()
+  with pytest.raises(MemoryError, match="at least 16 needed"):
+    memory.fit(make, 16, min_slots=16, budget_bytes=budget)
+  assert all(not kw for _, kw in made)
+  # where 16 slots' prefill call leaves no room for a group's pages (2 rows) but 2 slots fit:
+  # slots go, and the pool follows them
+  made.clear()
+  small = memory.plan(_paged(2), None).peak_bytes
+  assert memory.plan(_paged(16), small).pages_that_fit() < 2 * 4
+  holder, fitted = memory.fit(make, 16, min_slots=2, budget_bytes=small)
+  assert fitted.fits and 2 <= fitted.num_slots < 16 and fitted.pool_follows_slots
+  assert holder.engine.config.kv_pages == fitted.num_slots * 5
   with pytest.raises(MemoryError, match="lower rollout.num_slots"):
     memory.check(eng, p.peak_bytes - 1)
 

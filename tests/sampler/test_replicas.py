@@ -3,6 +3,7 @@
 import functools
 import re
 import time
+import types
 
 import jax
 import numpy as np
@@ -261,3 +262,37 @@ def test_config_checks_that_a_group_fits_one_replica():
   c.rollout.data_parallel = "rows"
   with pytest.raises(ValueError, match="rollout.data_parallel='rows' must be"):
     config_lib.validate(c, n_devices=8)
+
+
+def test_replicas_share_the_pool_their_first_plan_sized_to_memory(monkeypatch, capsys):
+  """A paged cache whose slots' pool does not fit: the first replica's plan keeps the slots over
+  the pages that fit, every replica takes that pool, and the run's groups all finish on it."""
+  from areal_jax import config as config_lib
+  from areal_jax.kernels import choice
+  from areal_jax.runtime import engines
+  from areal_jax.sampler import memory
+
+  from .conftest import tiny_model
+
+  monkeypatch.setenv(choice.PAGED_ENV, "1")  # (the GPU's choice, on CPU)
+  c = config_lib.base_config()
+  c.rollout.num_slots, c.rollout.prefill_buckets, c.rollout.max_new_tokens = 8, (16,), 48
+  c.rollout.n_samples, c.rollout.page_size, c.rollout.weight_swap = 2, 16, "overlap"
+  c.rollout.decode_attention, c.rollout.decode_matmul = "dense", "xla"
+  model, tokenizer = tiny_model(0), types.SimpleNamespace(eos_token_ids=())  # (no EOS)
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+  roomy = engines.build(c, model, tokenizer, mesh)
+  four = memory.plan(roomy.engine, None)
+  assert four.pool_follows_slots and four.kv_pages == 4 * 5
+  capsys.readouterr()
+  eng = engines.build(c, model, tokenizer, mesh, memory_budget=four.peak_bytes - 8 * four.page_bytes)
+  assert "the 4 slots are kept over a pool of" in capsys.readouterr().out
+  pools = {r.engine.config.kv_pages for r in eng.replicas}
+  slots = {r.engine.config.num_slots for r in eng.replicas}
+  assert slots == {4} and len(pools) == 1 and 2 * 4 <= pools.pop() < 4 * 5
+  requests = [GroupRequest(g, [g + 1, 3, 5], n=2, params=SamplingParams(
+      temperature=1.0, max_new_tokens=(40, 12, 30)[g % 3], seed=g)) for g in range(6)]
+  samples = _run(eng, requests)
+  assert len(samples) == 12
+  assert all(s.finish_reason == "length" and len(s.tokens) == (40, 12, 30)[s.group_id % 3]
+             for s in samples.values())
