@@ -1,6 +1,6 @@
 """Weights from the learner to a rollout worker in another process: Orbax vs jax_transfer.
 
-  python bench/weight_transfer.py [--quick] [--versions N] [--json PATH]
+  python bench/weight_transfer.py [--quick] [--versions N] [--dtypes float32,bfloat16] [--json PATH]
 
 For each model (the tiny test model, and a random model of SmolLM2-135M's shape: vocab 49152,
 d_model 576, 30 layers, 9 heads, 3 KV heads, head_dim 64, d_ff 1536; float32) and each
@@ -17,6 +17,11 @@ Per version: ``blocked_s``, the seconds the learner's call took (publish, plus t
 jax_transfer), and ``until_worker_s``, from the start of that call until the worker holds the new
 arrays on its device (both clocks are this machine's). The first version (connection set-up, first
 directory) is reported apart; medians are over the others. Memory is not measured.
+
+Each row runs per ``--dtypes`` entry: ``float32`` publishes the learner's weights as they are (what
+every cross-process transfer did until session 39); ``bfloat16`` casts them on the learner's device
+first (``weight_transfer.version_dtype`` of a bfloat16 sampler: what a run does now), and the worker
+restores into ``weight_transfer.cast_target``: half the bytes cross.
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ def abstract_params(cfg) -> dict:
 
 
 # ---- the worker process ------------------------------------------------------------------------
-def worker(model: str, mode: str, path: str) -> None:
-  target = abstract_params(MODELS[model])
+def worker(model: str, mode: str, path: str, dtype: str) -> None:
+  target = weight_transfer.cast_target(abstract_params(MODELS[model]), dtype)
   receiver = (weight_transfer.OrbaxReceiver(path, target) if mode == "orbax"
               else jax_transfer.JaxTransferReceiver(target))
   current = None
@@ -76,16 +81,18 @@ def worker(model: str, mode: str, path: str) -> None:
 
 
 # ---- the learner (this process) ----------------------------------------------------------------
-def run(model: str, mode: str, versions: int) -> dict:
+def run(model: str, mode: str, versions: int, dtype: str = "float32") -> dict:
   cfg = MODELS[model]
   params = nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(0)), nnx.Param))
-  mib = sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20
+  cast = weight_transfer.caster(dtype)
+  mib = sum(x.nbytes for x in jax.tree.leaves(cast(params) if cast else params)) / 2**20
   bump = jax.jit(lambda t, v: jax.tree.map(lambda x: x + v, t))
   tmp = tempfile.mkdtemp(prefix="bench_weights_")
-  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", model, mode, tmp],
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", model, mode, tmp,
+                           dtype],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-  pub = (weight_transfer.OrbaxPublisher(tmp, keep=2) if mode == "orbax"
-         else jax_transfer.JaxTransferPublisher("127.0.0.1"))
+  pub = (weight_transfer.OrbaxPublisher(tmp, keep=2, dtype=dtype) if mode == "orbax"
+         else jax_transfer.JaxTransferPublisher("127.0.0.1", dtype))
   rows = []
   try:
     assert json.loads(proc.stdout.readline()).get("ready"), "the worker did not start"
@@ -112,7 +119,7 @@ def run(model: str, mode: str, versions: int) -> dict:
     pub.close()
     shutil.rmtree(tmp, ignore_errors=True)
   rest = rows[1:] or rows
-  return {"model": model, "transfer": mode, "MiB": mib, "versions": rows,
+  return {"model": model, "transfer": mode, "dtype": dtype, "MiB": mib, "versions": rows,
           "first_until_worker_s": rows[0]["until_worker_s"],
           "blocked_s": statistics.median(r["blocked_s"] for r in rest),
           "until_worker_s": statistics.median(r["until_worker_s"] for r in rest),
@@ -124,8 +131,11 @@ def main():
   ap.add_argument("--quick", action="store_true", help="3 versions per row")
   ap.add_argument("--versions", type=int, default=6, help="versions published per row")
   ap.add_argument("--models", default="tiny,smollm2-135m")
+  ap.add_argument("--dtypes", default="float32,bfloat16",
+                  help="the dtypes a version is published in (cast on the learner's device)")
   ap.add_argument("--json", default=None, help="write results to this path")
-  ap.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "DIR"), help=argparse.SUPPRESS)
+  ap.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "DIR", "DTYPE"),
+                  help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.worker:
     worker(*args.worker)
@@ -134,20 +144,31 @@ def main():
   versions = 3 if args.quick else args.versions
   info = machine()
   print(f"machine: {info}")
-  results = [run(m, mode, versions) for m in args.models.split(",") for mode in MODES]
-  print(f"\n{'model':14} {'MiB':>7} {'transfer':13} {'blocked s':>10} {'worker has s':>13} "
-        f"{'max s':>7} {'first s':>8}")
+  dtypes = args.dtypes.split(",")
+  results = [run(m, mode, versions, d) for m in args.models.split(",") for d in dtypes
+             for mode in MODES]
+  print(f"\n{'model':14} {'dtype':9} {'MiB':>7} {'transfer':13} {'blocked s':>10} "
+        f"{'worker has s':>13} {'max s':>7} {'first s':>8}")
   for r in results:
-    print(f"{r['model']:14} {r['MiB']:7.1f} {r['transfer']:13} {r['blocked_s']:10.4f} "
-          f"{r['until_worker_s']:13.3f} {r['max_until_worker_s']:7.3f} "
+    print(f"{r['model']:14} {r['dtype']:9} {r['MiB']:7.1f} {r['transfer']:13} "
+          f"{r['blocked_s']:10.4f} {r['until_worker_s']:13.3f} {r['max_until_worker_s']:7.3f} "
           f"{r['first_until_worker_s']:8.3f}")
   ratios = {}
   for m in args.models.split(","):
-    o, j = [next(r for r in results if r["model"] == m and r["transfer"] == t) for t in MODES]
+    row = lambda t, d: next(r for r in results  # noqa: E731
+                            if r["model"] == m and r["transfer"] == t and r["dtype"] == d)
+    o, j = row("orbax", dtypes[0]), row("jax_transfer", dtypes[0])
     ratios[m] = {"until_worker_orbax_over_jax": o["until_worker_s"] / j["until_worker_s"],
                  "blocked_orbax_over_jax": o["blocked_s"] / max(j["blocked_s"], 1e-9)}
-    print(f"{m}: worker has the weights {ratios[m]['until_worker_orbax_over_jax']:.2f}x sooner "
-          f"with jax_transfer; learner blocked {ratios[m]['blocked_orbax_over_jax']:.1f}x less")
+    print(f"{m} ({dtypes[0]}): worker has the weights "
+          f"{ratios[m]['until_worker_orbax_over_jax']:.2f}x sooner with jax_transfer; learner "
+          f"blocked {ratios[m]['blocked_orbax_over_jax']:.1f}x less")
+    for d in dtypes[1:]:
+      for t in MODES:
+        key = f"until_worker_{t}_{d}_over_{dtypes[0]}"
+        ratios[m][key] = row(t, d)["until_worker_s"] / row(t, dtypes[0])["until_worker_s"]
+        print(f"{m} {t}: the worker has a {d} version in {ratios[m][key]:.2f}x the time of a "
+              f"{dtypes[0]} one")
   finish({"machine": info, "versions": versions, "rows": results, "ratios": ratios}, args.json,
          t_start)
 

@@ -19,26 +19,17 @@ from areal_jax import sharding
 from areal_jax.learner import memory as learner_memory
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import RolloutEngine
+from areal_jax.runtime import weight_transfer
 
 DATA_PARALLEL = ("replicas", "sharded")  # rollout.data_parallel: the JAX sampler over a data axis
 
 
-def transfer_dtype(config) -> str | None:
-  """The dtype the in-process weight transfer casts the learner's weights to before its copy onto
-  the sampler's devices: the JAX sampler's compute dtype (``model.dtype``) where it receives whole
-  weights by ``weights.transfer="device_put"``; None otherwise (Orbax versions and the rollout
-  workers' transfers carry the learner's float32, LoRA publishes adapters, vLLM loads its own)."""
-  lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
-  if config.rollout.backend == "jax" and config.weights.transfer == "device_put" and lora is None:
-    return config.model.dtype
-  return None
-
-
 def swap_plan(config, beside_learner: bool) -> dict:
   """How the sampler's memory plan counts a weight swap (``sampler.memory.plan``'s keywords): the
-  version arriving in ``transfer_dtype`` (float32 where that is None), beside decode calls unless
-  colocated with a learner in this process (the sampler is paused while it trains and publishes)."""
-  return {"incoming_dtype": transfer_dtype(config) or "float32",
+  version arriving in ``weight_transfer.version_dtype`` (float32 where that is None), beside decode
+  calls unless colocated with a learner in this process (the sampler is paused while it trains and
+  publishes)."""
+  return {"incoming_dtype": weight_transfer.version_dtype(config) or "float32",
           "swap_while_decoding": not (config.mesh.colocated and beside_learner)}
 
 

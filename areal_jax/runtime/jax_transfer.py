@@ -35,6 +35,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from areal_jax.runtime import weight_transfer
+
 CHUNK_BYTES = 32 * 2**20  # the servers' staging buffer size per copy ...
 PARALLEL_COPIES = 4  # ... and how many copies run at once (host memory: 3 x their product)
 _SLOT_BITS, _INC_BITS = 16, 24
@@ -102,7 +104,10 @@ class JaxTransferPublisher:
 
   mode = "jax_transfer"
 
-  def __init__(self, host: str = "127.0.0.1"):
+  def __init__(self, host: str = "127.0.0.1", dtype=None):
+    """``dtype``: a version is cast to it on the learner's devices before its copy to the first
+    one (``weight_transfer.version_dtype``; workers pull into targets of those dtypes)."""
+    self._cast = weight_transfer.caster(dtype)
     self.host = host
     self.server = _start_server(host)
     self.address = self.server.address()
@@ -127,6 +132,8 @@ class JaxTransferPublisher:
       raise ValueError(f"publish({version!r}): versions must be ints that increase "
                        f"(latest published is {latest})")
     tree = _pure(params)
+    if self._cast is not None:
+      tree = self._cast(tree)
     arrays = jax.device_put(jax.tree.leaves(tree) + [np.int32(version)], self.device,
                             may_alias=False)
     with self._lock:

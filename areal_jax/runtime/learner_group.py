@@ -150,11 +150,12 @@ class LearnerGroup:
   def announcer(self) -> "GroupAnnouncer":
     return GroupAnnouncer(self)
 
-  def transfer(self, weights, model, sampler_mesh) -> "GroupTransfer":
+  def transfer(self, weights, model, sampler_mesh, dtype=None) -> "GroupTransfer":
+    """``dtype``: the processes' versions are cast to it (``weight_transfer.version_dtype``)."""
     path = weights.path or os.path.join(self.workdir, "weights")
     shardings = weight_transfer.target_shardings(model, sampler_mesh)
-    return GroupTransfer(self, weight_transfer.OrbaxReceiver(
-        path, weight_transfer.abstract_params(model, shardings)))
+    return GroupTransfer(self, weight_transfer.OrbaxReceiver(path, weight_transfer.cast_target(
+        weight_transfer.abstract_params(model, shardings), dtype)))
 
 
 class GroupCheckpointer:

@@ -48,7 +48,8 @@ class _Worker:
     # The driver already moved old checkpoints aside when train.resume=False.
     self.ckpt = checkpoint.Checkpointer(workdir, config.train.keep_checkpoints, resume=True)
     path = config.weights.path or os.path.join(workdir, "weights")
-    self.publisher = weight_transfer.OrbaxPublisher(path, config.weights.keep)
+    self.publisher = weight_transfer.OrbaxPublisher(path, config.weights.keep,
+                                                    weight_transfer.version_dtype(config))
 
   def train_step(self, groups, rewards):
     return self.learner.train_step(groups, rewards)

@@ -47,9 +47,9 @@ class OrbaxAnnouncer(weight_transfer.StorageAnnouncer):
   """The learner's side of the weights in ray mode: ``send`` starts an Orbax save and returns as
   soon as the arrays are out of device memory; the workers read the version once it is finalized."""
 
-  def __init__(self, path: str, keep: int):
+  def __init__(self, path: str, keep: int, dtype=None):
     self.path = path
-    self.publisher = weight_transfer.OrbaxPublisher(path, keep)
+    self.publisher = weight_transfer.OrbaxPublisher(path, keep, dtype)
 
   def send(self, params, version: int) -> None:
     self.publisher.publish(params, version, wait=False)
@@ -90,11 +90,11 @@ def build(config, workdir: str):
     import ray  # pylint: disable=import-outside-toplevel
     from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
     host = ray.util.get_node_ip_address() if config.runtime.ray_address else "127.0.0.1"
-    announcer = jax_transfer.JaxTransferPublisher(host)
+    announcer = jax_transfer.JaxTransferPublisher(host, weight_transfer.version_dtype(config))
     print(f"weights: rollout workers pull each version from {announcer.address} "
           "(weights.transfer='jax_transfer')", flush=True)
   else:
-    announcer = OrbaxAnnouncer(path, w.keep)
+    announcer = OrbaxAnnouncer(path, w.keep, weight_transfer.version_dtype(config))
   engine = RayRolloutEngine(config, path, [None] * r.workers if plan is None else plan[1])
   engine.announcer = announcer
   return engine, announcer

@@ -106,7 +106,8 @@ class RolloutWorker:
     lcfg = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
     if lcfg is not None:  # the learner's base, as in local mode: model.source frozen in actor.dtype
       lora_lib.freeze_model_base(model, config.actor.dtype)
-    target = _weights_target(lcfg, model, mesh)
+    target = weight_transfer.cast_target(_weights_target(lcfg, model, mesh),
+                                         weight_transfer.version_dtype(config))
     if config.weights.transfer == "jax_transfer":
       from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
       import ray  # pylint: disable=import-outside-toplevel

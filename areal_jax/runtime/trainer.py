@@ -267,14 +267,15 @@ def _build_learner(config, workdir: str, model, learner_mesh):
 def _build_transfer(config, workdir: str, learner, model, learner_mesh, sampler_mesh, group: bool):
   """The weight transfer from the learner to this process's sampler mesh."""
   if group:  # the group's processes publish Orbax versions; the driver restores them
-    return learner.transfer(config.weights, model, sampler_mesh)
+    return learner.transfer(config.weights, model, sampler_mesh,
+                            weight_transfer.version_dtype(config))
   if learner.lora is not None:  # only the adapters are published (replicated on the sampler)
     shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
   else:
     shardings = weight_transfer.target_shardings(model, sampler_mesh)
   return weight_transfer.build(config.weights, workdir, learner_mesh, sampler_mesh,
                                learner.params(), shardings=shardings,
-                               dtype=engines.transfer_dtype(config))
+                               dtype=weight_transfer.version_dtype(config))
 
 
 def _save(ckpt, learner, controller, staleness, version, totals, t_start) -> None:

@@ -16,6 +16,12 @@ Parameters cross components as an NNX pure dict (nested dicts of ``jax.Array``, 
   are kept. The receiver restores into ``jax.ShapeDtypeStruct`` targets that carry the sampler's
   shardings, so each sampler device reads its own shards straight from storage.
 
+Every transfer, and ``jax_transfer``'s publisher, casts a version to the JAX sampler's compute dtype
+on the learner's devices before it leaves them (``version_dtype``: the cast the sampler's engine
+would make itself, ``models.transformer.cast_weights``): a bfloat16 sampler receives (and Orbax
+writes) half the bytes of the learner's float32, and holds the same values. Receivers restore into
+targets of those dtypes (``cast_target``).
+
 ``publish`` must have returned (or ``wait()`` been called after ``publish(..., wait=False)``) before
 the version is announced to the sampler; the returned seconds feed the ``weight_publish_s`` metric.
 """
@@ -36,6 +42,7 @@ from etils import epath
 from flax import nnx
 
 from areal_jax import sharding
+from areal_jax.models import lora as lora_lib
 from areal_jax.models.transformer import cast_weights
 from areal_jax.runtime.errors import RunDirError
 
@@ -44,6 +51,35 @@ _TMP_NAME = re.compile(r"^\d+\.orbax-checkpoint-tmp")
 
 
 # ---- shardings and targets ---------------------------------------------------------------------
+def version_dtype(config) -> str | None:
+  """The dtype a published version's matmul weights, embedding and biases are cast to on the
+  learner's devices (``cast_weights``): the JAX sampler's compute dtype (``model.dtype``) where it
+  receives whole weights, by any transfer; None otherwise (LoRA publishes adapters, vLLM loads
+  its own)."""
+  lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
+  return config.model.dtype if config.rollout.backend == "jax" and lora is None else None
+
+
+def _casts(dtype) -> bool:
+  return dtype is not None and jnp.dtype(dtype) != jnp.float32  # (the learner's: float32)
+
+
+def caster(dtype):
+  """A jitted ``cast_weights`` to ``dtype`` (on the devices and in the shardings of its argument,
+  a new array each), or None where there is nothing to cast (None, float32)."""
+  return jax.jit(functools.partial(cast_weights, dtype=jnp.dtype(dtype))) if _casts(dtype) else None
+
+
+def cast_target(target, dtype):
+  """``target`` (``abstract_params``: restore targets with shardings) in the dtypes a version
+  cast by ``caster(dtype)`` arrives in."""
+  if not _casts(dtype):
+    return target
+  cast = jax.eval_shape(functools.partial(cast_weights, dtype=jnp.dtype(dtype)), target)
+  return jax.tree.map(lambda t, c: jax.ShapeDtypeStruct(t.shape, c.dtype, sharding=t.sharding),
+                      target, cast)
+
+
 def target_shardings(params, mesh, rules=None) -> dict:
   """Pure dict of ``NamedSharding`` on ``mesh`` for a model's parameters.
 
@@ -94,8 +130,7 @@ class DevicePutTransfer:
     its engine would make itself, so it holds the same values): the copy on the sampler mesh is
     half the float32 one (a swap holds it beside the version it becomes). None: as given."""
     self.shardings = shardings
-    self._cast = None if dtype is None or jnp.dtype(dtype) == jnp.float32 else jax.jit(
-        functools.partial(cast_weights, dtype=jnp.dtype(dtype)))
+    self._cast = caster(dtype)
     self._lock = threading.Lock()
     self._version: int | None = None
     self._params = None
@@ -188,11 +223,14 @@ class OrbaxPublisher:
 
   mode = "orbax"
 
-  def __init__(self, path, keep: int = 2):
+  def __init__(self, path, keep: int = 2, dtype=None):
+    """``dtype``: a version is cast to it on the learner's devices before it is written
+    (``version_dtype``; its receivers restore into ``cast_target(target, dtype)``)."""
     if keep < 1:
       raise ValueError(f"weights.keep={keep} must be >= 1")
     self.path = epath.Path(path)
     self.keep = int(keep)
+    self._cast = caster(dtype)
     self._ckptr = None  # created on the first publish
     self._latest: int | None = None
     self._pending: tuple[int, float] | None = None  # (version, perf_counter at publish start)
@@ -210,7 +248,10 @@ class OrbaxPublisher:
     if self._ckptr is None:
       self._start(version)
     _check_version(version, self._latest)
-    self._ckptr.save(self.path / str(version), _pure(params))
+    params = _pure(params)
+    if self._cast is not None:
+      params = self._cast(params)
+    self._ckptr.save(self.path / str(version), params)
     self._pending = (version, t0)
     if wait:
       self.wait()
@@ -354,9 +395,11 @@ class OrbaxTransfer:
 
   mode = "orbax"
 
-  def __init__(self, path, keep: int, target):
-    self.publisher = OrbaxPublisher(path, keep)
-    self.receiver = OrbaxReceiver(path, target)
+  def __init__(self, path, keep: int, target, dtype=None):
+    """``target``: the learner's parameters' ``abstract_params``; ``dtype``: what a version is
+    cast to before it is written (``OrbaxPublisher``), and restored as."""
+    self.publisher = OrbaxPublisher(path, keep, dtype)
+    self.receiver = OrbaxReceiver(path, cast_target(target, dtype))
 
   def publish(self, params, version: int, wait: bool = True) -> float:
     return self.publisher.publish(params, version, wait)
@@ -421,8 +464,8 @@ def build(weights, workdir, learner_mesh, sampler_mesh, params, shardings=None, 
   which the sampler shardings are derived; with a pure dict, pass ``shardings`` (a pure dict of
   shardings on ``sampler_mesh``). ``learner_mesh`` only tells whether the two meshes share devices
   (``.colocated`` on the result); ``device_put`` copies in both cases. ``weights.path`` "" means
-  ``<workdir>/weights``. ``dtype``: ``device_put``'s cast before its copy
-  (``DevicePutTransfer``; Orbax versions keep the learner's dtype).
+  ``<workdir>/weights``. ``dtype``: the cast before a version leaves the learner's devices
+  (``version_dtype``), for either transfer.
   """
   if shardings is None:
     if not isinstance(params, (nnx.Module, nnx.State)):
@@ -435,7 +478,7 @@ def build(weights, workdir, learner_mesh, sampler_mesh, params, shardings=None, 
     transfer = DevicePutTransfer(shardings, dtype)
   elif weights.transfer == "orbax":
     path = weights.path or os.path.join(os.fspath(workdir), "weights")
-    transfer = OrbaxTransfer(path, weights.keep, abstract_params(params, shardings))
+    transfer = OrbaxTransfer(path, weights.keep, abstract_params(params, shardings), dtype)
   else:
     raise ValueError(f"weights.transfer={weights.transfer!r}: in one process it is 'device_put' or "
                      "'orbax' ('jax_transfer' is for rollout workers, runtime.mode='ray')")

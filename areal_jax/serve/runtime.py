@@ -68,8 +68,9 @@ class ServeRuntime:
     if s.train and s.trainer_process:  # the trainer in its own process, versions through Orbax
       self.trainer = trainer_supervisor.TrainerProcess(
           config, self.workdir, cores[1] if cores else None, trainer_args)
-      target = weight_transfer.abstract_params(
-          model, weight_transfer.target_shardings(model, sampler_mesh))
+      target = weight_transfer.cast_target(weight_transfer.abstract_params(
+          model, weight_transfer.target_shardings(model, sampler_mesh)),
+          weight_transfer.version_dtype(config))
       receiver = weight_transfer.OrbaxReceiver(trainer_process.weights_path(config, self.workdir),
                                                target)
       self.watcher = trainer_supervisor.WeightsWatcher(self.trainer, receiver, self.engine,
@@ -81,7 +82,7 @@ class ServeRuntime:
           shardings = jax.tree.map(lambda _: NamedSharding(sampler_mesh, P()), learner.params())
         self._new_transfer = lambda: weight_transfer.build(
             config.weights, self.workdir, learner_mesh, sampler_mesh, learner.params(),
-            shardings=shardings, dtype=engines.transfer_dtype(config))
+            shardings=shardings, dtype=weight_transfer.version_dtype(config))
         return self._new_transfer()
       self.trainer = trainer_process.build_trainer(config, self.workdir, self.store, model,
                                                    learner_mesh, transfer_fn, self.engine)

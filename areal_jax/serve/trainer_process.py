@@ -132,7 +132,8 @@ def main(argv) -> None:
   model, _ = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
   if not config.actor.lora.rank:  # placed where they run: none kept on the first device
     models.weights_to_host(model)
-  publisher = lambda _: weight_transfer.OrbaxPublisher(weights_path(config, workdir), config.weights.keep)
+  publisher = lambda _: weight_transfer.OrbaxPublisher(weights_path(config, workdir), config.weights.keep,
+                                                       weight_transfer.version_dtype(config))
   loop = build_trainer(config, workdir, store, model, learner_mesh, publisher)
   state = dict(pid=os.getpid(), started=time.time(), cores=sorted(os.sched_getaffinity(0)))
 

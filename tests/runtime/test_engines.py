@@ -145,8 +145,11 @@ def test_sampler_budget_colocated_leaves_what_the_learner_keeps():
       "swap_while_decoding": False}
   assert engines.sampler_budget(c, mesh, learner, 2**28)["resident_budget"] == 2**29 - 2**28
   assert engines.sampler_budget(c, mesh) == {"budget_bytes": 2**29, **swap}  # no learner (serve)
-  c.weights.transfer = "orbax"  # versions read back as the learner wrote them: float32
+  c.weights.transfer = "orbax"  # Orbax versions are cast before they are written, too
+  assert engines.sampler_budget(c, mesh)["incoming_dtype"] == "bfloat16"
+  c.actor.lora.rank = 4  # adapters arrive as the learner holds them
   assert engines.sampler_budget(c, mesh)["incoming_dtype"] == "float32"
+  c.actor.lora.rank = 0
   c.mesh.device_memory_gib = 0.0  # CPU reports no size: no check
   assert engines.sampler_budget(c, mesh, learner) is None
 

@@ -179,3 +179,33 @@ def test_jax_transfer_needs_ray_mode():
   config_lib.override(c, "weights.transfer", "nccl")
   with pytest.raises(ValueError, match="weights.transfer='nccl' is not one of"):
     config_lib.validate(c)
+
+
+def test_a_version_cast_for_the_sampler_is_offered_and_pulled_cast():
+  """Given the sampler's compute dtype, the publisher casts a version on the learner's devices
+  before its copy (matrices and biases; other vectors, scalars stay float32): the offer says
+  so, and a worker whose target is ``weight_transfer.cast_target`` of its model pulls it."""
+  from areal_jax.models.transformer import cast_weights
+  from areal_jax.runtime import weight_transfer
+  pub = jt.JaxTransferPublisher("127.0.0.1", "bfloat16")
+  receiver = None
+  try:
+    pub.publish(learner_params(1), 1)
+    ticket = pub.ticket(0)
+    dtypes = {path: dtype for path, _, dtype in ticket["spec"]}
+    assert dtypes == {"['embed']": "bfloat16", "['head']": "bfloat16", "['layers']['b']": "float32",
+                      "['layers']['scale']": "float32", "['layers']['w']": "bfloat16"}
+    receiver = jt.JaxTransferReceiver(weight_transfer.cast_target(_target(), "bfloat16"))
+    receiver.offer(ticket)
+    version, got = receiver.fetch_newer(None)
+    want = cast_weights(peer_tree(1), jax.numpy.bfloat16)
+    assert version == 1
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert g.dtype == w.dtype
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="do not match this worker's model"):  # (float32 target)
+      jt.JaxTransferReceiver(_target()).pull(ticket)
+  finally:
+    if receiver is not None:
+      receiver.close()
+    pub.close()

@@ -121,6 +121,38 @@ def test_orbax_restores_into_sampler_sharding(setup, shape, tmp_path):
   transfer.close()
 
 
+def _bytes_on_disk(path) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def test_orbax_versions_are_written_and_restored_cast(setup, tmp_path):
+  """Given the sampler's compute dtype, a version is cast on the learner's devices before Orbax
+  writes it: the receiver restores the values the sampler's engine would make itself, in
+  bfloat16 (norm scales float32), and the version on disk is about half the float32 one's size.
+  A receiver whose target still says float32 reads the same values."""
+  from areal_jax.models.transformer import cast_weights
+  mesh = sampler_mesh(setup, dict(data=2, tensor=2))
+  shardings = wt.target_shardings(setup["state"], mesh)
+  cast = cast_weights(setup["params"], jax.numpy.bfloat16)
+  target = wt.cast_target(wt.abstract_params(setup["state"], shardings), "bfloat16")
+  assert [x.dtype for x in jax.tree.leaves(target)] == [x.dtype for x in jax.tree.leaves(cast)]
+  assert wt.cast_target(target, "float32") is target and wt.caster(None) is None
+  sizes = {}
+  for dtype in ("float32", "bfloat16"):
+    path = tmp_path / dtype
+    transfer = wt.build(weights_config("orbax", path), tmp_path, setup["learner_mesh"], mesh,
+                        setup["state"], dtype=dtype)
+    out = transfer.send(setup["params"], 1)
+    assert_on_sampler(out, setup["params"] if dtype == "float32" else cast, shardings, setup)
+    transfer.close()
+    sizes[dtype] = _bytes_on_disk(path)
+  assert sizes["bfloat16"] < 0.6 * sizes["float32"]
+  as_f32 = wt.OrbaxReceiver(tmp_path / "bfloat16", wt.abstract_params(setup["state"], shardings))
+  got = as_f32.fetch(1)
+  as_f32.close()
+  assert_on_sampler(got, jax.tree.map(lambda x: x.astype(np.float32), cast), shardings, setup)
+
+
 def test_default_path_is_under_workdir(setup, tmp_path):
   mesh = sampler_mesh(setup, dict(data=4))
   transfer = wt.build(weights_config("orbax"), tmp_path, setup["learner_mesh"], mesh, setup["state"])
