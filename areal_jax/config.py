@@ -91,7 +91,9 @@ def base_config() -> ConfigDict:
   c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan for pallas_tpu unpaged)
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
   # paged KV cache: pages in the pool (0: no paging, max_len positions per slot; -1: per
-  # platform, kernels.choice.kv_pages: on GPU a pool of max_len positions and a page per slot)
+  # platform, kernels.choice.kv_pages: on GPU a pool of max_len positions and a page per slot).
+  # Where the pool does not fit the sampler's memory plan keeps the slots over the pages that do
+  # (at least a group's sequences to max_len), before it takes slots away (sampler/memory.py)
   c.rollout.kv_pages = -1
   c.rollout.page_size = 64  # positions per page of the paged KV cache
   # The JAX sampler over the sampler mesh's data axis: "replicas" (an engine per data index, each
