@@ -14,3 +14,7 @@ PYTHONPATH=$PWD:$PWD/bench JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/cu/bin/python 
 .venv/bin/python bench/results/pool-plan-2026-11-29-s39/oldchoice_run.py    # that engine's throughput
 # 3. weights across processes, float32 against cast to bfloat16 before they leave the learner:
 .venv/bin/python bench/weight_transfer.py --versions 4 --json bench/results/pool-plan-2026-11-29-s39/weight_transfer.json
+# 4. the default recipe with Orbax versions (now cast to bfloat16 before they are written), compiled
+#    for TPU v5e chips (venv with jax[tpu]==0.10.2, libtpu 0.0.42 at /tmp/tpu):
+PYTHONPATH=$PWD:$PWD/bench /tmp/tpu/bin/python bench/learner.py --plan --target v5e:2x4 \
+  --only default --set weights.transfer=orbax --json bench/results/pool-plan-2026-11-29-s39/v5e-default-orbax.json
