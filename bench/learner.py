@@ -254,7 +254,7 @@ SAMPLER_PROGRAMS_MAX_PARAMS = 3e9  # its random weights are built on this CPU: 7
 
 
 def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: int | None = None,
-                        pause: bool = False, fit: bool = False):
+                        fit: bool = False):
   """The recipe ``c``'s sampler plan on ``device`` (one engine of ``slots`` slots, random weights
   of ``cfg`` in ``model.dtype``), its decode and prefill programs compiled by the target's
   compiler (``aot_decode.sampler_plan``), a weight swap planned as the run plans it
@@ -270,7 +270,7 @@ def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: i
   model = Transformer(dataclasses.replace(cfg, dtype=c.model.dtype), nnx.Rngs(0))
   lcfg = lora_lib.LoraConfig.from_config(c.actor.get("lora"))
   swap = dict(engines.swap_plan(c, beside_learner=True),
-              weight_swap="pause" if pause else engines.weight_swap(c),
+              weight_swap=engines.weight_swap(c),
               shared_base=lcfg is not None and c.mesh.colocated and c.actor.dtype == c.model.dtype)
   config = EngineConfig(
       num_slots=slots, max_len=max(r.prefill_buckets) + r.max_new_tokens,

@@ -231,11 +231,11 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
   A paged cache keeps its slots first: rebuilt as ``make(num_slots, kv_pages=n)`` over the
   most pages ``n`` that fit, if those hold at least a group's sequences to ``max_len``
   (``min_slots`` rows' pages), and printed (a pool that follows the slots, ``kv_pages`` -1, has a
-  page for every position they could hold; a configured pool is lowered as slots are). Sequences take pages as they grow, so the pool holds
-  as many as their lengths allow, not as their longest could; when it runs out the service
-  preempts the sequences admitted last and re-prefills them later (``sampler.paging``). Only
-  when not even that pool fits do slots go, where the pool follows them (a configured pool: the
-  run stops, naming ``rollout.kv_pages``)."""
+  page for every position they could hold; a configured pool is lowered as slots are). Sequences
+  take pages as they grow, so the pool holds as many as their lengths allow, not as their longest
+  could; when it runs out the service preempts the sequences admitted last and re-prefills them
+  later (``sampler.paging``). Only when not even that pool fits do slots go, where the pool
+  follows them (a configured pool: the run stops, naming ``rollout.kv_pages``)."""
   auto = budget.get("weight_swap") == "auto"
   holder = make(num_slots)
   first = p = plan(holder.engine, **budget)
@@ -262,10 +262,10 @@ def fit(make, num_slots: int, min_slots: int = 1, **budget):
         asked = (f"rollout.num_slots={num_slots} with a page for every position they could hold"
                  if p.pool_follows_slots else f"rollout.kv_pages={p.kv_pages}")
         print(f"sampler memory plan: {asked} does not fit ({first.summary()}); the "
-              f"{num_slots} slots are kept over a pool of {pages} pages ({pages * page_size} positions, "
-              f"{pages * page_size / max_len:.1f} sequences of {max_len}): sequences take pages as "
-              "they grow, and when the pool runs out the last admitted wait (preempted, then "
-              "re-prefilled)", flush=True)
+              f"{num_slots} slots are kept over a pool of {pages} pages ("
+              f"{pages * page_size} positions, {pages * page_size / max_len:.1f} sequences of "
+              f"{max_len}): sequences take pages as they grow, and when the pool runs out the "
+              "last admitted wait (preempted, then re-prefilled)", flush=True)
         return holder, pooled
     if not p.pool_follows_slots:  # the pool is the user's to lower: fewer slots keep it as large
       raise _too_big(first, max_len, mesh, min_slots)
