@@ -101,13 +101,30 @@ def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> Rollo
   return engine
 
 
+def offered_bytes(config, learner) -> int:
+  """Bytes of the newest version that ``jax_transfer``'s publisher keeps on the learner's first
+  device for the rollout workers to pull (``runtime.mode="ray"``, ``weights.transfer=
+  "jax_transfer"``): the trained parameters whole (with LoRA the adapters), in
+  ``weight_transfer.version_dtype``; 0 for any other transfer."""
+  if config.runtime.mode != "ray" or config.weights.transfer != "jax_transfer":
+    return 0
+  return weight_transfer.version_bytes(learner.abstract_state()["params"],
+                                      weight_transfer.version_dtype(config))
+
+
 def plan_learner(config, learner, sampler=None):
-  """``learner.memory.fit`` (beside ``sampler``: a colocated sampler's ``SamplerPlan``), printed."""
+  """``learner.memory.fit`` (beside ``sampler``: a colocated sampler's ``SamplerPlan``, and a
+  version ``jax_transfer`` offers from the first device, ``offered_bytes``: the plan is per device,
+  its fullest), printed."""
   beside = "" if sampler is None else (
       f", less {sampler.resident_bytes / learner_memory.GIB:.2f} GiB the colocated sampler keeps: "
       f"weights and KV cache of rollout.num_slots={sampler.num_slots}")
-  plan = learner_memory.fit(learner, config.mesh, sampler.resident_bytes if sampler else 0,
-                            beside)
+  offered = offered_bytes(config, learner)
+  if offered:
+    beside += (f", less {offered / learner_memory.GIB:.2f} GiB the version jax_transfer offers "
+               "the rollout workers from the first device")
+  plan = learner_memory.fit(learner, config.mesh,
+                            (sampler.resident_bytes if sampler else 0) + offered, beside)
   if plan is not None:
     print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
           f"{plan.budget_bytes / learner_memory.GIB:.2f} GiB{beside} (actor.micro_batch_tokens="

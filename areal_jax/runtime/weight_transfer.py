@@ -70,6 +70,13 @@ def caster(dtype):
   return jax.jit(functools.partial(cast_weights, dtype=jnp.dtype(dtype))) if _casts(dtype) else None
 
 
+def version_bytes(params, dtype) -> int:
+  """Bytes of ``params`` (arrays or shapes) as a version cast by ``caster(dtype)`` holds them."""
+  if _casts(dtype):
+    params = jax.eval_shape(functools.partial(cast_weights, dtype=jnp.dtype(dtype)), params)
+  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+
+
 def cast_target(target, dtype):
   """``target`` (``abstract_params``: restore targets with shardings) in the dtypes a version
   cast by ``caster(dtype)`` arrives in."""

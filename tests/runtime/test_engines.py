@@ -172,3 +172,30 @@ def test_device_memory_gib_never_exceeds_what_the_devices_report():
   m.device_memory_gib = 40.0
   assert learner_memory.device_budget(m, [gpu]) == 20 * gib  # less: as configured
   assert learner_memory.device_budget(m, jax.devices()[:1]) == 20 * gib  # CPU reports none
+
+
+def test_the_learner_plans_beside_the_version_jax_transfer_offers(capsys):
+  """In ray mode with weights.transfer="jax_transfer" the learner's first device keeps the newest
+  version, whole, for the workers to pull (in the sampler's compute dtype): the learner's plan
+  leaves it that room; with Orbax nothing stays on a device."""
+  from areal_jax.learner import memory as learner_memory
+  from areal_jax.runtime import engines, weight_transfer
+
+  c, _, _, _, learner = _colocated()
+  c.mesh.colocated, c.runtime.mode, c.model.dtype = False, "ray", "bfloat16"
+  shapes = jax.tree.leaves(learner.abstract_state()["params"])
+  params = sum(x.size for x in shapes)
+  c.weights.transfer = "orbax"
+  assert engines.offered_bytes(c, learner) == 0
+  c.weights.transfer = "jax_transfer"
+  offered = engines.offered_bytes(c, learner)
+  norms = sum(x.size for x in shapes if x.ndim == 1)
+  assert offered == 2 * params + 2 * norms  # bfloat16, the norm scales float32
+  assert weight_transfer.version_bytes(learner.abstract_state()["params"], None) == 4 * params
+  alone = learner_memory.plan(learner, None)
+  c.mesh.device_memory_gib = (alone.peak_bytes + offered // 2) / learner_memory.GIB
+  plan = engines.plan_learner(c, learner)
+  out = capsys.readouterr().out
+  assert "the version jax_transfer offers" in out and "does not fit" in out
+  assert plan.peak_bytes + offered <= alone.peak_bytes + offered // 2  # room left for it
+  assert learner.opts.micro_batch_tokens < 2048
