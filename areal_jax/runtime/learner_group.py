@@ -154,8 +154,8 @@ class LearnerGroup:
     """``dtype``: the processes' versions are cast to it (``weight_transfer.version_dtype``)."""
     path = weights.path or os.path.join(self.workdir, "weights")
     shardings = weight_transfer.target_shardings(model, sampler_mesh)
-    return GroupTransfer(self, weight_transfer.OrbaxReceiver(path, weight_transfer.cast_target(
-        weight_transfer.abstract_params(model, shardings), dtype)))
+    return GroupTransfer(self, weight_transfer.OrbaxReceiver(
+        path, weight_transfer.abstract_params(model, shardings, dtype)))
 
 
 class GroupCheckpointer:

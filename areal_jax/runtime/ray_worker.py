@@ -51,17 +51,18 @@ def cpu_seconds() -> float:
   return ru.ru_utime + ru.ru_stime
 
 
-def _weights_target(lcfg, model, mesh):
+def _weights_target(lcfg, model, mesh, dtype=None):
   """What a published version holds, as restore targets on this worker's mesh: the model's
-  parameters, or with LoRA (``lcfg``) only the adapters (replicated), which the engine merges into
-  its base."""
+  parameters (cast to ``dtype``: ``weight_transfer.version_dtype``), or with LoRA (``lcfg``) only
+  the adapters (replicated), which the engine merges into its base."""
   import jax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from areal_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
   from areal_jax.runtime import weight_transfer  # pylint: disable=import-outside-toplevel
 
   if lcfg is None:
-    return weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh))
+    return weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh),
+                                           dtype)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return lora_lib.abstract_adapters(nnx.to_pure_dict(nnx.state(model, nnx.Param)), lcfg, replicated)
 
@@ -106,8 +107,7 @@ class RolloutWorker:
     lcfg = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
     if lcfg is not None:  # the learner's base, as in local mode: model.source frozen in actor.dtype
       lora_lib.freeze_model_base(model, config.actor.dtype)
-    target = weight_transfer.cast_target(_weights_target(lcfg, model, mesh),
-                                         weight_transfer.version_dtype(config))
+    target = _weights_target(lcfg, model, mesh, weight_transfer.version_dtype(config))
     if config.weights.transfer == "jax_transfer":
       from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
       import ray  # pylint: disable=import-outside-toplevel

@@ -60,29 +60,35 @@ def version_dtype(config) -> str | None:
   return config.model.dtype if config.rollout.backend == "jax" and lora is None else None
 
 
-def _casts(dtype) -> bool:
-  return dtype is not None and jnp.dtype(dtype) != jnp.float32  # (the learner's: float32)
+def _cast_fn(dtype):
+  """``cast_weights`` to ``dtype``, or None where there is nothing to cast (None, or the learner's
+  float32)."""
+  if dtype is None or jnp.dtype(dtype) == jnp.float32:
+    return None
+  return functools.partial(cast_weights, dtype=jnp.dtype(dtype))
 
 
 def caster(dtype):
   """A jitted ``cast_weights`` to ``dtype`` (on the devices and in the shardings of its argument,
   a new array each), or None where there is nothing to cast (None, float32)."""
-  return jax.jit(functools.partial(cast_weights, dtype=jnp.dtype(dtype))) if _casts(dtype) else None
+  fn = _cast_fn(dtype)
+  return None if fn is None else jax.jit(fn)
 
 
 def version_bytes(params, dtype) -> int:
   """Bytes of ``params`` (arrays or shapes) as a version cast by ``caster(dtype)`` holds them."""
-  if _casts(dtype):
-    params = jax.eval_shape(functools.partial(cast_weights, dtype=jnp.dtype(dtype)), params)
-  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+  fn = _cast_fn(dtype)
+  shapes = params if fn is None else jax.eval_shape(fn, params)
+  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
 
 
 def cast_target(target, dtype):
   """``target`` (``abstract_params``: restore targets with shardings) in the dtypes a version
   cast by ``caster(dtype)`` arrives in."""
-  if not _casts(dtype):
+  fn = _cast_fn(dtype)
+  if fn is None:
     return target
-  cast = jax.eval_shape(functools.partial(cast_weights, dtype=jnp.dtype(dtype)), target)
+  cast = jax.eval_shape(fn, target)
   return jax.tree.map(lambda t, c: jax.ShapeDtypeStruct(t.shape, c.dtype, sharding=t.sharding),
                       target, cast)
 
@@ -99,14 +105,15 @@ def target_shardings(params, mesh, rules=None) -> dict:
   return sharding.param_shardings(params, mesh, rules)
 
 
-def abstract_params(params, shardings) -> dict:
-  """``jax.ShapeDtypeStruct`` tree with ``sharding=``: the restore target on the receiving mesh."""
+def abstract_params(params, shardings, dtype=None) -> dict:
+  """``jax.ShapeDtypeStruct`` tree with ``sharding=``: the restore target on the receiving mesh,
+  in the dtypes a version cast to ``dtype`` arrives in (``cast_target``; None: as ``params``)."""
   if isinstance(params, nnx.Module):
     params = nnx.state(params, nnx.Param)
   if isinstance(params, nnx.State):
     params = nnx.to_pure_dict(params)
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      params, shardings)
+  return cast_target(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  params, shardings), dtype)
 
 
 def _pure(params) -> dict:
@@ -406,7 +413,7 @@ class OrbaxTransfer:
     """``target``: the learner's parameters' ``abstract_params``; ``dtype``: what a version is
     cast to before it is written (``OrbaxPublisher``), and restored as."""
     self.publisher = OrbaxPublisher(path, keep, dtype)
-    self.receiver = OrbaxReceiver(path, cast_target(target, dtype))
+    self.receiver = OrbaxReceiver(path, cast_target(target, dtype))  # (idempotent)
 
   def publish(self, params, version: int, wait: bool = True) -> float:
     return self.publisher.publish(params, version, wait)

@@ -114,7 +114,6 @@ class JaxRolloutEngine(RolloutEngine):
     # as soon as another replaces it (a version is held once per device, as the memory plan says)
     if params is not None:
       self.engine.params = self.engine.put_params(params)
-    self._params = self.engine.params
     self._version = version
     self._state = None
     self._slots: list[Seq | None] = [None] * num_slots
@@ -293,7 +292,8 @@ class JaxRolloutEngine(RolloutEngine):
         self.engine.config.steps_per_call
     kv_len = self.engine.kv_bucket(max_pos)
     pages = None if self._paging is None else self._paging.table.table  # (the engine copies it)
-    self._state, outputs = self.engine.generate(self._params, self._state, kv_len, width, pages)
+    self._state, outputs = self.engine.generate(self.engine.params, self._state, kv_len, width,
+                                                pages)
     self._inflight.append((outputs, list(self._slots), self._version))
     self.stats["calls"] += 1
     self.stats["slot_steps"] += width * self.engine.config.steps_per_call
@@ -393,8 +393,9 @@ class JaxRolloutEngine(RolloutEngine):
     if not admitted:
       return
     try:  # (prompts that continue a kept sequence extend it instead, in _start_group)
-      self._prefixes.fill(self._params, [list(g.request.prompt_tokens[:-1]) for g, _ in admitted
-                          if self._continued.match(list(g.request.prompt_tokens[:-1]))[0] is None])
+      self._prefixes.fill(self.engine.params, [
+          list(g.request.prompt_tokens[:-1]) for g, _ in admitted
+          if self._continued.match(list(g.request.prompt_tokens[:-1]))[0] is None])
     except Exception:  # let each group fail (or not) on its own below
       log.exception("batched prefill failed")
     for group, slots in admitted:
@@ -407,9 +408,10 @@ class JaxRolloutEngine(RolloutEngine):
   def _start_group(self, group: Group, slots: list[int]):
     r, p = group.request, group.request.params
     prompt = [int(t) for t in r.prompt_tokens]
-    prefix = self._continued.take(self._params, prompt[:-1]) if len(self._continued) else None
+    params = self.engine.params
+    prefix = self._continued.take(params, prompt[:-1]) if len(self._continued) else None
     if prefix is None:
-      prefix = self._prefixes.get(self._params, prompt[:-1])
+      prefix = self._prefixes.get(params, prompt[:-1])
     else:
       self.stats["continued"] += 1
     keys = np.asarray(sampling.slot_keys(p.seed, r.n))
@@ -486,7 +488,7 @@ class JaxRolloutEngine(RolloutEngine):
         return False
       pages = self._paging.table.table[[slot]]
     try:
-      prefix = self._prefixes.get(self._params, tokens[:-1])
+      prefix = self._prefixes.get(self.engine.params, tokens[:-1])
       key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
       self._state = self.engine.insert(
           self._state, prefix, [slot], token=[tokens[-1]], pos=[len(tokens) - 1],
@@ -540,18 +542,18 @@ class JaxRolloutEngine(RolloutEngine):
     self._continued.clear()
     if placed is None:  # "pause": no call reads the current version once drained; then let it go
       self._drain_inflight()
-      self._params = self.engine.params = None
+      self.engine.params = None
       placed = self.engine.put_params(given)
       del given, pending
-    self._params, self._version = placed, version
-    self.engine.params = self._params  # (the replaced version is freed once no call reads it)
+    # (the replaced version is freed once no call reads it)
+    self.engine.params, self._version = placed, version
     self.stats["swaps"] += 1
     if self.continuation != "reprefill" or self._state is None:
       return
     self._drain_inflight()
     live = [seq for seq in self._slots if seq is not None and not seq.done]
-    self._prefixes.fill(self._params, [[int(t) for t in seq.group.request.prompt_tokens] + seq.tokens[:-1]
-                        for seq in live])
+    self._prefixes.fill(self.engine.params, [
+        [int(t) for t in seq.group.request.prompt_tokens] + seq.tokens[:-1] for seq in live])
     self._release([seq.slot for seq in live])  # (a paged cache: each takes its own pages again)
     for seq in sorted(live, key=lambda s: s.admitted):
       if self._reinsert(seq, seq.slot):

@@ -68,8 +68,8 @@ class ServeRuntime:
     if s.train and s.trainer_process:  # the trainer in its own process, versions through Orbax
       self.trainer = trainer_supervisor.TrainerProcess(
           config, self.workdir, cores[1] if cores else None, trainer_args)
-      target = weight_transfer.cast_target(weight_transfer.abstract_params(
-          model, weight_transfer.target_shardings(model, sampler_mesh)),
+      target = weight_transfer.abstract_params(
+          model, weight_transfer.target_shardings(model, sampler_mesh),
           weight_transfer.version_dtype(config))
       receiver = weight_transfer.OrbaxReceiver(trainer_process.weights_path(config, self.workdir),
                                                target)

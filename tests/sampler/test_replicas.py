@@ -156,7 +156,7 @@ def test_a_weight_version_reaches_every_replica(model, other_model):
   eng = _replicated(model, data=2, slots=2)
   eng.update_params(new, 3)  # before start: in use at once
   for r in eng.replicas:  # each replica's copy on its own device
-    assert {frozenset(leaf.sharding.device_set) for leaf in jax.tree.leaves(r._params)} == {
+    assert {frozenset(leaf.sharding.device_set) for leaf in jax.tree.leaves(r.engine.params)} == {
         frozenset(r.engine.mesh.devices.flat)}
   assert eng.version == 3
   got = _run(eng, _requests(4))
