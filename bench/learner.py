@@ -266,21 +266,14 @@ def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: i
   from areal_jax.models import lora as lora_lib
   from areal_jax.runtime import engines
   from areal_jax.sampler.engine import EngineConfig
-  r = c.rollout
   model = Transformer(dataclasses.replace(cfg, dtype=c.model.dtype), nnx.Rngs(0))
   lcfg = lora_lib.LoraConfig.from_config(c.actor.get("lora"))
   swap = dict(engines.swap_plan(c, beside_learner=True),
               weight_swap=engines.weight_swap(c),
               shared_base=lcfg is not None and c.mesh.colocated and c.actor.dtype == c.model.dtype)
-  config = EngineConfig(
-      num_slots=slots, max_len=max(r.prefill_buckets) + r.max_new_tokens,
-      prefill_buckets=tuple(r.prefill_buckets), steps_per_call=r.steps_per_call,
-      decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
-      decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
-      kv_pages=r.get("kv_pages", -1), page_size=r.get("page_size", 64),
-      max_prefill_tokens=r.get("max_prefill_tokens", 0))
+  config = EngineConfig(**engines.engine_settings(c, slots))
   if fit:
-    return aot_decode.sampler_fit(device, model, config, lora=lcfg, min_slots=r.n_samples,
+    return aot_decode.sampler_fit(device, model, config, lora=lcfg, min_slots=c.rollout.n_samples,
                                   budget_bytes=budget_bytes, **swap)
   return aot_decode.sampler_plan(device, model, config, lora=lcfg, budget_bytes=budget_bytes,
                                  **swap)

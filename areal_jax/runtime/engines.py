@@ -132,6 +132,21 @@ def plan_learner(config, learner, sampler=None):
   return plan
 
 
+def engine_settings(config, num_slots: int, kv_pages: int | None = None) -> dict:
+  """The JAX sampler's ``EngineConfig`` fields the ``rollout`` section sets, for ``num_slots``
+  slots (``kv_pages``: a pool that replaces ``rollout.kv_pages``, as a memory plan sizes it).
+  One place, so the run (``build``) and the target plans (``bench/learner.py``) build one engine."""
+  r = config.rollout
+  return dict(
+      num_slots=num_slots, max_len=max(r.prefill_buckets) + r.max_new_tokens,
+      prefill_buckets=tuple(r.prefill_buckets), steps_per_call=r.steps_per_call,
+      decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
+      decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
+      kv_pages=r.get("kv_pages", -1) if kv_pages is None else kv_pages,
+      page_size=r.get("page_size", 64), max_prefill_tokens=r.get("max_prefill_tokens", 0),
+      prefill_attention=r.get("prefill_attention", "auto"))
+
+
 def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> RolloutEngine:
   """``memory_budget``: bytes per sampler device the JAX sampler may use, or a dict of
   ``sampler.memory.check``'s keyword arguments (``budget_bytes``, ``resident_budget``,
@@ -146,18 +161,10 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
     from areal_jax.sampler.service import JaxRolloutEngine
 
     def make(num_slots, mesh=sampler_mesh, output=None, kv_pages=None):  # (None: the config's)
-      return JaxRolloutEngine(
-          model, mesh=mesh, num_slots=num_slots,
-          max_len=max(r.prefill_buckets) + r.max_new_tokens,
-          prefill_buckets=tuple(r.prefill_buckets), continuation=r.continuation,
-          eos_token_ids=tuple(tokenizer.eos_token_ids), steps_per_call=r.steps_per_call,
-          decode_attention=r.decode_attention, decode_matmul=r.decode_matmul,
-          decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
-          lora=lora, kv_pages=r.get("kv_pages", -1) if kv_pages is None else kv_pages,
-          page_size=r.get("page_size", 64),
-          max_prefill_tokens=r.get("max_prefill_tokens", 0),
-          prefill_attention=r.get("prefill_attention", "auto"), output=output,
-          weight_swap=swap)
+      settings = engine_settings(config, num_slots, kv_pages)
+      return JaxRolloutEngine(model, mesh=mesh, continuation=r.continuation,
+                              eos_token_ids=tuple(tokenizer.eos_token_ids), lora=lora,
+                              output=output, weight_swap=swap, **settings)
 
     budget = memory_budget if isinstance(memory_budget, dict) or memory_budget is None \
         else {"budget_bytes": memory_budget}
