@@ -30,14 +30,13 @@ class _Worker:
 
   def __init__(self, config, workdir: str):
     from areal_jax import learner as learner_lib  # noqa: PLC0415 (after jax.distributed)
-    from areal_jax import models
     from areal_jax.learner import memory
-    from areal_jax.runtime import checkpoint, distributed, weight_transfer
+    from areal_jax.runtime import checkpoint, distributed, model_source, weight_transfer
     from jax.experimental import multihost_utils
 
     c_roll, c_act = config.rollout, config.actor
     mesh = distributed.learner_mesh(config.mesh)
-    model, _ = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+    model, _ = model_source.load(config)
     self.learner = learner_lib.Learner(
         model, c_act, mesh, temperature=c_roll.temperature, total_steps=config.train.total_steps,
         max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)

@@ -92,9 +92,10 @@ class RolloutWorker:
       os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax  # pylint: disable=import-outside-toplevel
-    from areal_jax import config as config_lib, models, sharding  # pylint: disable=import-outside-toplevel
+    from areal_jax import config as config_lib, sharding  # pylint: disable=import-outside-toplevel
     from areal_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
-    from areal_jax.runtime import engines, weight_transfer  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from areal_jax.runtime import engines, model_source, weight_transfer
 
     self.jax = jax
     devs = jax.devices()[:config.mesh.sampler_devices]
@@ -103,10 +104,8 @@ class RolloutWorker:
                          f"this process sees {len(jax.devices())} {jax.default_backend()} devices")
     mesh = sharding.make_mesh(config_lib.mesh_sizes(config.mesh.sampler, len(devs), "mesh.sampler"),
                               devs)
-    model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+    model, tokenizer = model_source.load(config)  # (LoRA: the learner's frozen base, as locally)
     lcfg = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
-    if lcfg is not None:  # the learner's base, as in local mode: model.source frozen in actor.dtype
-      lora_lib.freeze_model_base(model, config.actor.dtype)
     target = _weights_target(lcfg, model, mesh, weight_transfer.version_dtype(config))
     if config.weights.transfer == "jax_transfer":
       from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel

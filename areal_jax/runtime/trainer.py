@@ -25,12 +25,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
-from areal_jax import models, tasks, workflows
+from areal_jax import tasks, workflows
 from areal_jax import learner as learner_lib
-from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import (checkpoint, engines, learner_group, meshes, plots, ray_cluster,
-                               ray_rollout, weight_transfer)
+from areal_jax.runtime import (checkpoint, engines, learner_group, meshes, model_source, plots,
+                               ray_cluster, ray_rollout, weight_transfer)
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -58,7 +57,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
   c_roll, c_act, c_train = config.rollout, config.actor, config.train
   learner_mesh, sampler_mesh = meshes.build(config.mesh, remote_sampler=config.runtime.mode == "ray")
 
-  model, tokenizer = _load_model(config)
+  model, tokenizer = model_source.load(config)
   task = tasks.get_task(config.task)
   learner, group = _build_learner(config, workdir, model, learner_mesh)
   if config.runtime.mode == "local":  # (in ray mode the workers hold the engines, built above)
@@ -232,20 +231,6 @@ def evaluate_groups(controller: RolloutController, task, c_train, progress=None)
 def _phase(progress, phase: str):
   """``progress(done, total)`` for one evaluation phase of ``progress(phase, done, total)``."""
   return None if progress is None else functools.partial(progress, phase)
-
-
-def _load_model(config):
-  """``(model, tokenizer)`` of ``model.source``, its weights where the run needs them: with LoRA
-  the frozen base once in the compute dtype (the learner and, colocated in the same dtype, the
-  sampler use these very arrays instead of copies); else in host memory, as the learner and the
-  sampler place copies of their own (``models.load`` leaves a float32 copy on the first device,
-  which the run would keep to its end beside the learner's or the sampler's planned memory)."""
-  model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
-  if lora_lib.LoraConfig.from_config(config.actor.lora) is not None:
-    lora_lib.freeze_model_base(model, config.actor.dtype)
-  else:
-    models.weights_to_host(model)
-  return model, tokenizer
 
 
 def _build_learner(config, workdir: str, model, learner_mesh):

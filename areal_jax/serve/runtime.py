@@ -24,9 +24,8 @@ import uvicorn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
-from areal_jax import models
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import engines, meshes, weight_transfer
+from areal_jax.runtime import engines, meshes, model_source, weight_transfer
 from areal_jax.runtime.ray_worker import pin_process
 from areal_jax.serve import judge as judge_lib
 from areal_jax.serve.app import ServeContext, build_app
@@ -55,9 +54,7 @@ class ServeRuntime:
     os.makedirs(self.workdir, exist_ok=True)
     self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
-    model, self.tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
-    if not config.actor.lora.rank:  # placed where they run: none kept on the first device
-      models.weights_to_host(model)
+    model, self.tokenizer = model_source.load(config)
     # the sampler's memory plan against its devices (fewer slots when they do not fit; a
     # MemoryError naming the keys when not even a group's do), before anything is opened
     self.engine = engines.build(config, model, self.tokenizer, sampler_mesh,

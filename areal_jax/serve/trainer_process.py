@@ -121,17 +121,15 @@ def main(argv) -> None:
 
   from absl import logging  # pylint: disable=import-outside-toplevel
 
-  from areal_jax import models  # pylint: disable=import-outside-toplevel  (imports JAX)
-  from areal_jax.runtime import meshes, weight_transfer  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel  (imports JAX)
+  from areal_jax.runtime import meshes, model_source, weight_transfer
   from areal_jax.serve.store import TurnStore  # pylint: disable=import-outside-toplevel
 
   logging.set_verbosity(logging.INFO)
   stop = threading.Event()
   store = TurnStore(config.serve.db_path or os.path.join(workdir, "turns.sqlite"))
   learner_mesh, _ = meshes.build(config.mesh)
-  model, _ = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
-  if not config.actor.lora.rank:  # placed where they run: none kept on the first device
-    models.weights_to_host(model)
+  model, _ = model_source.load(config)
   publisher = lambda _: weight_transfer.OrbaxPublisher(weights_path(config, workdir), config.weights.keep,
                                                        weight_transfer.version_dtype(config))
   loop = build_trainer(config, workdir, store, model, learner_mesh, publisher)

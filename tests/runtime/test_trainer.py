@@ -241,13 +241,13 @@ def test_weight_versions_leave_one_copy_per_device(data_parallel):
 
   import jax
   from areal_jax import sharding
-  from areal_jax.runtime import engines, meshes, trainer
+  from areal_jax.runtime import engines, meshes, model_source, trainer
 
   c = tiny_config(**{"mesh.learner_devices": 2, "mesh.sampler_devices": 2,
                      "model.dtype": "bfloat16", "rollout.data_parallel": data_parallel})
   gc.collect()
   before = _device_bytes()
-  model, tokenizer = trainer._load_model(c)
+  model, tokenizer = model_source.load(c)
   learner_mesh, sampler_mesh = meshes.build(c.mesh)
   learner, _ = trainer._build_learner(c, "/unused", model, learner_mesh)
   engine = engines.build_planned(c, model, tokenizer, sampler_mesh, learner)
