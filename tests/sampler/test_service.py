@@ -145,26 +145,31 @@ def _swap_run(model, new_model, continuation, steps_per_call, prompt=(3, 1, 4, 1
   return samples, eng
 
 
-@pytest.mark.parametrize("continuation,steps_per_call,layers",
+_SCAN = {"decode_layers": "scan", "decode_attention": "dense", "decode_matmul": "xla",
+         "decode_projections": "fused"}
+_SWAP_VARIANTS = {  # engine settings of the exact-continuation test below
+    "unrolled": {},  # the platform's choices (on CPU: layers unrolled)
+    "scan": _SCAN,  # the accelerator path: layers in a scan
+    "paged": {**_SCAN, "kv_pages": 24, "page_size": 8},  # the swap lands while slots hold pages
+    "pause": {"weight_swap": "pause"},  # the loop pauses to convert the new version
+}
+
+
+@pytest.mark.parametrize("continuation,steps_per_call,variant",
                          [("reprefill", 1, "unrolled"), ("keep_cache", 1, "unrolled"),
                           ("reprefill", 4, "unrolled"), ("keep_cache", 4, "unrolled"),
                           ("reprefill", 4, "scan"), ("keep_cache", 3, "scan"),
                           ("reprefill", 4, "paged"), ("keep_cache", 3, "paged"),
                           ("reprefill", 4, "pause"), ("keep_cache", 3, "pause")])
-def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call, layers):
+def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call, variant):
   """Exact continuation across a swap, also with several decode steps per call (the swap lands
   between two calls: every token of a call comes from one version), with the layers in a scan
   (the new version's weights fused and stacked in put_params, the stacked cache kept or
-  re-prefilled), and with a swap that pauses the loop to convert the new version (the same
-  tokens and logprobs: only when the conversion runs changes)."""
+  re-prefilled), over a paged cache, and with a swap that pauses the loop to convert the new
+  version (the same tokens and logprobs: only when the conversion runs changes)."""
   new_model = other_model
   prompt, temperature = [3, 1, 4, 1, 5], 0.8
-  kw = {"decode_layers": "scan", "decode_attention": "dense", "decode_matmul": "xla",
-        "decode_projections": "fused"} if layers not in ("unrolled", "pause") else {}
-  if layers == "pause":
-    kw["weight_swap"] = "pause"
-  if layers == "paged":  # pages of 8: the swap lands while the slots hold several
-    kw.update(kv_pages=24, page_size=8)
+  kw = _SWAP_VARIANTS[variant]
   for s in _swap_run(model, new_model, continuation, steps_per_call, **kw)[0]:
     assert len(s.tokens) == 40
     j = s.versions.index(1)  # first token drawn by the new weights
