@@ -1,30 +1,24 @@
 """``runtime.model_source.load``: the run's model, its weights where every process wants them."""
 
 import pathlib
+import sys
 
 import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax import config as config_lib
 from areal_jax.runtime import model_source
 
-TINY = f"{pathlib.Path(__file__).resolve().parents[2]}/configs/gsm8k.py:tiny"
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_trainer import tiny_config  # noqa: E402
 
 
 def _params(model):
   return jax.tree.leaves(nnx.state(model, nnx.Param))
 
 
-def _config(**overrides):
-  c = config_lib.load(TINY)
-  for key, value in overrides.items():
-    config_lib.override(c, key, value)
-  return c
-
-
 def test_without_lora_the_weights_wait_in_host_memory_and_still_compute():
-  c = _config(**{"model.dtype": "bfloat16"})
+  c = tiny_config(**{"model.dtype": "bfloat16"})
   model, tokenizer = model_source.load(c)
   leaves = _params(model)
   # nothing left on a device: the learner and the sampler place copies of their own
@@ -34,7 +28,7 @@ def test_without_lora_the_weights_wait_in_host_memory_and_still_compute():
 
 
 def test_with_lora_the_base_is_frozen_once_in_the_actor_dtype():
-  c = _config(**{"actor.lora.rank": 4, "actor.lora.alpha": 8.0, "actor.dtype": "bfloat16"})
+  c = tiny_config(**{"actor.lora.rank": 4, "actor.lora.alpha": 8.0, "actor.dtype": "bfloat16"})
   model, _ = model_source.load(c)
   leaves = _params(model)
   assert leaves and all(isinstance(x, jax.Array) for x in leaves)  # shared, on the device

@@ -2,38 +2,24 @@
 devices hold nothing but what its sampler's memory plan counts."""
 
 import pathlib
+import sys
 
-import jax
-
-from areal_jax import config as config_lib
 from areal_jax.runtime import engines, ray_worker
 
-TINY = f"{pathlib.Path(__file__).resolve().parents[2]}/configs/gsm8k.py:tiny"
-
-
-def _device_bytes() -> dict[int, int]:
-  seen, out = set(), {}
-  for a in jax.live_arrays():
-    for s in a.addressable_shards:
-      key = (s.device.id, s.data.unsafe_buffer_pointer())
-      if key not in seen:
-        seen.add(key)
-        out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
-  return out
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_trainer import device_bytes, tiny_config  # noqa: E402
 
 
 def test_a_worker_plans_its_sampler_on_empty_devices_and_keeps_what_it_planned(tmp_path,
                                                                                monkeypatch):
-  c = config_lib.load(TINY)
-  for key, value in {"runtime.mode": "ray", "runtime.worker_devices": "gpu",  # (this process's)
+  c = tiny_config(**{"runtime.mode": "ray", "runtime.worker_devices": "gpu",  # (this process's)
                      "mesh.sampler_devices": 2, "model.dtype": "bfloat16",
-                     "mesh.device_memory_gib": 16.0}.items():  # (a budget: the plan is made)
-    config_lib.override(c, key, value)
-  before, at_plan = _device_bytes(), {}
+                     "mesh.device_memory_gib": 16.0})  # (a budget: the plan is made)
+  before, at_plan = device_bytes(), {}
   build = engines.build
 
   def recording_build(*args, **kwargs):
-    at_plan.update(_device_bytes())
+    at_plan.update(device_bytes())
     return build(*args, **kwargs)
 
   monkeypatch.setattr(engines, "build", recording_build)
@@ -44,7 +30,7 @@ def test_a_worker_plans_its_sampler_on_empty_devices_and_keeps_what_it_planned(t
     # was planned and built: 4 bytes a parameter, 5.8 GiB at 1.5B, that no plan counted).
     assert {d: n - before.get(d, 0) for d, n in at_plan.items() if n > before.get(d, 0)} == {}
     plan = worker.engine.memory_plan
-    now = _device_bytes()
+    now = device_bytes()
     grown = [n - before.get(d, 0) for d, n in now.items() if n > before.get(d, 0)]
     assert plan is not None and grown == [plan.resident_bytes] * 2  # (its two sampler devices)
   finally:

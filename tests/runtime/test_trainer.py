@@ -216,7 +216,7 @@ def test_lora_run_publishes_and_checkpoints_adapters_then_exports(tmp_path):
   np.testing.assert_array_equal(merged.layers[1].attn.q[...], expected.layers[1].attn.q[...])
 
 
-def _device_bytes() -> dict[int, int]:
+def device_bytes() -> dict[int, int]:
   """Bytes of the distinct device buffers alive, per device id (an array viewing another's
   buffer, as a replica's view of a replicated shard, counted once)."""
   import jax
@@ -246,7 +246,7 @@ def test_weight_versions_leave_one_copy_per_device(data_parallel):
   c = tiny_config(**{"mesh.learner_devices": 2, "mesh.sampler_devices": 2,
                      "model.dtype": "bfloat16", "rollout.data_parallel": data_parallel})
   gc.collect()
-  before = _device_bytes()
+  before = device_bytes()
   model, tokenizer = model_source.load(c)
   learner_mesh, sampler_mesh = meshes.build(c.mesh)
   learner, _ = trainer._build_learner(c, "/unused", model, learner_mesh)
@@ -257,7 +257,7 @@ def test_weight_versions_leave_one_copy_per_device(data_parallel):
   for version in range(3):  # (no rollout loop running: each version lands at once)
     engine.update_params(transfer.send(learner.params(), version), version)
   gc.collect()
-  now = _device_bytes()
+  now = device_bytes()
   grown = {d: now.get(d, 0) - before.get(d, 0) for d in set(now) | set(before)}
   learner_ids = [d.id for d in learner_mesh.devices.flat]
   sampler_ids = [d.id for d in sampler_mesh.devices.flat]
