@@ -84,8 +84,7 @@ def worker(model: str, mode: str, path: str, dtype: str) -> None:
 def run(model: str, mode: str, versions: int, dtype: str = "float32") -> dict:
   cfg = MODELS[model]
   params = nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(0)), nnx.Param))
-  cast = weight_transfer.caster(dtype)
-  mib = sum(x.nbytes for x in jax.tree.leaves(cast(params) if cast else params)) / 2**20
+  mib = weight_transfer.version_bytes(params, dtype) / 2**20
   bump = jax.jit(lambda t, v: jax.tree.map(lambda x: x + v, t))
   tmp = tempfile.mkdtemp(prefix="bench_weights_")
   proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", model, mode, tmp,

@@ -14,7 +14,8 @@ def load(config):
   frozen base is stored once in ``actor.dtype`` (the learner and, colocated in the same dtype, the
   sampler use these very arrays instead of copies); else the weights are moved to host memory, as
   the learner and the sampler place copies of their own (``models.load`` leaves a float32 copy on
-  the first device, which would stay to the run's end beside the planned memory)."""
+  the first device, beside the planned memory for as long as the model lives: in the trainer the
+  whole run, in a rollout worker while it plans and builds its engine)."""
   model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
   if lora_lib.LoraConfig.from_config(config.actor.get("lora")) is not None:
     lora_lib.freeze_model_base(model, config.actor.dtype)
