@@ -2,7 +2,9 @@
 
 The engine starts ``python -m vllm.entrypoints.openai.api_server`` (same interpreter, with the CPU
 settings of ``env.py``, ``VLLM_SERVER_DEV_MODE=1`` for the weight endpoints and this package's
-worker extension) or attaches to a running one (``server_url``). Up to ``num_slots`` sequences are
+worker extension) or attaches to a running one (``server_url``). A server it starts runs under a
+lifeline (``lifeline.py``): it stops, with every process it started, when this process ends, even
+by a signal that runs no exit handler; ``close`` returns once they are gone. Up to ``num_slots`` sequences are
 in flight at once, each a streaming ``/v1/completions`` request on token ids (``prompt`` is a list of
 ids, ``return_token_ids`` gives the generated ids, ``logprobs=0`` the sampled token's logprob), read
 by one worker thread per slot.
@@ -26,6 +28,7 @@ import http.client
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +40,7 @@ from typing import Any
 
 from areal_jax.rollout_api import GroupRequest
 from areal_jax.vllm_rollout import env as env_lib
+from areal_jax.vllm_rollout import lifeline
 from areal_jax.vllm_rollout.base import Seq, VllmEngineBase
 from areal_jax.vllm_rollout.weights import WeightDirs
 
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "areal_jax.vllm_rollout.worker_ext.PolicyWeightSync"
 SERVED_NAME = "policy"
+STOP_GRACE_S = 30.0  # from SIGTERM to SIGKILL when the server (and what it started) is stopped
 
 
 class ServerError(RuntimeError):
@@ -129,8 +134,14 @@ class VllmServerEngine(VllmEngineBase):
                                               num_threads))
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.pop("JAX_PLATFORMS", None)
-    cmd = server_command(self._loaded, port, num_slots=num_slots, max_model_len=max_model_len,
-                         seed=seed)
+    self.pid_file = os.path.join(self.workdir, "server.pid")
+    if os.path.exists(self.pid_file):
+      os.remove(self.pid_file)
+    # the server runs under a lifeline: it is stopped (with the engine core it starts) when this
+    # process ends, even by a signal that runs no exit handler
+    cmd = lifeline.command(server_command(self._loaded, port, num_slots=num_slots,
+                                          max_model_len=max_model_len, seed=seed),
+                           owner=os.getpid(), grace_s=STOP_GRACE_S, pid_file=self.pid_file)
     self.log_path = os.path.join(self.workdir, "server.log")
     t0 = time.time()
     with open(self.log_path, "ab") as logf:
@@ -165,17 +176,34 @@ class VllmServerEngine(VllmEngineBase):
     raise ServerError(f"the vLLM server at {self.server_url} was not healthy after {timeout:.0f} s"
                       + (f"; end of {self.log_path}:\n{self._log_tail()}" if self._proc else ""))
 
+  @property
+  def server_pid(self) -> int | None:
+    """The pid of the server this engine started (it leads its own process group), or None."""
+    try:
+      with open(self.pid_file, encoding="utf-8") as f:
+        pid = int(f.read())
+    except (AttributeError, OSError, ValueError):
+      return None
+    return pid if pid > 1 else None  # never 0: os.killpg(0, ...) would signal our own group
+
   def close(self) -> None:
-    """Stops the engine and the server this engine started."""
+    """Stops the engine and the server this engine started, with every process the server started;
+    returns when they are gone."""
     self.stop()
     proc, self._proc = self._proc, None
     if proc is not None and proc.poll() is None:
-      proc.terminate()
+      proc.terminate()  # the lifeline stops the server's group (SIGKILL after STOP_GRACE_S)
       try:
-        proc.wait(30)
+        proc.wait(STOP_GRACE_S + 15)
       except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+        pid = self.server_pid
+        if pid is not None:
+          try:
+            os.killpg(pid, signal.SIGKILL)
+          except OSError:
+            pass
 
   # ---- HTTP ----------------------------------------------------------------------------------------
 

@@ -1,0 +1,137 @@
+"""A command that must not outlive the process that started it (its owner).
+
+``python -m areal_jax.vllm_rollout.lifeline --owner PID [--grace S] [--pid-file F] -- CMD ...``
+starts CMD in a process group of its own, writes CMD's pid to F, and watches. It stops the whole
+group (SIGTERM; SIGKILL to what is left after ``grace`` seconds) when
+
+* the owner is gone: this process is then adopted, so its parent is no longer PID. That covers an
+  owner killed by a signal (SIGKILL, or SIGTERM from a scheduler), which runs no exit handler;
+* this process gets SIGTERM, SIGINT or SIGHUP: the owner's ``close``.
+
+It exits with CMD's status when CMD ends on its own (128 + n when a signal n ended it), after CMD's
+group is gone. Stopping the group, not only CMD, also stops the processes CMD started (vLLM's engine
+core). It imports nothing but the standard library, so it costs a few MiB and starts at once.
+
+Why not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the child ends, and engines
+are built on worker threads; it is also Linux-only. Polling the parent works everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+POLL_S = 0.2
+
+
+def command(cmd: list[str], *, owner: int, grace_s: float, pid_file: str,
+            python: str = sys.executable) -> list[str]:
+  """``cmd`` wrapped in a lifeline owned by process ``owner``."""
+  return [python, "-m", __name__, "--owner", str(owner), "--grace", str(grace_s),
+          "--pid-file", pid_file, "--", *cmd]
+
+
+def _stat(pid: str) -> tuple[str, int] | None:
+  """(state, process group) of ``pid`` from /proc, or None if it is gone."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except (OSError, IndexError):
+    return None
+  return fields[0], int(fields[2])
+
+
+def group_members(pgid: int) -> list[int] | None:
+  """The running processes of group ``pgid`` (zombies left out), or None without /proc."""
+  if not os.path.exists("/proc/self/stat"):
+    return None
+  return [int(pid) for pid in os.listdir("/proc")
+          if pid.isdigit() and (stat := _stat(pid)) is not None and stat[1] == pgid
+          and stat[0] != "Z"]
+
+
+def group_alive(pgid: int) -> bool:
+  """Whether a process of group ``pgid`` still runs. Zombies do not count where /proc tells them
+  apart (Linux): an adopted one waits on a reaper that, in some containers, never comes."""
+  members = group_members(pgid)
+  if members is not None:
+    return bool(members)
+  try:
+    os.killpg(pgid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # a member exists but is not ours to signal
+    return True
+  return True
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+  """SIGTERM to ``proc``'s group (it leads one), then SIGKILL to what is left after ``grace_s``;
+  returns once the group is gone (or, with unreapable zombies left, shortly after the SIGKILL)."""
+  pgid = proc.pid
+  for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    try:
+      os.killpg(pgid, sig)
+    except ProcessLookupError:
+      pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+      proc.poll()  # reaps CMD: a zombie still counts as a member of its group
+      if not group_alive(pgid):
+        return
+      time.sleep(0.05)
+  proc.poll()
+
+
+def _write_pid(path: str, pid: int) -> None:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(f"{pid}\n")
+  os.replace(tmp, path)
+
+
+def _exit_status(returncode: int) -> int:
+  return returncode if returncode >= 0 else 128 - returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m areal_jax.vllm_rollout.lifeline",
+                                   description=__doc__.split("\n\n", maxsplit=1)[0])
+  parser.add_argument("--owner", type=int, required=True, help="pid whose end stops CMD")
+  parser.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and KILL")
+  parser.add_argument("--pid-file", default="", help="where CMD's pid is written")
+  parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
+  args = parser.parse_args(argv)
+  cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+  if not cmd:
+    parser.error("no command given after --")
+
+  asked: list[int] = []
+  for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda signum, _frame: asked.append(signum))
+  if asked or os.getppid() != args.owner:  # the owner ended or closed before CMD started
+    print(f"lifeline: owner {args.owner} is gone or asked to stop; not starting {cmd[0]}",
+          file=sys.stderr)
+    return 1
+  proc = subprocess.Popen(cmd, start_new_session=True)  # pylint: disable=consider-using-with
+  if args.pid_file:
+    _write_pid(args.pid_file, proc.pid)
+  while proc.poll() is None:
+    if asked or os.getppid() != args.owner:
+      why = f"signal {asked[0]}" if asked else f"owner {args.owner} is gone"
+      print(f"lifeline: {why}; stopping process group {proc.pid}", file=sys.stderr, flush=True)
+      stop_group(proc, args.grace)
+      break
+    time.sleep(POLL_S)
+  else:  # CMD ended on its own: what it started goes with it
+    if group_alive(proc.pid):
+      stop_group(proc, args.grace)
+  return _exit_status(proc.wait())
+
+
+if __name__ == "__main__":
+  sys.exit(main())
