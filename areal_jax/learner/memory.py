@@ -11,6 +11,11 @@ the forward, resident during the update). The planned peak is the largest of the
   accumulate = opt state + ref + args (params, gradient sums, micro-batch) + out - aliased + temp
   forward    = opt state + ref + args (params, micro-batch) + out + temp
   update     = ref + frozen base + args (training state, gradients) + out - aliased + temp
+  publish    = opt state + ref + frozen base + args (params) + out + temp   (when given)
+
+``publish`` is the program a run applies to the parameters between steps to publish a version (the
+cast to the sampler's compute dtype: ``runtime.weight_transfer.caster``): the gradients are gone
+by then, and its copy lives until the version has left the devices.
 
 The budget is ``mesh.memory_fraction`` x ``mesh.device_memory_gib`` (default: the memory the
 device reports, and never more than it reports; none on CPU, where nothing is checked unless
@@ -133,6 +138,15 @@ def step_peak(learner, row_len: int, micro_rows: int, update_cost: dict | None =
   return parts
 
 
+def publish_peak(learner, publish) -> int:
+  """Per-device bytes while ``publish`` (a jitted function of the parameters) runs between steps:
+  what the learner keeps, and the program's own arguments, outputs and temporaries."""
+  kept = kept_bytes(learner)
+  params = learner.abstract_state()["params"]
+  c = program_memory.cost(publish.lower(params), (params,))
+  return kept["opt"] + kept["ref"] + kept["frozen"] + c["args"] + c["out"] - c["alias"] + c["temp"]
+
+
 def device_budget(mesh_config, devices) -> int | None:
   """Bytes per device a process may use: ``memory_fraction`` of ``device_memory_gib``, or of the
   smallest memory the devices report when that is less or ``device_memory_gib`` is 0 (a GPU
@@ -147,16 +161,19 @@ def device_budget(mesh_config, devices) -> int | None:
   return int(mesh_config.memory_fraction * gib * GIB)
 
 
-def plan(learner, budget_bytes: int | None, beside: str = "") -> Plan:
+def plan(learner, budget_bytes: int | None, beside: str = "", publish=None) -> Plan:
   """The configured micro-batch if it fits ``budget_bytes`` (or there is no budget), else the
   largest halving of ``actor.micro_batch_tokens`` that fits; raises ``DoesNotFit`` naming the keys
   to change when even the smallest micro-batch (one row of the longest sequence per data-parallel
-  device) does not (``beside``: what else the budget leaves room for, said in the message)."""
+  device) does not (``beside``: what else the budget leaves room for, said in the message).
+  ``publish``: the jitted function a published version runs through (``publish_peak``), or None."""
   mbt = int(learner.opts.micro_batch_tokens)
   tried, update_cost = [], None
+  published = {} if publish is None else {"publish": publish_peak(learner, publish)}
   while True:
     row_len, rows = shape(learner, mbt)
-    parts = step_peak(learner, row_len, rows, update_cost)
+    parts = dict(step_peak(learner, row_len, rows, update_cost), **published)
+    parts["peak"] = max(parts["peak"], parts.get("publish", 0))
     update_cost = parts.pop("update_cost")
     p = Plan(mbt, row_len, rows, parts["peak"], budget_bytes, parts, update_cost)
     if p.fits:
@@ -176,7 +193,10 @@ def plan(learner, budget_bytes: int | None, beside: str = "") -> Plan:
       f"{budget_bytes / GIB:.2f} GiB (mesh.memory_fraction x mesh.device_memory_gib{beside}); "
       f"of which "
       f"parameters {p.parts['params'] / GIB:.2f}, optimizer state {p.parts['opt'] / GIB:.2f}, "
-      f"gradients {p.parts['grads'] / GIB:.2f} GiB. Lower actor.micro_batch_tokens, set "
+      f"gradients {p.parts['grads'] / GIB:.2f} GiB"
+      + (f"; a published version's cast peaks at {p.parts['publish'] / GIB:.2f} GiB (the "
+         f"sampler's compute dtype, model.dtype)" if "publish" in p.parts else "")
+      + ". Lower actor.micro_batch_tokens, set "
       f"actor.remat (now {opts.remat!r}; 'full' keeps least) with {_layers_advice(mesh)} and "
       f"actor.logits_chunk, split long rows' heads and MLP over mesh.learner.tensor, or shard "
       f"over more devices (mesh.learner.* = {dict(mesh.shape)}, mesh.learner_devices)", p)
@@ -192,17 +212,17 @@ def _layers_advice(mesh) -> str:
   return "actor.scan_layers=False (the scan keeps more: a stacked copy of the weights)"
 
 
-def fit(learner, mesh_config, reserved: int = 0, beside: str = "") -> Plan | None:
+def fit(learner, mesh_config, reserved: int = 0, beside: str = "", publish=None) -> Plan | None:
   """Plans the learner against the budget of ``mesh_config`` (``device_budget``) less
   ``reserved`` bytes per device (what ``beside`` names, e.g. a colocated sampler's resident part);
   lowers ``learner.opts.micro_batch_tokens`` to the plan's when it had to. None when there is no
-  budget."""
+  budget. ``publish``: as ``plan``'s."""
   # this process's devices (with jax.distributed only those report their memory)
   budget = device_budget(mesh_config, [d for d in learner.mesh.devices.flat
                                        if d.process_index == jax.process_index()])
   if budget is None:
     return None
-  p = plan(learner, budget - reserved, beside)
+  p = plan(learner, budget - reserved, beside, publish)
   if p.micro_batch_tokens != learner.opts.micro_batch_tokens:
     print(f"learner memory plan: actor.micro_batch_tokens={learner.opts.micro_batch_tokens} does "
           f"not fit {(budget - reserved) / GIB:.2f} GiB per device{beside}; using "

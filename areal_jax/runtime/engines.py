@@ -115,7 +115,8 @@ def offered_bytes(config, learner) -> int:
 def plan_learner(config, learner, sampler=None):
   """``learner.memory.fit`` (beside ``sampler``: a colocated sampler's ``SamplerPlan``, and a
   version ``jax_transfer`` offers from the first device, ``offered_bytes``: the plan is per device,
-  its fullest), printed."""
+  its fullest; with the cast each published version makes, ``weight_transfer.version_caster``),
+  printed."""
   beside = "" if sampler is None else (
       f", less {sampler.resident_bytes / learner_memory.GIB:.2f} GiB the colocated sampler keeps: "
       f"weights and KV cache of rollout.num_slots={sampler.num_slots}")
@@ -124,7 +125,8 @@ def plan_learner(config, learner, sampler=None):
     beside += (f", less {offered / learner_memory.GIB:.2f} GiB the version jax_transfer offers "
                "the rollout workers from the first device")
   plan = learner_memory.fit(learner, config.mesh,
-                            (sampler.resident_bytes if sampler else 0) + offered, beside)
+                            (sampler.resident_bytes if sampler else 0) + offered, beside,
+                            weight_transfer.version_caster(config))
   if plan is not None:
     print(f"learner memory plan: {plan.peak_gib:.2f} GiB per device of "
           f"{plan.budget_bytes / learner_memory.GIB:.2f} GiB{beside} (actor.micro_batch_tokens="

@@ -40,7 +40,7 @@ class _Worker:
     self.learner = learner_lib.Learner(
         model, c_act, mesh, temperature=c_roll.temperature, total_steps=config.train.total_steps,
         max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
-    memory.fit(self.learner, config.mesh)
+    memory.fit(self.learner, config.mesh, publish=weight_transfer.version_caster(config))
     # every process must run the same program: a host with less memory must not plan alone
     multihost_utils.assert_equal(c_act.micro_batch_tokens, "actor.micro_batch_tokens differs between "
                                  "learner processes (their devices report different memory)")

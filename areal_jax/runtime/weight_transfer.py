@@ -75,6 +75,12 @@ def caster(dtype):
   return None if fn is None else jax.jit(fn)
 
 
+def version_caster(config):
+  """``caster(version_dtype(config))``: the program every published version runs through on the
+  learner's devices (the learner's memory plan counts its copy); None where nothing is cast."""
+  return caster(version_dtype(config))
+
+
 def version_bytes(params, dtype) -> int:
   """Bytes of ``params`` (arrays or shapes) as a version cast by ``caster(dtype)`` holds them."""
   fn = _cast_fn(dtype)

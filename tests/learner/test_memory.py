@@ -3,6 +3,7 @@ the shipped Qwen2.5-1.5B recipe's planned peak on 4 FSDP devices (abstract shape
 
 import copy
 import dataclasses
+import functools
 import pathlib
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 from areal_jax import config as config_lib
 from areal_jax import sharding
 from areal_jax.learner import Learner, memory
+from areal_jax.models.transformer import cast_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -117,6 +119,33 @@ def test_lora_plan_counts_the_frozen_base_and_adapter_state_only():
   assert lora["params"] < full["params"] / 3  # the adapters (replicated) are what trains
   assert 0 <= lora["opt"] - 2 * lora["params"] < 64 and 0 <= lora["grads"] - lora["params"] < 64
   assert lora["peak"] >= lora["frozen"] + lora["params"] + lora["opt"] + lora["grads"]
+
+
+def test_a_published_versions_cast_is_planned_beside_what_the_learner_keeps():
+  """A run casts each published version to the sampler's compute dtype on the learner's devices
+  (runtime.weight_transfer.version_caster) between steps: the gradients are gone then, the cast
+  copy is new. The plan counts it, and stops naming it when it is what does not fit."""
+  learner = small_learner()
+  params = learner.abstract_state()["params"]
+  cast = jax.jit(functools.partial(cast_weights, dtype=jnp.bfloat16))
+  parts = memory.plan(learner, None, publish=cast).parts
+  copy_bytes = cast.lower(params).compile().memory_analysis().output_size_in_bytes  # per device
+  assert parts["params"] / 2 <= copy_bytes < parts["params"]  # matmuls halved, norms float32
+  kept = parts["params"] + parts["opt"]
+  assert kept + copy_bytes <= parts["publish"] < kept + copy_bytes + 64 * 1024
+  # it fits in the room the step's float32 gradients leave: the step still sets the peak
+  assert parts["publish"] < parts["accumulate"] == parts["peak"]
+  assert memory.plan(learner, None).parts.keys() == parts.keys() - {"publish"}
+
+  # a program that makes n float32 copies, more than the step's peak: the step alone would fit
+  n = parts["peak"] // parts["params"] + 2
+  copies = jax.jit(lambda p: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)) + 1, p))
+  big = memory.plan(learner, None, publish=copies).parts
+  assert big["peak"] == big["publish"] >= kept + n * parts["params"] > big["accumulate"]
+  step_only = max(big["accumulate"], big["update"])
+  assert memory.plan(learner, step_only).fits
+  with pytest.raises(memory.DoesNotFit, match="a published version's cast peaks at"):
+    memory.plan(learner, step_only, publish=copies)
 
 
 def test_no_budget_no_check_on_cpu():

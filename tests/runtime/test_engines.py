@@ -105,7 +105,7 @@ def test_colocated_the_sampler_yields_slots_when_the_learner_cannot_fit_beside_i
   need = budget - sampler.resident_bytes + sampler.state // 3
   planned = []
 
-  def learner_plan(learner, budget_bytes, beside=""):
+  def learner_plan(learner, budget_bytes, beside="", publish=None):
     p = learner_memory.Plan(256, 256, 1, need, budget_bytes, {})
     planned.append(budget_bytes)
     if budget_bytes is not None and need > budget_bytes:
@@ -197,5 +197,7 @@ def test_the_learner_plans_beside_the_version_jax_transfer_offers(capsys):
   plan = engines.plan_learner(c, learner)
   out = capsys.readouterr().out
   assert "the version jax_transfer offers" in out and "does not fit" in out
+  # the run's plan also counts the cast each version makes (bfloat16, after the step)
+  assert plan.parts["publish"] >= plan.parts["params"] + plan.parts["opt"] + offered // 2
   assert plan.peak_bytes + offered <= alone.peak_bytes + offered // 2  # room left for it
   assert learner.opts.micro_batch_tokens < 2048
