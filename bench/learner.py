@@ -348,7 +348,8 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
       reserved = programs.resident_bytes
     t = time.perf_counter()
     try:
-      p, fits = memory.plan(learner, budget - reserved), True
+      p, fits = memory.plan(learner, budget - reserved,
+                            publish=weight_transfer.version_caster(c)), True
     except memory.DoesNotFit as e:  # report the smallest micro-batch's plan and that it does not fit
       print(f"{preset}: {e}")
       p, fits = e.smallest, False
@@ -389,7 +390,7 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
     row["overrides"] = list(overrides)
     rows.append(row)
   print(f"{'recipe':<30}{'model':<14}{'mesh':>24}{'tokens':>8}{'params':>8}{'opt':>7}{'grads':>7}"
-        f"{'acc':>7}{'update':>8}{'peak GiB':>10}{'sampler':>9}{'budget':>8}")
+        f"{'acc':>7}{'update':>8}{'publish':>9}{'peak GiB':>10}{'sampler':>9}{'budget':>8}")
   for r in rows:
     mesh = ",".join(f"{k}={v}" for k, v in r["devices"].items())
     sampler = (f"{r['sampler_weights_gib'] + r['sampler_cache_gib']:.2f}"
@@ -399,7 +400,9 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
         if "sampler_cache_gib" in r else "")
     print(f"{r['recipe']:<30}{r['model']:<14}{mesh:>24}{r['micro_rows'] * r['row_len']:>8}"
           f"{r['params_gib']:>8.2f}{r['opt_gib']:>7.2f}{r['grads_gib']:>7.2f}"
-          f"{r['accumulate_gib']:>7.2f}{r['update_gib']:>8.2f}{r['peak_gib']:>10.2f}{sampler:>9}"
+          f"{r['accumulate_gib']:>7.2f}{r['update_gib']:>8.2f}"
+          f"{r['publish_gib'] if 'publish_gib' in r else float('nan'):>9.2f}{r['peak_gib']:>10.2f}"
+          f"{sampler:>9}"
           f"{r['memory_fraction'] * r['device_gib']:>8.1f}{note}")
   return rows
 
