@@ -6,11 +6,18 @@ group (SIGTERM; SIGKILL to what is left after ``grace`` seconds) when
 
 * the owner is gone: this process is then adopted, so its parent is no longer PID. That covers an
   owner killed by a signal (SIGKILL, or SIGTERM from a scheduler), which runs no exit handler;
-* this process gets SIGTERM, SIGINT or SIGHUP: the owner's ``close``.
+* this process gets SIGTERM, SIGINT or SIGHUP: the owner's ``close``;
+* CMD ends on its own (or is killed, say by the OOM killer): what it started goes with it.
 
-It exits with CMD's status when CMD ends on its own (128 + n when a signal n ended it), after CMD's
-group is gone. Stopping the group, not only CMD, also stops the processes CMD started (vLLM's engine
-core). It imports nothing but the standard library, so it costs a few MiB and starts at once.
+It exits with CMD's status (128 + n when a signal n ended it), after CMD's group is gone. Stopping
+the group, not only CMD, also stops the processes CMD started (vLLM's engine core). It imports
+nothing but the standard library, so it costs a few MiB and starts at once.
+
+The lifeline itself may be killed: Ray, when a worker exits, SIGKILLs the worker's direct children
+(``RAY_kill_child_processes_on_worker_exit``), which the lifeline is and CMD is not. So CMD should
+guard itself too: ``--guard -- MODULE ARGS`` runs the Python module MODULE (as ``python -m``) in
+this process, and stops its group (SIGTERM; SIGKILL from a reaper, ``--reap``, after ``grace``
+seconds) when its parent, the lifeline, is gone. ``command(guarded(...), ...)`` builds both.
 
 Why not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the child ends, and engines
 are built on worker threads; it is also Linux-only. Polling the parent works everywhere.
@@ -20,18 +27,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 POLL_S = 0.2
+MODULE = "areal_jax.vllm_rollout.lifeline"  # not __name__: that is "__main__" when run with -m
 
 
 def command(cmd: list[str], *, owner: int, grace_s: float, pid_file: str,
             python: str = sys.executable) -> list[str]:
   """``cmd`` wrapped in a lifeline owned by process ``owner``."""
-  return [python, "-m", __name__, "--owner", str(owner), "--grace", str(grace_s),
+  return [python, "-m", MODULE, "--owner", str(owner), "--grace", str(grace_s),
           "--pid-file", pid_file, "--", *cmd]
 
 
@@ -43,6 +53,12 @@ def _stat(pid: str) -> tuple[str, int] | None:
   except (OSError, IndexError):
     return None
   return fields[0], int(fields[2])
+
+
+def guarded(module: str, args: list[str], *, grace_s: float,
+            python: str = sys.executable) -> list[str]:
+  """``python -m module args`` that stops itself when its parent (a lifeline) is gone."""
+  return [python, "-m", MODULE, "--guard", "--grace", str(grace_s), "--", module, *args]
 
 
 def group_members(pgid: int) -> list[int] | None:
@@ -98,17 +114,71 @@ def _exit_status(returncode: int) -> int:
   return returncode if returncode >= 0 else 128 - returncode
 
 
+def reap(pgid: int, grace_s: float) -> int:
+  """Waits up to ``grace_s`` for group ``pgid`` to end, then SIGKILLs what is left of it."""
+  deadline = time.monotonic() + grace_s
+  while time.monotonic() < deadline and group_alive(pgid):
+    time.sleep(0.05)
+  if group_alive(pgid):
+    try:
+      os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+  return 0
+
+
+def _stop_self(grace_s: float) -> None:
+  """SIGTERM to this process's group if it leads one (else to itself): each process's orderly
+  shutdown. A reaper in a session of its own SIGKILLs what is left of the group after
+  ``grace_s``, this process included, since a process ended by the SIGTERM cannot."""
+  pgid = os.getpgrp()
+  if pgid != os.getpid():  # not a group of its own: only this process is ours to stop
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    os.kill(os.getpid(), signal.SIGKILL)
+  subprocess.Popen([sys.executable, "-m", MODULE, "--reap", str(pgid), "--grace", str(grace_s)],
+                   start_new_session=True, stdin=subprocess.DEVNULL)
+  os.killpg(pgid, signal.SIGTERM)
+
+
+def run_guarded(module: str, args: list[str], grace_s: float) -> int:
+  """Runs ``module`` as ``python -m`` would, in this process, while a thread watches the parent."""
+  parent = os.getppid()
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(POLL_S)
+    print(f"lifeline guard: parent {parent} is gone; stopping {module} (pid {os.getpid()})",
+          file=sys.stderr, flush=True)
+    _stop_self(grace_s)
+
+  threading.Thread(target=watch, name="lifeline-guard", daemon=True).start()
+  sys.argv = [module, *args]
+  runpy.run_module(module, run_name="__main__", alter_sys=True)
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m areal_jax.vllm_rollout.lifeline",
+  parser = argparse.ArgumentParser(prog=f"python -m {MODULE}",
                                    description=__doc__.split("\n\n", maxsplit=1)[0])
-  parser.add_argument("--owner", type=int, required=True, help="pid whose end stops CMD")
+  parser.add_argument("--owner", type=int, default=0, help="pid whose end stops CMD")
+  parser.add_argument("--guard", action="store_true",
+                      help="run the module CMD names here, until the parent is gone")
+  parser.add_argument("--reap", type=int, default=0, metavar="PGID",
+                      help="SIGKILL what is left of group PGID after --grace seconds")
   parser.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and KILL")
   parser.add_argument("--pid-file", default="", help="where CMD's pid is written")
   parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
   args = parser.parse_args(argv)
+  if args.reap:
+    return reap(args.reap, args.grace)
   cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
   if not cmd:
     parser.error("no command given after --")
+  if args.guard == bool(args.owner):
+    parser.error("give either --owner PID (a lifeline) or --guard (a guarded module)")
+  if args.guard:
+    return run_guarded(cmd[0], cmd[1:], args.grace)
 
   asked: list[int] = []
   for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "areal_jax.vllm_rollout.worker_ext.PolicyWeightSync"
 SERVED_NAME = "policy"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 STOP_GRACE_S = 30.0  # from SIGTERM to SIGKILL when the server (and what it started) is stopped
 
 
@@ -61,10 +62,10 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def server_command(model_dir: str, port: int, *, num_slots: int, max_model_len: int, seed: int,
-                   python: str = sys.executable) -> list[str]:
-  """The command line of a CPU vLLM server for this backend."""
-  return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+def server_args(model_dir: str, port: int, *, num_slots: int, max_model_len: int,
+                seed: int) -> list[str]:
+  """The arguments of ``python -m SERVER_MODULE``: a CPU vLLM server for this backend."""
+  return ["--model", model_dir,
           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
           "--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
@@ -137,10 +138,12 @@ class VllmServerEngine(VllmEngineBase):
     self.pid_file = os.path.join(self.workdir, "server.pid")
     if os.path.exists(self.pid_file):
       os.remove(self.pid_file)
-    # the server runs under a lifeline: it is stopped (with the engine core it starts) when this
-    # process ends, even by a signal that runs no exit handler
-    cmd = lifeline.command(server_command(self._loaded, port, num_slots=num_slots,
-                                          max_model_len=max_model_len, seed=seed),
+    # the server runs under a lifeline and guards itself: it is stopped (with the engine core it
+    # starts) when this process ends, even by a signal that runs no exit handler, or when the
+    # lifeline is killed (Ray kills a worker's direct children when it exits)
+    args = server_args(self._loaded, port, num_slots=num_slots, max_model_len=max_model_len,
+                       seed=seed)
+    cmd = lifeline.command(lifeline.guarded(SERVER_MODULE, args, grace_s=STOP_GRACE_S),
                            owner=os.getpid(), grace_s=STOP_GRACE_S, pid_file=self.pid_file)
     self.log_path = os.path.join(self.workdir, "server.log")
     t0 = time.time()

@@ -137,6 +137,27 @@ def test_nothing_starts_when_the_owner_is_already_gone(run):
   assert not os.path.exists(f"{out}.cmd") and not os.path.exists(f"{out}.pidfile")
 
 
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_a_killed_lifeline_leaves_no_orphan_behind_a_guarded_module(run, tmp_path, monkeypatch,
+                                                                     ignore_term):
+  """Ray SIGKILLs a worker's direct children when the worker exits: the lifeline, not the server.
+  The server, run as a guarded module, sees its parent gone and stops its group; a reaper
+  SIGKILLs what ignores SIGTERM."""
+  (tmp_path / "fake_server.py").write_text(_CMD)
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+  out = tmp_path / "run"
+  guarded = lifeline.guarded("fake_server", _cmd(out, ignore_term)[3:], grace_s=1.0)
+  proc, _ = run(argv=lifeline.command(guarded, owner=os.getpid(), grace_s=30.0,
+                                      pid_file=f"{out}.pidfile"))
+  server_pid, child_pid = _pids(out)
+  with open(f"{out}.pidfile", encoding="utf-8") as f:
+    assert int(f.read()) == server_pid  # the guarded module runs in the process the lifeline began
+  proc.kill()
+  proc.wait()
+  assert _gone([server_pid, child_pid], timeout=20), "the guarded module outlived its lifeline"
+
+
 def test_no_command_is_an_error():
   proc = subprocess.run(lifeline.command([], owner=os.getpid(), grace_s=1.0, pid_file=""),
                         capture_output=True, text=True, timeout=60, check=False)
