@@ -35,6 +35,7 @@ import threading
 import time
 
 POLL_S = 0.2
+PARENT_ENV = "AREAL_LIFELINE_PID"  # the lifeline's pid, for the guard of the command it starts
 MODULE = "areal_jax.vllm_rollout.lifeline"  # not __name__: that is "__main__" when run with -m
 
 
@@ -45,6 +46,12 @@ def command(cmd: list[str], *, owner: int, grace_s: float, pid_file: str,
           "--pid-file", pid_file, "--", *cmd]
 
 
+def guarded(module: str, args: list[str], *, grace_s: float,
+            python: str = sys.executable) -> list[str]:
+  """``python -m module args`` that stops itself when its parent (a lifeline) is gone."""
+  return [python, "-m", MODULE, "--guard", "--grace", str(grace_s), "--", module, *args]
+
+
 def _stat(pid: str) -> tuple[str, int] | None:
   """(state, process group) of ``pid`` from /proc, or None if it is gone."""
   try:
@@ -53,12 +60,6 @@ def _stat(pid: str) -> tuple[str, int] | None:
   except (OSError, IndexError):
     return None
   return fields[0], int(fields[2])
-
-
-def guarded(module: str, args: list[str], *, grace_s: float,
-            python: str = sys.executable) -> list[str]:
-  """``python -m module args`` that stops itself when its parent (a lifeline) is gone."""
-  return [python, "-m", MODULE, "--guard", "--grace", str(grace_s), "--", module, *args]
 
 
 def group_members(pgid: int) -> list[int] | None:
@@ -136,14 +137,17 @@ def _stop_self(grace_s: float) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     os.kill(os.getpid(), signal.SIGKILL)
+    return
   subprocess.Popen([sys.executable, "-m", MODULE, "--reap", str(pgid), "--grace", str(grace_s)],
                    start_new_session=True, stdin=subprocess.DEVNULL)
   os.killpg(pgid, signal.SIGTERM)
 
 
 def run_guarded(module: str, args: list[str], grace_s: float) -> int:
-  """Runs ``module`` as ``python -m`` would, in this process, while a thread watches the parent."""
-  parent = os.getppid()
+  """Runs ``module`` as ``python -m`` would, in this process, while a thread watches the parent
+  (the lifeline that started it, named by ``PARENT_ENV``: one killed before this line ran is seen
+  gone at once)."""
+  parent = int(os.environ.pop(PARENT_ENV, "0")) or os.getppid()
 
   def watch():
     while os.getppid() == parent:
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lifeline: owner {args.owner} is gone or asked to stop; not starting {cmd[0]}",
           file=sys.stderr)
     return 1
-  proc = subprocess.Popen(cmd, start_new_session=True)  # pylint: disable=consider-using-with
+  proc = subprocess.Popen(cmd, start_new_session=True,  # pylint: disable=consider-using-with
+                          env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
   if args.pid_file:
     _write_pid(args.pid_file, proc.pid)
   while proc.poll() is None:

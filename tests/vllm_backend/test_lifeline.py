@@ -3,6 +3,7 @@ that started it. Plain processes stand in for the server here (no vLLM needed); 
 checks the real one."""
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -156,6 +157,23 @@ def test_a_killed_lifeline_leaves_no_orphan_behind_a_guarded_module(run, tmp_pat
   proc.kill()
   proc.wait()
   assert _gone([server_pid, child_pid], timeout=20), "the guarded module outlived its lifeline"
+
+
+def test_a_guarded_module_whose_lifeline_died_before_it_started_stops_at_once(run, tmp_path,
+                                                                              monkeypatch):
+  """The lifeline names itself to the module (``PARENT_ENV``), so a guard that starts after the
+  lifeline was killed does not take its new parent for the lifeline and run on forever."""
+  (tmp_path / "fake_server.py").write_text(_CMD)
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  monkeypatch.setenv(lifeline.PARENT_ENV, str(dead.pid))
+  out = tmp_path / "run"
+  proc, _ = run(argv=lifeline.guarded("fake_server", _cmd(out)[3:], grace_s=1.0))
+  assert proc.wait(timeout=30) == -signal.SIGTERM, "the guard took its parent for the lifeline"
+  child = f"{out}.child"  # (stopped at once: it may not have started its child)
+  assert not os.path.exists(child) or _gone([int(pathlib.Path(child).read_text())], 20)
 
 
 def test_no_command_is_an_error():
