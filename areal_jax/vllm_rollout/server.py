@@ -3,11 +3,12 @@
 The engine starts ``python -m vllm.entrypoints.openai.api_server`` (same interpreter, with the CPU
 settings of ``env.py``, ``VLLM_SERVER_DEV_MODE=1`` for the weight endpoints and this package's
 worker extension) or attaches to a running one (``server_url``). A server it starts runs under a
-lifeline (``lifeline.py``): it stops, with every process it started, when this process ends, even
-by a signal that runs no exit handler; ``close`` returns once they are gone. Up to ``num_slots`` sequences are
-in flight at once, each a streaming ``/v1/completions`` request on token ids (``prompt`` is a list of
-ids, ``return_token_ids`` gives the generated ids, ``logprobs=0`` the sampled token's logprob), read
-by one worker thread per slot.
+lifeline, and guards itself (``lifeline.py``): it stops, with every process it started, when this
+process ends, even by a signal that runs no exit handler, or when the lifeline is killed (as Ray
+kills a worker's direct children); ``close`` returns once they are gone. Up to ``num_slots``
+sequences are in flight at once, each a streaming ``/v1/completions`` request on token ids
+(``prompt`` is a list of ids, ``return_token_ids`` gives the generated ids, ``logprobs=0`` the
+sampled token's logprob), read by one worker thread per slot.
 
 Weight update (``update_params``): write the safetensors directory, stop starting attempts, then
 ``POST /pause?mode=abort`` (vLLM aborts every running request), close any stream still open (a
