@@ -86,22 +86,40 @@ def group_alive(pgid: int) -> bool:
   return True
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+  try:
+    os.killpg(pgid, sig)
+  except ProcessLookupError:
+    pass
+
+
+def _await_group(pgid: int, wait_s: float, poll=None) -> bool:
+  """Whether group ``pgid`` is gone within ``wait_s`` (``poll``: reaps a child of ours in it)."""
+  deadline = time.monotonic() + wait_s
+  while True:
+    if poll is not None:
+      poll()  # a zombie child of ours still counts as a member of its group until reaped
+    if not group_alive(pgid):
+      return True
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(0.05)
+
+
+def reap(pgid: int, grace_s: float, poll=None) -> int:
+  """Waits up to ``grace_s`` for group ``pgid`` to end, then SIGKILLs what is left of it and waits
+  (a few seconds at most) for that to go too."""
+  if not _await_group(pgid, grace_s, poll):
+    _signal_group(pgid, signal.SIGKILL)
+    _await_group(pgid, 5.0, poll)
+  return 0
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-  """SIGTERM to ``proc``'s group (it leads one), then SIGKILL to what is left after ``grace_s``;
-  returns once the group is gone (or, with unreapable zombies left, shortly after the SIGKILL)."""
-  pgid = proc.pid
-  for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-    try:
-      os.killpg(pgid, sig)
-    except ProcessLookupError:
-      pass
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-      proc.poll()  # reaps CMD: a zombie still counts as a member of its group
-      if not group_alive(pgid):
-        return
-      time.sleep(0.05)
-  proc.poll()
+  """SIGTERM to ``proc``'s group (it leads one), then ``reap``: returns once the group is gone
+  (or, with unreapable zombies left, shortly after the SIGKILL)."""
+  _signal_group(proc.pid, signal.SIGTERM)
+  reap(proc.pid, grace_s, proc.poll)
 
 
 def _write_pid(path: str, pid: int) -> None:
@@ -113,19 +131,6 @@ def _write_pid(path: str, pid: int) -> None:
 
 def _exit_status(returncode: int) -> int:
   return returncode if returncode >= 0 else 128 - returncode
-
-
-def reap(pgid: int, grace_s: float) -> int:
-  """Waits up to ``grace_s`` for group ``pgid`` to end, then SIGKILLs what is left of it."""
-  deadline = time.monotonic() + grace_s
-  while time.monotonic() < deadline and group_alive(pgid):
-    time.sleep(0.05)
-  if group_alive(pgid):
-    try:
-      os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-      pass
-  return 0
 
 
 def _stop_self(grace_s: float) -> None:

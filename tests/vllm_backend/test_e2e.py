@@ -25,7 +25,7 @@ from areal_jax import config as config_lib  # noqa: E402
 from areal_jax import models  # noqa: E402
 from areal_jax.runtime import metrics as metrics_lib  # noqa: E402
 
-from vllm_helpers import tiny_hd32_config  # noqa: E402
+from vllm_helpers import group_gone, tiny_hd32_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -83,15 +83,6 @@ def _read_pid(path) -> int:
     return int(f.read())
 
 
-def _gone(pgid: int, timeout: float = 60.0) -> bool:
-  from areal_jax.vllm_rollout import lifeline
-
-  deadline = time.time() + timeout
-  while lifeline.group_members(pgid) and time.time() < deadline:
-    time.sleep(0.2)
-  return not lifeline.group_members(pgid)
-
-
 def test_vllm_server_in_a_ray_worker_that_is_sigkilled(tmp_path, monkeypatch):
   """rollout.backend="vllm" (a server) inside a Ray rollout worker. The worker is SIGKILLed after
   the first step: its server stops with it (the lifeline sees its owner gone), Ray restarts the
@@ -125,10 +116,10 @@ def test_vllm_server_in_a_ray_worker_that_is_sigkilled(tmp_path, monkeypatch):
   thread.join(timeout=5)
 
   assert killed, "step 1 was not trained within 600 s"
-  assert _gone(killed["server"]), "the killed worker's vLLM server outlived it"
+  assert group_gone(killed["server"]), "the killed worker's vLLM server outlived it"
   restarted = _read_pid(pid_file)
   assert restarted != killed["server"]  # the restarted worker started a server of its own
-  assert _gone(restarted), "the vLLM server outlived the run"
+  assert group_gone(restarted), "the vLLM server outlived the run"
   rows = metrics_lib.read(os.path.join(workdir, "metrics.jsonl"))
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
   assert all(r["staleness_max"] <= eta for r in rows)

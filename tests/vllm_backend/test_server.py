@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 from areal_jax.rollout_api import GroupRequest, SamplingParams  # noqa: E402
 from areal_jax.vllm_rollout import VllmServerEngine, lifeline  # noqa: E402
 
-from vllm_helpers import collect, pure, teacher_forced  # noqa: E402
+from vllm_helpers import STOP_WAIT_S, collect, group_gone, pure, teacher_forced  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOL = 1e-3
@@ -129,9 +129,6 @@ def test_server_abort(server, tokenizer):
   assert all(s.finish_reason == "abort" and 3 <= len(s.tokens) < LONG for s in out)
 
 
-STOP_WAIT_S = 60.0  # the lifeline's SIGTERM-to-SIGKILL grace (30 s) and then some
-
-
 def test_server_stops_with_its_owner(tmp_path):
   """The process that started the server is SIGKILLed, so no exit handler runs: the server, and
   every process in its group, stop anyway (before the lifeline, they ran on, holding the port and
@@ -163,10 +160,7 @@ def test_server_stops_with_its_owner(tmp_path):
     assert pid > 1 and pid in lifeline.group_members(pid)  # the server runs, leading its own group
     owner.kill()
     owner.wait()
-    deadline = time.time() + STOP_WAIT_S
-    while lifeline.group_members(pid) and time.time() < deadline:
-      time.sleep(0.2)
-    assert not lifeline.group_members(pid), f"server group {pid} outlived its owner by {STOP_WAIT_S} s"
+    assert group_gone(pid), f"server group {pid} outlived its owner by {STOP_WAIT_S} s"
   finally:
     owner.kill()
     if pid and pid > 1 and lifeline.group_members(pid):  # never killpg(0): that is our own group

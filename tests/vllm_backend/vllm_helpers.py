@@ -9,6 +9,9 @@ import numpy as np
 from flax import nnx
 
 from areal_jax import models
+from areal_jax.vllm_rollout import lifeline
+
+STOP_WAIT_S = 60.0  # a server's SIGTERM-to-SIGKILL grace (30 s) and then some
 
 
 def tiny_hd32_config(tokenizer):
@@ -57,3 +60,11 @@ def wait_for_tokens(engine, group_ids, at_least, timeout=120.0):
       return
     time.sleep(0.01)
   raise TimeoutError(f"sequences of {group_ids} did not reach {at_least} tokens")
+
+
+def group_gone(pgid: int, timeout: float = STOP_WAIT_S) -> bool:
+  """Whether every process of group ``pgid`` (a server's) is gone within ``timeout`` seconds."""
+  deadline = time.time() + timeout
+  while lifeline.group_members(pgid) and time.time() < deadline:
+    time.sleep(0.2)
+  return not lifeline.group_members(pgid)
