@@ -90,6 +90,9 @@ def base_config() -> ConfigDict:
   c.rollout.decode_matmul = "auto"  # "auto" | "cpu_packed" | "xla" | "blas" (GPU library GEMMs)
   c.rollout.decode_layers = "auto"  # "auto" | "scan" | "unrolled" (auto: scan for pallas_tpu unpaged)
   c.rollout.decode_projections = "auto"  # "auto" | "fused" | "separate" (q/k/v, gate/up as one)
+  # "auto": on a GPU the decode kernels' launches are timed on the device before the first decode
+  # and the fastest kept (areal_jax/sampler/launch_tuning.py) | "off": the defaults (or $AREAL_JAX_*)
+  c.rollout.decode_tuning = "auto"
   # paged KV cache: pages in the pool (0: no paging, max_len positions per slot; -1: per
   # platform, kernels.choice.kv_pages: on GPU a pool of max_len positions and a page per slot).
   # Where the pool does not fit the sampler's memory plan keeps the slots over the pages that do

@@ -64,7 +64,7 @@ from flax import nnx
 from areal_jax.kernels import choice, cpu_attention, cpu_matmul
 from areal_jax.models import ModelConfig, Transformer, save_hf
 from areal_jax.rollout_api import GroupRequest, SamplingParams
-from areal_jax.sampler import sampling
+from areal_jax.sampler import launch_tuning, sampling
 from areal_jax.sampler.service import JaxRolloutEngine
 import decode_floor
 from common import (QWEN25_1P5B, SMOLLM2, TINY, Hardware, decode_step_cost, finish, machine,
@@ -168,7 +168,8 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
                          steps_per_call=steps)
   dev = eng.engine
   pages = own_pages(dev)  # a paged cache (the platform's choice): each slot its own pages
-  state = dev.init_state()
+  # the kernel launch a run would keep (timed on this device where there is a choice: a GPU)
+  state, tuned = launch_tuning.tune(dev, dev.init_state())
   keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
   state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
                      end=[context + 16 * steps * (reps + 2)] * slots, keys=keys, temperature=1.0, top_k=0,
@@ -197,6 +198,7 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
           "decode_attention": dev.attention_impl, "decode_matmul": dev.matmul_impl,
           "decode_layers": dev.layers_impl, "decode_projections": dev.projections,
           "cache_layout": dev.cache_layout, "kv_pages": dev.config.kv_pages,
+          "launch": dev.launch.name, "launch_step_ms": tuned and tuned["step_ms"],
           "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
 
 
@@ -320,6 +322,9 @@ def main():
           f"{r['bytes_per_step_MB']:.0f} MB) -> {100 * r['roofline_frac']:.0f}% of roofline; "
           f"floor loop {r['floor_step_ms']:.2f} ms/step, ratio {r['floor_ratio']:.2f}"
           + ("" if on_cpu else f", {100 * r['hbm_roofline_frac']:.0f}% of the HBM roofline"))
+    if r.get("launch_step_ms"):  # the kernel launches timed before it (launch_tuning)
+      print(f"{'':>13} launch kept: {r['launch']} (timed, ms a step: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["launch_step_ms"].items()) + ")")
   roof_xla, roof_xla_mm = dec.get("roof_xla"), dec.get("roof_xla_mm")
   result = {"machine": info, "hardware": hw, "quick": quick,
             "speedup_vs_static": speed["smollm2-135m"], "speedup_vs_static_tiny": speed["tiny"],

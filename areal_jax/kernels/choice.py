@@ -94,6 +94,13 @@ one Pallas GPU kernel with the matmul after it (``pallas_norm_matmul``; the mode
 asks: compiled for an H100 it takes 3 kernels a layer off the step, but its run time against
 cuBLAS's GEMMs is not measured.
 
+Decode launches timed (``launches_to_time``, ``rollout.decode_tuning``): on a GPU the kernels
+above that are off by default for want of a measurement (our paged step kernel, ``writes``; the
+fused norms) are offered to the engine, which times them against its own launch on its own device
+before it decodes and keeps the fastest (``sampler/launch_tuning.py``). Only what the environment
+leaves open is offered (a launch forced by ``$AREAL_JAX_PALLAS_GPU_PAGED`` or
+``$AREAL_JAX_DECODE_NORM_MATMUL`` is kept); ``"off"``, CPU and TPU: the engine's own launch only.
+
 Top-k / top-p (``truncation_on_host``): on GPU the engine picks, on the host, a decode program
 with the vocabulary's sort or one without it, so no step holds a conditional (each a wait for the
 host there); on CPU and TPU one program decides it in the step.
@@ -157,7 +164,8 @@ from jax.sharding import Mesh
 
 from areal_jax import sharding
 from areal_jax.kernels import (causal_attention as causal_kernels, cpu_attention, cpu_matmul,
-                               pallas_attention, pallas_norm_matmul, pallas_tpu_attention)
+                               pallas_attention, pallas_norm_matmul, pallas_paged_step,
+                               pallas_tpu_attention)
 
 ATTENTION = ("cpu", "xla", "dense", "pallas_gpu", "pallas_tpu")
 MATMUL = ("cpu_packed", "xla", "blas")
@@ -715,6 +723,60 @@ def fusing_norms(tuning: pallas_norm_matmul.NormTuning | None):
 def fused_norms() -> pallas_norm_matmul.NormTuning | None:
   """The tuning of the ``fusing_norms`` context the model is traced in, or None."""
   return _NORM_MATMULS.get()
+
+
+DECODE_TUNING = ("auto", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """The kernel launches a decode program is traced with: ``norms`` (``norm_matmuls``: each
+  RMSNorm with the matmul after it, or None) and ``paged`` (``pallas_gpu_tuning``)."""
+  norms: pallas_norm_matmul.NormTuning | None
+  paged: pallas_attention.PagedTuning
+
+  @property
+  def name(self) -> str:
+    """The fields that differ from the defaults, as the environment would force them:
+    ``$AREAL_JAX_PALLAS_GPU_PAGED``'s, then ``norms`` (``$AREAL_JAX_DECODE_NORM_MATMUL``'s
+    fields after a colon where they differ from its defaults); ``"default"`` for none."""
+    def changed(obj):
+      return [f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in dataclasses.fields(obj)
+              if (v := getattr(obj, f.name)) != f.default]
+    parts = [",".join(changed(self.paged))] if changed(self.paged) else []
+    if self.norms is not None:
+      parts.append(":".join(["norms", ",".join(changed(self.norms))] if changed(self.norms)
+                            else ["norms"]))
+    return "+".join(parts) or "default"
+
+
+def launches_to_time(platform: str, requested: str, own: Launch, *, paged_pallas: bool,
+                     one_device: bool, group: int, page_size: int, head_dim: int,
+                     norm_dims: tuple[tuple[int, int], ...], no_triton: str | None = None
+                     ) -> list[Launch]:
+  """The launches an engine times before it decodes, its ``own`` first (``sampler.launch_tuning``
+  keeps the fastest; one: nothing to time). ``requested`` (``rollout.decode_tuning``): ``"auto"``
+  on a GPU that runs Triton offers, beside its own, our paged step kernel (``writes``, where the
+  engine's decode attention is ``pallas_gpu`` over pages, ``paged_pallas``, at a shape it takes)
+  and that with the fused norms (``norms``: an engine over one device, ``norm_dims`` the
+  ``(inputs, outputs)`` of the matmuls after its norms, one of which the kernel takes), each
+  where its environment variable leaves it open; ``"off"``, CPU and TPU: ``[own]``."""
+  if requested not in DECODE_TUNING:
+    raise ValueError(f"rollout.decode_tuning={requested!r} is not one of {DECODE_TUNING}")
+  if requested == "off" or platform != "gpu" or no_triton:
+    return [own]
+  writes = (paged_pallas and not own.paged.writes and pallas_paged_step.usable(
+      group, page_size, head_dim) and not os.environ.get(PAGED_TUNING_ENV, "").strip()
+      and not os.environ.get(BLOCK_PAGES_ENV, "").strip())
+  norms = (own.norms is None and one_device and os.environ.get(NORM_MATMUL_ENV, "").strip()
+           in ("", "0") and any(pallas_norm_matmul.usable(*d) for d in norm_dims))
+  out = [own]
+  paged = dataclasses.replace(own.paged, writes=True)
+  if writes:
+    out.append(Launch(own.norms, paged))
+  if norms:
+    out.append(Launch(pallas_norm_matmul.NormTuning(), paged if writes else own.paged))
+  return out
 
 
 def truncation_on_host(platform: str) -> bool:

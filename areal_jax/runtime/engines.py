@@ -146,7 +146,8 @@ def engine_settings(config, num_slots: int, kv_pages: int | None = None) -> dict
       decode_layers=r.decode_layers, decode_projections=r.get("decode_projections", "auto"),
       kv_pages=r.get("kv_pages", -1) if kv_pages is None else kv_pages,
       page_size=r.get("page_size", 64), max_prefill_tokens=r.get("max_prefill_tokens", 0),
-      prefill_attention=r.get("prefill_attention", "auto"))
+      prefill_attention=r.get("prefill_attention", "auto"),
+      decode_tuning=r.get("decode_tuning", "auto"))
 
 
 def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> RolloutEngine:

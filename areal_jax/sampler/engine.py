@@ -170,12 +170,18 @@ class EngineConfig:
   # kernels.choice.kv_pages, which then sizes the pool by the slots; the caller keeps page tables)
   kv_pages: int = 0
   page_size: int = 64  # positions per page of the paged cache
+  # kernel launches timed on the device before the first decode, the fastest kept
+  # (kernels.choice.DECODE_TUNING: "auto", on a GPU; "off": as built; sampler/launch_tuning.py)
+  decode_tuning: str = "auto"
 
   def __post_init__(self):
     if self.num_slots < 1 or self.max_len < 2 or self.steps_per_call < 0 or \
         self.max_prefill_batch < 1 or self.kv_pages < -1 or self.page_size < 1 or \
         self.max_prefill_tokens < 0:
       raise ValueError(f"invalid engine config {self}")
+    if self.decode_tuning not in choice.DECODE_TUNING:
+      raise ValueError(f"decode_tuning={self.decode_tuning!r} is not one of "
+                       f"{choice.DECODE_TUNING}")
 
 
 class DecodeEngine:
@@ -254,7 +260,8 @@ class DecodeEngine:
          self.layers_impl, choice.held_layouts(platform), self.norm_tuning, self.paged_tuning), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
-    self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault("generate", {})
+    # (the generate programs per kernel launch: ``use_launch`` switches between them)
+    self._generate_fns: dict[tuple[int, int], Any] = fns.setdefault(("generate", self.launch), {})
     self._move_fns: dict[int, Any] = fns.setdefault("move", {})
     self._init_fn = fns.get("init")
     # program variants this engine built and the seconds their first calls took (compilation)
@@ -277,6 +284,29 @@ class DecodeEngine:
     self._variant = functools.partial(variants.get, stats=self.compile_stats)
     self.lora = lora
     self.params = self.put_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+  @property
+  def launch(self) -> choice.Launch:
+    """The kernel launches this engine's decode programs are traced with (``choice.Launch``)."""
+    return choice.Launch(self.norm_tuning, self.paged_tuning)
+
+  def use_launch(self, launch: choice.Launch) -> None:
+    """Runs decode calls from here on with ``launch``'s programs (each compiled at its first use,
+    as every variant is; the others' are kept); ``sampler.launch_tuning`` picks it."""
+    self.norm_tuning, self.paged_tuning = launch.norms, launch.paged
+    self._generate_fns = self._fns.setdefault(("generate", launch), {})
+
+  def launches_to_time(self) -> list[choice.Launch]:
+    """This engine's launch, then the others ``choice.launches_to_time`` offers it."""
+    m = self.model_cfg
+    q_kv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
+    return choice.launches_to_time(
+        self.platform, self.config.decode_tuning, self.launch,
+        paged_pallas=self.paged and self.attention_impl == "pallas_gpu",
+        one_device=self.mesh.size == 1, group=m.n_heads // m.n_kv_heads,
+        page_size=self.config.page_size, head_dim=m.head_dim,
+        norm_dims=((m.d_model, q_kv), (m.d_model, m.d_ff)),
+        no_triton=choice.triton_unusable(self.mesh.devices.flat))
 
   @property
   def pages_per_slot(self) -> int:

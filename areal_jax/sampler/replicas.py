@@ -121,6 +121,7 @@ class ReplicatedRolloutEngine(RolloutEngine):
   def warmup(self, progress=None) -> None:
     """Compiles every replica's programs, the replicas at once (XLA compiles without the GIL);
     ``progress(done, total, what)`` after each program, counted over all replicas."""
+    self._tune()
     total, done, lock = sum(warmup_lib.count(r.engine) for r in self.replicas), 0, threading.Lock()
 
     def tick(i: int):
@@ -135,7 +136,21 @@ class ReplicatedRolloutEngine(RolloutEngine):
     with concurrent.futures.ThreadPoolExecutor(len(self.replicas)) as pool:
       list(pool.map(lambda ir: ir[1].warmup(tick(ir[0])), enumerate(self.replicas)))
 
+  def _tune(self) -> None:
+    """The first replica times the decode launches (``JaxRolloutEngine.tune_launch``); the others
+    take the one it kept (the same program on the same kind of device)."""
+    first, *rest = self.replicas
+    first.tune_launch()
+    for r in rest:
+      r.tune_launch(first.engine.launch)
+
+  @property
+  def launch_report(self) -> dict | None:
+    return self.replicas[0].launch_report
+
   def start(self) -> None:
+    if self._router is None:
+      self._tune()
     for r in self.replicas:
       r.start()
     if self._router is None:

@@ -60,7 +60,8 @@ from jax.sharding import Mesh
 
 from areal_jax.models.transformer import Transformer
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
-from areal_jax.sampler import admission, paging, prefix_memo, requests, sampling, sequences
+from areal_jax.sampler import (admission, launch_tuning, paging, prefix_memo, requests, sampling,
+                               sequences)
 from areal_jax.sampler import continuation as continuation_lib
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 from areal_jax.sampler.pages import PageTable
@@ -83,13 +84,16 @@ class JaxRolloutEngine(RolloutEngine):
                version: int = 0, decode_attention: str = "auto", decode_matmul: str = "auto",
                decode_layers: str = "auto", decode_projections: str = "auto", lora=None,
                kv_pages: int = -1, page_size: int = 64, max_prefill_tokens: int = 0,
-               prefill_attention: str = "auto", output=None, weight_swap: str = "overlap"):
+               prefill_attention: str = "auto", output=None, weight_swap: str = "overlap",
+               decode_tuning: str = "auto"):
     """``kv_pages``: the paged cache's pool (0: rows; -1: the platform's choice,
     ``kernels.choice.kv_pages``: paged on GPU). ``max_prefill_tokens``: tokens per prefill call
     (``EngineConfig``; 0: no bound). ``prefill_attention``: a prefill's causal attention
     (``kernels.choice.CAUSAL``; "auto": a flash kernel on GPU and TPU). ``output``: where
     finished samples go (anything with ``put``; default: this engine's own queue, drained by
-    ``poll``): ``replicas`` routes several engines' samples to one queue."""
+    ``poll``): ``replicas`` routes several engines' samples to one queue. ``decode_tuning``:
+    whether the decode programs' kernel launches are timed on the device before the first decode
+    call, the fastest kept (``tune_launch``; ``kernels.choice.DECODE_TUNING``)."""
     if continuation not in CONTINUATION_MODES:
       raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
     if weight_swap not in WEIGHT_SWAPS:
@@ -101,7 +105,7 @@ class JaxRolloutEngine(RolloutEngine):
         cache_dtype=cache_dtype, decode_attention=decode_attention, decode_matmul=decode_matmul,
         decode_layers=decode_layers, decode_projections=decode_projections, kv_pages=kv_pages,
         page_size=page_size, max_prefill_tokens=max_prefill_tokens,
-        prefill_attention=prefill_attention), mesh, lora=lora)
+        prefill_attention=prefill_attention, decode_tuning=decode_tuning), mesh, lora=lora)
     # a paged cache's page table and preempted sequences (host side); None: a row per slot
     kv_pages = self.engine.config.kv_pages  # (-1 resolved)
     self._paging = paging.Paging(PageTable(num_slots, kv_pages, page_size, max_len),
@@ -130,6 +134,8 @@ class JaxRolloutEngine(RolloutEngine):
     self.stats = collections.Counter()
     self._prefixes = prefix_memo.PrefixMemo(self.engine, self.stats)  # tokens -> KV prefix
     self._token_listener = None
+    self._tuned = False
+    self.launch_report: dict | None = None  # what tune_launch timed (None: nothing)
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
 
@@ -145,15 +151,36 @@ class JaxRolloutEngine(RolloutEngine):
     ``progress(done, total, what)`` after each program (``sampler.warmup``)."""
     if self._thread is not None:
       raise RuntimeError("warmup() must run before start()")
+    self.tune_launch()  # (so only the launch kept is compiled for every variant)
     self._state = self.engine.warmup(self._state or self.engine.init_state(), progress)
     n = 1
     while n <= 2 * self.num_slots:  # the per-request sampling keys (padded to powers of two)
       sampling.slot_keys(0, n)
       n *= 2
 
+  def tune_launch(self, launch=None) -> dict | None:
+    """Before the first decode call, once: times the decode programs' kernel launches on this
+    engine's devices and keeps the fastest (``sampler.launch_tuning``; on a GPU, unless
+    ``decode_tuning="off"``); ``launch``: takes that ``kernels.choice.Launch`` instead of timing
+    (replicas: the first one's). Returns the report (``launch_report``; None: nothing timed)."""
+    if self._thread is not None:
+      raise RuntimeError("tune_launch() must run before start()")
+    if self._tuned:
+      return self.launch_report
+    self._tuned = True
+    if launch is not None:
+      self.engine.use_launch(launch)
+      return None
+    state = self.engine.init_state() if self._state is None else self._state
+    self._state, self.launch_report = launch_tuning.tune(self.engine, state)
+    if self.launch_report is not None:
+      print(f"sampler decode launch: {launch_tuning.summary(self.launch_report)}", flush=True)
+    return self.launch_report
+
   def start(self) -> None:
     if self._thread is not None:
       return
+    self.tune_launch()
     if self._state is None:
       self._state = self.engine.init_state()
     self._stopping = False

@@ -222,3 +222,38 @@ def test_gpus_older_than_ampere_decode_without_pallas_gpu_kernels(monkeypatch):
   assert choice.norm_matmuls("gpu", True, spec="", no_triton=why) is None
   with pytest.raises(ValueError, match=r"AREAL_JAX_DECODE_NORM_MATMUL='1' cannot run here: .*T4"):
     choice.norm_matmuls("gpu", True, spec="1", no_triton=why)
+
+
+def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
+  """``launches_to_time``: the engine's own launch first; on a GPU that runs Triton, our paged
+  step kernel where the Pallas kernel reads the pages, and that with the fused norms on one
+  device, each unless the environment forces its setting; nothing else on CPU, TPU or "off"."""
+  from areal_jax.kernels import pallas_attention, pallas_norm_matmul
+  for name in (choice.PAGED_TUNING_ENV, choice.NORM_MATMUL_ENV, choice.BLOCK_PAGES_ENV):
+    monkeypatch.delenv(name, raising=False)
+  own = choice.Launch(None, pallas_attention.PagedTuning())
+  shape = dict(paged_pallas=True, one_device=True, group=3, page_size=64, head_dim=64,
+               norm_dims=((576, 960), (576, 1536)))  # SmolLM2-135M
+
+  def names(platform="gpu", requested="auto", launch=own, **kw):
+    return [x.name for x in choice.launches_to_time(platform, requested, launch,
+                                                    **{**shape, **kw})]
+
+  assert names() == ["default", "writes=1", "writes=1+norms"]
+  assert names("cpu") == names("tpu") == names(requested="off") == ["default"]
+  assert names(no_triton="a Tesla T4") == ["default"]
+  assert names(paged_pallas=False) == ["default", "norms"]  # rows: the norms alone
+  assert names(one_device=False) == ["default", "writes=1"]  # the norms' kernel: one device
+  assert names(group=64) == ["default", "norms"]  # a query group the step kernel does not take
+  assert names(norm_dims=((576, 24),)) == ["default", "writes=1"]  # no matmul the kernel takes
+  monkeypatch.setenv(choice.PAGED_TUNING_ENV, "parts=2")  # forced: kept as the environment says
+  assert names() == ["default", "norms"]
+  monkeypatch.setenv(choice.NORM_MATMUL_ENV, "0")  # "0" forces nothing
+  assert names() == ["default", "norms"]
+  monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
+  assert names() == ["default"]
+  both = choice.Launch(pallas_norm_matmul.NormTuning(warps=8),
+                       pallas_attention.PagedTuning(parts=2, writes=True))
+  assert both.name == "parts=2,writes=1+norms:warps=8"
+  with pytest.raises(ValueError, match="rollout.decode_tuning='on'"):
+    names(requested="on")

@@ -1,0 +1,228 @@
+"""The decode launches timed on the device (``sampler.launch_tuning``): the fastest is kept (the
+engine's own unless another is clearly faster), one that fails is dropped, decoding afterwards is
+as an untimed engine's with that launch, and the service and its replicas time once."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from areal_jax.kernels import choice, pallas_attention, pallas_norm_matmul
+from areal_jax.rollout_api import GroupRequest, SamplingParams
+from areal_jax.sampler import engine as engine_lib
+from areal_jax.sampler import launch_tuning, sampling
+from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+from areal_jax.sampler.pages import PageTable
+from areal_jax.sampler.service import JaxRolloutEngine
+
+from .test_service import _collect
+
+# a paged cache read by the Pallas GPU kernels (interpret mode on CPU), as on a GPU
+CONFIG = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(16,), steps_per_call=4,
+                      decode_attention="pallas_gpu", decode_matmul="xla",
+                      decode_layers="unrolled", decode_projections="fused", kv_pages=20,
+                      page_size=8)
+OWN = choice.Launch(None, pallas_attention.PagedTuning())
+WRITES = choice.Launch(None, pallas_attention.PagedTuning(writes=True))
+BOTH = choice.Launch(pallas_norm_matmul.NormTuning(), pallas_attention.PagedTuning(writes=True))
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_launch(monkeypatch):
+  for name in (choice.PAGED_TUNING_ENV, choice.NORM_MATMUL_ENV, choice.BLOCK_PAGES_ENV):
+    monkeypatch.delenv(name, raising=False)
+
+
+def _costs(engine, seconds: dict):
+  """A ``measure`` that runs the call and says it took ``seconds[launch name]``; the launches it
+  timed, in order."""
+  timed = []
+
+  def measure(call):
+    jax.block_until_ready(call())
+    timed.append(engine.launch.name)
+    return seconds[engine.launch.name]
+  return measure, timed
+
+
+def _group(eng):
+  """Three samples of one prompt over five calls (a paged cache: pages taken as they grow)."""
+  prompt, slots = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3]
+  keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
+  table = PageTable(4, 20, 8, 64)
+  assert table.share(slots, len(prompt) - 1)
+  state = eng.insert(eng.init_state(), eng.prefill(eng.params, prompt[:-1]), slots,
+                     token=[prompt[-1]] * 3, pos=[len(prompt) - 1] * 3, end=[64] * 3, keys=keys,
+                     temperature=0.7, top_k=0, top_p=1.0, greedy=False, stop_ids=[],
+                     pages=table.table[slots])
+  outs = []
+  for call in range(5):
+    assert all(table.grow(s, len(prompt) - 1 + 4 * (call + 1)) for s in slots)
+    state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * call),
+                              pages=table.table)
+    outs.append(jax.device_get(out))
+  return outs
+
+
+def test_the_fastest_launch_is_kept_and_decodes_as_an_engine_built_with_it(model, monkeypatch):
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (this engine's programs its own)
+  made, real = [], DecodeEngine._make_generate
+
+  def recorded(self, *args, **kwargs):  # the launch each generate program is traced under
+    made.append(self.launch.name)
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(DecodeEngine, "_make_generate", recorded)
+  eng = DecodeEngine(model, CONFIG)
+  assert eng.launch == OWN and eng.launch.name == "default"
+  measure, timed = _costs(eng, {"default": 1.0, "writes=1": 0.8, "writes=1+norms": 0.5})
+  state, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES, BOTH], rounds=2,
+                                     measure=measure)
+  assert eng.launch == BOTH and report["launch"] == "writes=1+norms"
+  # each compiled (its first call), then the rounds in turn
+  assert timed == ["default", "writes=1", "writes=1+norms"] * 3
+  assert report["step_ms"] == {"default": 250.0, "writes=1": 200.0, "writes=1+norms": 125.0}
+  assert report["slots"] == 4 and report["position"] == 32 and not report["failed"]
+  assert not np.asarray(state["active"]).any()  # no slot left armed
+  assert made == ["default", "writes=1", "writes=1+norms"]  # a program of each launch
+  got = _group(eng)
+  assert len(made) == 3  # the kept launch's program, not compiled again
+  # what it decodes from here on: an engine built with that launch's
+  monkeypatch.setenv(choice.PAGED_TUNING_ENV, "writes=1")
+  monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
+  built = DecodeEngine(model, CONFIG)
+  assert built.launch == BOTH
+  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(got, _group(built)):
+    np.testing.assert_array_equal(valid, valid_ref)
+    np.testing.assert_array_equal(tok[valid], tok_ref[valid])
+    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6)
+
+
+def test_the_engine_keeps_its_own_launch_unless_another_is_clearly_faster(model):
+  eng = DecodeEngine(model, CONFIG)
+  measure, _ = _costs(eng, {"default": 1.0, "writes=1": 0.98})  # 2%: within the margin
+  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1, measure=measure)
+  assert eng.launch == OWN and report["launch"] == "default"
+  measure, _ = _costs(eng, {"default": 1.0, "writes=1": 0.9})
+  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1, measure=measure)
+  assert eng.launch == WRITES and report["launch"] == "writes=1"
+
+
+def test_a_launch_that_fails_is_dropped_and_the_engine_decodes_on(model, monkeypatch):
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (this engine's programs its own)
+  eng = DecodeEngine(model, CONFIG)
+  real = DecodeEngine._make_generate
+
+  def failing(self, *args, **kwargs):
+    if self.paged_tuning.writes:
+      raise RuntimeError("Triton could not compile this kernel\nmore")
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(DecodeEngine, "_make_generate", failing)
+  measure, timed = _costs(eng, {"default": 1.0, "writes=1": 0.1})
+  state, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1,
+                                     measure=measure)
+  assert eng.launch == OWN and report["launch"] == "default" and timed == ["default"] * 2
+  assert report["failed"] == {"writes=1": "RuntimeError: Triton could not compile this kernel"}
+  monkeypatch.setattr(DecodeEngine, "_make_generate", real)
+  assert len(_group(eng)) == 5
+
+
+def test_the_wall_clock_times_each_launch(model):
+  """Without a ``measure``: every launch's step timed on this device, the one kept among them."""
+  eng = DecodeEngine(model, dataclasses.replace(CONFIG, kv_pages=10))  # pages for 2 slots
+  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1)
+  assert set(report["step_ms"]) == {"default", "writes=1"} and report["slots"] == 2
+  assert all(ms > 0 for ms in report["step_ms"].values())
+  assert report["launch"] in report["step_ms"]
+  assert "writes=1" in launch_tuning.summary(report)
+
+
+def test_nothing_is_timed_where_there_is_nothing_else_to_run(model):
+  """On CPU (and TPU, or with ``decode_tuning="off"``) an engine offers only its own launch."""
+  eng = DecodeEngine(model, CONFIG)
+  assert eng.launches_to_time() == [OWN]
+  state = eng.init_state()
+  assert launch_tuning.tune(eng, state) == (state, None)
+  with pytest.raises(ValueError, match="decode_tuning='fast'"):
+    EngineConfig(decode_tuning="fast")
+
+
+def _service(model, **kw):
+  return JaxRolloutEngine(model, num_slots=4, max_len=64, prefill_buckets=(16,),
+                          steps_per_call=4, decode_attention="pallas_gpu", decode_matmul="xla",
+                          decode_layers="unrolled", kv_pages=20, page_size=8,
+                          eos_token_ids=(), **kw)
+
+
+def _sample(eng):
+  eng.submit(GroupRequest(0, [5, 7, 9, 11], n=2, params=SamplingParams(
+      temperature=1.0, max_new_tokens=10, seed=4)))
+  return sorted((s.tokens, s.logprobs) for s in _collect(eng, 2))
+
+
+def _offer_writes_as_a_gpu_would(monkeypatch) -> list:
+  """Engines offer ``WRITES`` beside their own launch (with ``decode_tuning="auto"``, as on a
+  GPU) and their calls are timed by a clock under which it is faster; the calls timed."""
+  def offered(self):
+    return [self.launch, WRITES] if self.config.decode_tuning == "auto" else [self.launch]
+
+  monkeypatch.setattr(DecodeEngine, "launches_to_time", offered)
+  calls = []
+
+  def measure(call):
+    jax.block_until_ready(call())
+    calls.append(1)
+    return 0.5 if len(calls) % 2 == 0 else 1.0  # writes=1 (every second call) is faster
+
+  monkeypatch.setattr(launch_tuning, "wall_seconds", measure)
+  return calls
+
+
+def test_the_service_times_once_before_its_first_decode(model, monkeypatch):
+  """``start`` times the launches (here offered on CPU as a GPU would), once; what it samples is
+  what a service built with the launch kept samples."""
+  calls = _offer_writes_as_a_gpu_would(monkeypatch)
+  eng = _service(model)
+  eng.start()
+  try:
+    assert eng.engine.launch == WRITES and eng.launch_report["launch"] == "writes=1"
+    n = len(calls)
+    got = _sample(eng)
+  finally:
+    eng.stop()
+  eng.start()  # again: not timed again
+  eng.stop()
+  assert len(calls) == n
+  monkeypatch.setenv(choice.PAGED_TUNING_ENV, "writes=1")
+  ref = _service(model, decode_tuning="off")
+  assert ref.engine.launch == WRITES
+  ref.start()
+  try:
+    want = _sample(ref)
+  finally:
+    ref.stop()
+  assert [t for t, _ in got] == [t for t, _ in want]
+  np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want], atol=2e-6)
+
+
+def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):
+  """Over two replicas the first times the launches; the second runs the one it kept, untimed."""
+  from areal_jax import sharding
+  from areal_jax.sampler.replicas import ReplicatedRolloutEngine
+
+  timed = _offer_writes_as_a_gpu_would(monkeypatch)
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+  eng = ReplicatedRolloutEngine(lambda m, out: _service(model, mesh=m, output=out),
+                                sharding.split_mesh(mesh, "data"))
+  eng.warmup()
+  assert len(timed) == 2 * (1 + launch_tuning.ROUNDS)  # one replica's launches, each timed
+  assert [r.engine.launch for r in eng.replicas] == [WRITES, WRITES]
+  assert eng.launch_report["launch"] == "writes=1"
+  eng.start()
+  try:
+    assert len(_sample(eng)) == 2
+  finally:
+    eng.stop()
+  assert len(timed) == 2 * (1 + launch_tuning.ROUNDS)
