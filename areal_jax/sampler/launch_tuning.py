@@ -10,7 +10,8 @@ every slot at that position (each over pages of its own on a paged cache), times
 calls of each launch in turn (the launches alternating, so a drift of the clock or the load
 spreads over all of them), and keeps the one whose best call was fastest; the engine's own
 launch stays unless another is at least ``MARGIN`` faster. A launch that fails to compile or run
-is dropped with a warning.
+is dropped with a warning; where the engine's own took over ``MAX_COMPILE_S`` to compile, the
+others are not tried (each would cost about as much again before the first decode).
 
 What the timing writes into the cache lands in slots and pages no sequence holds yet (it runs
 before the first one is admitted), and the slots end inactive: decoding afterwards is as with
@@ -31,6 +32,9 @@ from areal_jax.kernels import choice
 log = logging.getLogger(__name__)
 MARGIN = 0.03  # another launch replaces the engine's own when its step is this much faster
 ROUNDS = 5  # timed calls of each launch
+# the others are not tried when the engine's own launch took longer than this to compile (on a
+# GPU XLA's matmul autotuning took minutes a program: measured on an H200 at the 1.5B shape)
+MAX_COMPILE_S = 60.0
 
 
 def wall_seconds(call: Callable[[], Any]) -> float:
@@ -87,6 +91,10 @@ def tune(engine, state, launches: list[choice.Launch] | None = None, *, rounds: 
       log.warning("sampler: decode launch %s failed, not used (%s)", launch.name,
                   failed[launch.name])
       holder["state"] = _usable(engine, holder["state"])
+    if launch is launches[0] and compile_s.get(launch.name, 0.0) > MAX_COMPILE_S:
+      log.warning("sampler: the decode program took %.0f s to compile; its other kernel "
+                  "launches are not timed", compile_s[launch.name])
+      break
   if not best:
     raise RuntimeError(f"no decode launch ran on this device: {failed}")
   for _ in range(rounds):

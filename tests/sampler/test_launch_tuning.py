@@ -109,6 +109,14 @@ def test_the_engine_keeps_its_own_launch_unless_another_is_clearly_faster(model)
   assert eng.launch == WRITES and report["launch"] == "writes=1"
 
 
+def test_no_other_launch_is_tried_after_a_long_compile_of_the_engine_s_own(model):
+  eng = DecodeEngine(model, CONFIG)
+  slow = launch_tuning.MAX_COMPILE_S + 1  # (every call "takes" it: the first is the compile)
+  measure, timed = _costs(eng, {"default": slow, "writes=1": 0.1})
+  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1, measure=measure)
+  assert eng.launch == OWN and timed == ["default"] * 2 and list(report["step_ms"]) == ["default"]
+
+
 def test_a_launch_that_fails_is_dropped_and_the_engine_decodes_on(model, monkeypatch):
   monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (this engine's programs its own)
   eng = DecodeEngine(model, CONFIG)
