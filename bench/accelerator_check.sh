@@ -13,7 +13,9 @@
 # compiled within 60-170 s, the floor loop then holding its weights as 3 GB of constants.
 # 1. Qwen2.5-1.5B shape (128 slots, context 512): bench/sampler.py --decode-only as shipped (on a
 #    GPU: a paged cache read by JAX's Pallas paged-attention kernel, the layers unrolled,
-#    decode_matmul 'blas'; the floor loop's program gets the same matmul options), the keys;
+#    decode_matmul 'blas', and the kernel launch the engine keeps after timing its default,
+#    writes=1 and writes=1 + norms, rollout.decode_tuning: "launch kept" in the log; the floor
+#    loop's program gets the same matmul options), the keys;
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
 #    the same with top-k / top-p decided in every step by a conditional, as before session 33
 #    (branch: on a GPU a wait for the host at every step), against
@@ -44,7 +46,7 @@ OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/bench"
 export JAX_COMPILATION_CACHE_DIR=$(mktemp -d) JAX_LOG_COMPILES=1
 BIG=${ACC_BIG:-qwen2.5-1.5b}
-keep() { grep -v -E "Warning|warnings.warn" | grep -E "ms/step|tok/s|read |first call| s |error|Error|bench took|decode at|Finished XLA compilation of jit\((fn|<lambda>)\)|Compiling jit\((fn|<lambda>)\)" | cut -c1-220; }
+keep() { grep -v -E "Warning|warnings.warn" | grep -E "ms/step|tok/s|read |first call| s |error|Error|bench took|decode at|launch kept|decode launch|Finished XLA compilation of jit\((fn|<lambda>)\)|Compiling jit\((fn|<lambda>)\)" | cut -c1-220; }
 log() { echo "=== $(date +%T) $*"; }
 DEADLINE=${ACC_DEADLINE:-560}
 # limit SECS: prints the step's time limit (SECS or what is left before DEADLINE, less 10 s);
