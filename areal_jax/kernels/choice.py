@@ -99,7 +99,9 @@ above that are off by default for want of a measurement (our paged step kernel, 
 fused norms) are offered to the engine, which times them against its own launch on its own device
 before it decodes and keeps the fastest (``sampler/launch_tuning.py``). Only what the environment
 leaves open is offered (a launch forced by ``$AREAL_JAX_PALLAS_GPU_PAGED`` or
-``$AREAL_JAX_DECODE_NORM_MATMUL`` is kept); ``"off"``, CPU and TPU: the engine's own launch only.
+``$AREAL_JAX_DECODE_NORM_MATMUL`` is kept); then, on the one kept, the decode call's loop over its
+steps in CUDA graphs (``graphs_to_time``: XLA's command buffers, per program). ``"off"``, CPU and
+TPU: the engine's own launch only.
 
 Top-k / top-p (``truncation_on_host``): on GPU the engine picks, on the host, a decode program
 with the vocabulary's sort or one without it, so no step holds a conditional (each a wait for the
@@ -726,14 +728,30 @@ def fused_norms() -> pallas_norm_matmul.NormTuning | None:
 
 
 DECODE_TUNING = ("auto", "off")
+GRAPHS = ("", "while", "unrolled")
+# XLA's GPU command buffers (CUDA graphs) by default, as of jax 0.10-0.11: sequences of these
+# thunks outside loops; a launch's ``graphs`` adds the decode call's loop over its steps
+COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-  """The kernel launches a decode program is traced with: ``norms`` (``norm_matmuls``: each
-  RMSNorm with the matmul after it, or None) and ``paged`` (``pallas_gpu_tuning``)."""
+  """How a decode program is launched: ``norms`` (``norm_matmuls``: each RMSNorm with the matmul
+  after it, or None), ``paged`` (``pallas_gpu_tuning``) and ``graphs`` (``GRAPHS``: on a GPU the
+  call's loop over its steps captured in XLA's command buffers too, ``"while"`` as a CUDA graph
+  loop node, ``"unrolled"`` unrolled into one graph; ``""``: XLA's defaults)."""
   norms: pallas_norm_matmul.NormTuning | None
   paged: pallas_attention.PagedTuning
+  graphs: str = ""
+
+  def compiler_options(self) -> dict:
+    """The XLA options ``graphs`` adds to a decode program's (``compiler_options``)."""
+    if not self.graphs:
+      return {}
+    options = {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS + ",WHILE,CONDITIONAL"}
+    if self.graphs == "unrolled":
+      options["xla_gpu_command_buffer_unroll_loops"] = True
+    return options
 
   @property
   def name(self) -> str:
@@ -747,6 +765,8 @@ class Launch:
     if self.norms is not None:
       parts.append(":".join(["norms", ",".join(changed(self.norms))] if changed(self.norms)
                             else ["norms"]))
+    if self.graphs:
+      parts.append("graphs" + (":unrolled" if self.graphs == "unrolled" else ""))
     return "+".join(parts) or "default"
 
 
@@ -777,6 +797,19 @@ def launches_to_time(platform: str, requested: str, own: Launch, *, paged_pallas
   if norms:
     out.append(Launch(pallas_norm_matmul.NormTuning(), paged if writes else own.paged))
   return out
+
+
+def graphs_to_time(platform: str, requested: str, kept: Launch) -> list[Launch]:
+  """After the kernels (``launches_to_time``): ``kept``, then on a GPU the same with its decode
+  call's loop over the steps in XLA's command buffers (CUDA graphs; ``Launch.graphs``), unless
+  ``$XLA_FLAGS`` sets the command buffers itself. A SmolLM2 decode step is ~390 small kernels on
+  an H100 (bound by their launches, session 27), each a launch by the host unless a graph holds
+  it; the loop's steps in a graph were timed once, with a conditional in the step, on an H200
+  (no change, session 26), never since."""
+  if (requested == "off" or platform != "gpu" or kept.graphs
+      or "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", "")):
+    return [kept]
+  return [kept] + [dataclasses.replace(kept, graphs=g) for g in GRAPHS[1:]]
 
 
 def truncation_on_host(platform: str) -> bool:

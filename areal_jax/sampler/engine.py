@@ -217,6 +217,7 @@ class DecodeEngine:
     # here, once
     self.norm_tuning = choice.norm_matmuls(platform, self.mesh.size == 1, no_triton=no_triton)
     self.paged_tuning = choice.pallas_gpu_tuning()
+    self.graphs = ""  # the decode call's loop in CUDA graphs (``choice.Launch.graphs``)
     # whether a generate call's program is picked by whether its slots truncate (top-k / top-p),
     # known on the host, rather than deciding it in every step (``choice.truncation_on_host``)
     self.truncation_on_host = choice.truncation_on_host(platform)
@@ -288,16 +289,19 @@ class DecodeEngine:
   @property
   def launch(self) -> choice.Launch:
     """The kernel launches this engine's decode programs are traced with (``choice.Launch``)."""
-    return choice.Launch(self.norm_tuning, self.paged_tuning)
+    return choice.Launch(self.norm_tuning, self.paged_tuning, self.graphs)
 
   def use_launch(self, launch: choice.Launch) -> None:
     """Runs decode calls from here on with ``launch``'s programs (each compiled at its first use,
     as every variant is; the others' are kept); ``sampler.launch_tuning`` picks it."""
-    self.norm_tuning, self.paged_tuning = launch.norms, launch.paged
+    self.norm_tuning, self.paged_tuning, self.graphs = launch.norms, launch.paged, launch.graphs
     self._generate_fns = self._fns.setdefault(("generate", launch), {})
 
-  def launches_to_time(self) -> list[choice.Launch]:
-    """This engine's launch, then the others ``choice.launches_to_time`` offers it."""
+  def launches_to_time(self, kept: choice.Launch | None = None) -> list[choice.Launch]:
+    """This engine's launch, then the others ``choice.launches_to_time`` offers it; after
+    ``kept`` (the fastest of those), it and ``choice.graphs_to_time``'s."""
+    if kept is not None:
+      return choice.graphs_to_time(self.platform, self.config.decode_tuning, kept)
     m = self.model_cfg
     q_kv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
     return choice.launches_to_time(
@@ -684,9 +688,10 @@ class DecodeEngine:
 
     held, state = formats or (self.held_formats, self.state_formats)
     in_shardings = (held, state) + ((None,) if self.paged else ())
+    options = {**(self.compiler_options or {}), **self.launch.compiler_options()} or None
     return jax.jit(fn, in_shardings=in_shardings,
                    out_shardings=(state, (out, out, out)), donate_argnums=1,
-                   compiler_options=self.compiler_options)
+                   compiler_options=options)
 
   # ---- move ------------------------------------------------------------------------------------
 

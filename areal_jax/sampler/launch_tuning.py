@@ -1,17 +1,20 @@
-"""Timing the decode program's kernel launches on the device it runs on, and keeping the fastest.
+"""Timing the decode program's launches on the device it runs on, and keeping the fastest.
 
 On a GPU some launches take kernels off each decode step (our paged step kernel writing the
 step's keys and values, ``writes``; each RMSNorm in one kernel with the matmul after it,
-``norms``: ``kernels.choice.launches_to_time``), but whether a step runs faster with them turns on
-the GPU, the model's shape and the library versions, and this project measured none of them. So
-the engine measures them where it runs, once, before its first decode call: ``tune`` compiles the
-widest decode program (every slot, the kv bucket of half the positions) under each launch, arms
-every slot at that position (each over pages of its own on a paged cache), times ``rounds``
-calls of each launch in turn (the launches alternating, so a drift of the clock or the load
-spreads over all of them), and keeps the one whose best call was fastest; the engine's own
-launch stays unless another is at least ``MARGIN`` faster. A launch that fails to compile or run
-is dropped with a warning; where the engine's own took over ``MAX_COMPILE_S`` to compile, the
-others are not tried (each would cost about as much again before the first decode).
+``norms``: ``kernels.choice.launches_to_time``) or the host's launches off each call (the call's
+loop over its steps in CUDA graphs, ``graphs``: ``kernels.choice.graphs_to_time``), but whether
+a step runs faster with them turns on the GPU, the model's shape and the library versions, and
+this project measured none of them on a GPU. So the engine measures them where it runs, once,
+before its first decode call, in two stages (the kernels, then the graphs on the kernels kept):
+``tune`` compiles the widest decode program (every slot, the kv bucket of half the positions)
+under each launch, arms every slot at that position (each over pages of its own on a paged
+cache), times ``rounds`` calls of each launch in turn (alternating, so a drift of the clock or
+the load spreads over all of them), and keeps the one whose best call was fastest; the stage's
+first launch (the engine's own, then the kernels kept) stays unless another is at least
+``MARGIN`` faster. A launch that fails to compile or run is dropped with a warning; where the
+engine's own took over ``MAX_COMPILE_S`` to compile, nothing else is tried (each would cost about
+as much again before the first decode).
 
 What the timing writes into the cache lands in slots and pages no sequence holds yet (it runs
 before the first one is admitted), and the slots end inactive: decoding afterwards is as with
@@ -44,74 +47,105 @@ def wall_seconds(call: Callable[[], Any]) -> float:
   return time.perf_counter() - t0
 
 
-def tune(engine, state, launches: list[choice.Launch] | None = None, *, rounds: int = ROUNDS,
-         measure: Callable[[Callable[[], Any]], float] | None = None):
+def tune(engine, state, launches: list[choice.Launch] | None = None, *,
+         then: Callable[[choice.Launch], list[choice.Launch]] | None = None,
+         rounds: int = ROUNDS, measure: Callable[[Callable[[], Any]], float] | None = None):
   """Times ``launches`` (default ``engine.launches_to_time()``; the first is the engine's own)
-  and leaves ``engine`` on the fastest. ``state``: the engine's decode state with no slot
-  armed. Returns ``(state, report)``; the report (None when there was nothing to time) names
-  the ``launch`` kept, each launch's best ``step_ms``, its ``compile_s`` (its first call),
-  those that ``failed`` and why, and the ``slots`` and ``position`` timed. ``measure(call)``:
-  the seconds a call takes (default ``wall_seconds``)."""
-  launches = list(launches or engine.launches_to_time())
-  if len(launches) < 2:
+  and keeps the fastest, then times what ``then(kept)`` offers (its first: ``kept``; default,
+  with ``launches`` defaulted too, ``engine.launches_to_time(kept)``: the CUDA graphs) and keeps
+  the fastest of those; leaves ``engine`` on it. ``state``: the engine's decode state with no
+  slot armed. Returns ``(state, report)``; the report (None when there was nothing to time)
+  names the ``launch`` kept, each launch's best ``step_ms``, its ``compile_s`` (its first
+  call), those that ``failed`` and why, and the ``slots`` and ``position`` timed.
+  ``measure(call)``: the seconds a call takes (default ``wall_seconds``)."""
+  if launches is None:
+    launches, then = engine.launches_to_time(), then or engine.launches_to_time
+  launches = list(launches)
+  if len(launches) < 2 and (then is None or len(then(launches[0])) < 2):
     return state, None
-  measure = measure or wall_seconds
   t_start = time.perf_counter()
-  c, steps = engine.config, engine.config.steps_per_call
-  position = max(0, min(c.max_len // 2, c.max_len - steps - 1))
-  kv_len, width = engine.kv_bucket(position), c.num_slots
-  slots, pages = _slots_and_pages(engine, position + steps)
-  keys = np.zeros((len(slots), 2), np.uint32)
-  holder = {"state": state}
-
-  def arm():  # every timed slot at `position` again (not timed)
-    holder["state"] = engine.insert(
-        holder["state"], None, slots, token=[1] * len(slots), pos=[position] * len(slots),
-        end=[c.max_len] * len(slots), keys=keys, temperature=1.0, top_k=0, top_p=1.0,
-        greedy=False, stop_ids=[], pages=None if pages is None else pages[slots])
-    jax.block_until_ready([x for x in jax.tree.leaves(holder["state"])
-                           if isinstance(x, jax.Array)])
-
-  def call():  # one generate call over every slot
-    holder["state"], out = engine.generate(engine.params, holder["state"], kv_len, width,
-                                           pages=pages)
-    return out
-
-  best: dict[choice.Launch, float] = {}  # seconds a step, the best call
-  compile_s: dict[str, float] = {}
-  failed: dict[str, str] = {}
-  for launch in launches:  # each one's first call compiles it
-    engine.use_launch(launch)
-    try:
-      arm()
-      compile_s[launch.name] = round(measure(call), 3)
-      best[launch] = float("inf")
-    except Exception as e:  # noqa: BLE001 (a launch that cannot run here is not used)
-      failed[launch.name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
-      log.warning("sampler: decode launch %s failed, not used (%s)", launch.name,
-                  failed[launch.name])
-      holder["state"] = _usable(engine, holder["state"])
-    if launch is launches[0] and compile_s.get(launch.name, 0.0) > MAX_COMPILE_S:
-      log.warning("sampler: the decode program took %.0f s to compile; its other kernel "
-                  "launches are not timed", compile_s[launch.name])
-      break
-  if not best:
-    raise RuntimeError(f"no decode launch ran on this device: {failed}")
-  for _ in range(rounds):
-    for launch in best:
-      engine.use_launch(launch)
-      arm()
-      best[launch] = min(best[launch], measure(call) / steps)
-  own, kept = launches[0], min(best, key=best.get)
-  if own in best and best[kept] >= best[own] * (1 - MARGIN):
-    kept = own
+  timer = _Timer(engine, state, rounds, measure or wall_seconds)
+  kept = timer.stage(launches)
+  if then is not None and not timer.stopped and len(after := then(kept)) > 1:
+    kept = timer.stage(after)
   engine.use_launch(kept)
-  state = engine.deactivate(holder.pop("state"), list(range(c.num_slots)))
-  report = {"launch": kept.name, "step_ms": {k.name: round(v * 1e3, 4) for k, v in best.items()},
-            "compile_s": compile_s, "failed": failed, "slots": len(slots), "position": position,
-            "steps_per_call": steps, "rounds": rounds,
+  c = engine.config
+  state = engine.deactivate(timer.state, list(range(c.num_slots)))
+  report = {"launch": kept.name,
+            "step_ms": {k.name: round(v * 1e3, 4) for k, v in timer.best.items()},
+            "compile_s": timer.compile_s, "failed": timer.failed, "slots": len(timer.slots),
+            "position": timer.position, "steps_per_call": c.steps_per_call, "rounds": rounds,
             "tune_s": round(time.perf_counter() - t_start, 3)}
   return state, report
+
+
+class _Timer:
+  """Decode calls of ``engine`` over every slot armed at half the positions, timed per launch
+  (``best``: its fastest step, in seconds)."""
+
+  def __init__(self, engine, state, rounds: int, measure):
+    self.engine, self.state, self.rounds, self.measure = engine, state, rounds, measure
+    c = engine.config
+    self.steps = c.steps_per_call
+    self.position = max(0, min(c.max_len // 2, c.max_len - self.steps - 1))
+    self.kv_len = engine.kv_bucket(self.position)
+    self.slots, self.pages = _slots_and_pages(engine, self.position + self.steps)
+    self.best: dict[choice.Launch, float] = {}
+    self.compile_s: dict[str, float] = {}
+    self.failed: dict[str, str] = {}
+    self.stopped = False  # the engine's own launch compiled too slowly to try others
+
+  def _arm(self):  # every timed slot at `position` again (not timed)
+    e, n, c = self.engine, len(self.slots), self.engine.config
+    self.state = e.insert(
+        self.state, None, self.slots, token=[1] * n, pos=[self.position] * n,
+        end=[c.max_len] * n, keys=np.zeros((n, 2), np.uint32), temperature=1.0, top_k=0,
+        top_p=1.0, greedy=False, stop_ids=[],
+        pages=None if self.pages is None else self.pages[self.slots])
+    jax.block_until_ready([x for x in jax.tree.leaves(self.state) if isinstance(x, jax.Array)])
+
+  def _call(self):  # one generate call over every slot
+    e = self.engine
+    self.state, out = e.generate(e.params, self.state, self.kv_len, e.config.num_slots,
+                                 pages=self.pages)
+    return out
+
+  def _timed(self, launch) -> float:
+    self.engine.use_launch(launch)
+    self._arm()
+    return self.measure(self._call)
+
+  def stage(self, launches: list[choice.Launch]) -> choice.Launch:
+    """Compiles (the first call of) each of ``launches`` not timed yet, times ``rounds`` calls
+    of each in turn, and returns the fastest (``launches[0]`` unless another is ``MARGIN``
+    faster)."""
+    for launch in launches:
+      if launch in self.best or launch.name in self.failed:
+        continue
+      try:
+        self.compile_s[launch.name] = round(self._timed(launch), 3)
+        self.best[launch] = float("inf")
+      except Exception as e:  # noqa: BLE001 (a launch that cannot run here is not used)
+        self.failed[launch.name] = (f"{type(e).__name__}: "
+                                    f"{(str(e).splitlines() or [''])[0][:300]}")
+        log.warning("sampler: decode launch %s failed, not used (%s)", launch.name,
+                    self.failed[launch.name])
+        self.state = _usable(self.engine, self.state)
+      if launch is launches[0] and self.compile_s.get(launch.name, 0.0) > MAX_COMPILE_S:
+        log.warning("sampler: the decode program took %.0f s to compile; its other kernel "
+                    "launches are not timed", self.compile_s[launch.name])
+        self.stopped = True
+        break
+    timed = [x for x in launches if x in self.best]
+    if not timed:
+      raise RuntimeError(f"no decode launch ran on this device: {self.failed}")
+    for _ in range(self.rounds):
+      for launch in timed:
+        self.best[launch] = min(self.best[launch], self._timed(launch) / self.steps)
+    own, kept = launches[0], min(timed, key=self.best.get)
+    if own in self.best and self.best[kept] >= self.best[own] * (1 - MARGIN):
+      kept = own
+    return kept
 
 
 def summary(report: dict) -> str:

@@ -257,3 +257,27 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
   assert both.name == "parts=2,writes=1+norms:warps=8"
   with pytest.raises(ValueError, match="rollout.decode_tuning='on'"):
     names(requested="on")
+
+
+def test_on_a_gpu_the_kept_launch_s_loop_in_cuda_graphs_is_offered_to_be_timed(monkeypatch):
+  """``graphs_to_time``: after the kernels, the kept launch with its decode call's loop in XLA's
+  command buffers, as a graph loop node and unrolled, on a GPU unless ``$XLA_FLAGS`` sets the
+  command buffers; the options they add are ones this jaxlib's XLA takes."""
+  import jax.numpy as jnp
+  from areal_jax.kernels import pallas_attention
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  kept = choice.Launch(None, pallas_attention.PagedTuning(writes=True))
+  names = lambda *a: [x.name for x in choice.graphs_to_time(*a)]  # noqa: E731
+  assert names("gpu", "auto", kept) == ["writes=1", "writes=1+graphs", "writes=1+graphs:unrolled"]
+  assert names("cpu", "auto", kept) == names("tpu", "auto", kept) == ["writes=1"]
+  assert names("gpu", "off", kept) == ["writes=1"]
+  graphs = choice.graphs_to_time("gpu", "auto", kept)
+  assert names("gpu", "auto", graphs[1]) == ["writes=1+graphs"]  # already in graphs
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  assert names("gpu", "auto", kept) == ["writes=1"]
+  assert kept.compiler_options() == {}
+  for launch in graphs[1:]:  # XLA parses them (an unknown name or value is an error)
+    options = launch.compiler_options()
+    assert "WHILE" in options["xla_gpu_enable_command_buffer"]
+    assert jax.jit(lambda x: x + 1, compiler_options=options)(jnp.ones(2)).tolist() == [2, 2]
+  assert graphs[2].compiler_options()["xla_gpu_command_buffer_unroll_loops"] is True

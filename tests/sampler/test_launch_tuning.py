@@ -109,6 +109,32 @@ def test_the_engine_keeps_its_own_launch_unless_another_is_clearly_faster(model)
   assert eng.launch == WRITES and report["launch"] == "writes=1"
 
 
+def test_then_the_kept_launch_s_loop_in_cuda_graphs_is_timed(model, monkeypatch):
+  """The second stage: the launch kept, with its decode call's loop in XLA's command buffers
+  (``graphs``: compiler options of the decode program; XLA:CPU takes and ignores them, so here
+  they decode as without), kept where faster; options XLA refuses drop that launch."""
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  eng = DecodeEngine(model, CONFIG)
+  graphs = [dataclasses.replace(WRITES, graphs=g) for g in choice.GRAPHS]
+  measure, timed = _costs(eng, {"default": 1.0, "writes=1": 0.8, "writes=1+graphs": 0.6,
+                                "writes=1+graphs:unrolled": 0.5})
+  state, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1,
+                                     measure=measure, then=lambda kept: [kept, *graphs[1:]])
+  assert eng.launch == graphs[2] and report["launch"] == "writes=1+graphs:unrolled"
+  assert timed == ["default", "writes=1"] * 2 + ["writes=1+graphs", "writes=1+graphs:unrolled",
+                                                 "writes=1", "writes=1+graphs",
+                                                 "writes=1+graphs:unrolled"]
+  assert not report["failed"] and len(_group(eng)) == 5
+  # options this XLA does not know: the launch fails to compile and is dropped
+  monkeypatch.setattr(choice, "COMMAND_BUFFERS", "FUSION,NO_SUCH_COMMAND")
+  eng = DecodeEngine(model, dataclasses.replace(CONFIG, steps_per_call=2))
+  measure, _ = _costs(eng, {"default": 1.0, "graphs": 0.1})
+  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, choice.Launch(None, OWN.paged,
+                                                                             "while")],
+                                 rounds=1, measure=measure)
+  assert report["launch"] == "default" and "NO_SUCH_COMMAND" in report["failed"]["graphs"]
+
+
 def test_no_other_launch_is_tried_after_a_long_compile_of_the_engine_s_own(model):
   eng = DecodeEngine(model, CONFIG)
   slow = launch_tuning.MAX_COMPILE_S + 1  # (every call "takes" it: the first is the compile)
@@ -173,8 +199,10 @@ def _sample(eng):
 def _offer_writes_as_a_gpu_would(monkeypatch) -> list:
   """Engines offer ``WRITES`` beside their own launch (with ``decode_tuning="auto"``, as on a
   GPU) and their calls are timed by a clock under which it is faster; the calls timed."""
-  def offered(self):
-    return [self.launch, WRITES] if self.config.decode_tuning == "auto" else [self.launch]
+  def offered(self, kept=None):
+    if kept is not None or self.config.decode_tuning == "off":
+      return [kept or self.launch]
+    return [self.launch, WRITES]
 
   monkeypatch.setattr(DecodeEngine, "launches_to_time", offered)
   calls = []
