@@ -803,9 +803,15 @@ def graphs_to_time(platform: str, requested: str, kept: Launch) -> list[Launch]:
   """After the kernels (``launches_to_time``): ``kept``, then on a GPU the same with its decode
   call's loop over the steps in XLA's command buffers (CUDA graphs; ``Launch.graphs``), unless
   ``$XLA_FLAGS`` sets the command buffers itself. A SmolLM2 decode step is ~390 small kernels on
-  an H100 (bound by their launches, session 27), each a launch by the host unless a graph holds
-  it; the loop's steps in a graph were timed once, with a conditional in the step, on an H200
-  (no change, session 26), never since."""
+  an H100 (bound by their launches, session 27); XLA puts runs of them (cuBLAS GEMMs and custom
+  calls too, with a CUDA 12.3+ driver) in graphs of their own, but each step of the loop is
+  launched by the host. XLA captures a loop only if its whole body converts, and ours writes each
+  step's outputs at a slice that depends on the step, which XLA takes in a graph only unrolled
+  (``"unrolled"``; and CUDA 12.9+ for that slice's child commands); ``"while"`` is timed too, as
+  other XLA versions may differ. The loop's steps in a graph were timed once, with a conditional
+  in the step, on an H200 (no change, session 26), never since; a compile without a GPU cannot
+  show it (XLA sees no driver and drops these command types:
+  ``bench/results/cpu-aot-h100-graphs-2026-11-30-s42``)."""
   if (requested == "off" or platform != "gpu" or kept.graphs
       or "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", "")):
     return [kept]
