@@ -94,14 +94,14 @@ one Pallas GPU kernel with the matmul after it (``pallas_norm_matmul``; the mode
 asks: compiled for an H100 it takes 3 kernels a layer off the step, but its run time against
 cuBLAS's GEMMs is not measured.
 
-Decode launches timed (``launches_to_time``, ``rollout.decode_tuning``): on a GPU the kernels
-above that are off by default for want of a measurement (our paged step kernel, ``writes``; the
-fused norms) are offered to the engine, which times them against its own launch on its own device
-before it decodes and keeps the fastest (``sampler/launch_tuning.py``). Only what the environment
-leaves open is offered (a launch forced by ``$AREAL_JAX_PALLAS_GPU_PAGED`` or
-``$AREAL_JAX_DECODE_NORM_MATMUL`` is kept); then, on the one kept, the decode call's loop over its
-steps in CUDA graphs (``graphs_to_time``: XLA's command buffers, per program). ``"off"``, CPU and
-TPU: the engine's own launch only.
+Decode launches timed (``launch_stages``, ``rollout.decode_tuning``): on a GPU the kernels
+above that are off by default for want of a measurement (our paged step kernel, ``writes``, with
+or without ``dot``; the fused norms) and the decode loop in CUDA graphs (XLA's command buffers,
+per program) are offered to the engine, stage by stage, which times them against the launch kept
+so far on its own device before it decodes and keeps the fastest (``sampler/launch_tuning.py``).
+Only what the environment leaves open is offered (a launch forced by
+``$AREAL_JAX_PALLAS_GPU_PAGED``, ``$AREAL_JAX_DECODE_NORM_MATMUL`` or command buffers in
+``$XLA_FLAGS`` is kept). ``"off"``, CPU and TPU: the engine's own launch only.
 
 Top-k / top-p (``truncation_on_host``): on GPU the engine picks, on the host, a decode program
 with the vocabulary's sort or one without it, so no step holds a conditional (each a wait for the
@@ -160,6 +160,7 @@ import contextvars
 import dataclasses
 import os
 import re
+from typing import Callable
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -770,39 +771,51 @@ class Launch:
     return "+".join(parts) or "default"
 
 
-def launches_to_time(platform: str, requested: str, own: Launch, *, paged_pallas: bool,
-                     one_device: bool, group: int, page_size: int, head_dim: int,
-                     norm_dims: tuple[tuple[int, int], ...], no_triton: str | None = None
-                     ) -> list[Launch]:
-  """The launches an engine times before it decodes, its ``own`` first (``sampler.launch_tuning``
-  keeps the fastest; one: nothing to time). ``requested`` (``rollout.decode_tuning``): ``"auto"``
-  on a GPU that runs Triton offers, beside its own, our paged step kernel (``writes``, where the
-  engine's decode attention is ``pallas_gpu`` over pages, ``paged_pallas``, at a shape it takes)
-  and that with the fused norms (``norms``: an engine over one device, ``norm_dims`` the
-  ``(inputs, outputs)`` of the matmuls after its norms, one of which the kernel takes), each
-  where its environment variable leaves it open; ``"off"``, CPU and TPU: ``[own]``."""
+def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_device: bool,
+                  group: int, page_size: int, head_dim: int,
+                  norm_dims: tuple[tuple[int, int], ...], no_triton: str | None = None
+                  ) -> list[Callable[[Launch], list[Launch]]]:
+  """The stages of launches an engine times before it decodes (``sampler.launch_tuning``): each
+  is given the launch kept so far (first the engine's own) and returns it first, then what may
+  replace it; the fastest is kept. ``requested`` (``rollout.decode_tuning``): ``"auto"`` on a GPU
+  offers, each where its environment variable leaves it open:
+
+  1. our paged step kernel (``writes``, where the engine's decode attention is ``pallas_gpu`` over
+     pages, ``paged_pallas``, at a shape it takes), and it with its scores and output as
+     tensor-core dots (``dot``, where ``pallas_paged_step.dot_usable``: on an H100 in session 27
+     the attention read the 1.5B shape's cache at about half the read probe's bandwidth);
+  2. the fused norms (``norms``: an engine over one device, ``norm_dims`` the ``(inputs,
+     outputs)`` of the matmuls after its norms, one of which the kernel takes);
+  3. the decode call's loop in CUDA graphs (``graphs_to_time``).
+
+  1 and 2 need Triton (``no_triton``: why not). ``"off"``, CPU and TPU: none."""
   if requested not in DECODE_TUNING:
     raise ValueError(f"rollout.decode_tuning={requested!r} is not one of {DECODE_TUNING}")
-  if requested == "off" or platform != "gpu" or no_triton:
-    return [own]
-  writes = (paged_pallas and not own.paged.writes and pallas_paged_step.usable(
-      group, page_size, head_dim) and not os.environ.get(PAGED_TUNING_ENV, "").strip()
-      and not os.environ.get(BLOCK_PAGES_ENV, "").strip())
-  norms = (own.norms is None and one_device and os.environ.get(NORM_MATMUL_ENV, "").strip()
-           in ("", "0") and any(pallas_norm_matmul.usable(*d) for d in norm_dims))
-  out = [own]
-  paged = dataclasses.replace(own.paged, writes=True)
-  if writes:
-    out.append(Launch(own.norms, paged))
-  if norms:
-    out.append(Launch(pallas_norm_matmul.NormTuning(), paged if writes else own.paged))
-  return out
+  if requested == "off" or platform != "gpu":
+    return []
+  stages = []
+  if (not no_triton and paged_pallas and pallas_paged_step.usable(group, page_size, head_dim)
+      and not os.environ.get(PAGED_TUNING_ENV, "").strip()
+      and not os.environ.get(BLOCK_PAGES_ENV, "").strip()):
+    dots = pallas_paged_step.dot_usable(page_size, head_dim)
+
+    def paged_step(kept: Launch) -> list[Launch]:
+      writes = dataclasses.replace(kept.paged, writes=True)
+      return [kept, dataclasses.replace(kept, paged=writes)] + (
+          [dataclasses.replace(kept, paged=dataclasses.replace(writes, dot=True))] if dots else [])
+    stages.append(paged_step)
+  if (not no_triton and one_device and os.environ.get(NORM_MATMUL_ENV, "").strip() in ("", "0")
+      and any(pallas_norm_matmul.usable(*d) for d in norm_dims)):
+    stages.append(lambda kept: [kept, dataclasses.replace(
+        kept, norms=pallas_norm_matmul.NormTuning())])
+  if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    stages.append(graphs_to_time)
+  return stages
 
 
-def graphs_to_time(platform: str, requested: str, kept: Launch) -> list[Launch]:
-  """After the kernels (``launches_to_time``): ``kept``, then on a GPU the same with its decode
-  call's loop over the steps in XLA's command buffers (CUDA graphs; ``Launch.graphs``), unless
-  ``$XLA_FLAGS`` sets the command buffers itself. A SmolLM2 decode step is ~390 small kernels on
+def graphs_to_time(kept: Launch) -> list[Launch]:
+  """``kept``, then the same with its decode call's loop over the steps in XLA's command buffers
+  (CUDA graphs; ``Launch.graphs``). A SmolLM2 decode step is ~390 small kernels on
   an H100 (bound by their launches, session 27); XLA puts runs of them (cuBLAS GEMMs and custom
   calls too, with a CUDA 12.3+ driver) in graphs of their own, but each step of the loop is
   launched by the host. XLA captures a loop only if its whole body converts, and ours writes each
@@ -812,8 +825,7 @@ def graphs_to_time(platform: str, requested: str, kept: Launch) -> list[Launch]:
   in the step, on an H200 (no change, session 26), never since; a compile without a GPU cannot
   show it (XLA sees no driver and drops these command types:
   ``bench/results/cpu-aot-h100-graphs-2026-11-30-s42``)."""
-  if (requested == "off" or platform != "gpu" or kept.graphs
-      or "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", "")):
+  if kept.graphs:
     return [kept]
   return [kept] + [dataclasses.replace(kept, graphs=g) for g in GRAPHS[1:]]
 

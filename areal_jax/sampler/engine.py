@@ -297,15 +297,12 @@ class DecodeEngine:
     self.norm_tuning, self.paged_tuning, self.graphs = launch.norms, launch.paged, launch.graphs
     self._generate_fns = self._fns.setdefault(("generate", launch), {})
 
-  def launches_to_time(self, kept: choice.Launch | None = None) -> list[choice.Launch]:
-    """This engine's launch, then the others ``choice.launches_to_time`` offers it; after
-    ``kept`` (the fastest of those), it and ``choice.graphs_to_time``'s."""
-    if kept is not None:
-      return choice.graphs_to_time(self.platform, self.config.decode_tuning, kept)
+  def launch_stages(self):
+    """The stages of launches this engine times before it decodes (``choice.launch_stages``)."""
     m = self.model_cfg
     q_kv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
-    return choice.launches_to_time(
-        self.platform, self.config.decode_tuning, self.launch,
+    return choice.launch_stages(
+        self.platform, self.config.decode_tuning,
         paged_pallas=self.paged and self.attention_impl == "pallas_gpu",
         one_device=self.mesh.size == 1, group=m.n_heads // m.n_kv_heads,
         page_size=self.config.page_size, head_dim=m.head_dim,

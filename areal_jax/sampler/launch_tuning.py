@@ -1,20 +1,20 @@
 """Timing the decode program's launches on the device it runs on, and keeping the fastest.
 
 On a GPU some launches take kernels off each decode step (our paged step kernel writing the
-step's keys and values, ``writes``; each RMSNorm in one kernel with the matmul after it,
-``norms``: ``kernels.choice.launches_to_time``) or the host's launches off each call (the call's
-loop over its steps in CUDA graphs, ``graphs``: ``kernels.choice.graphs_to_time``), but whether
-a step runs faster with them turns on the GPU, the model's shape and the library versions, and
-this project measured none of them on a GPU. So the engine measures them where it runs, once,
-before its first decode call, in two stages (the kernels, then the graphs on the kernels kept):
-``tune`` compiles the widest decode program (every slot, the kv bucket of half the positions)
-under each launch, arms every slot at that position (each over pages of its own on a paged
-cache), times ``rounds`` calls of each launch in turn (alternating, so a drift of the clock or
-the load spreads over all of them), and keeps the one whose best call was fastest; the stage's
-first launch (the engine's own, then the kernels kept) stays unless another is at least
-``MARGIN`` faster. A launch that fails to compile or run is dropped with a warning; where the
-engine's own took over ``MAX_COMPILE_S`` to compile, nothing else is tried (each would cost about
-as much again before the first decode).
+step's keys and values, ``writes``, with or without tensor-core dots; each RMSNorm in one kernel
+with the matmul after it, ``norms``) or the host's launches off each call (the call's loop over
+its steps in CUDA graphs, ``graphs``; ``kernels.choice.launch_stages``), but whether a step runs
+faster with them turns on the GPU, the model's shape and the library versions, and this project
+measured none of them on a GPU. So the engine measures them where it runs, once, before its
+first decode call, stage by stage (the paged step kernel, then the norms, then the graphs, each
+on what the stages before it kept): ``tune`` compiles the widest decode program (every slot, the
+kv bucket of half the positions) under each launch, arms every slot at that position (each over
+pages of its own on a paged cache), times ``rounds`` calls of each launch in turn (alternating,
+so a drift of the clock or the load spreads over all of them), and keeps the one whose best call
+was fastest; the stage's first launch (the engine's own, then the one kept so far) stays unless
+another is at least ``MARGIN`` faster. A launch that fails to compile or run is dropped with a
+warning; where the engine's own took over ``MAX_COMPILE_S`` to compile, nothing else is tried
+(each would cost about as much again before the first decode).
 
 What the timing writes into the cache lands in slots and pages no sequence holds yet (it runs
 before the first one is admitted), and the slots end inactive: decoding afterwards is as with
@@ -47,27 +47,27 @@ def wall_seconds(call: Callable[[], Any]) -> float:
   return time.perf_counter() - t0
 
 
-def tune(engine, state, launches: list[choice.Launch] | None = None, *,
-         then: Callable[[choice.Launch], list[choice.Launch]] | None = None,
-         rounds: int = ROUNDS, measure: Callable[[Callable[[], Any]], float] | None = None):
-  """Times ``launches`` (default ``engine.launches_to_time()``; the first is the engine's own)
-  and keeps the fastest, then times what ``then(kept)`` offers (its first: ``kept``; default,
-  with ``launches`` defaulted too, ``engine.launches_to_time(kept)``: the CUDA graphs) and keeps
-  the fastest of those; leaves ``engine`` on it. ``state``: the engine's decode state with no
-  slot armed. Returns ``(state, report)``; the report (None when there was nothing to time)
-  names the ``launch`` kept, each launch's best ``step_ms``, its ``compile_s`` (its first
-  call), those that ``failed`` and why, and the ``slots`` and ``position`` timed.
-  ``measure(call)``: the seconds a call takes (default ``wall_seconds``)."""
-  if launches is None:
-    launches, then = engine.launches_to_time(), then or engine.launches_to_time
-  launches = list(launches)
-  if len(launches) < 2 and (then is None or len(then(launches[0])) < 2):
+def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launch]]] | None = None,
+         *, rounds: int = ROUNDS, measure: Callable[[Callable[[], Any]], float] | None = None):
+  """Times the launches of each of ``stages`` in turn (default ``engine.launch_stages()``; a
+  stage is given the launch kept so far, first the engine's own, and returns it first, then what
+  may replace it) and keeps the fastest of each; leaves ``engine`` on the last one kept.
+  ``state``: the engine's decode state with no slot armed. Returns ``(state, report)``; the
+  report (None when there was nothing to time) names the ``launch`` kept, each launch's best
+  ``step_ms``, its ``compile_s`` (its first call), those that ``failed`` and why, and the
+  ``slots`` and ``position`` timed. ``measure(call)``: the seconds a call takes (default
+  ``wall_seconds``)."""
+  stages = engine.launch_stages() if stages is None else stages
+  kept = engine.launch
+  if not any(len(stage(kept)) > 1 for stage in stages):
     return state, None
   t_start = time.perf_counter()
   timer = _Timer(engine, state, rounds, measure or wall_seconds)
-  kept = timer.stage(launches)
-  if then is not None and not timer.stopped and len(after := then(kept)) > 1:
-    kept = timer.stage(after)
+  for stage in stages:
+    if len(launches := stage(kept)) > 1:
+      kept = timer.stage(launches)
+    if timer.stopped:
+      break
   engine.use_launch(kept)
   c = engine.config
   state = engine.deactivate(timer.state, list(range(c.num_slots)))

@@ -225,59 +225,57 @@ def test_gpus_older_than_ampere_decode_without_pallas_gpu_kernels(monkeypatch):
 
 
 def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
-  """``launches_to_time``: the engine's own launch first; on a GPU that runs Triton, our paged
-  step kernel where the Pallas kernel reads the pages, and that with the fused norms on one
-  device, each unless the environment forces its setting; nothing else on CPU, TPU or "off"."""
+  """``launch_stages``: on a GPU, our paged step kernel (with dots where it takes them) where the
+  Pallas kernel reads the pages, the fused norms on one device, then the decode loop in CUDA
+  graphs, each unless the environment forces its setting; the Triton ones only where Triton
+  runs; none on CPU, TPU or "off". Each stage offers the launch kept so far first."""
+  import jax.numpy as jnp
   from areal_jax.kernels import pallas_attention, pallas_norm_matmul
-  for name in (choice.PAGED_TUNING_ENV, choice.NORM_MATMUL_ENV, choice.BLOCK_PAGES_ENV):
+  for name in (choice.PAGED_TUNING_ENV, choice.NORM_MATMUL_ENV, choice.BLOCK_PAGES_ENV,
+               "XLA_FLAGS"):
     monkeypatch.delenv(name, raising=False)
   own = choice.Launch(None, pallas_attention.PagedTuning())
   shape = dict(paged_pallas=True, one_device=True, group=3, page_size=64, head_dim=64,
                norm_dims=((576, 960), (576, 1536)))  # SmolLM2-135M
 
-  def names(platform="gpu", requested="auto", launch=own, **kw):
-    return [x.name for x in choice.launches_to_time(platform, requested, launch,
-                                                    **{**shape, **kw})]
+  def stages(platform="gpu", requested="auto", **kw):
+    """Each stage's offer, given the launch the stage before it offered last."""
+    kept, out = own, []
+    for stage in choice.launch_stages(platform, requested, **{**shape, **kw}):
+      offered = stage(kept)
+      assert offered[0] == kept
+      out.append([x.name for x in offered[1:]])
+      kept = offered[-1]
+    return out
 
-  assert names() == ["default", "writes=1", "writes=1+norms"]
-  assert names("cpu") == names("tpu") == names(requested="off") == ["default"]
-  assert names(no_triton="a Tesla T4") == ["default"]
-  assert names(paged_pallas=False) == ["default", "norms"]  # rows: the norms alone
-  assert names(one_device=False) == ["default", "writes=1"]  # the norms' kernel: one device
-  assert names(group=64) == ["default", "norms"]  # a query group the step kernel does not take
-  assert names(norm_dims=((576, 24),)) == ["default", "writes=1"]  # no matmul the kernel takes
+  graphs = ["graphs", "graphs:unrolled"]
+  assert stages() == [["writes=1", "writes=1,dot=1"], ["writes=1,dot=1+norms"],
+                      [f"writes=1,dot=1+norms+{g}" for g in graphs]]
+  assert stages("cpu") == stages("tpu") == stages(requested="off") == []
+  assert stages(no_triton="a Tesla T4") == [graphs]  # the graphs need no Triton
+  assert stages(paged_pallas=False) == [["norms"], [f"norms+{g}" for g in graphs]]
+  assert stages(one_device=False)[1] == ["writes=1,dot=1+graphs", "writes=1,dot=1+graphs:unrolled"]
+  assert stages(head_dim=16)[0] == ["writes=1"]  # no dots: half a head under 16
+  assert stages(group=64)[0] == ["norms"]  # a query group the step kernel does not take
+  assert stages(norm_dims=((576, 24),))[1] == [f"writes=1,dot=1+{g}" for g in graphs]
   monkeypatch.setenv(choice.PAGED_TUNING_ENV, "parts=2")  # forced: kept as the environment says
-  assert names() == ["default", "norms"]
+  assert stages()[0] == ["norms"]
   monkeypatch.setenv(choice.NORM_MATMUL_ENV, "0")  # "0" forces nothing
-  assert names() == ["default", "norms"]
+  assert stages()[0] == ["norms"]
   monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
-  assert names() == ["default"]
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  assert stages() == []
   both = choice.Launch(pallas_norm_matmul.NormTuning(warps=8),
                        pallas_attention.PagedTuning(parts=2, writes=True))
   assert both.name == "parts=2,writes=1+norms:warps=8"
   with pytest.raises(ValueError, match="rollout.decode_tuning='on'"):
-    names(requested="on")
-
-
-def test_on_a_gpu_the_kept_launch_s_loop_in_cuda_graphs_is_offered_to_be_timed(monkeypatch):
-  """``graphs_to_time``: after the kernels, the kept launch with its decode call's loop in XLA's
-  command buffers, as a graph loop node and unrolled, on a GPU unless ``$XLA_FLAGS`` sets the
-  command buffers; the options they add are ones this jaxlib's XLA takes."""
-  import jax.numpy as jnp
-  from areal_jax.kernels import pallas_attention
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
-  kept = choice.Launch(None, pallas_attention.PagedTuning(writes=True))
-  names = lambda *a: [x.name for x in choice.graphs_to_time(*a)]  # noqa: E731
-  assert names("gpu", "auto", kept) == ["writes=1", "writes=1+graphs", "writes=1+graphs:unrolled"]
-  assert names("cpu", "auto", kept) == names("tpu", "auto", kept) == ["writes=1"]
-  assert names("gpu", "off", kept) == ["writes=1"]
-  graphs = choice.graphs_to_time("gpu", "auto", kept)
-  assert names("gpu", "auto", graphs[1]) == ["writes=1+graphs"]  # already in graphs
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
-  assert names("gpu", "auto", kept) == ["writes=1"]
-  assert kept.compiler_options() == {}
-  for launch in graphs[1:]:  # XLA parses them (an unknown name or value is an error)
+    stages(requested="on")
+  # the graphs: compiler options XLA takes (an unknown name or value is an error)
+  assert own.compiler_options() == {}
+  offered = choice.graphs_to_time(own)
+  assert choice.graphs_to_time(offered[1]) == [offered[1]]  # already in graphs
+  for launch in offered[1:]:
     options = launch.compiler_options()
     assert "WHILE" in options["xla_gpu_enable_command_buffer"]
     assert jax.jit(lambda x: x + 1, compiler_options=options)(jnp.ones(2)).tolist() == [2, 2]
-  assert graphs[2].compiler_options()["xla_gpu_command_buffer_unroll_loops"] is True
+  assert offered[2].compiler_options()["xla_gpu_command_buffer_unroll_loops"] is True

@@ -28,6 +28,11 @@ WRITES = choice.Launch(None, pallas_attention.PagedTuning(writes=True))
 BOTH = choice.Launch(pallas_norm_matmul.NormTuning(), pallas_attention.PagedTuning(writes=True))
 
 
+def offer(*launches):
+  """A stage offering ``launches`` after the launch kept so far."""
+  return lambda kept: [kept, *launches]
+
+
 @pytest.fixture(autouse=True)
 def _no_forced_launch(monkeypatch):
   for name in (choice.PAGED_TUNING_ENV, choice.NORM_MATMUL_ENV, choice.BLOCK_PAGES_ENV):
@@ -77,11 +82,12 @@ def test_the_fastest_launch_is_kept_and_decodes_as_an_engine_built_with_it(model
   eng = DecodeEngine(model, CONFIG)
   assert eng.launch == OWN and eng.launch.name == "default"
   measure, timed = _costs(eng, {"default": 1.0, "writes=1": 0.8, "writes=1+norms": 0.5})
-  state, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES, BOTH], rounds=2,
-                                     measure=measure)
+  state, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES), offer(BOTH)],
+                                     rounds=2, measure=measure)
   assert eng.launch == BOTH and report["launch"] == "writes=1+norms"
-  # each compiled (its first call), then the rounds in turn
-  assert timed == ["default", "writes=1", "writes=1+norms"] * 3
+  # a stage: each compiled (its first call), then the rounds in turn; the next on the one kept
+  assert timed == (["default", "writes=1"] * 3 + ["writes=1+norms"]
+                   + ["writes=1", "writes=1+norms"] * 2)
   assert report["step_ms"] == {"default": 250.0, "writes=1": 200.0, "writes=1+norms": 125.0}
   assert report["slots"] == 4 and report["position"] == 32 and not report["failed"]
   assert not np.asarray(state["active"]).any()  # no slot left armed
@@ -102,10 +108,12 @@ def test_the_fastest_launch_is_kept_and_decodes_as_an_engine_built_with_it(model
 def test_the_engine_keeps_its_own_launch_unless_another_is_clearly_faster(model):
   eng = DecodeEngine(model, CONFIG)
   measure, _ = _costs(eng, {"default": 1.0, "writes=1": 0.98})  # 2%: within the margin
-  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1, measure=measure)
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES)], rounds=1,
+                                 measure=measure)
   assert eng.launch == OWN and report["launch"] == "default"
   measure, _ = _costs(eng, {"default": 1.0, "writes=1": 0.9})
-  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1, measure=measure)
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES)], rounds=1,
+                                 measure=measure)
   assert eng.launch == WRITES and report["launch"] == "writes=1"
 
 
@@ -118,8 +126,9 @@ def test_then_the_kept_launch_s_loop_in_cuda_graphs_is_timed(model, monkeypatch)
   graphs = [dataclasses.replace(WRITES, graphs=g) for g in choice.GRAPHS]
   measure, timed = _costs(eng, {"default": 1.0, "writes=1": 0.8, "writes=1+graphs": 0.6,
                                 "writes=1+graphs:unrolled": 0.5})
-  state, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1,
-                                     measure=measure, then=lambda kept: [kept, *graphs[1:]])
+  state, report = launch_tuning.tune(eng, eng.init_state(),
+                                     [offer(WRITES), choice.graphs_to_time], rounds=1,
+                                     measure=measure)
   assert eng.launch == graphs[2] and report["launch"] == "writes=1+graphs:unrolled"
   assert timed == ["default", "writes=1"] * 2 + ["writes=1+graphs", "writes=1+graphs:unrolled",
                                                  "writes=1", "writes=1+graphs",
@@ -129,9 +138,9 @@ def test_then_the_kept_launch_s_loop_in_cuda_graphs_is_timed(model, monkeypatch)
   monkeypatch.setattr(choice, "COMMAND_BUFFERS", "FUSION,NO_SUCH_COMMAND")
   eng = DecodeEngine(model, dataclasses.replace(CONFIG, steps_per_call=2))
   measure, _ = _costs(eng, {"default": 1.0, "graphs": 0.1})
-  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, choice.Launch(None, OWN.paged,
-                                                                             "while")],
-                                 rounds=1, measure=measure)
+  _, report = launch_tuning.tune(eng, eng.init_state(),
+                                 [offer(choice.Launch(None, OWN.paged, "while"))], rounds=1,
+                                 measure=measure)
   assert report["launch"] == "default" and "NO_SUCH_COMMAND" in report["failed"]["graphs"]
 
 
@@ -139,7 +148,8 @@ def test_no_other_launch_is_tried_after_a_long_compile_of_the_engine_s_own(model
   eng = DecodeEngine(model, CONFIG)
   slow = launch_tuning.MAX_COMPILE_S + 1  # (every call "takes" it: the first is the compile)
   measure, timed = _costs(eng, {"default": slow, "writes=1": 0.1})
-  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1, measure=measure)
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES), offer(BOTH)], rounds=1,
+                                 measure=measure)
   assert eng.launch == OWN and timed == ["default"] * 2 and list(report["step_ms"]) == ["default"]
 
 
@@ -155,7 +165,7 @@ def test_a_launch_that_fails_is_dropped_and_the_engine_decodes_on(model, monkeyp
 
   monkeypatch.setattr(DecodeEngine, "_make_generate", failing)
   measure, timed = _costs(eng, {"default": 1.0, "writes=1": 0.1})
-  state, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1,
+  state, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES)], rounds=1,
                                      measure=measure)
   assert eng.launch == OWN and report["launch"] == "default" and timed == ["default"] * 2
   assert report["failed"] == {"writes=1": "RuntimeError: Triton could not compile this kernel"}
@@ -166,7 +176,7 @@ def test_a_launch_that_fails_is_dropped_and_the_engine_decodes_on(model, monkeyp
 def test_the_wall_clock_times_each_launch(model):
   """Without a ``measure``: every launch's step timed on this device, the one kept among them."""
   eng = DecodeEngine(model, dataclasses.replace(CONFIG, kv_pages=10))  # pages for 2 slots
-  _, report = launch_tuning.tune(eng, eng.init_state(), [OWN, WRITES], rounds=1)
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES)], rounds=1)
   assert set(report["step_ms"]) == {"default", "writes=1"} and report["slots"] == 2
   assert all(ms > 0 for ms in report["step_ms"].values())
   assert report["launch"] in report["step_ms"]
@@ -176,7 +186,7 @@ def test_the_wall_clock_times_each_launch(model):
 def test_nothing_is_timed_where_there_is_nothing_else_to_run(model):
   """On CPU (and TPU, or with ``decode_tuning="off"``) an engine offers only its own launch."""
   eng = DecodeEngine(model, CONFIG)
-  assert eng.launches_to_time() == [OWN]
+  assert eng.launch_stages() == []
   state = eng.init_state()
   assert launch_tuning.tune(eng, state) == (state, None)
   with pytest.raises(ValueError, match="decode_tuning='fast'"):
@@ -199,12 +209,10 @@ def _sample(eng):
 def _offer_writes_as_a_gpu_would(monkeypatch) -> list:
   """Engines offer ``WRITES`` beside their own launch (with ``decode_tuning="auto"``, as on a
   GPU) and their calls are timed by a clock under which it is faster; the calls timed."""
-  def offered(self, kept=None):
-    if kept is not None or self.config.decode_tuning == "off":
-      return [kept or self.launch]
-    return [self.launch, WRITES]
+  def offered(self):
+    return [offer(WRITES)] if self.config.decode_tuning == "auto" else []
 
-  monkeypatch.setattr(DecodeEngine, "launches_to_time", offered)
+  monkeypatch.setattr(DecodeEngine, "launch_stages", offered)
   calls = []
 
   def measure(call):
