@@ -15,7 +15,8 @@
 #    GPU: a paged cache read by JAX's Pallas paged-attention kernel, the layers unrolled,
 #    decode_matmul 'blas', and the kernel launch the engine keeps after timing its default,
 #    writes=1 and writes=1 + norms, rollout.decode_tuning: "launch kept" in the log; the floor
-#    loop's program gets the same matmul options), the keys;
+#    loop's program gets the same matmul options), the keys; then the SmolLM2 shape's
+#    (64 slots, context 128), the same way (the 10x asked is per SmolLM2 step);
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
 #    the same with top-k / top-p decided in every step by a conditional, as before session 33
 #    (branch: on a GPU a wait for the host at every step), against
@@ -62,6 +63,9 @@ log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --for
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
+# (its figures in the log only) the SmolLM2 step as shipped, the launch timed and kept by the engine
+log sampler smollm2 as shipped; t=$(limit 90) && timeout "$t" python3 bench/sampler.py \
+  --decode-only --model=smollm2-135m 2>&1 | keep
 log variants "$BIG"; t=$(limit 140) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
   --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:branch,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
