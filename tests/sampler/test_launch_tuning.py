@@ -270,3 +270,53 @@ def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):
   finally:
     eng.stop()
   assert len(timed) == 2 * (1 + launch_tuning.ROUNDS)
+
+
+def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
+  """The stages a GPU engine times (``choice.launch_stages`` for a GPU: our paged step kernel,
+  with dots, the fused norms, the loop in graphs), walked to the last of each on CPU (Pallas in
+  interpret mode; XLA:CPU takes the graphs' options and ignores them): each compiles and runs,
+  and the launch kept decodes as the engine's default does."""
+  from .conftest import tiny_model
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  model = tiny_model(3, head_dim=32)  # (dots: half a head of at least 16)
+  config = dataclasses.replace(CONFIG, page_size=16, kv_pages=20)
+  eng, ref = DecodeEngine(model, config), DecodeEngine(model, config)
+  m = model.cfg
+  stages = choice.launch_stages(
+      "gpu", "auto", paged_pallas=True, one_device=True, group=m.n_heads // m.n_kv_heads,
+      page_size=16, head_dim=m.head_dim, norm_dims=((m.d_model, 8 * m.head_dim),))
+  ranks = {}  # each launch faster than every one offered before it
+
+  def measure(call):
+    jax.block_until_ready(call())
+    return 1.0 / ranks.setdefault(eng.launch.name, len(ranks) + 1)
+
+  _, report = launch_tuning.tune(eng, eng.init_state(), stages, rounds=1, measure=measure)
+  assert list(report["step_ms"]) == [
+      "default", "writes=1", "writes=1,dot=1", "writes=1,dot=1+norms",
+      "writes=1,dot=1+norms+graphs", "writes=1,dot=1+norms+graphs:unrolled"]
+  assert report["launch"] == "writes=1,dot=1+norms+graphs:unrolled" and not report["failed"]
+
+  def group(e):
+    table = PageTable(4, 20, 16, 64)
+    prompt, slots = list(range(3, 21)), [0, 1]
+    assert table.share(slots, len(prompt) - 1)
+    keys = np.stack([np.asarray(sampling.slot_key(5, i)) for i in range(2)])
+    state = e.insert(e.init_state(), e.prefill(e.params, prompt[:-1]), slots,
+                     token=[prompt[-1]] * 2, pos=[len(prompt) - 1] * 2, end=[64] * 2, keys=keys,
+                     temperature=0.8, top_k=0, top_p=1.0, greedy=False, stop_ids=[],
+                     pages=table.table[slots])
+    outs = []
+    for call in range(3):
+      assert all(table.grow(s, len(prompt) - 1 + 4 * (call + 1)) for s in slots)
+      state, out = e.generate(e.params, state, e.kv_bucket(len(prompt) + 4 * call),
+                              pages=table.table)
+      outs.append(jax.device_get(out))
+    return outs
+
+  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(group(eng), group(ref)):
+    np.testing.assert_array_equal(valid, valid_ref)
+    np.testing.assert_array_equal(tok[valid], tok_ref[valid])
+    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-5)
