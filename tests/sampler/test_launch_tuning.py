@@ -1,6 +1,7 @@
-"""The decode launches timed on the device (``sampler.launch_tuning``): the fastest is kept (the
-engine's own unless another is clearly faster), one that fails is dropped, decoding afterwards is
-as an untimed engine's with that launch, and the service and its replicas time once."""
+"""The decode launches timed on the device (``sampler.launch_tuning``), stage by stage: the
+fastest of each is kept (the launch kept so far unless another is clearly faster), one that fails
+is dropped, decoding afterwards is as an untimed engine's with that launch (every launch a GPU
+would time, run here in interpret mode), and the service and its replicas time once."""
 
 import dataclasses
 
