@@ -52,18 +52,18 @@ def _costs(engine, seconds: dict):
   return measure, timed
 
 
-def _group(eng):
-  """Three samples of one prompt over five calls (a paged cache: pages taken as they grow)."""
-  prompt, slots = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3]
-  keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
-  table = PageTable(4, 20, 8, 64)
+def _group(eng, page_size=8, samples=3, calls=5):
+  """``samples`` of one prompt over ``calls`` calls (pages taken as they grow)."""
+  prompt, slots = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3][:samples]
+  keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(samples)])
+  table = PageTable(4, 20, page_size, 64)
   assert table.share(slots, len(prompt) - 1)
   state = eng.insert(eng.init_state(), eng.prefill(eng.params, prompt[:-1]), slots,
-                     token=[prompt[-1]] * 3, pos=[len(prompt) - 1] * 3, end=[64] * 3, keys=keys,
-                     temperature=0.7, top_k=0, top_p=1.0, greedy=False, stop_ids=[],
-                     pages=table.table[slots])
+                     token=[prompt[-1]] * samples, pos=[len(prompt) - 1] * samples,
+                     end=[64] * samples, keys=keys, temperature=0.7, top_k=0, top_p=1.0,
+                     greedy=False, stop_ids=[], pages=table.table[slots])
   outs = []
-  for call in range(5):
+  for call in range(calls):
     assert all(table.grow(s, len(prompt) - 1 + 4 * (call + 1)) for s in slots)
     state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * call),
                               pages=table.table)
@@ -300,24 +300,8 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
       "writes=1,dot=1+norms+graphs", "writes=1,dot=1+norms+graphs:unrolled"]
   assert report["launch"] == "writes=1,dot=1+norms+graphs:unrolled" and not report["failed"]
 
-  def group(e):
-    table = PageTable(4, 20, 16, 64)
-    prompt, slots = list(range(3, 21)), [0, 1]
-    assert table.share(slots, len(prompt) - 1)
-    keys = np.stack([np.asarray(sampling.slot_key(5, i)) for i in range(2)])
-    state = e.insert(e.init_state(), e.prefill(e.params, prompt[:-1]), slots,
-                     token=[prompt[-1]] * 2, pos=[len(prompt) - 1] * 2, end=[64] * 2, keys=keys,
-                     temperature=0.8, top_k=0, top_p=1.0, greedy=False, stop_ids=[],
-                     pages=table.table[slots])
-    outs = []
-    for call in range(3):
-      assert all(table.grow(s, len(prompt) - 1 + 4 * (call + 1)) for s in slots)
-      state, out = e.generate(e.params, state, e.kv_bucket(len(prompt) + 4 * call),
-                              pages=table.table)
-      outs.append(jax.device_get(out))
-    return outs
-
-  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(group(eng), group(ref)):
+  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(
+      _group(eng, page_size=16, samples=2, calls=3), _group(ref, page_size=16, samples=2, calls=3)):
     np.testing.assert_array_equal(valid, valid_ref)
     np.testing.assert_array_equal(tok[valid], tok_ref[valid])
     np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-5)
