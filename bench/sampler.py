@@ -169,7 +169,7 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
   dev = eng.engine
   pages = own_pages(dev)  # a paged cache (the platform's choice): each slot its own pages
   # the kernel launch a run would keep (timed on this device where there is a choice: a GPU)
-  state, tuned = launch_tuning.tune(dev, dev.init_state())
+  state, tuned = launch_tuning.tune(dev, dev.init_state(), position=context)
   keys = np.stack([np.asarray(sampling.slot_key(0, i)) for i in range(slots)])
   state = dev.insert(state, None, list(range(slots)), token=[1] * slots, pos=[context] * slots,
                      end=[context + 16 * steps * (reps + 2)] * slots, keys=keys, temperature=1.0, top_k=0,

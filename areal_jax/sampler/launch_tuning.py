@@ -48,7 +48,8 @@ def wall_seconds(call: Callable[[], Any]) -> float:
 
 
 def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launch]]] | None = None,
-         *, rounds: int = ROUNDS, measure: Callable[[Callable[[], Any]], float] | None = None):
+         *, rounds: int = ROUNDS, measure: Callable[[Callable[[], Any]], float] | None = None,
+         position: int | None = None):
   """Times the launches of each of ``stages`` in turn (default ``engine.launch_stages()``; a
   stage is given the launch kept so far, first the engine's own, and returns it first, then what
   may replace it) and keeps the fastest of each; leaves ``engine`` on the last one kept.
@@ -56,13 +57,13 @@ def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launc
   report (None when there was nothing to time) names the ``launch`` kept, each launch's best
   ``step_ms``, its ``compile_s`` (its first call), those that ``failed`` and why, and the
   ``slots`` and ``position`` timed. ``measure(call)``: the seconds a call takes (default
-  ``wall_seconds``)."""
+  ``wall_seconds``); ``position``: where the slots decode from (default half the positions)."""
   stages = engine.launch_stages() if stages is None else stages
   kept = engine.launch
   if not any(len(stage(kept)) > 1 for stage in stages):
     return state, None
   t_start = time.perf_counter()
-  timer = _Timer(engine, state, rounds, measure or wall_seconds)
+  timer = _Timer(engine, state, rounds, measure or wall_seconds, position)
   for stage in stages:
     if len(launches := stage(kept)) > 1:
       kept = timer.stage(launches)
@@ -80,14 +81,15 @@ def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launc
 
 
 class _Timer:
-  """Decode calls of ``engine`` over every slot armed at half the positions, timed per launch
-  (``best``: its fastest step, in seconds)."""
+  """Decode calls of ``engine`` over every slot armed at ``position`` (default half the
+  positions), timed per launch (``best``: its fastest step, in seconds)."""
 
-  def __init__(self, engine, state, rounds: int, measure):
+  def __init__(self, engine, state, rounds: int, measure, position: int | None = None):
     self.engine, self.state, self.rounds, self.measure = engine, state, rounds, measure
     c = engine.config
     self.steps = c.steps_per_call
-    self.position = max(0, min(c.max_len // 2, c.max_len - self.steps - 1))
+    position = c.max_len // 2 if position is None else position
+    self.position = max(0, min(position, c.max_len - self.steps - 1))
     self.kv_len = engine.kv_bucket(self.position)
     self.slots, self.pages = _slots_and_pages(engine, self.position + self.steps)
     self.best: dict[choice.Launch, float] = {}

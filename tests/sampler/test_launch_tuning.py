@@ -179,6 +179,9 @@ def test_the_wall_clock_times_each_launch(model):
   eng = DecodeEngine(model, dataclasses.replace(CONFIG, kv_pages=10))  # pages for 2 slots
   _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES)], rounds=1)
   assert set(report["step_ms"]) == {"default", "writes=1"} and report["slots"] == 2
+  assert report["position"] == 32  # half the positions
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES)], rounds=1, position=8)
+  assert report["position"] == 8 and report["slots"] == 4  # (2 pages each reach 12 positions)
   assert all(ms > 0 for ms in report["step_ms"].values())
   assert report["launch"] in report["step_ms"]
   assert "writes=1" in launch_tuning.summary(report)
