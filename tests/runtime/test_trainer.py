@@ -122,6 +122,37 @@ def test_sigkill_then_rerun_resumes(tmp_path, tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_a_run_whose_sampler_times_its_decode_launches_first(tmp_path, monkeypatch, capsys):
+  """The run's sampler offered a launch to time, as on a GPU (``rollout.decode_tuning``; here
+  the decode loop in CUDA graphs, options XLA:CPU takes and ignores): it is timed once, before
+  the first decode, the one kept printed, and the run trains on it within the staleness bound."""
+  import dataclasses
+
+  import jax
+
+  from areal_jax.runtime import trainer
+  from areal_jax.sampler import launch_tuning
+  from areal_jax.sampler.engine import DecodeEngine
+
+  monkeypatch.setattr(DecodeEngine, "launch_stages", lambda self: [
+      lambda kept: [kept, dataclasses.replace(kept, graphs="unrolled")]])
+  timed = []
+
+  def measure(call):  # the graphs (every second call) are faster
+    jax.block_until_ready(call())
+    timed.append(1)
+    return 0.5 if len(timed) % 2 == 0 else 1.0
+
+  monkeypatch.setattr(launch_tuning, "wall_seconds", measure)
+  c = tiny_config(**{"train.total_steps": 2, "train.dump_trajectories": True,
+                     "rollout.max_head_offpolicyness": 1})
+  trainer.run(c, str(tmp_path))
+  check_run(str(tmp_path), 2, eta=1)
+  assert len(timed) == 2 * (1 + launch_tuning.ROUNDS)  # once, before the first decode
+  assert "sampler decode launch: graphs:unrolled (" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_colocated_run_alternates_on_one_shared_mesh(tmp_path):
   """mesh.colocated: both meshes are the first learner_devices devices, generation pauses while a
   step trains, and the same staleness bound and partial rollouts hold."""
