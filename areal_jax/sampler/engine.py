@@ -214,10 +214,10 @@ class DecodeEngine:
     self.compiler_options = choice.compiler_options(self.matmul_impl)
     # each RMSNorm with the matmul after it, in the decode programs (``choice.norm_matmuls``), and
     # the Pallas GPU kernel's launch they trace with (``choice.pallas_gpu_tuning``): both resolved
-    # here, once
-    self.norm_tuning = choice.norm_matmuls(platform, self.mesh.size == 1, no_triton=no_triton)
-    self.paged_tuning = choice.pallas_gpu_tuning()
-    self.graphs = ""  # the decode call's loop in CUDA graphs (``choice.Launch.graphs``)
+    # here, once, as the engine's launch (``use_launch`` changes it: ``sampler.launch_tuning``)
+    self.launch = choice.Launch(
+        choice.norm_matmuls(platform, self.mesh.size == 1, no_triton=no_triton),
+        choice.pallas_gpu_tuning())
     # whether a generate call's program is picked by whether its slots truncate (top-k / top-p),
     # known on the host, rather than deciding it in every step (``choice.truncation_on_host``)
     self.truncation_on_host = choice.truncation_on_host(platform)
@@ -252,13 +252,12 @@ class DecodeEngine:
                            config.max_len, self.model_cfg.head_dim, self.paged)
     self.state_shardings = self._state_shardings()
     # Compiled functions are shared by engines of the same model structure, config and mesh (and
-    # choice of decode attention, of weight layout, of held layouts, of fused norms and of the
-    # Pallas GPU kernel's launch: engines built under another launch, as a benchmark builds them
-    # side by side, compile their own).
+    # choice of decode attention, of weight layout and of held layouts); the generate programs
+    # per launch (engines under another launch, as a benchmark builds them side by side or
+    # ``use_launch`` picks, compile their own).
     self._fns = fns = _COMPILED.setdefault(
         (self.graphdef, config, self.mesh, self.attention_impl, self.prefill_attention,
-         self.matmul_impl,
-         self.layers_impl, choice.held_layouts(platform), self.norm_tuning, self.paged_tuning), {})
+         self.matmul_impl, self.layers_impl, choice.held_layouts(platform)), {})
     self._prefill_fns: dict[tuple[int, int], Any] = fns.setdefault("prefill", {})
     self._insert_fns: dict[int, Any] = fns.setdefault("insert", {})
     # (the generate programs per kernel launch: ``use_launch`` switches between them)
@@ -287,14 +286,19 @@ class DecodeEngine:
     self.params = self.put_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
   @property
-  def launch(self) -> choice.Launch:
-    """The kernel launches this engine's decode programs are traced with (``choice.Launch``)."""
-    return choice.Launch(self.norm_tuning, self.paged_tuning, self.graphs)
+  def norm_tuning(self):
+    """How the decode programs fuse each norm with its matmul (``launch.norms``; None: not)."""
+    return self.launch.norms
+
+  @property
+  def paged_tuning(self):
+    """How the decode programs launch the Pallas GPU paged kernel (``launch.paged``)."""
+    return self.launch.paged
 
   def use_launch(self, launch: choice.Launch) -> None:
     """Runs decode calls from here on with ``launch``'s programs (each compiled at its first use,
     as every variant is; the others' are kept); ``sampler.launch_tuning`` picks it."""
-    self.norm_tuning, self.paged_tuning, self.graphs = launch.norms, launch.paged, launch.graphs
+    self.launch = launch
     self._generate_fns = self._fns.setdefault(("generate", launch), {})
 
   def launch_stages(self):
@@ -645,7 +649,7 @@ class DecodeEngine:
     truncate = self._truncate(truncate)
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
     matmul_impl = self.matmul_impl  # (the kernels' padding for the GPU library: choice.query_rows)
-    norms, launch = self.norm_tuning, self.paged_tuning  # (what the model's trace reads)
+    norms, launch = self.launch.norms, self.launch.paged  # (what the model's trace reads)
     layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
     by_mask = self.weights.cfg.vocab_major_logits  # (the held model's logits: choice.py)
