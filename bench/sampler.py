@@ -195,7 +195,7 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
           "bytes_per_step_MB": bytes_step / 1e6, "gflop_per_step": flops_step / 1e9,
           "roofline_frac": ideal / step_s, "roofline_tok_per_s": slots / ideal,
           "hbm_roofline_frac": t_mem / step_s, "steps_per_call": steps,
-          "decode_attention": dev.attention_impl, "decode_matmul": dev.matmul_impl,
+          "decode_attention": dev.attention_impl, "decode_matmul": dev.decode_matmul,
           "decode_layers": dev.layers_impl, "decode_projections": dev.projections,
           "cache_layout": dev.cache_layout, "kv_pages": dev.config.kv_pages,
           "launch": dev.launch.name, "launch_step_ms": tuned and tuned["step_ms"],

@@ -738,12 +738,14 @@ COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION
 @dataclasses.dataclass(frozen=True)
 class Launch:
   """How a decode program is launched: ``norms`` (``norm_matmuls``: each RMSNorm with the matmul
-  after it, or None), ``paged`` (``pallas_gpu_tuning``) and ``graphs`` (``GRAPHS``: on a GPU the
+  after it, or None), ``paged`` (``pallas_gpu_tuning``), ``graphs`` (``GRAPHS``: on a GPU the
   call's loop over its steps captured in XLA's command buffers too, ``"while"`` as a CUDA graph
-  loop node, ``"unrolled"`` unrolled into one graph; ``""``: XLA's defaults)."""
+  loop node, ``"unrolled"`` unrolled into one graph; ``""``: XLA's defaults) and ``matmul`` (the
+  decode program's matmuls, ``MATMUL``; ``""``: the engine's, ``matmul``)."""
   norms: pallas_norm_matmul.NormTuning | None
   paged: pallas_attention.PagedTuning
   graphs: str = ""
+  matmul: str = ""
 
   def compiler_options(self) -> dict:
     """The XLA options ``graphs`` adds to a decode program's (``compiler_options``)."""
@@ -758,7 +760,8 @@ class Launch:
   def name(self) -> str:
     """The fields that differ from the defaults, as the environment would force them:
     ``$AREAL_JAX_PALLAS_GPU_PAGED``'s, then ``norms`` (``$AREAL_JAX_DECODE_NORM_MATMUL``'s
-    fields after a colon where they differ from its defaults); ``"default"`` for none."""
+    fields after a colon where they differ from its defaults), ``graphs``, ``matmul=``
+    (``$AREAL_JAX_DECODE_MATMUL``'s); ``"default"`` for none."""
     def changed(obj):
       return [f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in dataclasses.fields(obj)
               if (v := getattr(obj, f.name)) != f.default]
@@ -768,13 +771,15 @@ class Launch:
                             else ["norms"]))
     if self.graphs:
       parts.append("graphs" + (":unrolled" if self.graphs == "unrolled" else ""))
+    if self.matmul:
+      parts.append(f"matmul={self.matmul}")
     return "+".join(parts) or "default"
 
 
 def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_device: bool,
                   group: int, page_size: int, head_dim: int,
-                  norm_dims: tuple[tuple[int, int], ...], no_triton: str | None = None
-                  ) -> list[Callable[[Launch], list[Launch]]]:
+                  norm_dims: tuple[tuple[int, int], ...], no_triton: str | None = None,
+                  matmul_open: bool = False) -> list[Callable[[Launch], list[Launch]]]:
   """The stages of launches an engine times before it decodes (``sampler.launch_tuning``): each
   is given the launch kept so far (first the engine's own) and returns it first, then what may
   replace it; the fastest is kept. ``requested`` (``rollout.decode_tuning``): ``"auto"`` on a GPU
@@ -786,7 +791,14 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
      the attention read the 1.5B shape's cache at about half the read probe's bandwidth);
   2. the fused norms (``norms``: an engine over one device, ``norm_dims`` the ``(inputs,
      outputs)`` of the matmuls after its norms, one of which the kernel takes);
-  3. the decode call's loop in CUDA graphs (``graphs_to_time``).
+  3. the decode call's loop in CUDA graphs (``graphs_to_time``);
+  4. XLA's own GEMMs, autotuned, for the decode program (``matmul="xla"``), where the engine's
+     are ``"blas"`` by default (``matmul_open``: neither ``rollout.decode_matmul`` nor
+     ``$AREAL_JAX_DECODE_MATMUL`` names them). Measured on an H100 in session 27 (layers
+     unrolled, rows): SmolLM2 shape ``"xla"`` 1.38-1.50 ms a step against ``"blas"`` 1.62-1.75;
+     1.5B shape 5.10 against 5.08 ms, its program compiled in 8.4 s with the autotuning. Last,
+     as its compile autotunes (minutes a program at the 1.5B shape on an H200 with jax 0.11.2):
+     the stages before it are timed whatever it costs.
 
   1 and 2 need Triton (``no_triton``: why not). ``"off"``, CPU and TPU: none."""
   if requested not in DECODE_TUNING:
@@ -810,7 +822,17 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
         kept, norms=pallas_norm_matmul.NormTuning())])
   if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
     stages.append(graphs_to_time)
+  if matmul_open:
+    stages.append(lambda kept: [kept, dataclasses.replace(kept, matmul="xla")])
   return stages
+
+
+def matmul_open(matmul_impl: str, requested: str) -> bool:
+  """Whether an engine's decode matmuls ``matmul_impl`` are the GPU default ``"blas"`` that
+  neither ``requested`` (``rollout.decode_matmul``) nor ``$AREAL_JAX_DECODE_MATMUL`` names: XLA's
+  own are then timed against them (``launch_stages``)."""
+  return matmul_impl == "blas" and _requested(requested, MATMUL_ENV, MATMUL,
+                                               "decode_matmul") == "auto"
 
 
 def graphs_to_time(kept: Launch) -> list[Launch]:

@@ -295,6 +295,12 @@ class DecodeEngine:
     """How the decode programs launch the Pallas GPU paged kernel (``launch.paged``)."""
     return self.launch.paged
 
+  @property
+  def decode_matmul(self) -> str:
+    """The decode programs' matmuls (``launch.matmul``, else the engine's ``matmul_impl``; the
+    prefill and continuation programs keep the engine's)."""
+    return self.launch.matmul or self.matmul_impl
+
   def use_launch(self, launch: choice.Launch) -> None:
     """Runs decode calls from here on with ``launch``'s programs (each compiled at its first use,
     as every variant is; the others' are kept); ``sampler.launch_tuning`` picks it."""
@@ -311,7 +317,8 @@ class DecodeEngine:
         one_device=self.mesh.size == 1, group=m.n_heads // m.n_kv_heads,
         page_size=self.config.page_size, head_dim=m.head_dim,
         norm_dims=((m.d_model, q_kv), (m.d_model, m.d_ff)),
-        no_triton=choice.triton_unusable(self.mesh.devices.flat))
+        no_triton=choice.triton_unusable(self.mesh.devices.flat),
+        matmul_open=choice.matmul_open(self.matmul_impl, self.config.decode_matmul))
 
   @property
   def pages_per_slot(self) -> int:
@@ -648,7 +655,7 @@ class DecodeEngine:
     decides it, ``truncation_on_host`` off, one program serves both)."""
     truncate = self._truncate(truncate)
     steps, mesh, impl = self.config.steps_per_call, self.mesh, self.attention_impl
-    matmul_impl = self.matmul_impl  # (the kernels' padding for the GPU library: choice.query_rows)
+    matmul_impl = self.decode_matmul  # (the kernels' padding for the GPU library: query_rows)
     norms, launch = self.launch.norms, self.launch.paged  # (what the model's trace reads)
     layers = self.layers
     scatter = choice.scatter_cache_writes(self.platform)
@@ -689,7 +696,8 @@ class DecodeEngine:
 
     held, state = formats or (self.held_formats, self.state_formats)
     in_shardings = (held, state) + ((None,) if self.paged else ())
-    options = {**(self.compiler_options or {}), **self.launch.compiler_options()} or None
+    options = {**(choice.compiler_options(matmul_impl) or {}),
+               **self.launch.compiler_options()} or None
     return jax.jit(fn, in_shardings=in_shardings,
                    out_shardings=(state, (out, out, out)), donate_argnums=1,
                    compiler_options=options)

@@ -3,12 +3,14 @@
 On a GPU some launches take kernels off each decode step (our paged step kernel writing the
 step's keys and values, ``writes``, with or without tensor-core dots; each RMSNorm in one kernel
 with the matmul after it, ``norms``) or the host's launches off each call (the call's loop over
-its steps in CUDA graphs, ``graphs``; ``kernels.choice.launch_stages``), but whether a step runs
-faster with them turns on the GPU, the model's shape and the library versions, and this project
-measured none of them on a GPU. So the engine measures them where it runs, once, before its
-first decode call, stage by stage (the paged step kernel, then the norms, then the graphs, each
-on what the stages before it kept): ``tune`` compiles the widest decode program (every slot, the
-kv bucket of half the positions) under each launch, arms every slot at that position (each over
+its steps in CUDA graphs, ``graphs``), or run its matmuls otherwise (XLA's own autotuned GEMMs
+instead of the vendor library's, ``matmul``; ``kernels.choice.launch_stages``), but whether a
+step runs faster with them turns on the GPU, the model's shape and the library versions, and
+this project measured none of them on a GPU (but the matmuls, once). So the engine measures them
+where it runs, once, before its first decode call, stage by stage (the paged step kernel, the
+norms, the graphs, the matmuls, each on what the stages before it kept): ``tune`` compiles the
+widest decode program (every slot, the kv bucket of half the positions) under each launch
+(``progress`` told before each compile), arms every slot at that position (each over
 pages of its own on a paged cache), times ``rounds`` calls of each launch in turn (alternating,
 so a drift of the clock or the load spreads over all of them), and keeps the one whose best call
 was fastest; the stage's first launch (the engine's own, then the one kept so far) stays unless
@@ -49,7 +51,7 @@ def wall_seconds(call: Callable[[], Any]) -> float:
 
 def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launch]]] | None = None,
          *, rounds: int = ROUNDS, measure: Callable[[Callable[[], Any]], float] | None = None,
-         position: int | None = None):
+         position: int | None = None, progress: Callable[[str], None] | None = None):
   """Times the launches of each of ``stages`` in turn (default ``engine.launch_stages()``; a
   stage is given the launch kept so far, first the engine's own, and returns it first, then what
   may replace it) and keeps the fastest of each; leaves ``engine`` on the last one kept.
@@ -57,13 +59,14 @@ def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launc
   report (None when there was nothing to time) names the ``launch`` kept, each launch's best
   ``step_ms``, its ``compile_s`` (its first call), those that ``failed`` and why, and the
   ``slots`` and ``position`` timed. ``measure(call)``: the seconds a call takes (default
-  ``wall_seconds``); ``position``: where the slots decode from (default half the positions)."""
+  ``wall_seconds``); ``position``: where the slots decode from (default half the positions);
+  ``progress(name)``: before each launch's program compiles (the engine's own included)."""
   stages = engine.launch_stages() if stages is None else stages
   kept = engine.launch
   if not any(len(stage(kept)) > 1 for stage in stages):
     return state, None
   t_start = time.perf_counter()
-  timer = _Timer(engine, state, rounds, measure or wall_seconds, position)
+  timer = _Timer(engine, state, rounds, measure or wall_seconds, position, progress)
   for stage in stages:
     if len(launches := stage(kept)) > 1:
       kept = timer.stage(launches)
@@ -84,8 +87,10 @@ class _Timer:
   """Decode calls of ``engine`` over every slot armed at ``position`` (default half the
   positions), timed per launch (``best``: its fastest step, in seconds)."""
 
-  def __init__(self, engine, state, rounds: int, measure, position: int | None = None):
+  def __init__(self, engine, state, rounds: int, measure, position: int | None = None,
+               progress: Callable[[str], None] | None = None):
     self.engine, self.state, self.rounds, self.measure = engine, state, rounds, measure
+    self.progress = progress
     c = engine.config
     self.steps = c.steps_per_call
     position = c.max_len // 2 if position is None else position
@@ -124,6 +129,8 @@ class _Timer:
     for launch in launches:
       if launch in self.best or launch.name in self.failed:
         continue
+      if self.progress is not None:
+        self.progress(launch.name)
       try:
         self.compile_s[launch.name] = round(self._timed(launch), 3)
         self.best[launch] = float("inf")

@@ -172,7 +172,9 @@ class JaxRolloutEngine(RolloutEngine):
       self.engine.use_launch(launch)
       return None
     state = self.engine.init_state() if self._state is None else self._state
-    self._state, self.launch_report = launch_tuning.tune(self.engine, state)
+    self._state, self.launch_report = launch_tuning.tune(
+        self.engine, state, progress=lambda name: print(
+            f"sampler decode launch: compiling {name} to time it", flush=True))
     if self.launch_report is not None:
       print(f"sampler decode launch: {launch_tuning.summary(self.launch_report)}", flush=True)
     return self.launch_report

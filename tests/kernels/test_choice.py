@@ -102,6 +102,12 @@ def test_decode_matmul_blas_is_the_gpu_default_and_runs_on_gpu_only(monkeypatch)
   a = jax.random.normal(jax.random.key(0), (8, 8))
   blas = jax.jit(lambda x: x @ x, compiler_options=choice.compiler_options("blas"))
   np.testing.assert_allclose(blas(a), a @ a, rtol=1e-6)
+  # XLA's own GEMMs are timed against "blas" only where nothing named "blas" (launch_stages)
+  monkeypatch.delenv(choice.MATMUL_ENV)
+  assert choice.matmul_open("blas", "auto")
+  assert not choice.matmul_open("blas", "blas") and not choice.matmul_open("xla", "auto")
+  monkeypatch.setenv(choice.MATMUL_ENV, "blas")
+  assert not choice.matmul_open("blas", "auto")
 
 
 def test_decode_layers_per_platform_config_and_environment(monkeypatch):
@@ -253,6 +259,11 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
                       [f"writes=1,dot=1+norms+{g}" for g in graphs]]
   assert stages("cpu") == stages("tpu") == stages(requested="off") == []
   assert stages(no_triton="a Tesla T4") == [graphs]  # the graphs need no Triton
+  # XLA's autotuned GEMMs last, on what the stages before kept, where the engine's are "blas" by
+  # default
+  assert stages(matmul_open=True)[3] == ["writes=1,dot=1+norms+graphs:unrolled+matmul=xla"]
+  assert stages(no_triton="a Tesla T4", matmul_open=True) == [graphs, ["graphs:unrolled+matmul=xla"]]
+  assert stages("tpu", matmul_open=True) == stages(requested="off", matmul_open=True) == []
   assert stages(paged_pallas=False) == [["norms"], [f"norms+{g}" for g in graphs]]
   assert stages(one_device=False)[1] == ["writes=1,dot=1+graphs", "writes=1,dot=1+graphs:unrolled"]
   assert stages(head_dim=16)[0] == ["writes=1"]  # no dots: half a head under 16

@@ -106,6 +106,58 @@ def test_the_fastest_launch_is_kept_and_decodes_as_an_engine_built_with_it(model
     np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6)
 
 
+def test_a_kept_launch_s_matmuls_are_its_decode_program_s(model, monkeypatch):
+  """A launch naming other matmuls (on a GPU: XLA's own GEMMs against the vendor library's,
+  ``choice.launch_stages``) traces and compiles the decode programs with them: here, the other way
+  round, the library's ("blas", forced on CPU) against XLA's, which pads each K/V head's queries
+  over a bfloat16 cache (``choice.query_rows``). Kept, the engine decodes as one built with them;
+  its prefill keeps the engine's own."""
+  from areal_jax.kernels import xla_attention
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  padded, pad = [], xla_attention.jnp.pad
+  monkeypatch.setattr(xla_attention.jnp, "pad",
+                      lambda x, w, *a, **k: padded.append(w) or pad(x, w, *a, **k))
+  options = []
+  real_options = choice.compiler_options
+  monkeypatch.setattr(choice, "compiler_options",
+                      lambda impl: options.append(impl) or real_options(impl))
+  config = dataclasses.replace(CONFIG, decode_attention="dense", kv_pages=0,
+                               cache_dtype="bfloat16")
+  eng = DecodeEngine(model, config)
+  assert eng.decode_matmul == "xla" and eng.launch_stages() == []  # (nothing to time on CPU)
+  blas = dataclasses.replace(OWN, matmul="blas")
+  assert blas.name == "matmul=blas"
+  measure, _ = _costs(eng, {"default": 1.0, "matmul=blas": 0.5})
+  options.clear()
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(blas)], rounds=1, measure=measure)
+  assert report["launch"] == "matmul=blas" and eng.decode_matmul == "blas"
+  assert eng.matmul_impl == "xla" and eng.compiler_options is None  # (prefill's: the engine's)
+  assert options == ["xla", "blas"]  # each decode program compiled with its launch's options
+  assert padded and all(w[2] == (0, 6) for w in padded)  # traced for the library's GEMMs
+  got = _decode_all(eng)
+  monkeypatch.setattr(choice, "matmul", lambda mesh, dtype, requested="auto": "blas")
+  built = DecodeEngine(model, config)
+  assert built.matmul_impl == built.decode_matmul == "blas"
+  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(got, _decode_all(built)):
+    np.testing.assert_array_equal(valid, valid_ref)
+    np.testing.assert_array_equal(tok[valid], tok_ref[valid])
+    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6)
+
+
+def _decode_all(eng, calls=4):
+  """Three samples of one prompt over ``calls`` calls, on a cache of rows."""
+  prompt, slots = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3]
+  keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
+  state = eng.insert(eng.init_state(), eng.prefill(eng.params, prompt[:-1]), slots,
+                     token=[prompt[-1]] * 3, pos=[len(prompt) - 1] * 3, end=[64] * 3, keys=keys,
+                     temperature=0.7, top_k=0, top_p=1.0, greedy=False, stop_ids=[])
+  outs = []
+  for call in range(calls):
+    state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * (call + 1)))
+    outs.append(jax.device_get(out))
+  return outs
+
+
 def test_the_engine_keeps_its_own_launch_unless_another_is_clearly_faster(model):
   eng = DecodeEngine(model, CONFIG)
   measure, _ = _costs(eng, {"default": 1.0, "writes=1": 0.98})  # 2%: within the margin
@@ -228,14 +280,19 @@ def _offer_writes_as_a_gpu_would(monkeypatch) -> list:
   return calls
 
 
-def test_the_service_times_once_before_its_first_decode(model, monkeypatch):
-  """``start`` times the launches (here offered on CPU as a GPU would), once; what it samples is
-  what a service built with the launch kept samples."""
+def test_the_service_times_once_before_its_first_decode(model, monkeypatch, capsys):
+  """``start`` times the launches (here offered on CPU as a GPU would), once, saying which it
+  compiles and which it kept; what it samples is what a service built with the launch kept
+  samples."""
   calls = _offer_writes_as_a_gpu_would(monkeypatch)
   eng = _service(model)
   eng.start()
   try:
     assert eng.engine.launch == WRITES and eng.launch_report["launch"] == "writes=1"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == ["sampler decode launch: compiling default to time it",
+                           "sampler decode launch: compiling writes=1 to time it"]
+    assert printed[2].startswith("sampler decode launch: writes=1 (a decode step at 4 slots")
     n = len(calls)
     got = _sample(eng)
   finally:
@@ -290,7 +347,8 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   m = model.cfg
   stages = choice.launch_stages(
       "gpu", "auto", paged_pallas=True, one_device=True, group=m.n_heads // m.n_kv_heads,
-      page_size=16, head_dim=m.head_dim, norm_dims=((m.d_model, 8 * m.head_dim),))
+      page_size=16, head_dim=m.head_dim, norm_dims=((m.d_model, 8 * m.head_dim),),
+      matmul_open=True)
   ranks = {}  # each launch faster than every one offered before it
 
   def measure(call):
@@ -300,8 +358,10 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   _, report = launch_tuning.tune(eng, eng.init_state(), stages, rounds=1, measure=measure)
   assert list(report["step_ms"]) == [
       "default", "writes=1", "writes=1,dot=1", "writes=1,dot=1+norms",
-      "writes=1,dot=1+norms+graphs", "writes=1,dot=1+norms+graphs:unrolled"]
-  assert report["launch"] == "writes=1,dot=1+norms+graphs:unrolled" and not report["failed"]
+      "writes=1,dot=1+norms+graphs", "writes=1,dot=1+norms+graphs:unrolled",
+      "writes=1,dot=1+norms+graphs:unrolled+matmul=xla"]
+  assert report["launch"] == "writes=1,dot=1+norms+graphs:unrolled+matmul=xla"
+  assert not report["failed"]
 
   for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(
       _group(eng, page_size=16, samples=2, calls=3), _group(ref, page_size=16, samples=2, calls=3)):
