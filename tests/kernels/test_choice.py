@@ -1,6 +1,8 @@
 """The one place that picks decode kernels: per platform, overridden by config or environment, with
 clear errors for choices a platform cannot run."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -237,9 +239,11 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
   runs; none on CPU, TPU or "off". Each stage offers the launch kept so far first."""
   import jax.numpy as jnp
   from areal_jax.kernels import pallas_attention, pallas_norm_matmul
-  for name in (choice.PAGED_TUNING_ENV, choice.NORM_MATMUL_ENV, choice.BLOCK_PAGES_ENV,
-               "XLA_FLAGS"):
+  for name in (choice.PAGED_TUNING_ENV, choice.NORM_MATMUL_ENV, choice.BLOCK_PAGES_ENV):
     monkeypatch.delenv(name, raising=False)
+  flags = " ".join(  # (no command buffers forced; the tests' 8 devices kept)
+      f for f in os.environ.get("XLA_FLAGS", "").split() if "command_buffer" not in f)
+  monkeypatch.setenv("XLA_FLAGS", flags)
   own = choice.Launch(None, pallas_attention.PagedTuning())
   shape = dict(paged_pallas=True, one_device=True, group=3, page_size=64, head_dim=64,
                norm_dims=((576, 960), (576, 1536)))  # SmolLM2-135M
@@ -274,7 +278,7 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
   monkeypatch.setenv(choice.NORM_MATMUL_ENV, "0")  # "0" forces nothing
   assert stages()[0] == ["norms"]
   monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  monkeypatch.setenv("XLA_FLAGS", flags + " --xla_gpu_enable_command_buffer=")
   assert stages() == []
   both = choice.Launch(pallas_norm_matmul.NormTuning(warps=8),
                        pallas_attention.PagedTuning(parts=2, writes=True))
