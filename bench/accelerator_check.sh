@@ -14,8 +14,10 @@
 # 1. Qwen2.5-1.5B shape (128 slots, context 512): bench/sampler.py --decode-only as shipped (on a
 #    GPU: a paged cache read by JAX's Pallas paged-attention kernel, the layers unrolled,
 #    decode_matmul 'blas', and the kernel launch the engine keeps after timing its default,
-#    writes=1 and writes=1 + norms, rollout.decode_tuning: "launch kept" in the log; the floor
-#    loop's program gets the same matmul options), the keys; then the SmolLM2 shape's
+#    writes=1 (dot=1), + norms, the loop in CUDA graphs, then XLA's autotuned GEMMs,
+#    rollout.decode_tuning: "launch kept" in the log, with each one's first call, compile
+#    included; the floor loop's program gets the matmul options of the decode program kept),
+#    the keys; then the SmolLM2 shape's
 #    (64 slots, context 128), the same way (the 10x asked is per SmolLM2 step);
 # 2. the same shape under several choices (bench/decode_variants.py): the paged default against
 #    the same with top-k / top-p decided in every step by a conditional, as before session 33

@@ -199,7 +199,16 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
           "decode_layers": dev.layers_impl, "decode_projections": dev.projections,
           "cache_layout": dev.cache_layout, "kv_pages": dev.config.kv_pages,
           "launch": dev.launch.name, "launch_step_ms": tuned and tuned["step_ms"],
+          "launch_compile_s": tuned and tuned["compile_s"],
           "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
+
+
+def launch_line(r: dict) -> str:
+  """The launch a roofline row's engine kept, each one's step and first call (its compile)."""
+  return (f"{'':>13} launch kept: {r['launch']} (timed, ms a step: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in r["launch_step_ms"].items())
+          + "; first call, compile included, s: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in (r.get("launch_compile_s") or {}).items()) + ")")
 
 
 DECODE_SHAPES = {"smollm2-135m": (SMOLLM2, 64, 128), "qwen2.5-1.5b": (QWEN25_1P5B, 128, 512)}
@@ -323,8 +332,7 @@ def main():
           f"floor loop {r['floor_step_ms']:.2f} ms/step, ratio {r['floor_ratio']:.2f}"
           + ("" if on_cpu else f", {100 * r['hbm_roofline_frac']:.0f}% of the HBM roofline"))
     if r.get("launch_step_ms"):  # the kernel launches timed before it (launch_tuning)
-      print(f"{'':>13} launch kept: {r['launch']} (timed, ms a step: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in r["launch_step_ms"].items()) + ")")
+      print(launch_line(r))
   roof_xla, roof_xla_mm = dec.get("roof_xla"), dec.get("roof_xla_mm")
   result = {"machine": info, "hardware": hw, "quick": quick,
             "speedup_vs_static": speed["smollm2-135m"], "speedup_vs_static_tiny": speed["tiny"],

@@ -1,0 +1,39 @@
+"""``bench/sampler.py``'s decode roofline row as a GPU makes it, on CPU: the engine times the
+launches it is offered before the row's steps (here the loop in CUDA graphs, options XLA:CPU
+ignores) and the row names the one kept, each one's step and first call, and the matmuls the
+decode program kept runs."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+import sampler  # noqa: E402
+
+from areal_jax.kernels import choice  # noqa: E402
+from areal_jax.sampler.engine import DecodeEngine  # noqa: E402
+
+
+class _Hardware:
+  """Stands in for the bandwidth and matmul probes (their figures are not under test)."""
+
+  def probe(self, reps=1):
+    return self
+
+  def figures(self):
+    return {"read_GBps": 10.0, "matmul_GFLOPps": 100.0}
+
+
+def test_the_roofline_row_names_the_launch_its_engine_timed_and_kept(monkeypatch, capsys):
+  monkeypatch.setattr(DecodeEngine, "launch_stages",
+                      lambda self: [choice.graphs_to_time])  # (as a GPU's last stage)
+  cfg = sampler.TINY
+  row = sampler.roofline(sampler.make_model(cfg), cfg, slots=4, context=16, hw=_Hardware(),
+                         steps=4, reps=1)
+  names = ["default", "graphs", "graphs:unrolled"]
+  assert row["launch"] in names
+  assert list(row["launch_step_ms"]) == list(row["launch_compile_s"]) == names
+  assert all(v > 0 for v in row["launch_step_ms"].values())
+  assert row["decode_matmul"] in choice.MATMUL and row["step_ms"] > 0
+  line = sampler.launch_line(row)
+  assert line.strip().startswith(f"launch kept: {row['launch']} (timed, ms a step: default ")
+  assert "first call, compile included, s: default " in line
