@@ -35,9 +35,9 @@ for an H100 on a 2-core CPU with no GPU (``bench/aot_decode.py``, XLA's passes w
 autotuning), the decode program compiles in 5-9 s. On an H100 in session 27
 (``bench/results/h100-2026-11-27-s27``, the layers unrolled, rows, dense read): 1.5B shape
 ``"blas"`` 5.08 ms a step, ``"xla"`` 5.10 ms (its program compiled in 8.4 s, autotuning
-included, that time); SmolLM2 shape 1.62-1.75 against 1.38-1.50 ms (XLA's GEMMs faster there). So where ``"blas"`` is
-the default (nothing named the matmuls), a GPU engine times XLA's GEMMs against it for its
-decode program before its first decode (``launch_stages``, ``Launch.matmul``).
+included, that time); SmolLM2 shape 1.62-1.75 against 1.38-1.50 ms (XLA's GEMMs faster there).
+So where ``"blas"`` is the default (nothing named the matmuls), a GPU engine times XLA's GEMMs
+against it for its decode program before its first decode (``launch_stages``, ``Launch.matmul``).
 
 Decode layers (``LAYERS``): ``"scan"`` (the layers in one ``lax.scan`` over a stacked view of the
 weights and a stacked cache, ``models/decode_scan``: compile time flat in depth) or ``"unrolled"``

@@ -266,7 +266,8 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
   # XLA's autotuned GEMMs last, on what the stages before kept, where the engine's are "blas" by
   # default
   assert stages(matmul_open=True)[3] == ["writes=1,dot=1+norms+graphs:unrolled+matmul=xla"]
-  assert stages(no_triton="a Tesla T4", matmul_open=True) == [graphs, ["graphs:unrolled+matmul=xla"]]
+  assert stages(no_triton="a Tesla T4", matmul_open=True) == [
+      graphs, ["graphs:unrolled+matmul=xla"]]
   assert stages("tpu", matmul_open=True) == stages(requested="off", matmul_open=True) == []
   assert stages(paged_pallas=False) == [["norms"], [f"norms+{g}" for g in graphs]]
   assert stages(one_device=False)[1] == ["writes=1,dot=1+graphs", "writes=1,dot=1+graphs:unrolled"]
