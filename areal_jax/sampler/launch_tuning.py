@@ -18,6 +18,14 @@ another is at least ``MARGIN`` faster. A launch that fails to compile or run is 
 warning; where the engine's own took over ``MAX_COMPILE_S`` to compile, nothing else is tried
 (each would cost about as much again before the first decode).
 
+None of these kernels ever ran on a GPU here, so a faster launch is kept only if it computes what
+the engine's own does: each launch's first call (its compile) decodes greedily, every slot from a
+token of its own (a kernel that mixes up slots or pages shows), and a launch whose logprobs are
+not finite, or differ from the engine's own launch's by more than ``CHECK_NATS`` at a step up to
+where their greedy tokens part, is dropped with a warning saying by how much. (The slots decode
+from a cache that holds nothing before ``position``: what the check sees is the steps' own keys
+and values, the weights and the kernels' reads and writes of them.)
+
 What the timing writes into the cache lands in slots and pages no sequence holds yet (it runs
 before the first one is admitted), and the slots end inactive: decoding afterwards is as with
 the chosen launch from the start (tests: tokens and logprobs against an untimed engine's).
@@ -40,6 +48,9 @@ ROUNDS = 5  # timed calls of each launch
 # the others are not tried when the engine's own launch took longer than this to compile (on a
 # GPU XLA's matmul autotuning took minutes a program: measured on an H200 at the 1.5B shape)
 MAX_COMPILE_S = 60.0
+# a launch whose greedy decode's logprobs differ from the engine's own launch's by more than this
+# (nats; by the compute dtype's bytes) computes something else, and is not used
+CHECK_NATS = {2: 0.5, 4: 0.05}
 
 
 def wall_seconds(call: Callable[[], Any]) -> float:
@@ -101,26 +112,57 @@ class _Timer:
     self.compile_s: dict[str, float] = {}
     self.failed: dict[str, str] = {}
     self.stopped = False  # the engine's own launch compiled too slowly to try others
+    self.out = None  # the last call's outputs
+    self.reference = None  # the first launch that ran: (name, tokens, logprobs, valid)
+    self.tolerance = CHECK_NATS.get(np.dtype(engine.model_cfg.compute_dtype).itemsize, 0.05)
 
-  def _arm(self):  # every timed slot at `position` again (not timed)
+  def _arm(self, check: bool = False):
+    """Every timed slot at ``position`` again (not timed); ``check``: each slot from a token of
+    its own, greedily (what ``_differs`` compares), else all from one token, sampling."""
     e, n, c = self.engine, len(self.slots), self.engine.config
+    vocab = e.model_cfg.vocab_size
+    tokens = [1 + (7919 * i) % (vocab - 1) for i in range(n)] if check else [1] * n
     self.state = e.insert(
-        self.state, None, self.slots, token=[1] * n, pos=[self.position] * n,
+        self.state, None, self.slots, token=tokens, pos=[self.position] * n,
         end=[c.max_len] * n, keys=np.zeros((n, 2), np.uint32), temperature=1.0, top_k=0,
-        top_p=1.0, greedy=False, stop_ids=[],
+        top_p=1.0, greedy=check, stop_ids=[],
         pages=None if self.pages is None else self.pages[self.slots])
     jax.block_until_ready([x for x in jax.tree.leaves(self.state) if isinstance(x, jax.Array)])
 
   def _call(self):  # one generate call over every slot
     e = self.engine
-    self.state, out = e.generate(e.params, self.state, self.kv_len, e.config.num_slots,
-                                 pages=self.pages)
-    return out
+    self.state, self.out = e.generate(e.params, self.state, self.kv_len, e.config.num_slots,
+                                      pages=self.pages)
+    return self.out
 
-  def _timed(self, launch) -> float:
+  def _timed(self, launch, check: bool = False) -> float:
     self.engine.use_launch(launch)
-    self._arm()
+    self._arm(check)
     return self.measure(self._call)
+
+  def _checked(self, launch) -> str | None:
+    """Why ``launch``'s first call (greedy, ``_arm(check=True)``) says it computes something
+    other than the first launch that ran (the engine's own), or None. Compared per slot: the
+    logprobs of each step up to the first whose greedy token differs (a near tie may flip one),
+    within ``CHECK_NATS``; none may be NaN or infinite."""
+    tokens, logprobs, valid = (np.asarray(x)[:, :len(self.slots)]
+                               for x in jax.device_get(self.out))
+    if not np.isfinite(logprobs[valid]).all():
+      return "computes NaN or infinite logprobs"
+    if self.reference is None:
+      self.reference = (launch.name, tokens, logprobs, valid)
+      return None
+    name, ref_tokens, ref_logprobs, ref_valid = self.reference
+    same = np.cumsum(tokens != ref_tokens, axis=0) - (tokens != ref_tokens) == 0  # up to a flip
+    compared = same & valid & ref_valid
+    diff = np.where(compared, np.abs(logprobs - ref_logprobs), 0.0)
+    step, slot = np.unravel_index(np.argmax(diff), diff.shape)
+    if diff[step, slot] > self.tolerance:
+      return (f"computes otherwise than {name}: greedy logprobs differ by up to "
+              f"{diff[step, slot]:.3g} nats (slot {slot}, step {step}; over "
+              f"{self.tolerance:g} in {int((diff > self.tolerance).sum())} of "
+              f"{int(compared.sum())} compared)")
+    return None
 
   def stage(self, launches: list[choice.Launch]) -> choice.Launch:
     """Compiles (the first call of) each of ``launches`` not timed yet, times ``rounds`` calls
@@ -132,8 +174,12 @@ class _Timer:
       if self.progress is not None:
         self.progress(launch.name)
       try:
-        self.compile_s[launch.name] = round(self._timed(launch), 3)
-        self.best[launch] = float("inf")
+        self.compile_s[launch.name] = round(self._timed(launch, check=True), 3)
+        if (why := self._checked(launch)) is None:
+          self.best[launch] = float("inf")
+        else:
+          self.failed[launch.name] = why
+          log.warning("sampler: decode launch %s %s; not used", launch.name, why)
       except Exception as e:  # noqa: BLE001 (a launch that cannot run here is not used)
         self.failed[launch.name] = (f"{type(e).__name__}: "
                                     f"{(str(e).splitlines() or [''])[0][:300]}")

@@ -5,6 +5,7 @@ would time, run here in interpret mode), and the service and its replicas time o
 
 import dataclasses
 import os
+import re
 
 import jax
 import numpy as np
@@ -157,6 +158,52 @@ def _decode_all(eng, calls=4):
     state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * (call + 1)))
     outs.append(jax.device_get(out))
   return outs
+
+
+def _computing(monkeypatch, name: str, change):
+  """Engines whose decode programs under the launch ``name`` return ``change(tokens, logprobs)``
+  in place of what they computed (a launch that compiles and runs, and computes otherwise)."""
+  real = DecodeEngine._make_generate
+
+  def made(self, *args, **kwargs):
+    fn = real(self, *args, **kwargs)
+    if self.launch.name != name:
+      return fn
+
+    def changed(*a, **k):
+      state, (tokens, logprobs, valid) = fn(*a, **k)
+      return state, (*change(tokens, logprobs), valid)
+    return changed
+  monkeypatch.setattr(DecodeEngine, "_make_generate", made)
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda t, lp: (t, lp + 1.0), r"computes otherwise than default: greedy logprobs differ by "
+                                  r"up to 1 nats \(slot \d, step \d; over 0.05 in 16 of 16 "
+                                  r"compared\)"),
+    (lambda t, lp: (t, lp.at[2, 1].set(np.nan)), "computes NaN or infinite logprobs"),
+    # its greedy path departs from step 1 (as at a near tie), then its logprobs too: compared up
+    # to the step that departs, the same
+    (lambda t, lp: (t.at[1:].add(1), lp.at[2:].add(3.0)), None)])
+def test_a_launch_that_computes_otherwise_is_not_kept_however_fast(model, monkeypatch, change,
+                                                                    why):
+  """Each launch's first call decodes greedily, every slot from a token of its own; one whose
+  logprobs differ from the engine's own launch's (up to where their greedy tokens part) or are
+  not finite is dropped, however fast, and the engine decodes on with its own."""
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  _computing(monkeypatch, "writes=1", change)
+  eng = DecodeEngine(model, CONFIG)
+  measure, _ = _costs(eng, {"default": 1.0, "writes=1": 0.5})
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES)], rounds=1,
+                                 measure=measure)
+  if why is None:
+    assert eng.launch == WRITES and not report["failed"]
+    return
+  assert eng.launch == OWN and report["launch"] == "default"
+  assert list(report["failed"]) == ["writes=1"] and re.fullmatch(why, report["failed"]["writes=1"])
+  assert list(report["step_ms"]) == ["default"]
+  tok, lp, valid = _group(eng, calls=1)[0]
+  assert valid.any() and np.isfinite(lp[valid]).all()
 
 
 def test_the_engine_keeps_its_own_launch_unless_another_is_clearly_faster(model):
