@@ -200,6 +200,7 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
           "cache_layout": dev.cache_layout, "kv_pages": dev.config.kv_pages,
           "launch": dev.launch.name, "launch_step_ms": tuned and tuned["step_ms"],
           "launch_compile_s": tuned and tuned["compile_s"],
+          "launch_failed": tuned and tuned["failed"],
           "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
 
 
@@ -208,7 +209,8 @@ def launch_line(r: dict) -> str:
   return (f"{'':>13} launch kept: {r['launch']} (timed, ms a step: "
           + ", ".join(f"{k} {v:.3f}" for k, v in r["launch_step_ms"].items())
           + "; first call, compile included, s: "
-          + ", ".join(f"{k} {v:.1f}" for k, v in (r.get("launch_compile_s") or {}).items()) + ")")
+          + ", ".join(f"{k} {v:.1f}" for k, v in (r.get("launch_compile_s") or {}).items()) + ")"
+          + "".join(f"; not used: {k}: {v}" for k, v in (r.get("launch_failed") or {}).items()))
 
 
 DECODE_SHAPES = {"smollm2-135m": (SMOLLM2, 64, 128), "qwen2.5-1.5b": (QWEN25_1P5B, 128, 512)}

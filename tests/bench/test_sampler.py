@@ -37,3 +37,6 @@ def test_the_roofline_row_names_the_launch_its_engine_timed_and_kept(monkeypatch
   line = sampler.launch_line(row)
   assert line.strip().startswith(f"launch kept: {row['launch']} (timed, ms a step: default ")
   assert "first call, compile included, s: default " in line
+  assert row["launch_failed"] == {} and "not used" not in line
+  line = sampler.launch_line({**row, "launch_failed": {"graphs": "computes NaN"}})
+  assert line.endswith("; not used: graphs: computes NaN")
