@@ -48,6 +48,9 @@ ROUNDS = 5  # timed calls of each launch
 # the others are not tried when the engine's own launch took longer than this to compile (on a
 # GPU XLA's matmul autotuning took minutes a program: measured on an H200 at the 1.5B shape)
 MAX_COMPILE_S = 60.0
+# no stage is started once the timing has taken this long (the last, XLA's GEMMs, autotunes as it
+# compiles: where the stages before it took minutes, the model is one whose autotuning would too)
+MAX_TUNE_S = 120.0
 # a launch whose greedy decode's logprobs differ from the engine's own launch's by more than this
 # (nats; by the compute dtype's bytes) computes something else, and is not used
 CHECK_NATS = {2: 0.5, 4: 0.05}
@@ -69,7 +72,9 @@ def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launc
   ``state``: the engine's decode state with no slot armed. Returns ``(state, report)``; the
   report (None when there was nothing to time) names the ``launch`` kept, each launch's best
   ``step_ms``, its ``compile_s`` (its first call), those that ``failed`` and why, and the
-  ``slots`` and ``position`` timed. ``measure(call)``: the seconds a call takes (default
+  ``slots`` and ``position`` timed, the ``stages`` and how many were ``stages_timed`` (none is
+  started after ``MAX_TUNE_S``, nor after a compile of the engine's own launch over
+  ``MAX_COMPILE_S``). ``measure(call)``: the seconds a call takes (default
   ``wall_seconds``); ``position``: where the slots decode from (default half the positions);
   ``progress(name)``: before each launch's program compiles (the engine's own included)."""
   stages = engine.launch_stages() if stages is None else stages
@@ -78,9 +83,15 @@ def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launc
     return state, None
   t_start = time.perf_counter()
   timer = _Timer(engine, state, rounds, measure or wall_seconds, position, progress)
+  timed = 0  # stages timed
   for stage in stages:
+    if timed and time.perf_counter() - t_start > MAX_TUNE_S:
+      log.warning("sampler: timing the decode launches took %.0f s; the %d stage(s) left are "
+                  "not timed", time.perf_counter() - t_start, len(stages) - timed)
+      break
     if len(launches := stage(kept)) > 1:
       kept = timer.stage(launches)
+    timed += 1
     if timer.stopped:
       break
   engine.use_launch(kept)
@@ -90,6 +101,7 @@ def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launc
             "step_ms": {k.name: round(v * 1e3, 4) for k, v in timer.best.items()},
             "compile_s": timer.compile_s, "failed": timer.failed, "slots": len(timer.slots),
             "position": timer.position, "steps_per_call": c.steps_per_call, "rounds": rounds,
+            "stages": len(stages), "stages_timed": timed,
             "tune_s": round(time.perf_counter() - t_start, 3)}
   return state, report
 

@@ -254,6 +254,23 @@ def test_no_other_launch_is_tried_after_a_long_compile_of_the_engine_s_own(model
   assert eng.launch == OWN and timed == ["default"] * 2 and list(report["step_ms"]) == ["default"]
 
 
+def test_no_stage_is_started_once_the_timing_has_taken_too_long(model, monkeypatch):
+  """Stages run until the timing has taken ``MAX_TUNE_S`` (the last, XLA's autotuned GEMMs, is
+  skipped where the ones before took minutes); the launch kept by then is used."""
+  monkeypatch.setattr(launch_tuning, "MAX_TUNE_S", 0.0)
+  eng = DecodeEngine(model, CONFIG)
+  measure, timed = _costs(eng, {"default": 1.0, "writes=1": 0.5, "writes=1+norms": 0.1})
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES), offer(BOTH)], rounds=1,
+                                 measure=measure)
+  assert eng.launch == WRITES and "writes=1+norms" not in timed
+  assert report["stages"] == 2 and report["stages_timed"] == 1
+  monkeypatch.setattr(launch_tuning, "MAX_TUNE_S", 1e9)
+  eng.use_launch(OWN)
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES), offer(BOTH)], rounds=1,
+                                 measure=measure)
+  assert eng.launch == BOTH and report["stages_timed"] == 2
+
+
 def test_a_launch_that_fails_is_dropped_and_the_engine_decodes_on(model, monkeypatch):
   monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (this engine's programs its own)
   eng = DecodeEngine(model, CONFIG)
