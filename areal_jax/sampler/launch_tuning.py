@@ -16,7 +16,8 @@ so a drift of the clock or the load spreads over all of them), and keeps the one
 was fastest; the stage's first launch (the engine's own, then the one kept so far) stays unless
 another is at least ``MARGIN`` faster. A launch that fails to compile or run is dropped with a
 warning; where the engine's own took over ``MAX_COMPILE_S`` to compile, nothing else is tried
-(each would cost about as much again before the first decode).
+(each would cost about as much again before the first decode), and no stage is started once the
+timing has taken ``MAX_TUNE_S``.
 
 None of these kernels ever ran on a GPU here, so a faster launch is kept only if it computes what
 the engine's own does: each launch's first call (its compile) decodes greedily, every slot from a
