@@ -131,7 +131,7 @@ class _Timer:
 
   def _arm(self, check: bool = False):
     """Every timed slot at ``position`` again (not timed); ``check``: each slot from a token of
-    its own, greedily (what ``_differs`` compares), else all from one token, sampling."""
+    its own, greedily (what ``_checked`` compares), else all from one token, sampling."""
     e, n, c = self.engine, len(self.slots), self.engine.config
     vocab = e.model_cfg.vocab_size
     tokens = [1 + (7919 * i) % (vocab - 1) for i in range(n)] if check else [1] * n
