@@ -98,12 +98,14 @@ cuBLAS's GEMMs is not measured.
 
 Decode launches timed (``launch_stages``, ``rollout.decode_tuning``): on a GPU the kernels
 above that are off by default for want of a measurement (our paged step kernel, ``writes``, with
-or without ``dot``; the fused norms) and the decode loop in CUDA graphs (XLA's command buffers,
-per program) are offered to the engine, stage by stage, which times them against the launch kept
-so far on its own device before it decodes and keeps the fastest (``sampler/launch_tuning.py``).
+or without ``dot``; the fused norms), the decode loop in CUDA graphs (XLA's command buffers,
+per program) and, where ``"blas"`` is the default, XLA's autotuned GEMMs are offered to the
+engine, stage by stage, which times them against the launch kept so far on its own device before
+it decodes and keeps the fastest that computes what its own does (``sampler/launch_tuning.py``).
 Only what the environment leaves open is offered (a launch forced by
-``$AREAL_JAX_PALLAS_GPU_PAGED``, ``$AREAL_JAX_DECODE_NORM_MATMUL`` or command buffers in
-``$XLA_FLAGS`` is kept). ``"off"``, CPU and TPU: the engine's own launch only.
+``$AREAL_JAX_PALLAS_GPU_PAGED``, ``$AREAL_JAX_DECODE_NORM_MATMUL``, ``$AREAL_JAX_DECODE_MATMUL``
+or command buffers in ``$XLA_FLAGS`` is kept). ``"off"``, CPU and TPU: the engine's own launch
+only.
 
 Top-k / top-p (``truncation_on_host``): on GPU the engine picks, on the host, a decode program
 with the vocabulary's sort or one without it, so no step holds a conditional (each a wait for the
