@@ -55,20 +55,20 @@ def _costs(engine, seconds: dict):
 
 
 def _group(eng, page_size=8, samples=3, calls=5):
-  """``samples`` of one prompt over ``calls`` calls (pages taken as they grow)."""
+  """``samples`` of one prompt over ``calls`` calls (on a paged cache, pages taken as they grow)."""
   prompt, slots = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3][:samples]
   keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(samples)])
-  table = PageTable(4, 20, page_size, 64)
-  assert table.share(slots, len(prompt) - 1)
+  table = PageTable(4, 20, page_size, 64) if eng.paged else None
+  assert table is None or table.share(slots, len(prompt) - 1)
   state = eng.insert(eng.init_state(), eng.prefill(eng.params, prompt[:-1]), slots,
                      token=[prompt[-1]] * samples, pos=[len(prompt) - 1] * samples,
                      end=[64] * samples, keys=keys, temperature=0.7, top_k=0, top_p=1.0,
-                     greedy=False, stop_ids=[], pages=table.table[slots])
+                     greedy=False, stop_ids=[], pages=None if table is None else table.table[slots])
   outs = []
   for call in range(calls):
-    assert all(table.grow(s, len(prompt) - 1 + 4 * (call + 1)) for s in slots)
+    assert table is None or all(table.grow(s, len(prompt) - 1 + 4 * (call + 1)) for s in slots)
     state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * call),
-                              pages=table.table)
+                              pages=None if table is None else table.table)
     outs.append(jax.device_get(out))
   return outs
 
@@ -136,28 +136,14 @@ def test_a_kept_launch_s_matmuls_are_its_decode_program_s(model, monkeypatch):
   assert eng.matmul_impl == "xla" and eng.compiler_options is None  # (prefill's: the engine's)
   assert options == ["xla", "blas"]  # each decode program compiled with its launch's options
   assert padded and all(w[2] == (0, 6) for w in padded)  # traced for the library's GEMMs
-  got = _decode_all(eng)
+  got = _group(eng)
   monkeypatch.setattr(choice, "matmul", lambda mesh, dtype, requested="auto": "blas")
   built = DecodeEngine(model, config)
   assert built.matmul_impl == built.decode_matmul == "blas"
-  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(got, _decode_all(built)):
+  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(got, _group(built)):
     np.testing.assert_array_equal(valid, valid_ref)
     np.testing.assert_array_equal(tok[valid], tok_ref[valid])
     np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6)
-
-
-def _decode_all(eng, calls=4):
-  """Three samples of one prompt over ``calls`` calls, on a cache of rows."""
-  prompt, slots = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3]
-  keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
-  state = eng.insert(eng.init_state(), eng.prefill(eng.params, prompt[:-1]), slots,
-                     token=[prompt[-1]] * 3, pos=[len(prompt) - 1] * 3, end=[64] * 3, keys=keys,
-                     temperature=0.7, top_k=0, top_p=1.0, greedy=False, stop_ids=[])
-  outs = []
-  for call in range(calls):
-    state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * (call + 1)))
-    outs.append(jax.device_get(out))
-  return outs
 
 
 def _computing(monkeypatch, name: str, change):
