@@ -73,6 +73,14 @@ def _group(eng, page_size=8, samples=3, calls=5):
   return outs
 
 
+def _same(got, want, atol):
+  """``_group``'s calls: the same steps valid, the same tokens, logprobs within ``atol``."""
+  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(got, want, strict=True):
+    np.testing.assert_array_equal(valid, valid_ref)
+    np.testing.assert_array_equal(tok[valid], tok_ref[valid])
+    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=atol)
+
+
 def test_the_fastest_launch_is_kept_and_decodes_as_an_engine_built_with_it(model, monkeypatch):
   monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (this engine's programs its own)
   made, real = [], DecodeEngine._make_generate
@@ -102,10 +110,7 @@ def test_the_fastest_launch_is_kept_and_decodes_as_an_engine_built_with_it(model
   monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
   built = DecodeEngine(model, CONFIG)
   assert built.launch == BOTH
-  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(got, _group(built)):
-    np.testing.assert_array_equal(valid, valid_ref)
-    np.testing.assert_array_equal(tok[valid], tok_ref[valid])
-    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6)
+  _same(got, _group(built), atol=2e-6)
 
 
 def test_a_kept_launch_s_matmuls_are_its_decode_program_s(model, monkeypatch):
@@ -140,10 +145,7 @@ def test_a_kept_launch_s_matmuls_are_its_decode_program_s(model, monkeypatch):
   monkeypatch.setattr(choice, "matmul", lambda mesh, dtype, requested="auto": "blas")
   built = DecodeEngine(model, config)
   assert built.matmul_impl == built.decode_matmul == "blas"
-  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(got, _group(built)):
-    np.testing.assert_array_equal(valid, valid_ref)
-    np.testing.assert_array_equal(tok[valid], tok_ref[valid])
-    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-6)
+  _same(got, _group(built), atol=2e-6)
 
 
 def _computing(monkeypatch, name: str, change):
@@ -415,8 +417,5 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   assert report["launch"] == "writes=1,dot=1+norms+graphs:unrolled+matmul=xla"
   assert not report["failed"]
 
-  for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(
-      _group(eng, page_size=16, samples=2, calls=3), _group(ref, page_size=16, samples=2, calls=3)):
-    np.testing.assert_array_equal(valid, valid_ref)
-    np.testing.assert_array_equal(tok[valid], tok_ref[valid])
-    np.testing.assert_allclose(lp[valid], lp_ref[valid], atol=2e-5)
+  _same(_group(eng, page_size=16, samples=2, calls=3),
+        _group(ref, page_size=16, samples=2, calls=3), atol=2e-5)
