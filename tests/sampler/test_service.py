@@ -214,7 +214,14 @@ def test_a_paused_swap_lets_go_of_the_current_version_before_converting(model, o
     deadline = time.time() + 60
     while eng.stats["tokens"] < 4 and time.time() < deadline:
       time.sleep(0.001)
+    # paused until the new version is in (as _swap_run): the sequences cannot all end with the
+    # old one while a loaded machine converts the new
+    eng.pause()
     eng.update_params(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)), version=1)
+    deadline = time.time() + 60
+    while eng.version != 1 and time.time() < deadline:
+      time.sleep(0.01)
+    eng.resume()
     samples = _collect(eng, 2)
   finally:
     eng.stop()
