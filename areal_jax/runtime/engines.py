@@ -198,10 +198,13 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
     def make_replica(mesh, output):
       nonlocal slots, pages
       if budget is None or mesh is not meshes[0]:
-        return make(slots, mesh, output, pages)
+        engine = make(slots, mesh, output, pages)
+        engine.memory_plan = plans[0] if plans else None  # (the first one's: the same engine)
+        return engine
       engine, plan = memory.fit(lambda s, **kw: make(s, mesh, output, **kw), slots,
                                 min_slots=r.n_samples, **budget)
       decided(engine, plan)
+      engine.memory_plan = plan  # (the launch it times must fit it: JaxRolloutEngine.tune_launch)
       slots = plan.num_slots
       pages = None if plan.pool_follows_slots or not plan.kv_pages else plan.kv_pages
       plans.append(plan)

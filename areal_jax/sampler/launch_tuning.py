@@ -17,7 +17,10 @@ was fastest; the stage's first launch (the engine's own, then the one kept so fa
 another is at least ``MARGIN`` faster. A launch that fails to compile or run is dropped with a
 warning; where the engine's own took over ``MAX_COMPILE_S`` to compile, nothing else is tried
 (each would cost about as much again before the first decode), and no stage is started once the
-timing has taken ``MAX_TUNE_S``.
+timing has taken ``MAX_TUNE_S``. The sampler's memory plan counted the engine's own launch's
+decode call; a stage keeps another launch only if it fits the plan too (its decode call at every
+slot and the largest kv bucket, compiled as the plan's was: ``within_plan``), else the fastest
+of the rest.
 
 None of these kernels ever ran on a GPU here, so a faster launch is kept only if it computes what
 the engine's own does: each launch's first call (its compile) decodes greedily, every slot from a
@@ -34,6 +37,7 @@ the chosen launch from the start (tests: tokens and logprobs against an untimed 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -42,6 +46,7 @@ import jax
 import numpy as np
 
 from areal_jax.kernels import choice
+from areal_jax.sampler import memory
 
 log = logging.getLogger(__name__)
 MARGIN = 0.03  # another launch replaces the engine's own when its step is this much faster
@@ -66,7 +71,8 @@ def wall_seconds(call: Callable[[], Any]) -> float:
 
 def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launch]]] | None = None,
          *, rounds: int = ROUNDS, measure: Callable[[Callable[[], Any]], float] | None = None,
-         position: int | None = None, progress: Callable[[str], None] | None = None):
+         position: int | None = None, progress: Callable[[str], None] | None = None,
+         plan=None):
   """Times the launches of each of ``stages`` in turn (default ``engine.launch_stages()``; a
   stage is given the launch kept so far, first the engine's own, and returns it first, then what
   may replace it) and keeps the fastest of each; leaves ``engine`` on the last one kept.
@@ -77,13 +83,16 @@ def tune(engine, state, stages: list[Callable[[choice.Launch], list[choice.Launc
   started after ``MAX_TUNE_S``, nor after a compile of the engine's own launch over
   ``MAX_COMPILE_S``). ``measure(call)``: the seconds a call takes (default
   ``wall_seconds``); ``position``: where the slots decode from (default half the positions);
-  ``progress(name)``: before each launch's program compiles (the engine's own included)."""
+  ``progress(name)``: before each launch's program compiles (the engine's own included);
+  ``plan``: the ``sampler.memory.SamplerPlan`` the engine was sized by (its decode call is the
+  engine's own launch's): a stage keeps another launch only if it fits the plan too
+  (``within_plan``; one that does not is in ``failed``)."""
   stages = engine.launch_stages() if stages is None else stages
   kept = engine.launch
   if not any(len(stage(kept)) > 1 for stage in stages):
     return state, None
   t_start = time.perf_counter()
-  timer = _Timer(engine, state, rounds, measure or wall_seconds, position, progress)
+  timer = _Timer(engine, state, rounds, measure or wall_seconds, position, progress, plan)
   timed = 0  # stages timed
   for stage in stages:
     if timed and time.perf_counter() - t_start > MAX_TUNE_S:
@@ -112,9 +121,9 @@ class _Timer:
   positions), timed per launch (``best``: its fastest step, in seconds)."""
 
   def __init__(self, engine, state, rounds: int, measure, position: int | None = None,
-               progress: Callable[[str], None] | None = None):
+               progress: Callable[[str], None] | None = None, plan=None):
     self.engine, self.state, self.rounds, self.measure = engine, state, rounds, measure
-    self.progress = progress
+    self.progress, self.plan = progress, plan
     c = engine.config
     self.steps = c.steps_per_call
     position = c.max_len // 2 if position is None else position
@@ -180,7 +189,7 @@ class _Timer:
   def stage(self, launches: list[choice.Launch]) -> choice.Launch:
     """Compiles (the first call of) each of ``launches`` not timed yet, times ``rounds`` calls
     of each in turn, and returns the fastest (``launches[0]`` unless another is ``MARGIN``
-    faster)."""
+    faster) of those that fit the memory plan (``launches[0]`` is taken to)."""
     for launch in launches:
       if launch in self.best or launch.name in self.failed:
         continue
@@ -204,16 +213,48 @@ class _Timer:
                     "launches are not timed", self.compile_s[launch.name])
         self.stopped = True
         break
-    timed = [x for x in launches if x in self.best]
+    timed = [x for x in launches if x in self.best and x.name not in self.failed]
     if not timed:
       raise RuntimeError(f"no decode launch ran on this device: {self.failed}")
     for _ in range(self.rounds):
       for launch in timed:
         self.best[launch] = min(self.best[launch], self._timed(launch) / self.steps)
-    own, kept = launches[0], min(timed, key=self.best.get)
-    if own in self.best and self.best[kept] >= self.best[own] * (1 - MARGIN):
-      kept = own
-    return kept
+    own = launches[0]  # (the engine's own, which the memory plan counted, or one kept that fit)
+    while timed:
+      kept = min(timed, key=self.best.get)
+      if own in self.best and self.best[kept] >= self.best[own] * (1 - MARGIN):
+        kept = own
+      if kept == own or (why := self._beyond_plan(kept)) is None:
+        return kept
+      self.failed[kept.name] = why
+      log.warning("sampler: decode launch %s %s; not used", kept.name, why)
+      timed.remove(kept)
+    raise RuntimeError(f"no decode launch ran on this device within its memory plan: "
+                       f"{self.failed}")
+
+  def _beyond_plan(self, launch) -> str | None:
+    """Why ``launch`` does not fit the memory plan (``within_plan``), or None (or no plan)."""
+    if self.plan is None:
+      return None
+    self.engine.use_launch(launch)
+    return within_plan(self.engine, self.plan)
+
+
+def within_plan(engine, plan) -> str | None:
+  """Why the engine's current launch does not fit ``plan`` (a ``sampler.memory.SamplerPlan`` that
+  counted another launch's decode call), or None. Its decode call the plan counts (every slot,
+  the largest kv bucket) is compiled on abstract shapes (the persistent compilation cache then
+  serves its first call) and put in the plan's place."""
+  temp = memory.generate_bytes(engine)
+  if temp <= plan.generate_temp:
+    return None
+  planned = dataclasses.replace(plan, generate_temp=temp)
+  if planned.fits:
+    return None
+  return (f"does not fit the memory plan: its decode call needs {memory.size(temp)} of "
+          f"temporaries (the plan's {memory.size(plan.generate_temp)}), a peak of "
+          f"{memory.size(planned.peak_bytes)} per device"
+          + ("" if plan.budget_bytes is None else f" of {memory.size(plan.budget_bytes)}"))
 
 
 def summary(report: dict) -> str:

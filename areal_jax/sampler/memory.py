@@ -36,8 +36,11 @@ pages that fit (sequences take pages as they grow). A run stops, before the deco
 state is allocated, only when not even the fewest slots it needs fit, with the parts of the plan.
 The programs compiled for the plan are ones the sampler runs: with the persistent compilation
 cache (``runtime.compile_cache_dir``, on by default) their first calls read the plan's
-compilations (tested). Figures are those of the backend the plan compiles for (XLA:CPU's buffer
-assignment differs somewhat from GPU's or TPU's).
+compilations (tested). The decode call counted is the engine's own launch's; where the engine
+times other launches of it before its first call (on a GPU: ``sampler.launch_tuning``), one
+kept instead must fit the plan with its own temporaries (``launch_tuning.within_plan``).
+Figures are those of the backend the plan compiles for (XLA:CPU's buffer assignment differs
+somewhat from GPU's or TPU's).
 """
 
 from __future__ import annotations
@@ -139,22 +142,23 @@ class SamplerPlan:
     return max(0, int(min(room)) // self.page_bytes - 1)  # (and the trash page)
 
   def summary(self) -> str:
-    budget = "" if self.budget_bytes is None else f" of {_size(self.budget_bytes)}"
+    budget = "" if self.budget_bytes is None else f" of {size(self.budget_bytes)}"
     resident = "" if self.resident_budget is None else (
-        f" ({_size(self.resident_bytes)} resident beside the learner's peak, of "
-        f"{_size(self.resident_budget)})")
+        f" ({size(self.resident_bytes)} resident beside the learner's peak, of "
+        f"{size(self.resident_budget)})")
     swap = ("paused, the current version let go of first" if self.swap_pauses else
             "beside decode calls" if self.swap_while_decoding else "between decode calls")
-    return (f"{_size(self.peak_bytes)} per device{budget}{resident}: weights "
-            f"{_size(self.weights)}, a swap's {_size(self.incoming)} arriving and "
-            f"{_size(self.weights)} converted ({swap}), "
-            + (f"LoRA base {_size(self.lora_base)}, " if self.lora_base else "")
-            + f"KV cache and slots {_size(self.state)} ({self.num_slots} slots"
+    return (f"{size(self.peak_bytes)} per device{budget}{resident}: weights "
+            f"{size(self.weights)}, a swap's {size(self.incoming)} arriving and "
+            f"{size(self.weights)} converted ({swap}), "
+            + (f"LoRA base {size(self.lora_base)}, " if self.lora_base else "")
+            + f"KV cache and slots {size(self.state)} ({self.num_slots} slots"
             + (f", {self.kv_pages} pages" if self.kv_pages else "") + "), decode call "
-            f"{_size(self.generate_temp)}, prefill call {_size(self.prefill)}")
+            f"{size(self.generate_temp)}, prefill call {size(self.prefill)}")
 
 
-def _size(n: int) -> str:
+def size(n: int) -> str:
+  """``n`` bytes, in GiB or MiB."""
   return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
@@ -163,9 +167,9 @@ def _compiled_memory(jitted, *args):
   return cost["temp"], cost["out"]
 
 
-def program_bytes(engine) -> tuple[int, int]:
-  """``(decode call's temporaries, largest prefill call's temporaries and returned prefixes)``,
-  compiled on abstract shapes for the engine's own devices."""
+def generate_bytes(engine) -> int:
+  """The temporaries of the decode call the plan counts (every slot, the largest kv bucket), under
+  the engine's current launch, compiled on abstract shapes for its own devices."""
   c = engine.config
   # (on GPU, where the top-k / top-p program is compiled apart: the one without the sort, which
   # default rollouts run and the persistent compilation cache then holds; the other's sort
@@ -173,7 +177,13 @@ def program_bytes(engine) -> tuple[int, int]:
   generate = engine._make_generate(engine.kv_buckets[-1], c.num_slots)  # noqa: SLF001
   pages = ((jax.ShapeDtypeStruct((c.num_slots, engine.pages_per_slot), np.int32),)
            if engine.paged else ())  # a paged cache's page table
-  gen_temp, _ = _compiled_memory(generate, engine.params, engine.state_shapes(), *pages)
+  return _compiled_memory(generate, engine.params, engine.state_shapes(), *pages)[0]
+
+
+def program_bytes(engine) -> tuple[int, int]:
+  """``(decode call's temporaries, largest prefill call's temporaries and returned prefixes)``,
+  compiled on abstract shapes for the engine's own devices."""
+  gen_temp = generate_bytes(engine)
   prefill = max(sum(_compiled_memory(engine._make_prefill(bucket, rows),  # noqa: SLF001
                                      engine.params, jax.ShapeDtypeStruct((rows, bucket), np.int32)))
                 for bucket, rows in engine.prefill_shapes_to_plan())

@@ -136,6 +136,9 @@ class JaxRolloutEngine(RolloutEngine):
     self._token_listener = None
     self._tuned = False
     self.launch_report: dict | None = None  # what tune_launch timed (None: nothing)
+    # the memory plan this engine was sized by (runtime.engines.build; None: unplanned): a decode
+    # launch tune_launch keeps instead of the engine's own must fit it too
+    self.memory_plan = None
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
 
@@ -161,8 +164,9 @@ class JaxRolloutEngine(RolloutEngine):
   def tune_launch(self, launch=None) -> dict | None:
     """Before the first decode call, once: times the decode programs' kernel launches on this
     engine's devices and keeps the fastest (``sampler.launch_tuning``; on a GPU, unless
-    ``decode_tuning="off"``); ``launch``: takes that ``kernels.choice.Launch`` instead of timing
-    (replicas: the first one's). Returns the report (``launch_report``; None: nothing timed)."""
+    ``decode_tuning="off"``; one other than the engine's own only if it fits ``memory_plan``);
+    ``launch``: takes that ``kernels.choice.Launch`` instead of timing (replicas: the first
+    one's). Returns the report (``launch_report``; None: nothing timed)."""
     if self._thread is not None:
       raise RuntimeError("tune_launch() must run before start()")
     if self._tuned:
@@ -173,7 +177,7 @@ class JaxRolloutEngine(RolloutEngine):
       return None
     state = self.engine.init_state() if self._state is None else self._state
     self._state, self.launch_report = launch_tuning.tune(
-        self.engine, state, progress=lambda name: print(
+        self.engine, state, plan=self.memory_plan, progress=lambda name: print(
             f"sampler decode launch: compiling {name} to time it", flush=True))
     if self.launch_report is not None:
       print(f"sampler decode launch: {launch_tuning.summary(self.launch_report)}", flush=True)

@@ -14,7 +14,7 @@ import pytest
 from areal_jax.kernels import choice, pallas_attention, pallas_norm_matmul
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import engine as engine_lib
-from areal_jax.sampler import launch_tuning, sampling
+from areal_jax.sampler import launch_tuning, memory, sampling
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 from areal_jax.sampler.pages import PageTable
 from areal_jax.sampler.service import JaxRolloutEngine
@@ -279,6 +279,59 @@ def test_a_launch_that_fails_is_dropped_and_the_engine_decodes_on(model, monkeyp
   assert len(_group(eng)) == 5
 
 
+def _tight_plan(eng, decode_call: int):
+  """A memory plan for ``eng`` with no room beyond a decode call of ``decode_call`` bytes (its
+  prefill counted as nothing, so the decode call decides)."""
+  plan = dataclasses.replace(memory.plan(eng, None), prefill=0, generate_temp=decode_call)
+  return dataclasses.replace(plan, budget_bytes=plan.peak_bytes)
+
+
+def _decode_call(eng, launch) -> int:
+  """The temporaries of ``eng``'s planned decode call under ``launch``."""
+  kept = eng.launch
+  eng.use_launch(launch)
+  try:
+    return memory.generate_bytes(eng)
+  finally:
+    eng.use_launch(kept)
+
+
+def test_a_launch_kept_instead_of_the_engine_s_own_must_fit_its_memory_plan(model):
+  """The memory plan counted the engine's own launch's decode call; a faster launch whose decode
+  call needs more than the plan leaves is not kept, and the stage keeps the fastest that fits
+  (here, in interpret mode, the fused norms' decode call needs more than the default's and the
+  paged step kernel's less)."""
+  eng = DecodeEngine(model, CONFIG)
+  own, writes, both = (_decode_call(eng, x) for x in (OWN, WRITES, BOTH))
+  assert writes < own < both
+  costs = {"default": 1.0, "writes=1": 0.8, "writes=1+norms": 0.5}
+  measure, _ = _costs(eng, costs)
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES, BOTH)], rounds=1,
+                                 measure=measure, plan=_tight_plan(eng, own))
+  assert eng.launch == WRITES and report["launch"] == "writes=1"
+  assert list(report["failed"]) == ["writes=1+norms"]
+  assert report["failed"]["writes=1+norms"].startswith(
+      "does not fit the memory plan: its decode call needs")
+  # a byte more of budget than the fused norms' decode call needs: kept
+  eng.use_launch(OWN)
+  plan = _tight_plan(eng, both)
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES, BOTH)], rounds=1,
+                                 measure=measure, plan=plan)
+  assert eng.launch == BOTH and not report["failed"]
+  # the engine's own launch is what the plan counted: kept however little room is left
+  eng.use_launch(OWN)
+  measure, _ = _costs(eng, {**costs, "default": 0.1})
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(BOTH)], rounds=1,
+                                 measure=measure, plan=_tight_plan(eng, 0))
+  assert eng.launch == OWN and not report["failed"]
+  # nothing but the engine's own fits: its own, and later stages start from it
+  measure, _ = _costs(eng, costs)
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES), offer(BOTH)], rounds=1,
+                                 measure=measure, plan=_tight_plan(eng, writes - 1))
+  assert eng.launch == OWN and set(report["failed"]) == {"writes=1", "writes=1+norms"}
+  assert len(_group(eng)) == 5
+
+
 def test_the_wall_clock_times_each_launch(model):
   """Without a ``measure``: every launch's step timed on this device, the one kept among them."""
   eng = DecodeEngine(model, dataclasses.replace(CONFIG, kv_pages=10))  # pages for 2 slots
@@ -363,6 +416,19 @@ def test_the_service_times_once_before_its_first_decode(model, monkeypatch, caps
     ref.stop()
   assert [t for t, _ in got] == [t for t, _ in want]
   np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want], atol=2e-6)
+
+
+def test_the_service_s_launch_must_fit_the_memory_plan_it_was_sized_by(model, monkeypatch,
+                                                                       capsys):
+  """``memory_plan`` (what ``runtime.engines.build`` sized the service by) bounds the launch it
+  keeps: one whose decode call does not fit is timed but not kept, and the line says so."""
+  _offer_writes_as_a_gpu_would(monkeypatch)
+  eng = _service(model)
+  eng.memory_plan = _tight_plan(eng.engine, _decode_call(eng.engine, WRITES) - 1)
+  report = eng.tune_launch()
+  assert eng.engine.launch == OWN and report["launch"] == "default"
+  assert "writes=1" in report["step_ms"] and list(report["failed"]) == ["writes=1"]
+  assert "failed: writes=1" in capsys.readouterr().out
 
 
 def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):

@@ -241,6 +241,9 @@ def test_engines_build_makes_a_replica_per_data_index_and_plans_one(capsys):
   assert "each of 2 replicas" in out and "rollout.num_slots=4 does not fit" in out
   slots = {r.engine.config.num_slots for r in eng.replicas}
   assert len(slots) == 1 and 2 <= slots.pop() < 4
+  # each replica holds the plan it was sized by (the launch it times must fit it: test_launch_tuning)
+  assert [r.memory_plan for r in eng.replicas] == [eng.memory_plan] * 2
+  assert eng.memory_plan.budget_bytes == room
   c.rollout.data_parallel = "sharded"  # one engine, its slots split over the data axis
   eng = engines.build(c, model, tokenizer, mesh)
   assert isinstance(eng, JaxRolloutEngine) and eng.engine.width_buckets == (8,)
