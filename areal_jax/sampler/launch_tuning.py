@@ -19,8 +19,8 @@ warning; where the engine's own took over ``MAX_COMPILE_S`` to compile, nothing 
 (each would cost about as much again before the first decode), and no stage is started once the
 timing has taken ``MAX_TUNE_S``. The sampler's memory plan counted the engine's own launch's
 decode call; a stage keeps another launch only if it fits the plan too (its decode call at every
-slot and the largest kv bucket, compiled as the plan's was: ``within_plan``), else the fastest
-of the rest.
+slot and the largest kv bucket, compiled as the plan's was: ``within_plan``; one whose program
+there fails to compile is dropped too), else the fastest of the rest.
 
 None of these kernels ever ran on a GPU here, so a faster launch is kept only if it computes what
 the engine's own does: each launch's first call (its compile) decodes greedily, every slot from a
@@ -233,11 +233,16 @@ class _Timer:
                        f"{self.failed}")
 
   def _beyond_plan(self, launch) -> str | None:
-    """Why ``launch`` does not fit the memory plan (``within_plan``), or None (or no plan)."""
+    """Why ``launch`` does not fit the memory plan (``within_plan``; or its planned decode call
+    fails to compile), or None (or no plan)."""
     if self.plan is None:
       return None
     self.engine.use_launch(launch)
-    return within_plan(self.engine, self.plan)
+    try:
+      return within_plan(self.engine, self.plan)
+    except Exception as e:  # noqa: BLE001 (it would fail at that kv bucket when decoding, too)
+      return (f"its planned decode call (the largest kv bucket) failed to compile: "
+              f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
 
 
 def within_plan(engine, plan) -> str | None:

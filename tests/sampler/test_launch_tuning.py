@@ -332,6 +332,28 @@ def test_a_launch_kept_instead_of_the_engine_s_own_must_fit_its_memory_plan(mode
   assert len(_group(eng)) == 5
 
 
+def test_a_launch_whose_planned_decode_call_fails_to_compile_is_not_kept(model, monkeypatch):
+  """A launch that ran at the timing's kv bucket but whose decode call at the largest one (what
+  the plan counts) fails to compile is dropped, not left to fail when decoding reaches it."""
+  eng = DecodeEngine(model, CONFIG)
+  plan = _tight_plan(eng, _decode_call(eng, BOTH))
+  real = memory.generate_bytes
+
+  def failing(engine):
+    if engine.launch == WRITES:
+      raise RuntimeError("Triton: out of shared memory\nmore")
+    return real(engine)
+
+  monkeypatch.setattr(memory, "generate_bytes", failing)
+  measure, _ = _costs(eng, {"default": 1.0, "writes=1": 0.5, "writes=1+norms": 0.8})
+  _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES, BOTH)], rounds=1,
+                                 measure=measure, plan=plan)
+  assert eng.launch == BOTH and list(report["failed"]) == ["writes=1"]
+  assert report["failed"]["writes=1"] == ("its planned decode call (the largest kv bucket) "
+                                          "failed to compile: RuntimeError: Triton: out of "
+                                          "shared memory")
+
+
 def test_the_wall_clock_times_each_launch(model):
   """Without a ``measure``: every launch's step timed on this device, the one kept among them."""
   eng = DecodeEngine(model, dataclasses.replace(CONFIG, kv_pages=10))  # pages for 2 slots
