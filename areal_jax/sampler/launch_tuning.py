@@ -203,8 +203,7 @@ class _Timer:
           self.failed[launch.name] = why
           log.warning("sampler: decode launch %s %s; not used", launch.name, why)
       except Exception as e:  # noqa: BLE001 (a launch that cannot run here is not used)
-        self.failed[launch.name] = (f"{type(e).__name__}: "
-                                    f"{(str(e).splitlines() or [''])[0][:300]}")
+        self.failed[launch.name] = _first_line(e)
         log.warning("sampler: decode launch %s failed, not used (%s)", launch.name,
                     self.failed[launch.name])
         self.state = _usable(self.engine, self.state)
@@ -241,8 +240,7 @@ class _Timer:
     try:
       return within_plan(self.engine, self.plan)
     except Exception as e:  # noqa: BLE001 (it would fail at that kv bucket when decoding, too)
-      return (f"its planned decode call (the largest kv bucket) failed to compile: "
-              f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+      return f"its planned decode call (the largest kv bucket) failed to compile: {_first_line(e)}"
 
 
 def within_plan(engine, plan) -> str | None:
@@ -281,6 +279,11 @@ def _slots_and_pages(engine, reach: int):
   table = np.full((c.num_slots, engine.pages_per_slot), c.kv_pages, np.int32)  # the trash page
   table[:n, :need] = np.arange(n * need, dtype=np.int32).reshape(n, need) % c.kv_pages
   return list(range(n)), table
+
+
+def _first_line(e: Exception) -> str:
+  """``e``'s type and the first line of its message (a compiler's can run to pages)."""
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
 def _usable(engine, state):
