@@ -10,10 +10,11 @@ Per device (the fullest one), before the decode state is allocated:
                                 converted into, both until the conversion returns)
        + the larger program    (XLA's memory analysis of the two largest programs, compiled on
                                 abstract shapes: the decode call at full width and the largest kv
-                                bucket, its temporaries; the largest prefill call, its temporaries
-                                and the prefixes it returns: at the largest bucket and the most rows
-                                rollout.max_prefill_tokens leaves it, or at the bucket whose rows
-                                hold the most tokens)
+                                bucket, its temporaries (the larger of its two programs where
+                                top-k / top-p has one of its own); the largest prefill call,
+                                its temporaries and the prefixes it returns: at the largest
+                                bucket and the most rows rollout.max_prefill_tokens
+                                leaves it, or at the bucket whose rows hold the most tokens)
 
 The swap and a program add up where the sampler decodes while a version arrives (its own devices:
 the learner publishes while it generates); colocated it is paused then, and the peak is the
@@ -36,7 +37,9 @@ pages that fit (sequences take pages as they grow). A run stops, before the deco
 state is allocated, only when not even the fewest slots it needs fit, with the parts of the plan.
 The programs compiled for the plan are ones the sampler runs: with the persistent compilation
 cache (``runtime.compile_cache_dir``, on by default) their first calls read the plan's
-compilations (tested). The decode call counted is the engine's own launch's; where the engine
+compilations (tested); on a GPU the top-k / top-p decode program too, which runs only once a slot
+asks for top-k / top-p (a compile more at the start of a run that never does; its GEMMs are the
+other program's, whose autotuning XLA keeps for the process). The decode call counted is the engine's own launch's; where the engine
 times other launches of it before its first call (on a GPU: ``sampler.launch_tuning``), one
 kept instead must fit the plan with its own temporaries (``launch_tuning.within_plan``).
 Figures are those of the backend the plan compiles for (XLA:CPU's buffer assignment differs
@@ -169,15 +172,19 @@ def _compiled_memory(jitted, *args):
 
 def generate_bytes(engine) -> int:
   """The temporaries of the decode call the plan counts (every slot, the largest kv bucket), under
-  the engine's current launch, compiled on abstract shapes for its own devices."""
+  the engine's current launch, compiled on abstract shapes for its own devices: the larger of its
+  programs where the engine compiles one per answer to whether a slot truncates (on GPU,
+  ``choice.truncation_on_host``: the top-k / top-p program sorts the vocabulary, a few
+  [slots, vocab] float32 arrays more; compiled for an H100, 232 MiB against 107 for the
+  Qwen2.5-1.5B shape at 128 slots); elsewhere one program holds both (a ``lax.cond``, whose
+  temporaries XLA counts for either branch)."""
   c = engine.config
-  # (on GPU, where the top-k / top-p program is compiled apart: the one without the sort, which
-  # default rollouts run and the persistent compilation cache then holds; the other's sort
-  # buffers, a few [slots, vocab] float32 arrays, are not planned)
-  generate = engine._make_generate(engine.kv_buckets[-1], c.num_slots)  # noqa: SLF001
   pages = ((jax.ShapeDtypeStruct((c.num_slots, engine.pages_per_slot), np.int32),)
            if engine.paged else ())  # a paged cache's page table
-  return _compiled_memory(generate, engine.params, engine.state_shapes(), *pages)[0]
+  programs = (False, True) if engine.truncation_on_host else (False,)
+  return max(_compiled_memory(
+      engine._make_generate(engine.kv_buckets[-1], c.num_slots, truncate=truncate),  # noqa: SLF001
+      engine.params, engine.state_shapes(), *pages)[0] for truncate in programs)
 
 
 def program_bytes(engine) -> tuple[int, int]:

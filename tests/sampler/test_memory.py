@@ -296,3 +296,25 @@ def test_the_plan_bounds_every_prefill_call_under_a_token_budget():
       m = fn.lower(capped.params, jax.ShapeDtypeStruct((rows, bucket), "int32")).compile()
       m = m.memory_analysis()
       assert m.temp_size_in_bytes + m.output_size_in_bytes <= plan.prefill, (bucket, rows)
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["one program", "truncation on host"])
+def test_the_plan_bounds_the_top_p_program_too(monkeypatch, on_host):
+  """Where the engine compiles a decode program for slots that truncate (top-k / top-p, its sort
+  of the vocabulary) apart from the one without (on GPU; forced here), the plan counts the larger;
+  elsewhere the one program holds both branches, and the plan counts it."""
+  monkeypatch.setenv(choice.TRUNCATION_ENV, "1" if on_host else "0")
+  eng = DecodeEngine(tiny_model(0), EngineConfig(num_slots=8, max_len=48, prefill_buckets=(8,)))
+  assert eng.truncation_on_host == on_host
+  plan = memory.plan(eng, None)
+
+  def temp(truncate):
+    fn = eng._make_generate(eng.kv_buckets[-1], 8, truncate=truncate)  # noqa: SLF001
+    return fn.lower(eng.params, eng.state_shapes()).compile().memory_analysis().temp_size_in_bytes
+
+  without, with_sort = temp(False), temp(True)
+  assert max(without, with_sort) == plan.generate_temp
+  if on_host:  # two programs: the sort's buffers are the larger one's
+    assert with_sort > without
+  else:  # one program, whatever the slots ask
+    assert with_sort == without
