@@ -9,10 +9,18 @@ hold, not ``num_slots x max_len``. A group's samples share the pages their commo
 its own tokens after it. Entries a slot does not hold point at the trash page, which takes the
 writes of padding rows and of slots that hold no page there and is never read by a live slot.
 
+A finished sequence's pages can be kept (``keep``: a multi-turn conversation's KV for its next
+turn, ``sampler.continuation``) instead of going back: they stay in the pool, held by no slot,
+until ``drop``. Kept pages are the first to go: ``free_pages`` counts the pages only kept ones
+hold, and when ``share`` or ``grow`` needs more pages than are free it calls ``evict`` (the
+keeper drops its least recently kept) until they are, before saying no.
+
 Every method either does all it was asked or nothing (False), so the caller can preempt and retry.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -41,11 +49,39 @@ class PageTable:
     self.table = np.full((num_slots, self.per_slot), self.trash, np.int32)
     self._held: list[list[int]] = [[] for _ in range(num_slots)]
     self._refs = np.zeros((num_pages,), np.int32)
+    self._kept = np.zeros((num_pages,), np.int32)  # of a page's refs, those of kept page lists
     self._free = list(range(num_pages - 1, -1, -1))  # popped from the end: low ids first
+    # drops the least recently kept page list (``drop``); False when none is kept: set by the
+    # keeper (``continuation.Continuations``)
+    self.evict: Callable[[], bool] | None = None
 
   @property
   def free_pages(self) -> int:
-    return len(self._free)
+    """Pages free, and those only kept page lists hold (``share`` and ``grow`` evict them)."""
+    return len(self._free) + int(np.sum((self._refs > 0) & (self._refs == self._kept)))
+
+  @property
+  def kept_pages(self) -> int:
+    """Pages kept page lists hold (shared with a slot or not)."""
+    return int(np.sum(self._kept > 0))
+
+  def _room(self, need: int) -> bool:
+    """Whether ``need`` pages are free, evicting kept page lists until they are."""
+    while need > len(self._free) and self.evict is not None and self.evict():
+      pass
+    return need <= len(self._free)
+
+  def keep(self, slot: int) -> list[int]:
+    """``slot``'s pages, kept (held by no slot) until ``drop``; the slot holds nothing."""
+    pages = self._held[slot]
+    self._kept[np.asarray(pages, np.int64)] += 1
+    self._set(slot, [])
+    return pages
+
+  def drop(self, pages: list[int]) -> None:
+    """Lets go of kept ``pages`` (``keep``'s): each goes back once nothing else holds it."""
+    self._kept[np.asarray(pages, np.int64)] -= 1
+    self._unref(pages)
 
   def pages_for(self, length: int) -> int:
     """Pages that hold positions ``[0, length)``."""
@@ -64,7 +100,7 @@ class PageTable:
     shared by all of them, the last partial page each slot's own."""
     if any(self._held[s] for s in slots):
       raise ValueError(f"slots {[s for s in slots if self._held[s]]} still hold pages")
-    if self.share_cost(len(slots), length) > len(self._free):
+    if not self._room(self.share_cost(len(slots), length)):
       return False
     full = length // self.page_size
     shared = [self._take(len(slots)) for _ in range(full)]
@@ -78,18 +114,21 @@ class PageTable:
     need = self.pages_for(length) - len(self._held[slot])
     if need <= 0:
       return True
-    if need > len(self._free):
+    if not self._room(need):
       return False
     self._set(slot, self._held[slot] + [self._take(1) for _ in range(need)])
     return True
 
   def release(self, slot: int) -> None:
     """Returns ``slot``'s pages (a shared page once its last holder lets it go)."""
-    for page in self._held[slot]:
+    self._unref(self._held[slot])
+    self._set(slot, [])
+
+  def _unref(self, pages: list[int]) -> None:
+    for page in pages:
       self._refs[page] -= 1
       if self._refs[page] == 0:
         self._free.append(page)
-    self._set(slot, [])
 
   def move(self, src: list[int], dst: list[int]) -> None:
     """Slots ``src``'s pages go to the free slots ``dst`` (the device's cache does not move)."""
@@ -104,6 +143,7 @@ class PageTable:
     for s in range(len(self._held)):
       self._set(s, [])
     self._refs[:] = 0
+    self._kept[:] = 0  # (the keeper forgets its page lists: ``Continuations.clear``)
     self._free = list(range(self.num_pages - 1, -1, -1))
 
   def _take(self, refs: int) -> int:

@@ -66,3 +66,73 @@ def test_pages_are_never_handed_out_twice():
     assert not in_use & set(t._free) and len(in_use) + t.free_pages == 20
     for page, holders in owners.items():
       assert t._refs[page] == len(holders)
+
+
+def test_kept_pages_stay_until_dropped_and_go_first_when_pages_run_short():
+  t = PageTable(num_slots=3, num_pages=6, page_size=4, max_len=12)
+  kept = []  # the keeper's page lists, least recently kept first
+
+  def evict():
+    if not kept:
+      return False
+    t.drop(kept.pop(0))
+    return True
+
+  t.evict = evict
+  assert t.share([0, 1], 6)  # one shared page, one own page each
+  shared, own = int(t.table[0, 0]), int(t.table[0, 1])
+  kept.append(t.keep(0))  # slot 0's pages kept: the slot holds none, the pages stay taken
+  assert t.held(0) == 0 and (t.table[0] == t.trash).all() and kept[0] == [shared, own]
+  assert t.kept_pages == 2 and shared not in t._free and own not in t._free
+  # its own page is only kept (it would come back); the shared one slot 1 still holds
+  assert len(t._free) == 3 and t.free_pages == 4
+  assert t.share([2], 12)  # needs 3: free, nothing evicted
+  assert kept and t.free_pages == 1
+  assert t.grow(2, 13) and t.held(2) == 3  # (capped: held already)
+  assert t.grow(1, 9) and t.held(1) == 3 and not kept  # needed one more: the kept list went
+  assert t.kept_pages == 0 and t._refs[shared] == 1  # the shared page: slot 1's alone now
+  assert not t.grow(0, 4)  # nothing left to evict: all or nothing as before
+  t.release(1)
+  t.release(2)
+  assert t.free_pages == 6 and len(t._free) == 6
+
+
+def test_pages_are_never_handed_out_twice_with_kept_pages():
+  rng = np.random.default_rng(1)
+  t = PageTable(num_slots=6, num_pages=16, page_size=4, max_len=24)
+  kept = []
+
+  def evict():
+    if not kept:
+      return False
+    t.drop(kept.pop(0))
+    return True
+
+  t.evict = evict
+  for _ in range(400):
+    s = int(rng.integers(6))
+    op = rng.integers(5)
+    if op == 0 and t.held(s) == 0:
+      group = [x for x in range(6) if t.held(x) == 0][:int(rng.integers(1, 4))]
+      t.share(group, int(rng.integers(1, 24)))
+    elif op == 1 and t.held(s):
+      t.grow(s, int(rng.integers(1, 25)))
+    elif op == 2:
+      t.release(s)
+    elif op == 3 and t.held(s):
+      kept.append(t.keep(s))
+    elif op == 4 and kept:
+      t.drop(kept.pop(int(rng.integers(len(kept)))))
+    holders = {}
+    for x in range(6):
+      for page in t.table[x, :t.held(x)]:
+        holders[int(page)] = holders.get(int(page), 0) + 1
+    for pages in kept:
+      for page in pages:
+        holders[page] = holders.get(page, 0) + 1
+    assert not set(holders) & set(t._free) and len(holders) + len(t._free) == 16
+    for page, n in holders.items():
+      assert t._refs[page] == n
+    only_kept = {p for pages in kept for p in pages} - {
+        int(p) for x in range(6) for p in t.table[x, :t.held(x)]}
+    assert t.free_pages == len(t._free) + len(only_kept)
