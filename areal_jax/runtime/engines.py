@@ -12,6 +12,8 @@ with ``rollout.num_slots / data`` slots on its own devices, unless ``rollout.dat
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from flax import nnx
 
@@ -74,7 +76,9 @@ def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> Rollo
   (its peak beside what the learner keeps; ``rollout.num_slots`` lowered only if that does not
   fit), then the learner's micro-batch beside what the sampler keeps (weights, KV cache). When not
   even the learner's smallest micro-batch fits there, the sampler is rebuilt with the slots that
-  leave it room (printed), or the run stops naming both."""
+  leave it room (printed), or the run stops naming both. A row cache's continuation rows
+  (``turns_kept``) come last: the learner is planned beside the sampler without them, and they
+  get what its step leaves (printed when fewer than the sampler's plan gave them)."""
   if learner is not None and not config.mesh.colocated:  # each on devices of its own
     plan_learner(config, learner)
     learner = None
@@ -86,8 +90,10 @@ def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> Rollo
   if sampler is None:  # (no budget: nothing to check)
     plan_learner(config, learner)
     return engine
+  rows = sampler.kept_rows
+  sampler = dataclasses.replace(sampler, kept_rows=0)  # (the learner's micro-batch comes first)
   try:
-    plan_learner(config, learner, sampler)
+    learner_plan = plan_learner(config, learner, sampler)
   except learner_memory.DoesNotFit as e:
     print(f"learner memory plan: not even {e.smallest.micro_batch_tokens} tokens a micro-batch "
           f"({e.smallest.peak_gib:.2f} GiB) fit beside the "
@@ -97,7 +103,18 @@ def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> Rollo
     del engine  # its weights and programs go before the next engine places its own
     budget = sampler_budget(config, sampler_mesh, learner, e.smallest.peak_bytes)
     engine = build(config, model, tokenizer, sampler_mesh, memory_budget=budget)
-    plan_learner(config, learner, engine.memory_plan)
+    sampler = engine.memory_plan
+    rows, sampler = sampler.kept_rows, dataclasses.replace(sampler, kept_rows=0)
+    learner_plan = plan_learner(config, learner, sampler)
+  if rows and sampler.row_bytes and learner_plan is not None:  # rows: what the learner leaves
+    left = learner_plan.budget_bytes - learner_plan.peak_bytes
+    rows = min(rows, max(0, left) // sampler.row_bytes)
+    if rows != engine.memory_plan.kept_rows:
+      print(f"sampler memory plan: {rows} continuation rows (of {engine.memory_plan.kept_rows}) "
+            "fit beside the colocated learner's step", flush=True)
+  plan = dataclasses.replace(sampler, kept_rows=rows)
+  for one in {id(x): x for x in [engine, *getattr(engine, "replicas", [])]}.values():
+    one.memory_plan = plan
   return engine
 
 
@@ -132,6 +149,13 @@ def plan_learner(config, learner, sampler=None):
           f"{plan.budget_bytes / learner_memory.GIB:.2f} GiB{beside} (actor.micro_batch_tokens="
           f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
   return plan
+
+
+def turns_kept(config, num_slots: int) -> int:
+  """Continuation rows a row cache's memory plan makes room for (``SamplerPlan.with_rows``): a
+  finished turn's KV kept for the episode's next turn, one a slot, where the workflow runs
+  episodes of several turns (``rollout.workflow``); none for single-turn episodes."""
+  return num_slots if config.rollout.get("workflow", "single_turn") != "single_turn" else 0
 
 
 def engine_settings(config, num_slots: int, kv_pages: int | None = None) -> dict:
@@ -188,6 +212,7 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
       else:
         engine, plan = memory.fit(make, r.num_slots, min_slots=r.n_samples, **budget)
         decided(engine, plan)
+        plan = plan.with_rows(turns_kept(config, plan.num_slots))
         print(f"sampler memory plan: {plan.summary()}", flush=True)
       engine.memory_plan = plan  # (per device; None: unplanned)
       return engine
@@ -204,6 +229,7 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
       engine, plan = memory.fit(lambda s, **kw: make(s, mesh, output, **kw), slots,
                                 min_slots=r.n_samples, **budget)
       decided(engine, plan)
+      plan = plan.with_rows(turns_kept(config, plan.num_slots))
       engine.memory_plan = plan  # (the launch it times must fit it: JaxRolloutEngine.tune_launch)
       slots = plan.num_slots
       pages = None if plan.pool_follows_slots or not plan.kv_pages else plan.kv_pages

@@ -14,8 +14,12 @@ past it are overwritten before anything attends to them). The row sharing the lo
 A row is kept only if the whole sequence, prompt KV included, came from the weights in use, and
 every weight swap drops all kept rows, so a continuation gives the tokens and logprobs of a full
 re-prefill (up to float rounding between the decode and prefill paths). Rows are used once, at
-most ``capacity`` are kept (least recently kept dropped first); each is one slot's cache row
-(layers x 2 x max_len x kv heads x head dim; with a paged cache, read out of the slot's pages).
+most ``capacity`` are kept (least recently kept dropped first). A row cache keeps a copy of the
+slot's row (layers x 2 x max_len x kv heads x head dim, beside the cache: what the sampler's
+memory plan counts, ``capacity`` being what it leaves room for). A paged cache keeps the slot's
+pages themselves (``pages.PageTable.keep``: no copy, no memory beside the pool the plan sized),
+read out into a row only when a turn continues from them; the pool takes kept pages back,
+least recently kept first, whenever live sequences need pages (before any waits or is preempted).
 """
 
 from __future__ import annotations
@@ -68,46 +72,76 @@ def longest_match(keys, tokens) -> tuple[tuple[int, ...] | None, int]:
 class Continuations:
   """Kept KV rows of finished sequences, keyed by the tokens whose KV they hold."""
 
-  def __init__(self, engine, capacity: int):
-    self.engine, self.capacity = engine, int(capacity)
+  def __init__(self, engine, capacity: int, table=None):
+    """``table``: a paged cache's ``pages.PageTable`` (kept rows are its pages; the table evicts
+    them when it needs pages)."""
+    self.engine, self.capacity, self.table = engine, int(capacity), table
+    # tokens -> a row cache's copied row, or a paged cache's kept pages
     self._rows: collections.OrderedDict[tuple[int, ...], object] = collections.OrderedDict()
     self._fns = engine._fns.setdefault("continuation", {})  # shared like the engine's own
     self.stats = collections.Counter()
+    if table is not None:
+      table.evict = self._evict
 
   def __len__(self) -> int:
     return len(self._rows)
 
   def clear(self) -> None:
-    self._rows.clear()
+    while self._rows:
+      self._drop_oldest()
 
-  def keep(self, state, slot: int, tokens: list[int], pages=None) -> None:
-    """Copies slot ``slot``'s cache row, which holds the KV of ``tokens`` (positions 0..); a paged
-    cache's row is read from the slot's pages (``pages``: its page table row)."""
+  def _drop_oldest(self) -> None:
+    _, row = self._rows.popitem(last=False)
+    if self.table is not None:
+      self.table.drop(row)
+
+  def _evict(self) -> bool:
+    """The page table needs pages: the least recently kept row's go back (False: none kept)."""
+    if not self._rows:
+      return False
+    self._drop_oldest()
+    self.stats["evicted"] += 1
+    return True
+
+  def keep(self, state, slot: int, tokens: list[int]) -> None:
+    """Keeps slot ``slot``'s cache row, which holds the KV of ``tokens`` (positions 0..): a copy
+    of it, or a paged cache's slot's pages themselves (the slot then holds none)."""
     if not tokens or self.capacity < 1:
       return
-    if "take" not in self._fns:
-      self._fns["take"] = self._make_take()
     key = tuple(int(t) for t in tokens)
-    # (a copy of the page table row: the caller's table changes after dispatch)
-    where = np.array(pages, np.int32) if self.engine.paged else np.int32(slot)
-    self._rows[key] = self._fns["take"](state["cache"], where)
-    self._rows.move_to_end(key)
+    if key in self._rows:  # (the same tokens kept again: the newer row replaces it)
+      self._rows.move_to_end(key, last=False)
+      self._drop_oldest()
+    if self.table is not None:
+      self._rows[key] = self.table.keep(slot)
+    else:
+      if "take" not in self._fns:
+        self._fns["take"] = self._make_take()
+      self._rows[key] = self._fns["take"](state["cache"], np.int32(slot))
     self.stats["kept"] += 1
     while len(self._rows) > self.capacity:
-      self._rows.popitem(last=False)
+      self._drop_oldest()
       self.stats["dropped"] += 1
 
   def match(self, tokens: list[int]) -> tuple[tuple[int, ...] | None, int]:
     """``longest_match`` among the kept rows' keys."""
     return longest_match(self._rows, tokens)
 
-  def take(self, params, tokens: list[int]):
+  def take(self, params, tokens: list[int], state=None):
     """A KV prefix of ``tokens`` (as ``DecodeEngine.prefill`` gives, but ``max_len`` long) built on
-    a kept row, which is used up; None when no kept row fits (prefill as usual then)."""
+    a kept row, which is used up; None when no kept row fits (prefill as usual then). A paged
+    cache's kept pages are read out of ``state``'s pool, then go back to it."""
     key, shared = self.match(tokens)
     if key is None:
       return None
     row = self._rows.pop(key)
+    if self.table is not None:  # (writes into the pages, later, are ordered after this read)
+      if "take" not in self._fns:
+        self._fns["take"] = self._make_take()
+      pages = np.full((self.table.per_slot,), self.table.trash, np.int32)
+      pages[:len(row)] = row
+      row, kept = self._fns["take"](state["cache"], pages), row
+      self.table.drop(kept)
     rest = [int(t) for t in tokens[shared:]]
     if not rest:
       self.stats["continued"] += 1

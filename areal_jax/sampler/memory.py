@@ -5,6 +5,9 @@ Per device (the fullest one), before the decode state is allocated:
   peak = held weights          (the version the engine decodes with)
        + frozen LoRA base      (with LoRA: the base the adapters are merged into)
        + decode state          (the KV cache of every slot and the per-slot vectors)
+       + continuation rows     (a row cache: finished turns' rows kept for multi-turn episodes'
+                                next turns, as many as fit beside the rest: ``with_rows``;
+                                a paged cache keeps them as pages of its pool)
        + a weight swap         (the version arriving, in the model's layout and the dtype the
                                 transfer delivers (``incoming``), and the held version it is
                                 converted into, both until the conversion returns)
@@ -54,6 +57,7 @@ import jax
 import numpy as np
 
 from areal_jax import program_memory, sharding
+from areal_jax.sampler import slot_cache
 
 GIB = 1024**3
 
@@ -76,11 +80,35 @@ class SamplerPlan:
   incoming: int = 0  # a weight version as it arrives, before its conversion (``incoming_bytes``)
   swap_while_decoding: bool = True  # a swap happens beside a decode or prefill call
   swap_pauses: bool = False  # the current version is let go of before the new one is converted
+  # a row cache: one kept continuation row (a finished turn's KV copied out for the next turn,
+  # ``sampler.continuation``; a paged cache keeps pages of its pool instead: 0), and how many
+  row_bytes: int = 0
+  kept_rows: int = 0
 
   @property
   def resident_bytes(self) -> int:
     """What stays allocated between decode calls (while a colocated learner trains)."""
-    return self.weights + self.lora_base + self.state
+    return self.weights + self.lora_base + self.state + self.kept_rows * self.row_bytes
+
+  def rows_that_fit(self) -> int | None:
+    """The most continuation rows (``row_bytes`` each, held between calls) that fit beside this
+    plan's peak and resident part as they are; None without a budget (or rows to count)."""
+    if not self.row_bytes:
+      return None
+    free = []
+    if self.budget_bytes is not None:
+      free.append(self.budget_bytes - self.peak_bytes)
+    if self.resident_budget is not None:
+      free.append(self.resident_budget - self.resident_bytes)
+    if not free:
+      return None
+    return self.kept_rows + max(0, min(free) // self.row_bytes)
+
+  def with_rows(self, wanted: int) -> SamplerPlan:
+    """This plan keeping ``wanted`` continuation rows, or the fewer that fit (a row cache; the
+    slots are not lowered for them: a turn not kept is prefilled whole)."""
+    fit = self.rows_that_fit()
+    return dataclasses.replace(self, kept_rows=wanted if fit is None else min(wanted, fit))
 
   @property
   def swap_bytes(self) -> int:
@@ -156,7 +184,9 @@ class SamplerPlan:
             f"{size(self.weights)} converted ({swap}), "
             + (f"LoRA base {size(self.lora_base)}, " if self.lora_base else "")
             + f"KV cache and slots {size(self.state)} ({self.num_slots} slots"
-            + (f", {self.kv_pages} pages" if self.kv_pages else "") + "), decode call "
+            + (f", {self.kv_pages} pages" if self.kv_pages else "") + "), "
+            + (f"{self.kept_rows} continuation rows {size(self.kept_rows * self.row_bytes)}, "
+               if self.kept_rows and self.row_bytes else "") + "decode call "
             f"{size(self.generate_temp)}, prefill call {size(self.prefill)}")
 
 
@@ -223,7 +253,20 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
       page_bytes=(sharding.device_bytes(engine.state_shapes()["cache"]) // (c.kv_pages + 1)
                   if engine.paged else 0),
       incoming=engine.weights.incoming_bytes(incoming_dtype) if incoming is None else incoming,
-      swap_while_decoding=swap_while_decoding, swap_pauses=weight_swap == "pause")
+      swap_while_decoding=swap_while_decoding, swap_pauses=weight_swap == "pause",
+      row_bytes=0 if engine.paged else row_bytes(engine))
+
+
+def row_bytes(engine) -> int:
+  """Bytes per device of one continuation row of a row cache (one slot's, ``max_len`` positions,
+  as ``sampler.continuation`` copies it out)."""
+  cfg, c = engine.model_cfg, engine.config
+  shapes = jax.eval_shape(lambda: slot_cache.make(cfg, 1, c.max_len, engine._cache_dtype,  # noqa: SLF001
+                                                  engine.cache_layout))
+  shards = slot_cache.shardings(engine._named, cfg, 1, c.max_len, engine.cache_layout,  # noqa: SLF001
+                                prefix=True)
+  return sharding.device_bytes(jax.tree.map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shards))
 
 
 def check(engine, budget_bytes: int | None, resident_budget: int | None = None,

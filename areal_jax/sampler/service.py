@@ -130,15 +130,27 @@ class JaxRolloutEngine(RolloutEngine):
     self._paused = False
     self._stopping = False
     self._thread: threading.Thread | None = None
-    self._continued = continuation_lib.Continuations(self.engine, capacity=num_slots)
+    self._continued = continuation_lib.Continuations(  # (a paged cache: kept as its pages)
+        self.engine, capacity=num_slots, table=None if self._paging is None else self._paging.table)
     self.stats = collections.Counter()
     self._prefixes = prefix_memo.PrefixMemo(self.engine, self.stats)  # tokens -> KV prefix
     self._token_listener = None
     self._tuned = False
     self.launch_report: dict | None = None  # what tune_launch timed (None: nothing)
-    # the memory plan this engine was sized by (runtime.engines.build; None: unplanned): a decode
-    # launch tune_launch keeps instead of the engine's own must fit it too
-    self.memory_plan = None
+    self._memory_plan = None
+
+  @property
+  def memory_plan(self):
+    """The memory plan this engine was sized by (``runtime.engines.build``; None: unplanned): a
+    decode launch ``tune_launch`` keeps instead of the engine's own must fit it too, and a row
+    cache keeps as many continuation rows as it counts (``kept_rows``; unplanned: one a slot)."""
+    return self._memory_plan
+
+  @memory_plan.setter
+  def memory_plan(self, plan) -> None:
+    self._memory_plan = plan
+    if self._paging is None:  # (a paged cache keeps pages of its pool, as many as it lends)
+      self._continued.capacity = self.num_slots if plan is None else plan.kept_rows
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
 
@@ -206,6 +218,7 @@ class JaxRolloutEngine(RolloutEngine):
         self._finish(seq, "abort")
     self._slots = [None] * self.num_slots
     if self._paging is not None:
+      self._continued.clear()  # (kept pages: before the pool's pages all go back)
       self._paging.reset()
     with self._lock:
       while self._waiting:
@@ -302,6 +315,7 @@ class JaxRolloutEngine(RolloutEngine):
     self._inflight.clear()
     preempted = self._preempted()
     if self._paging is not None:
+      self._continued.clear()  # (kept pages: before the pool's pages all go back)
       self._paging.reset()
     for i, seq in enumerate([*self._slots, *preempted]):
       if seq is not None and not seq.done:
@@ -397,8 +411,7 @@ class JaxRolloutEngine(RolloutEngine):
     included) came from the weights in use."""
     if continuation_lib.wanted(seq.group.request.metadata, reason) and \
         seq.kv_version == self._version and all(v == self._version for v in seq.versions):
-      pages = None if self._paging is None else self._paging.table.table[seq.slot]
-      self._continued.keep(self._state, seq.slot, seq.fed(), pages)
+      self._continued.keep(self._state, seq.slot, seq.fed())
 
   def _admit(self):
     """Admits waiting groups into free slots (``admission.pick``; a paged cache's preempted
@@ -442,7 +455,8 @@ class JaxRolloutEngine(RolloutEngine):
     r, p = group.request, group.request.params
     prompt = [int(t) for t in r.prompt_tokens]
     params = self.engine.params
-    prefix = self._continued.take(params, prompt[:-1]) if len(self._continued) else None
+    prefix = (self._continued.take(params, prompt[:-1], self._state) if len(self._continued)
+              else None)
     if prefix is None:
       prefix = self._prefixes.get(params, prompt[:-1])
     else:

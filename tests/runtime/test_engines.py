@@ -125,6 +125,40 @@ def test_colocated_the_sampler_yields_slots_when_the_learner_cannot_fit_beside_i
     engines.build_planned(c, model, tokenizer, mesh, learner)
 
 
+def test_colocated_continuation_rows_take_only_what_the_learners_step_leaves(capsys,
+                                                                            monkeypatch):
+  """Multi-turn episodes on a row cache keep turns' rows (one a slot where there is room);
+  colocated, the learner's micro-batch is planned first, beside the sampler without them, and
+  the rows get what its step leaves."""
+  from areal_jax.learner import memory as learner_memory
+  from areal_jax.runtime import engines
+  from areal_jax.sampler import memory as sampler_memory
+
+  c, model, tokenizer, mesh, learner = _colocated()
+  c.rollout.workflow = "multi_turn"
+  sampler = sampler_memory.plan(engines.build(c, model, tokenizer, mesh).engine, None)
+  kept = sum(learner_memory.kept_bytes(learner).values())
+  row = sampler.row_bytes
+  budget = kept + sampler.peak_bytes + 20 * row  # the sampler's side: room for all 16 rows
+  need = budget - sampler.resident_bytes - 5 * row - row // 2  # the learner's: room for 5
+  planned = []
+
+  def learner_plan(learner, budget_bytes, beside="", publish=None):
+    planned.append(budget_bytes)
+    return learner_memory.Plan(256, 256, 1, need, budget_bytes, {})
+
+  monkeypatch.setattr(learner_memory, "plan", learner_plan)
+  c.mesh.device_memory_gib = budget / learner_memory.GIB
+  engine = engines.build_planned(c, model, tokenizer, mesh, learner)
+  out = capsys.readouterr().out
+  assert "16 continuation rows" in out and "5 continuation rows (of 16)" in out, out
+  assert planned == [budget - sampler.resident_bytes]  # the learner beside no rows
+  assert engine.num_slots == 16 and engine.memory_plan.kept_rows == 5
+  assert engine._continued.capacity == 5
+  assert need + engine.memory_plan.resident_bytes <= budget  # training beside the rows
+  assert kept + engine.memory_plan.peak_bytes <= budget  # generating beside the learner
+
+
 def test_sampler_budget_colocated_leaves_what_the_learner_keeps():
   from areal_jax.learner import memory as learner_memory
   from areal_jax.runtime import engines

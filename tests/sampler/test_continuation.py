@@ -69,3 +69,45 @@ def test_chunk_bucket_and_match():
   assert kept.match([1, 2, 3, 4, 7, 7]) == ((1, 2, 3, 4), 4)
   assert kept.match([1, 2, 3, 8]) == ((1, 2, 3, 4), 3)
   assert kept.match([1, 2, 7, 7, 7, 7]) == (None, 0)  # shares less than half
+
+
+def test_a_paged_cache_keeps_a_turn_in_its_pool_and_gives_it_up_before_anyone_waits(model):
+  """A paged cache keeps a finished turn as its pages (the pool holds them, nothing is copied out);
+  a group that needs those pages takes them back (the kept turn is evicted, nobody is preempted),
+  and the next turn of the evicted conversation is prefilled, sampling the same."""
+  engine = JaxRolloutEngine(model, num_slots=2, max_len=64, prefill_buckets=(48,), kv_pages=8,
+                            page_size=8, decode_attention="dense", steps_per_call=4,
+                            eos_token_ids=())
+  table = engine._paging.table
+  engine.start()
+  try:
+    prompt = [int(t) for t in np.random.default_rng(0).integers(1, 128, 21)]
+    first = _one(engine, GroupRequest(1, prompt, 1, SamplingParams(greedy=True, max_new_tokens=9),
+                                      {"continue": True}))
+    deadline = time.time() + 10
+    while table.kept_pages == 0 and time.time() < deadline:
+      time.sleep(0.01)
+    assert len(engine._continued) == 1 and table.kept_pages >= 4  # its 29 positions' pages
+    assert table.free_pages == 8 and len(table._free) == 8 - table.kept_pages  # all obtainable
+    # a long sequence needs every page of the pool: the kept turn's go back, nobody waits
+    other = _one(engine, GroupRequest(2, list(range(1, 41)), 1,
+                                      SamplingParams(greedy=True, max_new_tokens=20)))
+    assert other.finish_reason == "length" and len(other.tokens) == 20
+    assert engine._continued.stats["evicted"] == 1 and len(engine._continued) == 0
+    assert engine.stats["preempted"] == 0
+    follow = prompt + first.tokens + [7, 8, 9]
+    again = _one(engine, GroupRequest(3, follow, 1, SamplingParams(greedy=True, max_new_tokens=6)))
+    assert engine.stats["continued"] == 0  # prefilled: nothing was kept
+    # kept, continued from its pages, and the same sample as the prefilled one
+    _one(engine, GroupRequest(4, prompt, 1, SamplingParams(greedy=True, max_new_tokens=9),
+                              {"continue": True}))
+    continued = _one(engine, GroupRequest(5, follow, 1,
+                                          SamplingParams(greedy=True, max_new_tokens=6)))
+    assert engine.stats["continued"] == 1 and continued.tokens == again.tokens
+    np.testing.assert_allclose(continued.logprobs, again.logprobs, rtol=1e-4, atol=1e-5)
+    deadline = time.time() + 10
+    while len(table._free) < 8 and time.time() < deadline:
+      time.sleep(0.01)
+    assert len(table._free) == 8 and table.kept_pages == 0  # every page back
+  finally:
+    engine.stop()

@@ -318,3 +318,39 @@ def test_the_plan_bounds_the_top_p_program_too(monkeypatch, on_host):
     assert with_sort > without
   else:  # one program, whatever the slots ask
     assert with_sort == without
+
+
+def test_a_row_cache_plans_the_turns_multi_turn_episodes_keep(capsys):
+  """A row cache copies a finished turn's row out for the episode's next turn: the plan counts
+  one a slot where the workflow runs several turns, fewer where the budget has no room for them
+  (the slots are kept), none for single-turn episodes; a paged cache keeps pages of its pool."""
+  from areal_jax import config as config_lib
+  from areal_jax.models import tokenizer as tok_lib
+  from areal_jax.runtime import engines
+
+  c = config_lib.base_config()
+  c.rollout.num_slots, c.rollout.prefill_buckets, c.rollout.max_new_tokens = 8, (16,), 16
+  c.rollout.weight_swap = "overlap"
+  model, tokenizer = tiny_model(0), tok_lib.byte_tokenizer()
+  mesh = sharding.make_mesh({}, jax.devices()[:1])
+  single = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
+  assert single.memory_plan.kept_rows == 0 and single._continued.capacity == 0
+  c.rollout.workflow = "multi_turn"
+  multi = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
+  p = multi.memory_plan
+  row = sharding.device_bytes(multi.engine.state_shapes()["cache"]) // 8  # one slot's row
+  assert p.row_bytes == row and p.kept_rows == 8 and multi._continued.capacity == 8
+  assert p.resident_bytes == p.weights + p.state + 8 * row and p.fits
+  assert "8 continuation rows" in capsys.readouterr().out
+  # room for 3 rows beside the plan: 3 kept, all 8 slots stay
+  bare = dataclasses.replace(p, kept_rows=0)
+  room = bare.peak_bytes + 3 * row + row // 2
+  three = engines.build(c, model, tokenizer, mesh, memory_budget=room)
+  assert three.engine.config.num_slots == 8 and three.memory_plan.kept_rows == 3
+  assert three._continued.capacity == 3 and three.memory_plan.fits
+  assert dataclasses.replace(three.memory_plan, kept_rows=4).fits is False
+  # unplanned (no budget): one a slot, as before; a paged cache: pages of its pool, no rows
+  assert engines.build(c, model, tokenizer, mesh)._continued.capacity == 8
+  c.rollout.kv_pages, c.rollout.page_size = 8, 8
+  paged = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
+  assert paged.memory_plan.row_bytes == 0 and paged._continued.capacity == 8
