@@ -1,6 +1,8 @@
 """The paged cache's host-side page table: shared prompt pages with reference counts, growth,
 release, moves, the trash page for what a slot does not hold, and all-or-nothing failures."""
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -45,12 +47,25 @@ def test_a_pool_that_cannot_hold_one_sequence_is_refused():
     PageTable(num_slots=2, num_pages=3, page_size=4, max_len=16)
 
 
-def test_pages_are_never_handed_out_twice():
-  rng = np.random.default_rng(0)
+@pytest.mark.parametrize("keeping", [False, True], ids=["slots", "slots and kept lists"])
+def test_pages_are_never_handed_out_twice(keeping):
+  """Random shares, growths and releases (and page lists kept from slots, dropped, evicted):
+  no page is both free and held, each page's count is its holders', and ``free_pages`` is the
+  free pages and those only kept lists hold."""
+  rng = np.random.default_rng(int(keeping))
   t = PageTable(num_slots=6, num_pages=20, page_size=4, max_len=24)
-  for _ in range(300):
+  kept = []  # the keeper's page lists, least recently kept first
+
+  def evict():
+    if not kept:
+      return False
+    t.drop(kept.pop(0))
+    return True
+
+  t.evict = evict
+  for _ in range(400):
     s = int(rng.integers(6))
-    op = rng.integers(3)
+    op = rng.integers(5 if keeping else 3)
     if op == 0 and t.held(s) == 0:
       group = [x for x in range(6) if t.held(x) == 0][:int(rng.integers(1, 4))]
       t.share(group, int(rng.integers(1, 24)))
@@ -58,14 +73,17 @@ def test_pages_are_never_handed_out_twice():
       t.grow(s, int(rng.integers(1, 25)))
     elif op == 2:
       t.release(s)
-    owners = {}
-    for x in range(6):
-      for page in t.table[x, :t.held(x)]:
-        owners.setdefault(int(page), set()).add(x)
-    in_use = set(owners)
-    assert not in_use & set(t._free) and len(in_use) + t.free_pages == 20
-    for page, holders in owners.items():
-      assert t._refs[page] == len(holders)
+    elif op == 3 and t.held(s):
+      kept.append(t.keep(s))
+    elif op == 4 and kept:
+      t.drop(kept.pop(int(rng.integers(len(kept)))))
+    by_slots = [int(p) for x in range(6) for p in t.table[x, :t.held(x)]]
+    holders = collections.Counter(by_slots + [p for pages in kept for p in pages])
+    assert not set(holders) & set(t._free) and len(holders) + len(t._free) == 20
+    for page, n in holders.items():
+      assert t._refs[page] == n
+    only_kept = set(holders) - set(by_slots)
+    assert t.free_pages == len(t._free) + len(only_kept)
 
 
 def test_kept_pages_stay_until_dropped_and_go_first_when_pages_run_short():
@@ -95,44 +113,3 @@ def test_kept_pages_stay_until_dropped_and_go_first_when_pages_run_short():
   t.release(1)
   t.release(2)
   assert t.free_pages == 6 and len(t._free) == 6
-
-
-def test_pages_are_never_handed_out_twice_with_kept_pages():
-  rng = np.random.default_rng(1)
-  t = PageTable(num_slots=6, num_pages=16, page_size=4, max_len=24)
-  kept = []
-
-  def evict():
-    if not kept:
-      return False
-    t.drop(kept.pop(0))
-    return True
-
-  t.evict = evict
-  for _ in range(400):
-    s = int(rng.integers(6))
-    op = rng.integers(5)
-    if op == 0 and t.held(s) == 0:
-      group = [x for x in range(6) if t.held(x) == 0][:int(rng.integers(1, 4))]
-      t.share(group, int(rng.integers(1, 24)))
-    elif op == 1 and t.held(s):
-      t.grow(s, int(rng.integers(1, 25)))
-    elif op == 2:
-      t.release(s)
-    elif op == 3 and t.held(s):
-      kept.append(t.keep(s))
-    elif op == 4 and kept:
-      t.drop(kept.pop(int(rng.integers(len(kept)))))
-    holders = {}
-    for x in range(6):
-      for page in t.table[x, :t.held(x)]:
-        holders[int(page)] = holders.get(int(page), 0) + 1
-    for pages in kept:
-      for page in pages:
-        holders[page] = holders.get(page, 0) + 1
-    assert not set(holders) & set(t._free) and len(holders) + len(t._free) == 16
-    for page, n in holders.items():
-      assert t._refs[page] == n
-    only_kept = {p for pages in kept for p in pages} - {
-        int(p) for x in range(6) for p in t.table[x, :t.held(x)]}
-    assert t.free_pages == len(t._free) + len(only_kept)
