@@ -42,9 +42,10 @@ The programs compiled for the plan are ones the sampler runs: with the persisten
 cache (``runtime.compile_cache_dir``, on by default) their first calls read the plan's
 compilations (tested); on a GPU the top-k / top-p decode program too, which runs only once a slot
 asks for top-k / top-p (a compile more at the start of a run that never does; its GEMMs are the
-other program's, whose autotuning XLA keeps for the process). The decode call counted is the engine's own launch's; where the engine
-times other launches of it before its first call (on a GPU: ``sampler.launch_tuning``), one
-kept instead must fit the plan with its own temporaries (``launch_tuning.within_plan``).
+other program's, whose autotuning XLA keeps for the process). The decode call counted is the
+engine's own launch's; where the engine times other launches of it before its first call (on a
+GPU: ``sampler.launch_tuning``), one kept instead must fit the plan with its own temporaries
+(``launch_tuning.within_plan``).
 Figures are those of the backend the plan compiles for (XLA:CPU's buffer assignment differs
 somewhat from GPU's or TPU's).
 """

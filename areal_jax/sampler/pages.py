@@ -66,7 +66,10 @@ class PageTable:
     return int(np.sum(self._kept > 0))
 
   def _room(self, need: int) -> bool:
-    """Whether ``need`` pages are free, evicting kept page lists until they are."""
+    """Whether ``need`` pages are free, evicting kept page lists until they are (none when
+    evicting them all would not make room)."""
+    if need > self.free_pages:
+      return False
     while need > len(self._free) and self.evict is not None and self.evict():
       pass
     return need <= len(self._free)

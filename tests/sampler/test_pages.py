@@ -106,6 +106,7 @@ def test_kept_pages_stay_until_dropped_and_go_first_when_pages_run_short():
   assert len(t._free) == 3 and t.free_pages == 4
   assert t.share([2], 12)  # needs 3: free, nothing evicted
   assert kept and t.free_pages == 1
+  assert not t.share([0], 12) and kept  # 3 needed, 1 to be had: nothing evicted for nothing
   assert t.grow(2, 13) and t.held(2) == 3  # (capped: held already)
   assert t.grow(1, 9) and t.held(1) == 3 and not kept  # needed one more: the kept list went
   assert t.kept_pages == 0 and t._refs[shared] == 1  # the shared page: slot 1's alone now
