@@ -500,6 +500,10 @@ class DecodeEngine:
       cap = min(cap, floor2(self.config.max_prefill_tokens // bucket))
     return min(pow2(k), cap)
 
+  def prefill_positions_to_plan(self) -> int:
+    """Positions of the largest planned prefill call's prefixes (rows x bucket)."""
+    return max(bucket * rows for bucket, rows in self.prefill_shapes_to_plan())
+
   def prefill_shapes_to_plan(self) -> list[tuple[int, int]]:
     """``(bucket, rows)`` of the prefill calls whose memory bounds every other's: the largest
     bucket at its most rows, and the bucket whose most rows hold the most tokens (under

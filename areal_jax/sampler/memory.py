@@ -5,6 +5,8 @@ Per device (the fullest one), before the decode state is allocated:
   peak = held weights          (the version the engine decodes with)
        + frozen LoRA base      (with LoRA: the base the adapters are merged into)
        + decode state          (the KV cache of every slot and the per-slot vectors)
+       + prefix memo           (the prompts' prefixes kept between prefill calls, at most as
+                                many positions as the largest prefill call's: ``prefix_memo``)
        + continuation rows     (a row cache: finished turns' rows kept for multi-turn episodes'
                                 next turns, as many as fit beside the rest: ``with_rows``;
                                 a paged cache keeps them as pages of its pool)
@@ -85,11 +87,13 @@ class SamplerPlan:
   # ``sampler.continuation``; a paged cache keeps pages of its pool instead: 0), and how many
   row_bytes: int = 0
   kept_rows: int = 0
+  memo: int = 0  # the prefixes kept between prefill calls (``prefix_memo``)
 
   @property
   def resident_bytes(self) -> int:
     """What stays allocated between decode calls (while a colocated learner trains)."""
-    return self.weights + self.lora_base + self.state + self.kept_rows * self.row_bytes
+    return (self.weights + self.lora_base + self.memo + self.state
+            + self.kept_rows * self.row_bytes)
 
   def rows_that_fit(self) -> int | None:
     """The most continuation rows (``row_bytes`` each, held between calls) that fit beside this
@@ -142,7 +146,7 @@ class SamplerPlan:
     proportional to the slots; the weights and the prefill call are not)."""
     fits, n = [], self.num_slots
     if self.budget_bytes is not None:  # every branch of the peak's max must fit
-      free = self.budget_bytes - self.weights - self.lora_base
+      free = self.budget_bytes - self.weights - self.lora_base - self.memo
       if self.overlapping:
         free -= self.swap_bytes
       else:
@@ -150,7 +154,7 @@ class SamplerPlan:
       fits += [free // ((self.state + self.generate_temp) / n),
                (free - self.prefill) // (self.state / n)]
     if self.resident_budget is not None:
-      free = self.resident_budget - self.weights - self.lora_base
+      free = self.resident_budget - self.weights - self.lora_base - self.memo
       fits.append(free // (self.state / n))
     return max(0, int(min(fits, default=self.num_slots)))
 
@@ -164,11 +168,11 @@ class SamplerPlan:
     room = []
     if self.budget_bytes is not None:
       programs = max(self.generate_temp, self.prefill)
-      room.append(self.budget_bytes - self.weights - self.lora_base - rest
+      room.append(self.budget_bytes - self.weights - self.lora_base - self.memo - rest
                   - (self.swap_bytes + programs if self.overlapping
                      else max(self.swap_bytes, programs)))
     if self.resident_budget is not None:
-      room.append(self.resident_budget - self.weights - self.lora_base - rest)
+      room.append(self.resident_budget - self.weights - self.lora_base - self.memo - rest)
     if not room:
       return self.kv_pages
     return max(0, int(min(room)) // self.page_bytes - 1)  # (and the trash page)
@@ -187,7 +191,8 @@ class SamplerPlan:
             + f"KV cache and slots {size(self.state)} ({self.num_slots} slots"
             + (f", {self.kv_pages} pages" if self.kv_pages else "") + "), "
             + (f"{self.kept_rows} continuation rows {size(self.kept_rows * self.row_bytes)}, "
-               if self.kept_rows and self.row_bytes else "") + "decode call "
+               if self.kept_rows and self.row_bytes else "")
+            + f"prefix memo {size(self.memo)}, decode call "
             f"{size(self.generate_temp)}, prefill call {size(self.prefill)}")
 
 
@@ -255,16 +260,18 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
                   if engine.paged else 0),
       incoming=engine.weights.incoming_bytes(incoming_dtype) if incoming is None else incoming,
       swap_while_decoding=swap_while_decoding, swap_pauses=weight_swap == "pause",
-      row_bytes=0 if engine.paged else row_bytes(engine))
+      row_bytes=0 if engine.paged else row_bytes(engine),
+      memo=row_bytes(engine, engine.prefill_positions_to_plan()))
 
 
-def row_bytes(engine) -> int:
-  """Bytes per device of one continuation row of a row cache (one slot's, ``max_len`` positions,
-  as ``sampler.continuation`` copies it out)."""
-  cfg, c = engine.model_cfg, engine.config
-  shapes = jax.eval_shape(lambda: slot_cache.make(cfg, 1, c.max_len, engine._cache_dtype,  # noqa: SLF001
+def row_bytes(engine, positions: int | None = None) -> int:
+  """Bytes per device of one prefix row of ``positions`` (default ``max_len``: a row cache's
+  continuation row, one slot's as ``sampler.continuation`` copies it out; a prefill bucket: one
+  prompt's prefix, as a prefill call returns it)."""
+  cfg, n = engine.model_cfg, positions or engine.config.max_len
+  shapes = jax.eval_shape(lambda: slot_cache.make(cfg, 1, n, engine._cache_dtype,  # noqa: SLF001
                                                   engine.cache_layout))
-  shards = slot_cache.shardings(engine._named, cfg, 1, c.max_len, engine.cache_layout,  # noqa: SLF001
+  shards = slot_cache.shardings(engine._named, cfg, 1, n, engine.cache_layout,  # noqa: SLF001
                                 prefix=True)
   return sharding.device_bytes(jax.tree.map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shards))

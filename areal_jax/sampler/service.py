@@ -438,18 +438,31 @@ class JaxRolloutEngine(RolloutEngine):
       free = free[group.request.n:]
     if not admitted:
       return
-    try:  # (prompts that continue a kept sequence extend it instead, in _start_group)
-      self._prefixes.fill(self.engine.params, [
-          list(g.request.prompt_tokens[:-1]) for g, _ in admitted
-          if self._continued.match(list(g.request.prompt_tokens[:-1]))[0] is None])
-    except Exception:  # let each group fail (or not) on its own below
-      log.exception("batched prefill failed")
-    for group, slots in admitted:
+    # prompts that continue a kept sequence extend it instead (in _start_group); the others are
+    # prefilled a window at a time, its groups started before the next window's prefill, so that
+    # no more prefixes are held at once than the memory plan counts (``prefix_memo.windows``)
+    prompts = [list(g.request.prompt_tokens[:-1]) for g, _ in admitted]
+    fresh = [i for i, p in enumerate(prompts) if self._continued.match(p)[0] is None]
+    started = 0  # groups start in admission order, continuations among them
+    for window in prefix_memo.windows(self.engine, [prompts[i] for i in fresh]):
       try:
-        self._start_group(group, slots)
-      except Exception as e:  # this request only
-        log.exception("admitting group %s failed", group.request.group_id)
-        self._emit_group(group, "error", f"{type(e).__name__}: {e}")
+        self._prefixes.fill(self.engine.params, [prompts[fresh[j]] for j in window])
+      except Exception:  # let each group fail (or not) on its own below
+        log.exception("batched prefill failed")
+      for i in range(started, fresh[window[-1]] + 1):
+        self._start_or_fail(*admitted[i])
+      started = fresh[window[-1]] + 1
+      self._prefixes.trim()
+    for i in range(started, len(admitted)):
+      self._start_or_fail(*admitted[i])
+    self._prefixes.trim()  # (a continuation that found no kept row was prefilled alone)
+
+  def _start_or_fail(self, group: Group, slots: list[int]):
+    try:
+      self._start_group(group, slots)
+    except Exception as e:  # this request only
+      log.exception("admitting group %s failed", group.request.group_id)
+      self._emit_group(group, "error", f"{type(e).__name__}: {e}")
 
   def _start_group(self, group: Group, slots: list[int]):
     r, p = group.request, group.request.params
@@ -512,6 +525,7 @@ class JaxRolloutEngine(RolloutEngine):
       self._paging.preempted.remove(seq)
       self._slots[free.pop(0)] = seq
       self.stats["resumed"] += 1
+    self._prefixes.trim()  # (a resumed sequence's prefix is its own: nothing shares it)
     return free
 
   def _preempted(self) -> list[Seq]:
@@ -598,12 +612,17 @@ class JaxRolloutEngine(RolloutEngine):
     if self.continuation != "reprefill" or self._state is None:
       return
     self._drain_inflight()
-    live = [seq for seq in self._slots if seq is not None and not seq.done]
-    self._prefixes.fill(self.engine.params, [
-        [int(t) for t in seq.group.request.prompt_tokens] + seq.tokens[:-1] for seq in live])
+    live = sorted((seq for seq in self._slots if seq is not None and not seq.done),
+                  key=lambda s: s.admitted)
     self._release([seq.slot for seq in live])  # (a paged cache: each takes its own pages again)
-    for seq in sorted(live, key=lambda s: s.admitted):
-      if self._reinsert(seq, seq.slot):
-        self.stats["reprefills"] += 1
-      else:  # a group's shared prompt pages are now one copy each: the pool may not hold them all
-        self._preempt([self._paging.wait(seq)])
+    prompts = [[int(t) for t in seq.group.request.prompt_tokens] + seq.tokens[:-1]
+               for seq in live]
+    for window in prefix_memo.windows(self.engine, prompts):  # (as admission: bounded prefixes)
+      self._prefixes.fill(self.engine.params, [prompts[i] for i in window])
+      for i in window:
+        seq = live[i]
+        if self._reinsert(seq, seq.slot):
+          self.stats["reprefills"] += 1
+        else:  # a group's shared prompt pages are now one copy each: the pool may not hold all
+          self._preempt([self._paging.wait(seq)])
+      self._prefixes.trim()

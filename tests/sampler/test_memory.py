@@ -33,12 +33,15 @@ def test_plan_counts_weights_cache_and_programs():
   # a swap: the version arriving in the model's layout (float32 here, as held) and the one held
   assert p.incoming == sum(x.nbytes for x in jax.tree.leaves(
       nnx.to_pure_dict(nnx.state(tiny_model(0), nnx.Param))))
-  assert p.peak_bytes == p.weights + p.state + p.incoming + p.weights + max(p.generate_temp,
-                                                                             p.prefill)
+  # the prefix memo: at most the largest planned prefill call's positions (8 rows of 63 here)
+  per_position = 2 * layers * kv * hd * 4
+  assert eng.prefill_positions_to_plan() == 8 * 63 and p.memo == 8 * 63 * per_position
+  assert p.peak_bytes == p.weights + p.memo + p.state + p.incoming + p.weights + max(
+      p.generate_temp, p.prefill)
   assert p.fits and "8 slots" in p.summary()
   # colocated (paused while a version arrives) the swap and the programs do not add up
   paused = memory.plan(eng, None, swap_while_decoding=False)
-  assert paused.peak_bytes == p.weights + p.state + max(
+  assert paused.peak_bytes == p.weights + p.memo + p.state + max(
       p.incoming + p.weights, p.generate_temp, p.prefill)
 
 
@@ -340,7 +343,7 @@ def test_a_row_cache_plans_the_turns_multi_turn_episodes_keep(capsys):
   p = multi.memory_plan
   row = sharding.device_bytes(multi.engine.state_shapes()["cache"]) // 8  # one slot's row
   assert p.row_bytes == row and p.kept_rows == 8 and multi._continued.capacity == 8
-  assert p.resident_bytes == p.weights + p.state + 8 * row and p.fits
+  assert p.resident_bytes == p.weights + p.memo + p.state + 8 * row and p.fits
   assert "8 continuation rows" in capsys.readouterr().out
   # room for 3 rows beside the plan: 3 kept, all 8 slots stay
   bare = dataclasses.replace(p, kept_rows=0)

@@ -1,5 +1,6 @@
 """Host loop: streaming, group sampling, in-flight weight swaps, pause/resume/abort, bad input."""
 
+import dataclasses
 import gc
 import time
 import weakref
@@ -451,3 +452,37 @@ def test_a_finished_top_p_group_leaves_the_program_that_sorts(model, monkeypatch
   finally:
     eng.stop()
   assert wide() == [False, True]
+
+
+def test_an_admission_round_holds_no_more_prefixes_than_the_plan_counts(model, monkeypatch):
+  """Twelve prompts admitted in one round are prefilled a window at a time, each window's groups
+  inserted before the next one's prefill: at no fill does the memo hold more positions than the
+  largest planned prefill call returns (what the memory plan counts), and every sample is the
+  one the same request gives alone."""
+  from areal_jax.sampler import prefix_memo
+
+  held, fill = [], prefix_memo.PrefixMemo.fill
+
+  def spy(self, params, token_lists):
+    fill(self, params, token_lists)
+    held.append(self.positions())
+
+  monkeypatch.setattr(prefix_memo.PrefixMemo, "fill", spy)
+  # buckets 16 and 63, 32 tokens a call: 2 rows of 16 or one of 63 (63 positions planned)
+  eng = _engine(model, num_slots=12, max_prefill_tokens=32, steps_per_call=2, eos_token_ids=())
+  requests = [GroupRequest(g, [(g * 5 + i) % 120 + 1 for i in range(3 + g % 4)], n=1,
+                           params=SamplingParams(temperature=1.0, max_new_tokens=6, seed=g))
+              for g in range(12)]
+  for r in requests:  # (all waiting when the loop starts: one admission round)
+    eng.submit(r)
+  eng.start()
+  try:
+    together = {s.group_id: s for s in _collect(eng, 12)}
+    assert max(held) <= eng._prefixes.max_positions == 63 and len(held) >= 4, held
+    for r in requests[:3]:
+      eng.submit(dataclasses.replace(r, group_id=r.group_id + 100))
+      alone = _collect(eng, 1)[0]
+      assert alone.tokens == together[r.group_id].tokens
+      np.testing.assert_allclose(alone.logprobs, together[r.group_id].logprobs, atol=1e-5)
+  finally:
+    eng.stop()
