@@ -368,8 +368,11 @@ def _plan_args(device, eng, budget) -> dict:
     params, state = abstract(eng.params, device), abstract(eng.state_shapes(), device)
     pages = (abstract(jax.ShapeDtypeStruct((c.num_slots, eng.pages_per_slot), jnp.int32),
                       device),) if eng.paged else ()
-    with choice.lowering_for(platform):  # (the widest decode call)
-      generate = eng._make_generate(eng.kv_buckets[-1], c.num_slots).__wrapped__  # noqa: SLF001
+    with choice.lowering_for(platform):  # (the widest decode call; on a GPU also its top-k /
+      # top-p program, as memory.generate_bytes counts it)
+      generate, *sorting = [eng._make_generate(  # noqa: SLF001
+          eng.kv_buckets[-1], c.num_slots, truncate=t).__wrapped__
+          for t in ((False, True) if eng.truncation_on_host else (False,))]
       prefills = [(eng._make_prefill(bucket, rows).__wrapped__,  # noqa: SLF001
                    abstract(jax.ShapeDtypeStruct((rows, bucket), jnp.int32), device))
                   for bucket, rows in eng.prefill_shapes_to_plan()]
@@ -384,8 +387,9 @@ def _plan_args(device, eng, budget) -> dict:
           raise
     pre = [compiled(jax.jit(fn, in_shardings=None if held is None else (held, None),
                             compiler_options=options), params, tokens) for fn, tokens in prefills]
-    return (compiled(gen_fn, params, state, *pages)["temp"],
-            max(m["temp"] + m["out"] for m in pre))
+    gen_temp = max(compiled(fn, params, state, *pages)["temp"] for fn in [gen_fn] + [
+        jax.jit(f, donate_argnums=1, compiler_options=options) for f in sorting])
+    return gen_temp, max(m["temp"] + m["out"] for m in pre)
 
   def merge_temp(fn, *args):  # (with LoRA: the merge and conversion as the target compiles it)
     return compiled(jax.jit(fn), *(abstract(x, device) for x in args))["temp"]

@@ -299,15 +299,17 @@ def disjoint_sampler_plan(c, cfg: ModelConfig, devices, budget: int, preset: str
   except MemoryError as e:  # (not even a group's slots: the plan at the configured ones)
     print(f"{preset}: {e}", flush=True)
     programs, fits = target_sampler_plan(device, cfg, c, slots, budget), False
+  from areal_jax.runtime import engines  # (a row cache's continuation rows, as the run keeps)
+  programs = programs.with_rows(engines.turns_kept(c, programs.num_slots))
   print(f"{preset}: sampler memory plan compiled for {device.device_kind} (an engine a device, "
         f"{slots} slots configured): {programs.summary()}; "
         f"{'fits' if fits else 'does not fit'}", flush=True)
   return dict(sampler_configured_slots=slots, sampler_slots=programs.num_slots,
               sampler_fits=fits, sampler_kv_pages=programs.kv_pages,
-              sampler_swap_pauses=programs.swap_pauses,
+              sampler_swap_pauses=programs.swap_pauses, sampler_kept_rows=programs.kept_rows,
               **{f"sampler_{k}_gib": getattr(programs, k) / memory.GIB for k in (
                   "weights", "state", "incoming", "generate_temp", "prefill", "resident_bytes",
-                  "peak_bytes")})
+                  "peak_bytes", "memo")})
 
 
 def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
