@@ -47,14 +47,10 @@ def test_a_pool_that_cannot_hold_one_sequence_is_refused():
     PageTable(num_slots=2, num_pages=3, page_size=4, max_len=16)
 
 
-@pytest.mark.parametrize("keeping", [False, True], ids=["slots", "slots and kept lists"])
-def test_pages_are_never_handed_out_twice(keeping):
-  """Random shares, growths and releases (and page lists kept from slots, dropped, evicted):
-  no page is both free and held, each page's count is its holders', and ``free_pages`` is the
-  free pages and those only kept lists hold."""
-  rng = np.random.default_rng(int(keeping))
-  t = PageTable(num_slots=6, num_pages=20, page_size=4, max_len=24)
-  kept = []  # the keeper's page lists, least recently kept first
+def _keeper(t: PageTable) -> list:
+  """The page lists a keeper holds (least recently kept first), evicted oldest first when ``t``
+  needs pages."""
+  kept = []
 
   def evict():
     if not kept:
@@ -63,6 +59,17 @@ def test_pages_are_never_handed_out_twice(keeping):
     return True
 
   t.evict = evict
+  return kept
+
+
+@pytest.mark.parametrize("keeping", [False, True], ids=["slots", "slots and kept lists"])
+def test_pages_are_never_handed_out_twice(keeping):
+  """Random shares, growths and releases (and page lists kept from slots, dropped, evicted):
+  no page is both free and held, each page's count is its holders', and ``free_pages`` is the
+  free pages and those only kept lists hold."""
+  rng = np.random.default_rng(int(keeping))
+  t = PageTable(num_slots=6, num_pages=20, page_size=4, max_len=24)
+  kept = _keeper(t)
   for _ in range(400):
     s = int(rng.integers(6))
     op = rng.integers(5 if keeping else 3)
@@ -88,15 +95,7 @@ def test_pages_are_never_handed_out_twice(keeping):
 
 def test_kept_pages_stay_until_dropped_and_go_first_when_pages_run_short():
   t = PageTable(num_slots=3, num_pages=6, page_size=4, max_len=12)
-  kept = []  # the keeper's page lists, least recently kept first
-
-  def evict():
-    if not kept:
-      return False
-    t.drop(kept.pop(0))
-    return True
-
-  t.evict = evict
+  kept = _keeper(t)
   assert t.share([0, 1], 6)  # one shared page, one own page each
   shared, own = int(t.table[0, 0]), int(t.table[0, 1])
   kept.append(t.keep(0))  # slot 0's pages kept: the slot holds none, the pages stay taken
