@@ -1,10 +1,10 @@
 """KV prefixes by token sequence under the weights in use: samples of one prompt submitted as
 separate requests (``n=1`` with per-sample budgets) share one prefill, and the prompts of the
 groups admitted in one round are prefilled together (``DecodeEngine.prefill_batch``), a window
-at a time (``windows``). Least recently used first out: a fill keeps the prefixes it was asked for until ``trim``
-(once they are inserted), which keeps at most ``SIZE`` prefixes of at most ``max_positions``
-positions in all (the engine's largest planned prefill call's: what the sampler's memory plan
-counts for the memo, ``sampler.memory``); cleared by a weight swap."""
+at a time (``windows``). Least recently used first out: a fill keeps the prefixes it was asked
+for until ``trim`` (once they are inserted), which keeps at most ``SIZE`` prefixes of at most
+``max_positions`` positions in all (the engine's largest planned prefill call's: what the
+sampler's memory plan counts for the memo, ``sampler.memory``); cleared by a weight swap."""
 
 from __future__ import annotations
 
