@@ -410,6 +410,7 @@ class JaxRolloutEngine(RolloutEngine):
     """Keeps the KV row of a finished sequence its request will continue, if all of it (prompt
     included) came from the weights in use."""
     if continuation_lib.wanted(seq.group.request.metadata, reason) and \
+        self._slots[seq.slot] is seq and \
         seq.kv_version == self._version and all(v == self._version for v in seq.versions):
       self._continued.keep(self._state, seq.slot, seq.fed())
 
