@@ -357,6 +357,7 @@ def _plan_args(device, eng, budget) -> dict:
   a version's conversion compiled for ``device``."""
   from areal_jax import program_memory
   from areal_jax.kernels import choice
+  from areal_jax.sampler import memory
   platform = _platform(device)
 
   def compiled(fn, *args):  # (a program the compiler refuses for want of memory: what it needed)
@@ -369,10 +370,8 @@ def _plan_args(device, eng, budget) -> dict:
     pages = (abstract(jax.ShapeDtypeStruct((c.num_slots, eng.pages_per_slot), jnp.int32),
                       device),) if eng.paged else ()
     with choice.lowering_for(platform):  # (the widest decode call; on a GPU also its top-k /
-      # top-p program, as memory.generate_bytes counts it)
-      generate, *sorting = [eng._make_generate(  # noqa: SLF001
-          eng.kv_buckets[-1], c.num_slots, truncate=t).__wrapped__
-          for t in ((False, True) if eng.truncation_on_host else (False,))]
+      # top-p program: memory.planned_generates)
+      generate, *sorting = [fn.__wrapped__ for fn in memory.planned_generates(eng)]
       prefills = [(eng._make_prefill(bucket, rows).__wrapped__,  # noqa: SLF001
                    abstract(jax.ShapeDtypeStruct((rows, bucket), jnp.int32), device))
                   for bucket, rows in eng.prefill_shapes_to_plan()]

@@ -113,7 +113,7 @@ def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> Rollo
       print(f"sampler memory plan: {rows} continuation rows (of {engine.memory_plan.kept_rows}) "
             "fit beside the colocated learner's step", flush=True)
   plan = dataclasses.replace(sampler, kept_rows=rows)
-  for one in {id(x): x for x in [engine, *getattr(engine, "replicas", [])]}.values():
+  for one in [engine, *getattr(engine, "replicas", [])]:
     one.memory_plan = plan
   return engine
 

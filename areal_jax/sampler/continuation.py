@@ -115,9 +115,7 @@ class Continuations:
     if self.table is not None:
       self._rows[key] = self.table.keep(slot)
     else:
-      if "take" not in self._fns:
-        self._fns["take"] = self._make_take()
-      self._rows[key] = self._fns["take"](state["cache"], np.int32(slot))
+      self._rows[key] = self._take_fn()(state["cache"], np.int32(slot))
     self.stats["kept"] += 1
     while len(self._rows) > self.capacity:
       self._drop_oldest()
@@ -136,11 +134,7 @@ class Continuations:
       return None
     row = self._rows.pop(key)
     if self.table is not None:  # (writes into the pages, later, are ordered after this read)
-      if "take" not in self._fns:
-        self._fns["take"] = self._make_take()
-      pages = np.full((self.table.per_slot,), self.table.trash, np.int32)
-      pages[:len(row)] = row
-      row, kept = self._fns["take"](state["cache"], pages), row
+      row, kept = self._take_fn()(state["cache"], self.table.padded(row)), row
       self.table.drop(kept)
     rest = [int(t) for t in tokens[shared:]]
     if not rest:
@@ -160,6 +154,12 @@ class Continuations:
     return self._fns[bucket](params, row, chunk, np.full((1,), shared, np.int32))
 
   # ---- device functions ------------------------------------------------------------------------
+  def _take_fn(self):
+    """The compiled copy of a slot's row out of the cache (a paged cache's: out of its pages)."""
+    if "take" not in self._fns:
+      self._fns["take"] = self._make_take()
+    return self._fns["take"]
+
   def _row_shardings(self):
     e = self.engine
     return slot_cache.shardings(e._named, e.model_cfg, 1, e.config.max_len, e.cache_layout,

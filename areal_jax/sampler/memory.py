@@ -90,10 +90,14 @@ class SamplerPlan:
   memo: int = 0  # the prefixes kept between prefill calls (``prefix_memo``)
 
   @property
+  def fixed_bytes(self) -> int:
+    """The resident bytes no slot or page changes: weights, LoRA base, prefix memo."""
+    return self.weights + self.lora_base + self.memo
+
+  @property
   def resident_bytes(self) -> int:
     """What stays allocated between decode calls (while a colocated learner trains)."""
-    return (self.weights + self.lora_base + self.memo + self.state
-            + self.kept_rows * self.row_bytes)
+    return self.fixed_bytes + self.state + self.kept_rows * self.row_bytes
 
   def rows_that_fit(self) -> int | None:
     """The most continuation rows (``row_bytes`` each, held between calls) that fit beside this
@@ -146,7 +150,7 @@ class SamplerPlan:
     proportional to the slots; the weights and the prefill call are not)."""
     fits, n = [], self.num_slots
     if self.budget_bytes is not None:  # every branch of the peak's max must fit
-      free = self.budget_bytes - self.weights - self.lora_base - self.memo
+      free = self.budget_bytes - self.fixed_bytes
       if self.overlapping:
         free -= self.swap_bytes
       else:
@@ -154,7 +158,7 @@ class SamplerPlan:
       fits += [free // ((self.state + self.generate_temp) / n),
                (free - self.prefill) // (self.state / n)]
     if self.resident_budget is not None:
-      free = self.resident_budget - self.weights - self.lora_base - self.memo
+      free = self.resident_budget - self.fixed_bytes
       fits.append(free // (self.state / n))
     return max(0, int(min(fits, default=self.num_slots)))
 
@@ -168,11 +172,11 @@ class SamplerPlan:
     room = []
     if self.budget_bytes is not None:
       programs = max(self.generate_temp, self.prefill)
-      room.append(self.budget_bytes - self.weights - self.lora_base - self.memo - rest
+      room.append(self.budget_bytes - self.fixed_bytes - rest
                   - (self.swap_bytes + programs if self.overlapping
                      else max(self.swap_bytes, programs)))
     if self.resident_budget is not None:
-      room.append(self.resident_budget - self.weights - self.lora_base - self.memo - rest)
+      room.append(self.resident_budget - self.fixed_bytes - rest)
     if not room:
       return self.kv_pages
     return max(0, int(min(room)) // self.page_bytes - 1)  # (and the trash page)
@@ -217,10 +221,17 @@ def generate_bytes(engine) -> int:
   c = engine.config
   pages = ((jax.ShapeDtypeStruct((c.num_slots, engine.pages_per_slot), np.int32),)
            if engine.paged else ())  # a paged cache's page table
-  programs = (False, True) if engine.truncation_on_host else (False,)
-  return max(_compiled_memory(
-      engine._make_generate(engine.kv_buckets[-1], c.num_slots, truncate=truncate),  # noqa: SLF001
-      engine.params, engine.state_shapes(), *pages)[0] for truncate in programs)
+  return max(_compiled_memory(fn, engine.params, engine.state_shapes(), *pages)[0]
+             for fn in planned_generates(engine))
+
+
+def planned_generates(engine) -> list:
+  """The decode programs the plan counts (every slot, the largest kv bucket, jitted): the one
+  without the top-k / top-p sort, and with it where the engine compiles that apart
+  (``truncation_on_host``)."""
+  return [engine._make_generate(engine.kv_buckets[-1], engine.config.num_slots,  # noqa: SLF001
+                                truncate=truncate)
+          for truncate in ((False, True) if engine.truncation_on_host else (False,))]
 
 
 def program_bytes(engine) -> tuple[int, int]:

@@ -154,7 +154,12 @@ class PageTable:
     self._refs[page] = refs
     return page
 
+  def padded(self, pages: list[int]) -> np.ndarray:
+    """A table row holding ``pages``, the trash page after them."""
+    row = np.full((self.per_slot,), self.trash, np.int32)
+    row[:len(pages)] = pages
+    return row
+
   def _set(self, slot: int, pages: list[int]) -> None:
     self._held[slot] = pages
-    self.table[slot] = self.trash
-    self.table[slot, :len(pages)] = pages
+    self.table[slot] = self.padded(pages)
