@@ -1,7 +1,7 @@
 """Multi-turn continuation in the JAX sampler: later turns with and without re-prefilling the
 conversation, side by side.
 
-  python bench/continuation.py [--quick] [--json PATH]
+  python bench/continuation.py [--quick] [--paged] [--max-len N] [--json PATH]
 
 ``K`` conversations run three turns each through ``JaxRolloutEngine`` (SmolLM2-135M shapes, random
 weights, float32 on CPU): a first prompt of ``P`` tokens, ``G`` generated tokens a turn (greedy,
@@ -15,6 +15,11 @@ all conversations, and how many prompts were continued or prefilled in full.
 Measured 2026-11-25 on 2 cores shared with other jobs (Intel Xeon; noisy): default sizes 32.9 s
 re-prefilling vs 11.6 s continuing (2.8x, load average 13); an earlier run at load 31 gave 55.3 s
 vs 13.5 s (4.1x), ``--quick`` 12.1 s vs 6.3 s (1.9x, load 24). The same tokens in both modes.
+``--paged`` runs a paged cache (kept turns are pages of its pool), ``--max-len`` a larger engine
+than the conversations need: before/after a continuing turn's row became its prefill bucket's
+(2026-11-30, AMD EPYC 2 cores, ``bench/results/cpu-continuation-2026-11-30-s46``), at max_len 2048
+turns 2-3 continuing took 4.05-4.34 s before and 2.46-3.05 s after (rows), 5.92-6.78 s and
+3.27-3.74 s (paged).
 """
 
 from __future__ import annotations
@@ -56,6 +61,11 @@ def conversations(engine, prompts, gen, feedback, keep):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="4 conversations, shorter turns")
+  ap.add_argument("--paged", action="store_true",
+                  help="a paged KV cache (pages of 16, a pool of every slot's max_len): kept turns "
+                       "are pages of the pool, as on a GPU")
+  ap.add_argument("--max-len", type=int, default=0,
+                  help="the engine's max_len (default: the longest conversation's length + a turn)")
   ap.add_argument("--json", default=None, help="write results to this path")
   args = ap.parse_args()
   k, p, g, f = (4, 96, 16, 24) if args.quick else (8, 192, 32, 40)
@@ -66,8 +76,11 @@ def main():
   longest = p + 3 * g + 2 * f
   buckets = tuple(b for b in (128, 256, 384, 512) if b < longest) + (longest,)
   rows, tokens = {}, {}
+  max_len = max(args.max_len, longest + g + 1)
+  paged = dict(kv_pages=k * -(-max_len // 16), page_size=16) if args.paged else {}
   for mode in ("reprefill", "continue"):
-    engine = JaxRolloutEngine(model, num_slots=k, max_len=longest + g + 1, prefill_buckets=buckets)
+    engine = JaxRolloutEngine(model, num_slots=k, max_len=max_len, prefill_buckets=buckets,
+                              **paged)
     engine.start()
     try:
       conversations(engine, prompts, g, feedback, mode == "continue")  # compiles
@@ -80,13 +93,14 @@ def main():
     rows[mode] = dict(turns_2_3_s=seconds, continued=continued, full_prefills=prefills)
   assert tokens["continue"] == tokens["reprefill"], "continuation changed the sampled tokens"
   ratio = rows["reprefill"]["turns_2_3_s"] / rows["continue"]["turns_2_3_s"]
-  print(f"{k} conversations, prompt {p}, {g} generated + {f} inserted tokens a turn, 3 turns")
+  print(f"{k} conversations, prompt {p}, {g} generated + {f} inserted tokens a turn, 3 turns"
+        f", max_len {max_len}{', paged cache' if args.paged else ''}")
   print(f"{'mode':<10} {'turns 2-3 s':>12} {'continued':>10} {'full prefills':>14}")
   for mode, r in rows.items():
     print(f"{mode:<10} {r['turns_2_3_s']:>12.2f} {r['continued']:>10} {r['full_prefills']:>14}")
   print(f"reprefill / continue: {ratio:.2f}x   (same tokens in both modes)")
   result = dict(machine=machine(), conversations=k, prompt=p, generated=g, inserted=f, rows=rows,
-                speedup=ratio)
+                speedup=ratio, paged=args.paged, max_len=max_len)
   print(json.dumps(result["machine"]))
   if args.json:
     with open(args.json, "w") as fh:

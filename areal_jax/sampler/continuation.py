@@ -20,10 +20,17 @@ memory plan counts, ``capacity`` being what it leaves room for). A paged cache k
 pages themselves (``pages.PageTable.keep``: no copy, no memory beside the pool the plan sized),
 read out into a row only when a turn continues from them; the pool takes kept pages back,
 least recently kept first, whenever live sequences need pages (before any waits or is preempted).
+
+The continuing turn works on a row of the smallest prefill bucket that holds the shared start and
+the padded chunk (``row_length``), not of ``max_len``: only those positions are read out of the
+kept row or pages, run over, and written into the new slot, so a continuation holds no more than
+a prefill of the same prompt would (what the memory plan counts), and its insert is one the
+prefill compiled already.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 
 import jax
@@ -115,7 +122,7 @@ class Continuations:
     if self.table is not None:
       self._rows[key] = self.table.keep(slot)
     else:
-      self._rows[key] = self._take_fn()(state["cache"], np.int32(slot))
+      self._rows[key] = self._take_fn(self.engine.config.max_len)(state["cache"], np.int32(slot))
     self.stats["kept"] += 1
     while len(self._rows) > self.capacity:
       self._drop_oldest()
@@ -126,66 +133,84 @@ class Continuations:
     return longest_match(self._rows, tokens)
 
   def take(self, params, tokens: list[int], state=None):
-    """A KV prefix of ``tokens`` (as ``DecodeEngine.prefill`` gives, but ``max_len`` long) built on
-    a kept row, which is used up; None when no kept row fits (prefill as usual then). A paged
-    cache's kept pages are read out of ``state``'s pool, then go back to it."""
+    """A KV prefix of ``tokens`` (as ``DecodeEngine.prefill`` gives: a row of the prefill bucket
+    that holds them and the padded chunk) built on a kept row, which is used up; None when no kept
+    row fits (prefill as usual then). A paged cache's kept pages are read out of ``state``'s pool,
+    as many as the row holds, then go back to it."""
     key, shared = self.match(tokens)
     if key is None:
       return None
-    row = self._rows.pop(key)
-    if self.table is not None:  # (writes into the pages, later, are ordered after this read)
-      row, kept = self._take_fn()(state["cache"], self.table.padded(row)), row
-      self.table.drop(kept)
+    kept = self._rows.pop(key)
     rest = [int(t) for t in tokens[shared:]]
-    if not rest:
-      self.stats["continued"] += 1
-      self.stats["tokens_saved"] += shared
-      return row
-    bucket = chunk_bucket(len(rest))
-    if shared + bucket > self.engine.config.max_len:
+    bucket = chunk_bucket(len(rest)) if rest else 0
+    length = self.row_length(shared + bucket)
+    if length is None:
       self.stats["too_long"] += 1
+      if self.table is not None:
+        self.table.drop(kept)
       return None
-    if bucket not in self._fns:
-      self._fns[bucket] = self._make_extend(bucket)
-    chunk = np.zeros((1, bucket), np.int32)
-    chunk[0, :len(rest)] = rest
+    if self.table is not None:  # (writes into the pages, later, are ordered after this read)
+      pages = self.table.padded(kept)[:self.table.pages_for(length)]
+      row = self._take_fn(length)(state["cache"], pages)
+      self.table.drop(kept)
+    else:
+      row = self._take_fn(length)(kept)
     self.stats["continued"] += 1
     self.stats["tokens_saved"] += shared
-    return self._fns[bucket](params, row, chunk, np.full((1,), shared, np.int32))
+    if not rest:
+      return row
+    if (bucket, length) not in self._fns:
+      self._fns[bucket, length] = self._make_extend(length)
+    chunk = np.zeros((1, bucket), np.int32)
+    chunk[0, :len(rest)] = rest
+    return self._fns[bucket, length](params, row, chunk, np.full((1,), shared, np.int32))
+
+  def row_length(self, positions: int) -> int | None:
+    """Positions of the row a continuation over ``positions`` works on: the smallest prefill
+    bucket that holds them (so no more than a prefill of the same prompt holds, and the insert is
+    one the prefill already compiled), else ``max_len``; None past ``max_len``."""
+    max_len = self.engine.config.max_len
+    if positions > max_len:
+      return None
+    buckets = self.engine.prefill_buckets
+    i = bisect.bisect_left(buckets, positions)
+    return buckets[i] if i < len(buckets) else max_len
 
   # ---- device functions ------------------------------------------------------------------------
-  def _take_fn(self):
-    """The compiled copy of a slot's row out of the cache (a paged cache's: out of its pages)."""
-    if "take" not in self._fns:
-      self._fns["take"] = self._make_take()
-    return self._fns["take"]
+  def _take_fn(self, length: int):
+    """The compiled read of ``length`` positions: out of a slot's row of the cache (``keep``, the
+    slot given), out of a kept row, or a paged cache's out of a kept page list."""
+    if ("take", length) not in self._fns:
+      self._fns["take", length] = self._make_take(length)
+    return self._fns["take", length]
 
-  def _row_shardings(self):
+  def _row_shardings(self, length: int):
     e = self.engine
-    return slot_cache.shardings(e._named, e.model_cfg, 1, e.config.max_len, e.cache_layout,
-                                prefix=True)
+    return slot_cache.shardings(e._named, e.model_cfg, 1, length, e.cache_layout, prefix=True)
 
-  def _make_take(self):
-    axis = 1 if self.engine.cache_layout == slot_cache.STACKED else 0
-    paged, max_len = self.engine.paged, self.engine.config.max_len
+  def _make_take(self, length: int):
+    paged, layout = self.engine.paged, self.engine.cache_layout
+    axis = 1 if layout == slot_cache.STACKED else 0
 
-    def fn(cache, slot):
-      if paged:  # slot: the slot's page table row
-        return slot_cache.read_pages(cache, slot, max_len)
-      return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis), cache)
+    def fn(source, slot=None):
+      if paged:  # slot: the kept pages of the row
+        return slot_cache.read_pages(source, slot, length)
+      if slot is not None:  # a slot's row out of the cache
+        source = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=axis),
+                              source)
+      return slot_cache.prefix_head(source, length, layout)
 
-    return jax.jit(fn, out_shardings=self._row_shardings())
+    return jax.jit(fn, out_shardings=self._row_shardings(length))
 
-  def _make_extend(self, bucket: int):
+  def _make_extend(self, length: int):
     e = self.engine
-    layers, mesh, max_len = e.layers, e.mesh, e.config.max_len
+    layers, mesh = e.layers, e.mesh
 
     def fn(params, row, tokens_1xL, start_1):
       with sharding.use(mesh):
-        _, row = layers.extend(params)(tokens_1xL, start_1, row, kv_len=max_len)
+        _, row = layers.extend(params)(tokens_1xL, start_1, row, kv_len=length)
       return row
 
-    rows = self._row_shardings()
-    del bucket  # one compiled function per chunk bucket (the tokens' shape)
+    rows = self._row_shardings(length)  # (one compiled function per chunk: the tokens' shape)
     return jax.jit(fn, in_shardings=(e.held_formats, rows, None, None), out_shardings=rows,
                    donate_argnums=1, compiler_options=e.compiler_options)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 
 from areal_jax.models import decode_scan
@@ -58,10 +59,20 @@ def row(cache, i: int, layout: str):
   return [{name: layer[name][i:i + 1] for name in ("k", "v")} for layer in cache]
 
 
+def _positions_axis(layout: str) -> int:
+  """The positions axis of a prefix's arrays."""
+  return 3 if layout == STACKED else 2 if layout == HEADS else 1
+
+
 def prefix_len(prefix, layout: str) -> int:
   """Positions a prefix holds (its prefill bucket)."""
-  return prefix["k"].shape[3] if layout == STACKED else prefix[0]["k"].shape[
-      2 if layout == HEADS else 1]
+  return (prefix["k"] if layout == STACKED else prefix[0]["k"]).shape[_positions_axis(layout)]
+
+
+def prefix_head(prefix, n: int, layout: str):
+  """Positions ``[0, n)`` of a prefix (or of a cache row taken as one)."""
+  axis = _positions_axis(layout)
+  return jax.tree.map(lambda x: jax.lax.slice_in_dim(x, 0, n, axis=axis), prefix)
 
 
 def write_prefix(cache, prefix, slots_N, bucket: int, layout: str):

@@ -2,13 +2,14 @@
 prefilling the whole conversation, and samples exactly what a full re-prefill samples."""
 
 import time
+import types
 
 import numpy as np
 import pytest
 from flax import nnx
 
 from areal_jax.rollout_api import GroupRequest, SamplingParams
-from areal_jax.sampler import continuation
+from areal_jax.sampler import continuation, slot_cache
 from areal_jax.sampler.service import JaxRolloutEngine
 
 
@@ -30,6 +31,11 @@ def test_continued_turn_equals_full_reprefill(model, other_model, layers):
   if layers.startswith("paged"):  # the kept row is read out of the slot's pages
     kw.update(kv_pages=24, page_size=16, decode_attention="dense")
   engine = JaxRolloutEngine(model, num_slots=4, max_len=128, prefill_buckets=(96,), **kw)
+  inserted = []  # positions of each prefix inserted: a continuation's row is a prefill bucket's
+  insert = engine.engine.insert
+  engine.engine.insert = lambda state, prefix, *a, **k: (
+      inserted.append(slot_cache.prefix_len(prefix, engine.engine.cache_layout)),
+      insert(state, prefix, *a, **k))[1]
   engine.start()
   try:
     prompt = [int(t) for t in np.random.default_rng(0).integers(1, 128, 21)]
@@ -51,6 +57,8 @@ def test_continued_turn_equals_full_reprefill(model, other_model, layers):
       assert engine.stats["continued"] == gid // 2
       assert continued.tokens == full.tokens
       np.testing.assert_allclose(continued.logprobs, full.logprobs, rtol=1e-4, atol=1e-5)
+    # each turn, continued or prefilled, held a row of the prefill bucket holding it, not max_len
+    assert set(inserted) == {96}, inserted
     # a weight swap drops kept rows: the next turn is prefilled under the new weights
     _one(engine, GroupRequest(20, prompt, 1, SamplingParams(greedy=True, max_new_tokens=9),
                               {"continue": True}))
@@ -69,6 +77,10 @@ def test_chunk_bucket_and_match():
   assert kept.match([1, 2, 3, 4, 7, 7]) == ((1, 2, 3, 4), 4)
   assert kept.match([1, 2, 3, 8]) == ((1, 2, 3, 4), 3)
   assert kept.match([1, 2, 7, 7, 7, 7]) == (None, 0)  # shares less than half
+  # the row a continuation works on: the prefill bucket holding it, max_len past them, none beyond
+  kept.engine = types.SimpleNamespace(config=types.SimpleNamespace(max_len=128),
+                                      prefill_buckets=(32, 64, 127))
+  assert [kept.row_length(n) for n in (1, 40, 64, 127, 128, 129)] == [32, 64, 64, 127, 128, None]
 
 
 def test_a_paged_cache_keeps_a_turn_in_its_pool_and_gives_it_up_before_anyone_waits(model):
