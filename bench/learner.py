@@ -54,7 +54,8 @@ compiled on abstract shapes for fake CPU devices. A colocated recipe's learner i
 what its sampler keeps (``sampler_resident``: weights and KV cache, from shapes), as a run plans
 it; with ``--target`` and a model under 3B parameters the sampler's own plan is compiled for the
 target too (``aot_decode.sampler_plan``: its decode and prefill programs, random weights built on
-this CPU) and checked beside the learner;
+this CPU) and checked beside the learner, and a row cache's continuation rows for multi-turn
+episodes (``sampler_kept_rows``) are what the learner's step leaves, as the run keeps them;
 with ``--target`` for the accelerator's own compiler on a machine without one (in a venv with
 ``jax[tpu]`` or ``jax[cuda12]``, as bench/aot_decode.py):
   python bench/learner.py --plan --target v5e:2x4                  # a TPU v5e-8's chips
@@ -90,7 +91,7 @@ from areal_jax.learner import Learner, memory, packing
 from areal_jax.models import ModelConfig, Transformer
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import Sample
-from areal_jax.runtime import weight_transfer
+from areal_jax.runtime import engines, weight_transfer
 from areal_jax.sampler import memory as sampler_memory
 from common import QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine
 
@@ -264,7 +265,6 @@ def target_sampler_plan(device, cfg: ModelConfig, c, slots: int, budget_bytes: i
   ``sampler.memory.fit``, at least ``rollout.n_samples`` slots)."""
   import aot_decode  # noqa: PLC0415
   from areal_jax.models import lora as lora_lib
-  from areal_jax.runtime import engines
   from areal_jax.sampler.engine import EngineConfig
   model = Transformer(dataclasses.replace(cfg, dtype=c.model.dtype), nnx.Rngs(0))
   lcfg = lora_lib.LoraConfig.from_config(c.actor.get("lora"))
@@ -299,7 +299,6 @@ def disjoint_sampler_plan(c, cfg: ModelConfig, devices, budget: int, preset: str
   except MemoryError as e:  # (not even a group's slots: the plan at the configured ones)
     print(f"{preset}: {e}", flush=True)
     programs, fits = target_sampler_plan(device, cfg, c, slots, budget), False
-  from areal_jax.runtime import engines  # (a row cache's continuation rows, as the run keeps)
   programs = programs.with_rows(engines.turns_kept(c, programs.num_slots))
   print(f"{preset}: sampler memory plan compiled for {device.device_kind} (an engine a device, "
         f"{slots} slots configured): {programs.summary()}; "
@@ -310,6 +309,15 @@ def disjoint_sampler_plan(c, cfg: ModelConfig, devices, budget: int, preset: str
               **{f"sampler_{k}_gib": getattr(programs, k) / memory.GIB for k in (
                   "weights", "state", "incoming", "generate_temp", "prefill", "resident_bytes",
                   "peak_bytes", "memo")})
+
+
+def colocated_rows(c, programs, learner_plan, budget_bytes: int) -> int:
+  """Continuation rows a colocated run's row cache keeps (``runtime.engines.build_planned``): as
+  many as its own plan has room for (``budget_bytes``: what the learner keeps leaves), at most what
+  the learner's step leaves."""
+  programs = dataclasses.replace(programs, budget_bytes=budget_bytes)
+  rows = programs.with_rows(engines.turns_kept(c, programs.num_slots)).kept_rows
+  return engines.rows_beside_learner(rows, programs.row_bytes, learner_plan) if rows else 0
 
 
 def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
@@ -381,12 +389,16 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
                      "peak_bytes")},
                  sampler_program_slots=programs.num_slots, sampler_kv_pages=programs.kv_pages,
                  sampler_swap_pauses=programs.swap_pauses,
+                 sampler_kept_rows=colocated_rows(c, programs, p, budget - kept),
                  sampler_fits=programs.peak_bytes <= budget - kept
                  and programs.resident_bytes + p.peak_bytes <= budget)
       print(f"{preset}: sampler memory plan compiled for {row['device_kind']}: "
             f"{programs.summary()}; {row['sampler_fits'] and 'fits' or 'does not fit'} beside "
             f"the learner ({kept / memory.GIB:.2f} GiB kept, {p.peak_gib:.2f} GiB at its peak) "
-            f"in {budget / memory.GIB:.2f} GiB", flush=True)
+            f"in {budget / memory.GIB:.2f} GiB"
+            + (f"; {row['sampler_kept_rows']} continuation rows of "
+               f"{programs.row_bytes / 2**20:.1f} MiB in what its step leaves"
+               if programs.row_bytes and engines.turns_kept(c, 1) else ""), flush=True)
     elif target and cfg.num_params() < SAMPLER_PROGRAMS_MAX_PARAMS:  # on devices of its own
       row.update(disjoint_sampler_plan(c, cfg, devices, budget, preset))
     row["overrides"] = list(overrides)

@@ -107,8 +107,7 @@ def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> Rollo
     rows, sampler = sampler.kept_rows, dataclasses.replace(sampler, kept_rows=0)
     learner_plan = plan_learner(config, learner, sampler)
   if rows and sampler.row_bytes and learner_plan is not None:  # rows: what the learner leaves
-    left = learner_plan.budget_bytes - learner_plan.peak_bytes
-    rows = min(rows, max(0, left) // sampler.row_bytes)
+    rows = rows_beside_learner(rows, sampler.row_bytes, learner_plan)
     if rows != engine.memory_plan.kept_rows:
       print(f"sampler memory plan: {rows} continuation rows (of {engine.memory_plan.kept_rows}) "
             "fit beside the colocated learner's step", flush=True)
@@ -149,6 +148,12 @@ def plan_learner(config, learner, sampler=None):
           f"{plan.budget_bytes / learner_memory.GIB:.2f} GiB{beside} (actor.micro_batch_tokens="
           f"{plan.micro_batch_tokens}: {plan.micro_rows} rows x {plan.row_len})", flush=True)
   return plan
+
+
+def rows_beside_learner(rows: int, row_bytes: int, learner_plan) -> int:
+  """Of ``rows`` continuation rows of ``row_bytes``, those that fit in what a colocated learner's
+  step leaves of its budget (``learner_plan``: planned beside the sampler without rows)."""
+  return min(rows, max(0, learner_plan.budget_bytes - learner_plan.peak_bytes) // row_bytes)
 
 
 def turns_kept(config, num_slots: int) -> int:

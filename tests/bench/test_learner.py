@@ -4,6 +4,7 @@ alone, against the memory plan of the engine the run builds."""
 import dataclasses
 import pathlib
 import sys
+import types
 
 import jax
 
@@ -36,3 +37,26 @@ def test_sampler_resident_is_what_the_engine_plans_per_device():
   # the plan's state adds each slot's small vectors (position, sampling settings, stop tokens)
   assert 0 <= plan.state - want["state"] < 4 * 128
   assert engine.memory_plan.resident_bytes == plan.resident_bytes
+
+
+def test_colocated_rows_are_what_the_run_keeps():
+  """A colocated row cache's continuation rows in the target plans: one a slot for multi-turn
+  episodes, at most what the sampler's budget has room for and what the learner's step leaves;
+  none for single-turn episodes."""
+  c = config_lib.base_config()
+  mb = 2**20
+  programs = memory.SamplerPlan(weights=100 * mb, lora_base=0, state=50 * mb, generate_temp=10 * mb,
+                                prefill=20 * mb, num_slots=8, budget_bytes=None, row_bytes=mb)
+  c.rollout.workflow = "multi_turn"
+  room = programs.peak_bytes + 100 * mb
+  assert bench_learner.colocated_rows(c, programs, learner_plan(400 * mb, 100 * mb), room) == 8
+  assert bench_learner.colocated_rows(c, programs, learner_plan(400 * mb, 397 * mb), room) == 3
+  assert bench_learner.colocated_rows(c, programs, learner_plan(400 * mb, 100 * mb),
+                                      programs.peak_bytes + 5 * mb) == 5
+  c.rollout.workflow = "single_turn"
+  assert bench_learner.colocated_rows(c, programs, learner_plan(400 * mb, 100 * mb), room) == 0
+
+
+def learner_plan(budget_bytes: int, peak_bytes: int):
+  """The two fields of a learner memory plan the rows are sized by."""
+  return types.SimpleNamespace(budget_bytes=budget_bytes, peak_bytes=peak_bytes)
