@@ -13,10 +13,12 @@ past it are overwritten before anything attends to them). The row sharing the lo
 
 A row is kept only if the whole sequence, prompt KV included, came from the weights in use, and
 every weight swap drops all kept rows, so a continuation gives the tokens and logprobs of a full
-re-prefill (up to float rounding between the decode and prefill paths). Rows are used once, at
-most ``capacity`` are kept (least recently kept dropped first). A row cache keeps a copy of the
-slot's row (layers x 2 x max_len x kv heads x head dim, beside the cache: what the sampler's
-memory plan counts, ``capacity`` being what it leaves room for). A paged cache keeps the slot's
+re-prefill (up to float rounding between the decode and prefill paths). Rows are used once; the
+kept ones hold at most ``capacity`` rows of ``max_len`` positions (least recently kept dropped
+first). A row cache keeps a copy of the slot's row up to the prefill bucket that holds the tokens
+(layers x 2 x bucket x kv heads x head dim, beside the cache: the sampler's memory plan counts
+``capacity`` rows of ``max_len``, what it leaves room for, so short turns keep more conversations
+in the same memory). A paged cache keeps the slot's
 pages themselves (``pages.PageTable.keep``: no copy, no memory beside the pool the plan sized),
 read out into a row only when a turn continues from them; the pool takes kept pages back,
 least recently kept first, whenever live sequences need pages (before any waits or is preempted).
@@ -77,14 +79,21 @@ def longest_match(keys, tokens) -> tuple[tuple[int, ...] | None, int]:
 
 
 class Continuations:
-  """Kept KV rows of finished sequences, keyed by the tokens whose KV they hold."""
+  """Kept KV rows of finished sequences, keyed by the tokens whose KV they hold, at most
+  ``capacity`` rows of ``max_len`` positions' worth (each kept row costs the positions it holds:
+  a row cache's copy is the prefill bucket holding its tokens, a paged cache's its pages), and
+  at most ``MAX_ROWS_PER_CAPACITY`` rows per unit of capacity (each admission compares a prompt
+  with every kept row's tokens)."""
+
+  MAX_ROWS_PER_CAPACITY = 4
 
   def __init__(self, engine, capacity: int, table=None):
     """``table``: a paged cache's ``pages.PageTable`` (kept rows are its pages; the table evicts
     them when it needs pages)."""
     self.engine, self.capacity, self.table = engine, int(capacity), table
-    # tokens -> a row cache's copied row, or a paged cache's kept pages
-    self._rows: collections.OrderedDict[tuple[int, ...], object] = collections.OrderedDict()
+    # tokens -> (a row cache's copied row, or a paged cache's kept pages; positions it holds)
+    self._rows: collections.OrderedDict[tuple[int, ...], tuple[object, int]] = \
+        collections.OrderedDict()
     self._fns = engine._fns.setdefault("continuation", {})  # shared like the engine's own
     self.stats = collections.Counter()
     if table is not None:
@@ -93,12 +102,17 @@ class Continuations:
   def __len__(self) -> int:
     return len(self._rows)
 
+  @property
+  def kept_positions(self) -> int:
+    """Positions the kept rows hold (at most ``capacity`` x ``max_len``)."""
+    return sum(positions for _, positions in self._rows.values())
+
   def clear(self) -> None:
     while self._rows:
       self._drop_oldest()
 
   def _drop_oldest(self) -> None:
-    _, row = self._rows.popitem(last=False)
+    _, (row, _) = self._rows.popitem(last=False)
     if self.table is not None:
       self.table.drop(row)
 
@@ -112,7 +126,9 @@ class Continuations:
 
   def keep(self, state, slot: int, tokens: list[int]) -> None:
     """Keeps slot ``slot``'s cache row, which holds the KV of ``tokens`` (positions 0..): a copy
-    of it, or a paged cache's slot's pages themselves (the slot then holds none)."""
+    of the prefill bucket that holds them, or a paged cache's slot's pages themselves (the slot
+    then holds none). The least recently kept rows go while the kept ones hold more than
+    ``capacity`` rows of ``max_len`` positions."""
     if not tokens or self.capacity < 1:
       return
     key = tuple(int(t) for t in tokens)
@@ -120,11 +136,15 @@ class Continuations:
       self._rows.move_to_end(key, last=False)
       self._drop_oldest()
     if self.table is not None:
-      self._rows[key] = self.table.keep(slot)
+      pages = self.table.keep(slot)
+      self._rows[key] = pages, len(pages) * self.table.page_size
     else:
-      self._rows[key] = self._take_fn(self.engine.config.max_len)(state["cache"], np.int32(slot))
+      length = self.row_length(len(key))
+      self._rows[key] = self._take_fn(length)(state["cache"], np.int32(slot)), length
     self.stats["kept"] += 1
-    while len(self._rows) > self.capacity:
+    max_len = self.engine.config.max_len
+    while (self.kept_positions > self.capacity * max_len
+           or len(self._rows) > self.MAX_ROWS_PER_CAPACITY * self.capacity):
       self._drop_oldest()
       self.stats["dropped"] += 1
 
@@ -140,7 +160,7 @@ class Continuations:
     key, shared = self.match(tokens)
     if key is None:
       return None
-    kept = self._rows.pop(key)
+    kept, _ = self._rows.pop(key)
     rest = [int(t) for t in tokens[shared:]]
     bucket = chunk_bucket(len(rest)) if rest else 0
     length = self.row_length(shared + bucket)

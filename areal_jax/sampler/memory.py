@@ -83,8 +83,10 @@ class SamplerPlan:
   incoming: int = 0  # a weight version as it arrives, before its conversion (``incoming_bytes``)
   swap_while_decoding: bool = True  # a swap happens beside a decode or prefill call
   swap_pauses: bool = False  # the current version is let go of before the new one is converted
-  # a row cache: one kept continuation row (a finished turn's KV copied out for the next turn,
-  # ``sampler.continuation``; a paged cache keeps pages of its pool instead: 0), and how many
+  # a row cache: one kept continuation row of max_len (a finished turn's KV copied out for the
+  # next turn, ``sampler.continuation``, which keeps short turns' rows at their prefill bucket,
+  # several to a max_len row's bytes; a paged cache keeps pages of its pool instead: 0), and how
+  # many
   row_bytes: int = 0
   kept_rows: int = 0
   memo: int = 0  # the prefixes kept between prefill calls (``prefix_memo``)
@@ -277,7 +279,7 @@ def plan(engine, budget_bytes: int | None, resident_budget: int | None = None,
 
 def row_bytes(engine, positions: int | None = None) -> int:
   """Bytes per device of one prefix row of ``positions`` (default ``max_len``: a row cache's
-  continuation row, one slot's as ``sampler.continuation`` copies it out; a prefill bucket: one
+  continuation row at its longest, as ``sampler.continuation`` copies it out; a prefill bucket: one
   prompt's prefix, as a prefill call returns it)."""
   cfg, n = engine.model_cfg, positions or engine.config.max_len
   shapes = jax.eval_shape(lambda: slot_cache.make(cfg, 1, n, engine._cache_dtype,  # noqa: SLF001

@@ -70,9 +70,17 @@ def prefix_len(prefix, layout: str) -> int:
 
 
 def prefix_head(prefix, n: int, layout: str):
-  """Positions ``[0, n)`` of a prefix (or of a cache row taken as one)."""
+  """Positions ``[0, n)`` of a prefix (or of a cache row taken as one), zeros past its own."""
   axis = _positions_axis(layout)
-  return jax.tree.map(lambda x: jax.lax.slice_in_dim(x, 0, n, axis=axis), prefix)
+
+  def head(x):
+    if n <= x.shape[axis]:
+      return jax.lax.slice_in_dim(x, 0, n, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, pad)
+
+  return jax.tree.map(head, prefix)
 
 
 def write_prefix(cache, prefix, slots_N, bucket: int, layout: str):

@@ -123,3 +123,30 @@ def test_a_paged_cache_keeps_a_turn_in_its_pool_and_gives_it_up_before_anyone_wa
     assert len(table._free) == 8 and table.kept_pages == 0  # every page back
   finally:
     engine.stop()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_short_turns_keep_more_conversations_in_the_same_memory(model, paged):
+  """Kept rows are charged the positions they hold, not max_len: a capacity of one max_len row
+  keeps three short conversations (their rows the 32-position bucket, or two pages of 16), each
+  continued (its row grown to the bucket its next turn needs) to what a full prefill samples."""
+  kw = dict(kv_pages=24, page_size=16, decode_attention="dense") if paged else {}
+  engine = JaxRolloutEngine(model, num_slots=4, max_len=128, **kw)
+  engine._continued.capacity = 1  # one row of 128 positions' worth
+  engine.start()
+  try:
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(1, 128, 10)] for _ in range(3)]
+    greedy = SamplingParams(greedy=True, max_new_tokens=9)
+    firsts = [_one(engine, GroupRequest(i, p, 1, greedy, {"continue": True}))
+              for i, p in enumerate(prompts)]
+    assert len(engine._continued) == 3 and engine._continued.kept_positions == 3 * 32
+    for i, (prompt, first) in enumerate(zip(prompts, firsts)):
+      follow = prompt + first.tokens + [7, 8, 9, 10, 11]
+      continued = _one(engine, GroupRequest(10 + i, follow, 1, greedy))
+      assert engine.stats["continued"] == i + 1
+      full = _one(engine, GroupRequest(20 + i, follow, 1, greedy))  # nothing kept: prefilled
+      assert continued.tokens == full.tokens
+      np.testing.assert_allclose(continued.logprobs, full.logprobs, rtol=1e-4, atol=1e-5)
+  finally:
+    engine.stop()
