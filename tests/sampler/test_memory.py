@@ -357,3 +357,29 @@ def test_a_row_cache_plans_the_turns_multi_turn_episodes_keep(capsys):
   c.rollout.kv_pages, c.rollout.page_size = 8, 8
   paged = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
   assert paged.memory_plan.row_bytes == 0 and paged._continued.capacity == 8
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_a_continuing_turn_holds_no_more_than_the_planned_prefill(paged):
+  """A multi-turn continuation (``sampler.continuation``) is not planned on its own: it works on
+  a row of a prefill bucket, so its read of the kept row (or pages) and its extend over the new
+  tokens hold no more than the prefill call the plan counts, at every bucket and chunk."""
+  from areal_jax.sampler import continuation, pages, slot_cache
+  kw = dict(kv_pages=16, page_size=8) if paged else {}
+  eng = DecodeEngine(tiny_model(0), EngineConfig(num_slots=4, max_len=96, max_prefill_tokens=64,
+                                                 prefill_buckets=(16, 32, 64), **kw))
+  plan = memory.plan(eng, None)
+  table = pages.PageTable(4, 16, 8, 96) if paged else None
+  kept = continuation.Continuations(eng, 1, table)
+  cfg, layout = eng.model_cfg, eng.cache_layout
+  for length in eng.prefill_buckets:
+    row = jax.eval_shape(lambda n=length: slot_cache.make(cfg, 1, n, eng._cache_dtype, layout))
+    source = ((eng.state_shapes()["cache"], jax.ShapeDtypeStruct((-(-length // 8),), "int32"))
+              if paged else (row,))
+    read = kept._make_take(length).lower(*source).compile().memory_analysis()
+    for chunk in (continuation.MIN_CHUNK, length // 2):
+      m = kept._make_extend(length).lower(
+          eng.params, row, jax.ShapeDtypeStruct((1, chunk), "int32"),
+          jax.ShapeDtypeStruct((1,), "int32")).compile().memory_analysis()
+      held = read.output_size_in_bytes + read.temp_size_in_bytes + m.temp_size_in_bytes
+      assert held <= plan.prefill, (length, chunk, held, plan.prefill)
