@@ -6,8 +6,8 @@ the sampler copies the finished sequence's cache row out of its slot (``keep``):
 ``prompt + generated[:-1]`` (the last generated token was sampled, never fed). A later request
 whose ``prompt[:-1]`` shares a long enough start with those tokens (at least half of it) takes the
 row (``take``) and runs only the rest (for the next turn: the last generated token and the inserted
-ones) through the model on top of it, one ``extend`` call of a padded chunk, instead of prefilling
-the whole conversation. The shared start need not be the whole kept sequence: a tool call cuts a
+ones) through the model on top of it, ``extend`` calls of padded chunks (pieces of at most
+``MAX_PIECE`` tokens), instead of prefilling the whole conversation. The shared start need not be the whole kept sequence: a tool call cuts a
 turn short, and the KV of the positions before the cut is still that of the new prompt (positions
 past it are overwritten before anything attends to them). The row sharing the longest start wins.
 
@@ -42,6 +42,12 @@ from areal_jax import sharding
 from areal_jax.sampler import slot_cache
 
 MIN_CHUNK = 16
+# the most new tokens one extend call runs: its attention holds float32 scores of heads x tokens x
+# the row's positions, where a prefill's causal kernel holds a block at a time. Compiled for an
+# H100 (Qwen2.5-1.5B shape, bench/results/cpu-aot-h100-continuation-2026-11-30-s46) a chunk of 256
+# over a row of 4096 or 8191 positions held 0.89x / 0.64x the prefill of that row, one of 1024
+# 1.73x / 1.37x and one of 2048 2.74x / 2.40x: longer chunks run as pieces of this many.
+MAX_PIECE = 256
 
 
 def wanted(metadata: dict, finish_reason: str) -> bool:
@@ -53,6 +59,13 @@ def wanted(metadata: dict, finish_reason: str) -> bool:
 def chunk_bucket(n: int) -> int:
   """Padded length of an ``n``-token continuation chunk: a power of two, at least ``MIN_CHUNK``."""
   return max(MIN_CHUNK, 1 << max(n - 1, 0).bit_length())
+
+
+def pieces(n: int) -> list[tuple[int, int, int]]:
+  """``(start, tokens, padded)`` of the extend calls that run ``n`` new tokens: pieces of
+  ``MAX_PIECE`` (the last one shorter, padded to its ``chunk_bucket``)."""
+  return [(i, min(MAX_PIECE, n - i), chunk_bucket(min(MAX_PIECE, n - i)))
+          for i in range(0, n, MAX_PIECE)]
 
 
 def shared_start(a, b) -> int:
@@ -162,8 +175,8 @@ class Continuations:
       return None
     kept, _ = self._rows.pop(key)
     rest = [int(t) for t in tokens[shared:]]
-    bucket = chunk_bucket(len(rest)) if rest else 0
-    length = self.row_length(shared + bucket)
+    calls = pieces(len(rest))
+    length = self.row_length(shared + (calls[-1][0] + calls[-1][2] if calls else 0))
     if length is None:
       self.stats["too_long"] += 1
       if self.table is not None:
@@ -177,13 +190,14 @@ class Continuations:
       row = self._take_fn(length)(kept)
     self.stats["continued"] += 1
     self.stats["tokens_saved"] += shared
-    if not rest:
-      return row
-    if (bucket, length) not in self._fns:
-      self._fns[bucket, length] = self._make_extend(length)
-    chunk = np.zeros((1, bucket), np.int32)
-    chunk[0, :len(rest)] = rest
-    return self._fns[bucket, length](params, row, chunk, np.full((1,), shared, np.int32))
+    if ("extend", length) not in self._fns:
+      self._fns["extend", length] = self._make_extend(length)
+    for start, n, padded in calls:  # (each call donates the row to the next)
+      chunk = np.zeros((1, padded), np.int32)
+      chunk[0, :n] = rest[start:start + n]
+      row = self._fns["extend", length](params, row, chunk,
+                                        np.full((1,), shared + start, np.int32))
+    return row
 
   def row_length(self, positions: int) -> int | None:
     """Positions of the row a continuation over ``positions`` works on: the smallest prefill
@@ -231,6 +245,6 @@ class Continuations:
         _, row = layers.extend(params)(tokens_1xL, start_1, row, kv_len=length)
       return row
 
-    rows = self._row_shardings(length)  # (one compiled function per chunk: the tokens' shape)
+    rows = self._row_shardings(length)  # (compiled once per chunk bucket: the tokens' shape)
     return jax.jit(fn, in_shardings=(e.held_formats, rows, None, None), out_shardings=rows,
                    donate_argnums=1, compiler_options=e.compiler_options)

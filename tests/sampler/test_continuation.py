@@ -150,3 +150,27 @@ def test_short_turns_keep_more_conversations_in_the_same_memory(model, paged):
       np.testing.assert_allclose(continued.logprobs, full.logprobs, rtol=1e-4, atol=1e-5)
   finally:
     engine.stop()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_long_chunk_runs_in_pieces_to_the_same_sample(model, monkeypatch, paged):
+  """New tokens past ``MAX_PIECE`` (a long tool result) run as several extend calls over the row,
+  each holding a piece's attention scores, and sample what a full prefill samples."""
+  monkeypatch.setattr(continuation, "MAX_PIECE", 16)
+  assert continuation.pieces(40) == [(0, 16, 16), (16, 16, 16), (32, 8, 16)]
+  assert continuation.pieces(5) == [(0, 5, 16)] and continuation.pieces(0) == []
+  kw = dict(kv_pages=24, page_size=16, decode_attention="dense") if paged else {}
+  engine = JaxRolloutEngine(model, num_slots=2, max_len=128, prefill_buckets=(96,), **kw)
+  engine.start()
+  try:
+    prompt = [int(t) for t in np.random.default_rng(2).integers(1, 128, 40)]
+    greedy = SamplingParams(greedy=True, max_new_tokens=9)
+    first = _one(engine, GroupRequest(1, prompt, 1, greedy, {"continue": True}))
+    follow = prompt + first.tokens + list(range(3, 33))  # 30 inserted: pieces of 16 and 14
+    continued = _one(engine, GroupRequest(2, follow, 1, greedy))
+    assert engine.stats["continued"] == 1
+    full = _one(engine, GroupRequest(3, follow, 1, greedy))
+    assert continued.tokens == full.tokens
+    np.testing.assert_allclose(continued.logprobs, full.logprobs, rtol=1e-4, atol=1e-5)
+  finally:
+    engine.stop()
