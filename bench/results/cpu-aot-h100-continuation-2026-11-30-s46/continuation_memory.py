@@ -5,7 +5,7 @@ call of that bucket holds (its temporaries and returned prefix).
 
   PYTHONPATH=$PWD:$PWD/bench JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/cuda/bin/python \
       bench/results/cpu-aot-h100-continuation-2026-11-30-s46/continuation_memory.py [--target h100] \
-      --json extend_vs_prefill.json
+      --json bench/results/cpu-aot-h100-continuation-2026-11-30-s46/extend_vs_prefill.json
 """
 
 import argparse
