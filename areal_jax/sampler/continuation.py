@@ -7,9 +7,10 @@ the sampler copies the finished sequence's cache row out of its slot (``keep``):
 whose ``prompt[:-1]`` shares a long enough start with those tokens (at least half of it) takes the
 row (``take``) and runs only the rest (for the next turn: the last generated token and the inserted
 ones) through the model on top of it, ``extend`` calls of padded chunks (pieces of at most
-``MAX_PIECE`` tokens), instead of prefilling the whole conversation. The shared start need not be the whole kept sequence: a tool call cuts a
-turn short, and the KV of the positions before the cut is still that of the new prompt (positions
-past it are overwritten before anything attends to them). The row sharing the longest start wins.
+``MAX_PIECE`` tokens), instead of prefilling the whole conversation. The shared start need not be
+the whole kept sequence: a tool call cuts a turn short, and the KV of the positions before the cut
+is still that of the new prompt (positions past it are overwritten before anything attends to
+them). The row sharing the longest start wins.
 
 A row is kept only if the whole sequence, prompt KV included, came from the weights in use, and
 every weight swap drops all kept rows, so a continuation gives the tokens and logprobs of a full
