@@ -317,7 +317,7 @@ def colocated_rows(c, programs, learner_plan, budget_bytes: int) -> int:
   the learner's step leaves."""
   programs = dataclasses.replace(programs, budget_bytes=budget_bytes)
   rows = programs.with_rows(engines.turns_kept(c, programs.num_slots)).kept_rows
-  return engines.rows_beside_learner(rows, programs.row_bytes, learner_plan) if rows else 0
+  return engines.rows_beside_learner(rows, programs.row_bytes, learner_plan)
 
 
 def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),

@@ -106,7 +106,7 @@ def build_planned(config, model, tokenizer, sampler_mesh, learner=None) -> Rollo
     sampler = engine.memory_plan
     rows, sampler = sampler.kept_rows, dataclasses.replace(sampler, kept_rows=0)
     learner_plan = plan_learner(config, learner, sampler)
-  if rows and sampler.row_bytes and learner_plan is not None:  # rows: what the learner leaves
+  if rows and learner_plan is not None:  # rows: what the learner leaves
     rows = rows_beside_learner(rows, sampler.row_bytes, learner_plan)
     if rows != engine.memory_plan.kept_rows:
       print(f"sampler memory plan: {rows} continuation rows (of {engine.memory_plan.kept_rows}) "
@@ -152,7 +152,10 @@ def plan_learner(config, learner, sampler=None):
 
 def rows_beside_learner(rows: int, row_bytes: int, learner_plan) -> int:
   """Of ``rows`` continuation rows of ``row_bytes``, those that fit in what a colocated learner's
-  step leaves of its budget (``learner_plan``: planned beside the sampler without rows)."""
+  step leaves of its budget (``learner_plan``: planned beside the sampler without rows); all of
+  them for a paged cache's (``row_bytes`` 0: kept as pages of its pool)."""
+  if not row_bytes:
+    return rows
   return min(rows, max(0, learner_plan.budget_bytes - learner_plan.peak_bytes) // row_bytes)
 
 

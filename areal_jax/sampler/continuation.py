@@ -126,10 +126,12 @@ class Continuations:
     while self._rows:
       self._drop_oldest()
 
-  def _drop_oldest(self) -> None:
-    _, (row, _) = self._rows.popitem(last=False)
+  def _drop_oldest(self) -> int:
+    """Lets go of the least recently kept row; returns the positions it held."""
+    _, (row, positions) = self._rows.popitem(last=False)
     if self.table is not None:
       self.table.drop(row)
+    return positions
 
   def _evict(self) -> bool:
     """The page table needs pages: the least recently kept row's go back (False: none kept)."""
@@ -157,10 +159,9 @@ class Continuations:
       length = self.row_length(len(key))
       self._rows[key] = self._take_fn(length)(state["cache"], np.int32(slot)), length
     self.stats["kept"] += 1
-    max_len = self.engine.config.max_len
-    while (self.kept_positions > self.capacity * max_len
-           or len(self._rows) > self.MAX_ROWS_PER_CAPACITY * self.capacity):
-      self._drop_oldest()
+    positions, most = self.kept_positions, self.capacity * self.engine.config.max_len
+    while positions > most or len(self._rows) > self.MAX_ROWS_PER_CAPACITY * self.capacity:
+      positions -= self._drop_oldest()
       self.stats["dropped"] += 1
 
   def match(self, tokens: list[int]) -> tuple[tuple[int, ...] | None, int]:
@@ -192,7 +193,7 @@ class Continuations:
       row = self._take_fn(length)(kept)
     self.stats["continued"] += 1
     self.stats["tokens_saved"] += shared
-    if ("extend", length) not in self._fns:
+    if calls and ("extend", length) not in self._fns:
       self._fns["extend", length] = self._make_extend(length)
     for start, n, padded in calls:  # (each call donates the row to the next)
       chunk = np.zeros((1, padded), np.int32)

@@ -83,10 +83,10 @@ class SamplerPlan:
   incoming: int = 0  # a weight version as it arrives, before its conversion (``incoming_bytes``)
   swap_while_decoding: bool = True  # a swap happens beside a decode or prefill call
   swap_pauses: bool = False  # the current version is let go of before the new one is converted
-  # a row cache: one kept continuation row of max_len (a finished turn's KV copied out for the
-  # next turn, ``sampler.continuation``, which keeps short turns' rows at their prefill bucket,
-  # several to a max_len row's bytes; a paged cache keeps pages of its pool instead: 0), and how
-  # many
+  # a row cache: the bytes of one kept continuation row of max_len (a finished turn's KV copied
+  # out for the next turn, ``sampler.continuation``, which keeps short turns' rows at their prefill
+  # bucket, several to a max_len row's bytes; a paged cache keeps pages of its pool: 0), and how
+  # many such rows the plan makes room for
   row_bytes: int = 0
   kept_rows: int = 0
   memo: int = 0  # the prefixes kept between prefill calls (``prefix_memo``)

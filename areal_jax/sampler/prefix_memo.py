@@ -37,10 +37,11 @@ class PrefixMemo:
     """Drops the least recently used prefixes (but those of ``keep``'s tokens) until at most
     ``SIZE`` of at most ``max_positions`` positions are left."""
     keep = {tuple(int(t) for t in ts) for ts in keep}
+    positions, layout = self.positions(), self.engine.cache_layout
     for key in [k for k in self._prefixes if k not in keep]:
-      if len(self._prefixes) <= self.SIZE and self.positions() <= self.max_positions:
+      if len(self._prefixes) <= self.SIZE and positions <= self.max_positions:
         break
-      del self._prefixes[key]
+      positions -= slot_cache.prefix_len(self._prefixes.pop(key), layout)
 
   def get(self, params, tokens: list[int]):
     """KV prefix of ``tokens`` under ``params`` (from the memo, else prefilled now)."""

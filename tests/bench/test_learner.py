@@ -53,6 +53,9 @@ def test_colocated_rows_are_what_the_run_keeps():
   assert bench_learner.colocated_rows(c, programs, learner_plan(400 * mb, 397 * mb), room) == 3
   assert bench_learner.colocated_rows(c, programs, learner_plan(400 * mb, 100 * mb),
                                       programs.peak_bytes + 5 * mb) == 5
+  # a paged cache keeps turns as pages of its pool: its capacity is one a slot, no bytes beside
+  paged = dataclasses.replace(programs, row_bytes=0, kv_pages=64)
+  assert bench_learner.colocated_rows(c, paged, learner_plan(400 * mb, 397 * mb), room) == 8
   c.rollout.workflow = "single_turn"
   assert bench_learner.colocated_rows(c, programs, learner_plan(400 * mb, 100 * mb), room) == 0
 
