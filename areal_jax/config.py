@@ -215,6 +215,9 @@ def base_config() -> ConfigDict:
   c.serve.db_path = ""  # the turn store (SQLite); "": <workdir>/turns.sqlite
   c.serve.max_candidates = 8  # the largest ``n`` one request may ask for
   c.serve.warmup = True  # compile every decode bucket before accepting requests (no compile stalls)
+  # each chat turn's KV kept by the sampler for the conversation's next request, which then runs
+  # only its new messages through the model (sampler/continuation.py); a row cache plans a row a slot
+  c.serve.keep_turns = True
   c.serve.train = True  # False: serve and record (and judge) only, no trainer loop
   # The trainer loop as its own process (python -m areal_jax.serve.trainer_process), started and
   # restarted by the server; versions reach the server as Orbax weights (<workdir>/weights). On CPU

@@ -1,6 +1,7 @@
 """Serving latency while idle, while the learner trains, and across weight swaps, in one run.
 
   python bench/serve.py [--quick] [--json PATH] [--phase-s S] [--clients K] [--trainer=MODE]
+  python bench/serve.py --follow-ups [--quick] [--json PATH] [--phase-s S] [--clients K]
 
 The server (``areal_jax.serve``, configs/serve_arithmetic.py: SmolLM2-135M; ``--quick``: the tiny
 random model) runs in this process on its loopback port, its trainer loop as the config says
@@ -19,6 +20,16 @@ Per phase: requests, ``latency_p50_ms``, ``latency_p99_ms`` (request sent -> res
 completion ``tokens_per_s`` (all clients together) and, for the other phases, the ratios of p50 /
 p99 to idle's (the goal: p99 while training within 1.5x of idle). Training and swap counts show
 the phase did what it says. The machine and its load average are printed and stored.
+
+``--follow-ups`` measures something else instead, serving only (no trainer, so no weight swap
+drops a kept turn): conversations of two turns per client, the question, then "Are you sure?"
+after its answer (``serve.sim_feedback_tokens`` completion tokens), and the latency of the second
+turn with the engine keeping each turn's KV for the next (``serve.keep_turns``: the second turn
+runs only its new tokens on the kept row) against prefilling the whole history, in alternating
+phases (kept, prefilled, kept, prefilled; each starts with nothing kept, the same weights
+swapped in as a new version): ``follow_ups`` (per phase: ``keep_turns``,
+``follow_ups``, ``continued``, ``latency_p50_ms``, ``latency_p99_ms``) and
+``kept_vs_prefilled_p50`` (median of the kept phases' p50 over the prefilled ones').
 """
 
 from __future__ import annotations
@@ -41,12 +52,16 @@ from common import machine  # noqa: E402
 from areal_jax import config as config_lib  # noqa: E402
 from areal_jax import tasks  # noqa: E402
 from areal_jax.rollout_api import Sample  # noqa: E402
+from areal_jax.runtime import model_source  # noqa: E402
 from areal_jax.runtime.ray_worker import pin_process  # noqa: E402
 from areal_jax.serve import trainer_supervisor  # noqa: E402
 from areal_jax.serve.runtime import ServeRuntime  # noqa: E402
 
 
-def _clients(rt, config, n_clients: int, duration_s: float, max_tokens: int) -> dict:
+def _closed_loop(rt, config, n_clients: int, duration_s: float, request) -> dict:
+  """``n_clients`` threads, each calling ``request(client, model, messages)`` back to back on
+  train-split questions for ``duration_s`` seconds; ``request`` returns ``(seconds, completion
+  tokens)`` of what it times. Requests, errors, wall time, latencies (ms) and tokens."""
   import openai  # pylint: disable=import-outside-toplevel
 
   task = tasks.get_task(config.task)
@@ -59,19 +74,17 @@ def _clients(rt, config, n_clients: int, duration_s: float, max_tokens: int) -> 
   def work(k: int):
     i = k
     while time.time() < deadline:
-      ex = examples[i % len(examples)]
+      messages = task.prompt_messages(examples[i % len(examples)])
       i += n_clients
-      t0 = time.perf_counter()
       try:
-        r = client.chat.completions.create(model=config.serve.model_name, max_tokens=max_tokens,
-                                           messages=task.prompt_messages(ex))
+        seconds, tokens = request(client, config.serve.model_name, messages)
       except Exception:  # pylint: disable=broad-except
         with lock:
           errors[0] += 1
         continue
       with lock:
-        lat.append(time.perf_counter() - t0)
-        toks.append(r.usage.completion_tokens)
+        lat.append(seconds)
+        toks.append(tokens)
 
   t_start = time.time()
   threads = [threading.Thread(target=work, args=(k,)) for k in range(n_clients)]
@@ -86,6 +99,42 @@ def _clients(rt, config, n_clients: int, duration_s: float, max_tokens: int) -> 
               latency_p99_ms=float(np.percentile(ms, 99)) if len(ms) else None,
               latency_max_ms=float(ms.max()) if len(ms) else None,
               tokens_per_s=float(sum(toks) / wall))
+
+
+def _clients(rt, config, n_clients: int, duration_s: float, max_tokens: int) -> dict:
+  """Single questions, non-streaming, ``max_tokens`` completion tokens at most: each request's
+  latency (sent -> response parsed)."""
+  def ask(client, model, messages):
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model=model, max_tokens=max_tokens, messages=messages)
+    return time.perf_counter() - t0, r.usage.completion_tokens
+
+  return _closed_loop(rt, config, n_clients, duration_s, ask)
+
+
+def _follow_ups(rt, config, n_clients: int, duration_s: float, max_tokens: int,
+                keep: bool) -> dict:
+  """Two-turn conversations (a question, then "Are you sure?" after its answer, as the simulated
+  user's), back to back per client; the latency of the second turn only, whose prompt holds the
+  first turn: with ``keep`` the engine kept the first turn's KV (``serve.keep_turns``), else it
+  prefills the whole history."""
+  def converse(client, model, messages):
+    first = client.chat.completions.create(model=model, max_tokens=max_tokens, messages=messages)
+    messages = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                           {"role": "user", "content": "Are you sure?"}]
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model=model, messages=messages,
+                                       max_tokens=config.serve.sim_feedback_tokens)
+    return time.perf_counter() - t0, r.usage.completion_tokens
+
+  rt.context.keep_turns, continued = keep, rt.engine.stats["continued"]
+  try:
+    out = _closed_loop(rt, config, n_clients, duration_s, converse)
+  finally:
+    rt.context.keep_turns = config.serve.keep_turns
+  return dict(keep_turns=keep, follow_ups=out["requests"], errors=out["errors"],
+              continued=rt.engine.stats["continued"] - continued,
+              latency_p50_ms=out["latency_p50_ms"], latency_p99_ms=out["latency_p99_ms"])
 
 
 class _Background:
@@ -169,6 +218,9 @@ def main():
   ap.add_argument("--clients", type=int, default=4)
   ap.add_argument("--max-tokens", type=int, default=None)
   ap.add_argument("--swap-every-s", type=float, default=2.0)
+  ap.add_argument("--follow-ups", action="store_true",
+                  help="only: second turns of conversations with the first turn's KV kept "
+                       "(serve.keep_turns) against prefilled, serving only, phases alternating")
   ap.add_argument("--trainer", choices=("config", "thread", "process"), default="config",
                   help="the trainer loop as a thread of the server or its own pinned process "
                        "(serve.trainer_process); config: as the config says")
@@ -182,6 +234,8 @@ def main():
   config.serve.warmup = True  # every decode bucket compiled before the first request
   if args.trainer != "config":
     config.serve.trainer_process = args.trainer == "process"
+  if args.follow_ups:  # serving only: no version swap drops what is kept
+    config.serve.train, config.serve.trainer_process = False, False
   mode = "process" if config.serve.trainer_process else "thread"
   config.lock()
   cores = trainer_supervisor.plan_cores(config)
@@ -196,10 +250,12 @@ def main():
     rt = ServeRuntime(config, workdir, cores=cores)
     rt.start()
     rt.judge.stop()
-    if mode == "thread":
+    if rt.trainer is not None and mode == "thread":
       rt.trainer.stop(checkpoint=False)
     try:
       _clients(rt, config, args.clients, min(phase_s, 10.0), max_tokens)  # compile and warm up
+      if args.follow_ups:
+        return _follow_up_table(rt, config, args, phase_s, max_tokens, info, t_start)
       phases = {"idle": _clients(rt, config, args.clients, phase_s, max_tokens)}
       if mode == "thread":
         phases.update(_thread_phases(rt, config, args, phase_s, max_tokens))
@@ -225,6 +281,46 @@ def main():
                 clients=args.clients, max_tokens=max_tokens,
                 phase_s=phase_s, phases=phases, wall_s=time.time() - t_start)
   print(f"bench took {result['wall_s']:.0f} s; load average {info['load_avg_end']:.1f} at the end")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+def _follow_up_table(rt, config, args, phase_s, max_tokens, info, t_start) -> None:
+  """``--follow-ups``: kept and prefilled second turns, alternating twice, side by side."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  params = nnx.to_pure_dict(nnx.state(model_source.load(config)[0], nnx.Param))
+
+  def fresh():  # each phase starts with nothing kept: the same weights as a new version
+    swaps = rt.engine.stats["swaps"]
+    rt.engine.update_params(params, rt.engine.version + 1)
+    deadline = time.time() + 60
+    while rt.engine.stats["swaps"] == swaps and time.time() < deadline:
+      time.sleep(0.05)
+
+  _follow_ups(rt, config, args.clients, min(phase_s, 10.0), max_tokens, True)  # compile
+  runs = []
+  for keep in (True, False, True, False):
+    fresh()
+    runs.append(_follow_ups(rt, config, args.clients, phase_s, max_tokens, keep))
+  print(f"{'second turns':>14} {'turns':>6} {'errors':>6} {'continued':>9} {'p50 ms':>8} "
+        f"{'p99 ms':>8}")
+  for r in runs:
+    print(f"{'kept' if r['keep_turns'] else 'prefilled':>14} {r['follow_ups']:>6} "
+          f"{r['errors']:>6} {r['continued']:>9} {r['latency_p50_ms']:>8.0f} "
+          f"{r['latency_p99_ms']:>8.0f}")
+  kept = [r['latency_p50_ms'] for r in runs if r['keep_turns']]
+  full = [r['latency_p50_ms'] for r in runs if not r['keep_turns']]
+  ratio = float(np.median(kept) / np.median(full))
+  info["load_avg_end"] = os.getloadavg()[0]
+  result = dict(machine=info, model=config.model.source, clients=args.clients,
+                max_tokens=max_tokens, feedback_tokens=config.serve.sim_feedback_tokens,
+                phase_s=phase_s, follow_ups=runs, kept_vs_prefilled_p50=ratio,
+                wall_s=time.time() - t_start)
+  print(f"second turn p50, kept / prefilled: {ratio:.2f}x; bench took {result['wall_s']:.0f} s; "
+        f"load average {info['load_avg_end']:.1f} at the end")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=2)

@@ -159,11 +159,13 @@ def rows_beside_learner(rows: int, row_bytes: int, learner_plan) -> int:
   return min(rows, max(0, learner_plan.budget_bytes - learner_plan.peak_bytes) // row_bytes)
 
 
-def turns_kept(config, num_slots: int) -> int:
+def turns_kept(config, num_slots: int, keep_turns: bool = False) -> int:
   """Continuation rows a row cache's memory plan makes room for (``SamplerPlan.with_rows``): a
   finished turn's KV kept for the episode's next turn, one a slot, where the workflow runs
-  episodes of several turns (``rollout.workflow``); none for single-turn episodes."""
-  return num_slots if config.rollout.get("workflow", "single_turn") != "single_turn" else 0
+  episodes of several turns (``rollout.workflow``) or the caller keeps every turn (``keep_turns``:
+  the server's chats, ``serve.keep_turns``); none for single-turn episodes."""
+  multi_turn = config.rollout.get("workflow", "single_turn") != "single_turn"
+  return num_slots if multi_turn or keep_turns else 0
 
 
 def engine_settings(config, num_slots: int, kv_pages: int | None = None) -> dict:
@@ -182,8 +184,10 @@ def engine_settings(config, num_slots: int, kv_pages: int | None = None) -> dict
       decode_tuning=r.get("decode_tuning", "auto"))
 
 
-def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> RolloutEngine:
-  """``memory_budget``: bytes per sampler device the JAX sampler may use, or a dict of
+def build(config, model, tokenizer, sampler_mesh, memory_budget=None,
+          keep_turns: bool = False) -> RolloutEngine:
+  """``keep_turns``: the caller asks the sampler to keep finished turns whatever the workflow
+  (``turns_kept``). ``memory_budget``: bytes per sampler device the JAX sampler may use, or a dict of
   ``sampler.memory.check``'s keyword arguments (``budget_bytes``, ``resident_budget``,
   ``shared_base``); its memory plan is checked against it before the decode state is allocated,
   with a paged cache's pool of the pages that fit, or fewer slots than ``rollout.num_slots``, when
@@ -220,7 +224,7 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
       else:
         engine, plan = memory.fit(make, r.num_slots, min_slots=r.n_samples, **budget)
         decided(engine, plan)
-        plan = plan.with_rows(turns_kept(config, plan.num_slots))
+        plan = plan.with_rows(turns_kept(config, plan.num_slots, keep_turns))
         print(f"sampler memory plan: {plan.summary()}", flush=True)
       engine.memory_plan = plan  # (per device; None: unplanned)
       return engine
@@ -237,7 +241,7 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None) -> Rollout
       engine, plan = memory.fit(lambda s, **kw: make(s, mesh, output, **kw), slots,
                                 min_slots=r.n_samples, **budget)
       decided(engine, plan)
-      plan = plan.with_rows(turns_kept(config, plan.num_slots))
+      plan = plan.with_rows(turns_kept(config, plan.num_slots, keep_turns))
       engine.memory_plan = plan  # (the launch it times must fit it: JaxRolloutEngine.tune_launch)
       slots = plan.num_slots
       pages = None if plan.pool_follows_slots or not plan.kv_pages else plan.kv_pages

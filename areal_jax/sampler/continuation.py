@@ -213,6 +213,56 @@ class Continuations:
     i = bisect.bisect_left(buckets, positions)
     return buckets[i] if i < len(buckets) else max_len
 
+  # ---- compiling up front -----------------------------------------------------------------------
+  def _lengths(self) -> list[int]:
+    """Every row length a continuation works on (``row_length``'s values)."""
+    return sorted(set(self.engine.prefill_buckets) | {self.engine.config.max_len})
+
+  def _warmup_steps(self) -> list[tuple[str, int, int]]:
+    """``(what, length, size)`` of every program a turn can run: a row cache's read of a slot's
+    row (``keep``) and of a kept row of each length (``size``) into a row of ``length``, a paged
+    cache's read of its pages, and an extend of each chunk bucket (``size``) shorter than the
+    row."""
+    lengths = self._lengths()
+    chunks = [c for c in (MIN_CHUNK << i for i in range(MAX_PIECE.bit_length()))
+              if c <= MAX_PIECE]
+    if self.table is None:  # (the kept rows first: the reads take them)
+      steps = [("keep", length, 0) for length in lengths]
+      steps += [("take", length, kept) for length in lengths for kept in lengths]
+    else:
+      steps = [("take", length, 0) for length in lengths]
+    return steps + [("extend", length, c) for length in lengths for c in chunks if c < length]
+
+  def warmup_count(self) -> int:
+    """Programs ``warmup`` compiles."""
+    return len(self._warmup_steps())
+
+  def warmup(self, params, state, progress=None) -> None:
+    """Compiles every continuation program (``_warmup_steps``) on throwaway rows (no kept row
+    changes), calling ``progress(done, total, what)`` after each: so a served conversation's
+    next turn does not stall on a compile (a row length or chunk bucket first seen)."""
+    steps = self._warmup_steps()
+    rows = {}
+    for done, (what, length, size) in enumerate(steps, 1):
+      take = self._take_fn(length)
+      if what == "keep":
+        rows[length] = take(state["cache"], np.int32(0))
+      elif what == "take" and self.table is None:
+        take(rows[size])
+      elif what == "take":
+        take(state["cache"], self.table.padded([])[:self.table.pages_for(length)])
+      else:
+        if ("extend", length) not in self._fns:
+          self._fns["extend", length] = self._make_extend(length)
+        row = rows.pop(length, None)
+        if row is None:  # (a paged cache: its pages read, as a turn starts)
+          row = take(state["cache"], self.table.padded([])[:self.table.pages_for(length)])
+        rows[length] = self._fns["extend", length](
+            params, row, np.zeros((1, size), np.int32), np.zeros((1,), np.int32))
+      if progress is not None:
+        progress(done, len(steps), f"continuation {what} {length}" + (f" of {size}" if size else ""))
+    jax.block_until_ready(rows)
+
   # ---- device functions ------------------------------------------------------------------------
   def _take_fn(self, length: int):
     """The compiled read of ``length`` positions: out of a slot's row of the cache (``keep``, the

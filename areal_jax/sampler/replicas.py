@@ -41,7 +41,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
 from areal_jax.sampler import continuation, requests, sequences
-from areal_jax.sampler import warmup as warmup_lib
 from areal_jax.sampler.sequences import Group
 
 
@@ -118,11 +117,13 @@ class ReplicatedRolloutEngine(RolloutEngine):
 
   # ---- RolloutEngine ---------------------------------------------------------------------------
 
-  def warmup(self, progress=None) -> None:
-    """Compiles every replica's programs, the replicas at once (XLA compiles without the GIL);
-    ``progress(done, total, what)`` after each program, counted over all replicas."""
+  def warmup(self, progress=None, continuations: bool = False) -> None:
+    """Compiles every replica's programs (``JaxRolloutEngine.warmup``), the replicas at once (XLA
+    compiles without the GIL); ``progress(done, total, what)`` after each program, counted over
+    all replicas."""
     self._tune()
-    total, done, lock = sum(warmup_lib.count(r.engine) for r in self.replicas), 0, threading.Lock()
+    total = sum(r.warmup_count(continuations) for r in self.replicas)
+    done, lock = 0, threading.Lock()
 
     def tick(i: int):
       def report(_done, _total, what):
@@ -134,7 +135,7 @@ class ReplicatedRolloutEngine(RolloutEngine):
       return report
 
     with concurrent.futures.ThreadPoolExecutor(len(self.replicas)) as pool:
-      list(pool.map(lambda ir: ir[1].warmup(tick(ir[0])), enumerate(self.replicas)))
+      list(pool.map(lambda ir: ir[1].warmup(tick(ir[0]), continuations), enumerate(self.replicas)))
 
   def _tune(self) -> None:
     """The first replica times the decode launches (``JaxRolloutEngine.tune_launch``); the others

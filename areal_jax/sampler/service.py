@@ -63,6 +63,7 @@ from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
 from areal_jax.sampler import (admission, launch_tuning, paging, prefix_memo, requests, sampling,
                                sequences)
 from areal_jax.sampler import continuation as continuation_lib
+from areal_jax.sampler import warmup as warmup_lib
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 from areal_jax.sampler.pages import PageTable
 from areal_jax.sampler.sequences import Group, Seq
@@ -161,17 +162,32 @@ class JaxRolloutEngine(RolloutEngine):
   def compile_stats(self) -> dict[str, float]:
     return dict(self.engine.compile_stats)
 
-  def warmup(self, progress=None) -> None:
-    """Compiles every bucket now (optional; otherwise the first use of a bucket compiles it);
-    ``progress(done, total, what)`` after each program (``sampler.warmup``)."""
+  def warmup(self, progress=None, continuations: bool = False) -> None:
+    """Compiles every bucket now (optional; otherwise the first use of a bucket compiles it),
+    and with ``continuations`` every program a continued turn runs (``Continuations.warmup``);
+    ``progress(done, total, what)`` after each program (``sampler.warmup``), ``warmup_count``
+    in all."""
     if self._thread is not None:
       raise RuntimeError("warmup() must run before start()")
     self.tune_launch()  # (so only the launch kept is compiled for every variant)
-    self._state = self.engine.warmup(self._state or self.engine.init_state(), progress)
+    total, before = self.warmup_count(continuations), 0
+
+    def report(done: int, _: int, what: str) -> None:
+      if progress is not None:
+        progress(before + done, total, what)
+
+    self._state = self.engine.warmup(self._state or self.engine.init_state(), report)
+    if continuations:
+      before = warmup_lib.count(self.engine)
+      self._continued.warmup(self.engine.params, self._state, report)
     n = 1
     while n <= 2 * self.num_slots:  # the per-request sampling keys (padded to powers of two)
       sampling.slot_keys(0, n)
       n *= 2
+
+  def warmup_count(self, continuations: bool = False) -> int:
+    """Programs ``warmup`` compiles."""
+    return warmup_lib.count(self.engine) + (self._continued.warmup_count() if continuations else 0)
 
   def tune_launch(self, launch=None) -> dict | None:
     """Before the first decode call, once: times the decode programs' kernel launches on this

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP API (Starlette): ``/v1/models``, ``/v1/chat/completions``, ``/health``.
 
 Every request is tokenized with the model's chat template and sampled by the rollout engine with
-the policy version current at each decode step. Its candidates are written to the turn store
-(committed) before the last byte of the response: the body of a plain response, the finish chunks
-and ``[DONE]`` of a stream. A conversation's turns are tied by the session id: the
+the policy version current at each decode step. With ``keep_turns`` the engine keeps each finished
+candidate's KV (the JAX sampler: ``sampler/continuation.py``; while the weights that made it are in
+use), so a conversation's next request, whose prompt starts with this one's prompt and answer,
+runs only its new messages through the model instead of the whole history. Its candidates are
+written to the turn store (committed) before the last byte of the response: the body of a plain
+response, the finish chunks and ``[DONE]`` of a stream. A conversation's turns are tied by the session id: the
 ``X-Session-Id`` header, else the ``user`` field, else a new session per request (returned in the
 ``X-Session-Id`` response header either way).
 
@@ -46,6 +49,7 @@ class ServeContext:
   temperature: float  # the default, and the one the learner trains at
   max_candidates: int = 8
   chat_kwargs: dict = dataclasses.field(default_factory=dict)
+  keep_turns: bool = False  # the sampler keeps each turn's KV for the conversation's next request
   status: Callable[[], dict] = dict  # extra fields for /health (loop liveness)
 
   def encode(self, messages: list[dict]) -> list[int]:
@@ -109,7 +113,8 @@ async def _chat(ctx: ServeContext, request: Request):
   params = SamplingParams(temperature=temperature or 1.0, greedy=temperature == 0,
                           top_p=req.top_p, max_new_tokens=max_tokens,
                           seed=random.getrandbits(31) if req.seed is None else req.seed)
-  group_id, queue = ctx.dispatcher.submit(prompt, req.n, params)
+  group_id, queue = ctx.dispatcher.submit(prompt, req.n, params,
+                                          {"continue": True} if ctx.keep_turns else None)
   rid = f"chatcmpl-{uuid.uuid4().hex}"
   turn = _Turn(ctx, req, session, rid, prompt, temperature)
   headers = {"x-session-id": session}

@@ -58,7 +58,8 @@ class ServeRuntime:
     # the sampler's memory plan against its devices (fewer slots when they do not fit; a
     # MemoryError naming the keys when not even a group's do), before anything is opened
     self.engine = engines.build(config, model, self.tokenizer, sampler_mesh,
-                                memory_budget=engines.sampler_budget(config, sampler_mesh))
+                                memory_budget=engines.sampler_budget(config, sampler_mesh),
+                                keep_turns=s.keep_turns)
     self.store = TurnStore(s.db_path or os.path.join(self.workdir, "turns.sqlite"))
     self.dispatcher = Dispatcher(self.engine)
     self.trainer = self.watcher = None
@@ -93,7 +94,7 @@ class ServeRuntime:
         model_name=s.model_name, max_prompt_len=c_roll.max_prompt_len,
         max_new_tokens=c_roll.max_new_tokens, temperature=c_roll.temperature,
         max_candidates=min(s.max_candidates, c_roll.num_slots), chat_kwargs=chat_kwargs,
-        status=self.status)
+        keep_turns=s.keep_turns, status=self.status)
     self.app = build_app(self.context)
     self._port = s.port if port is None else port
     self._server: uvicorn.Server | None = None
@@ -149,7 +150,7 @@ class ServeRuntime:
       self.trainer.start()
     if self.config.serve.warmup and hasattr(self.engine, "warmup"):
       t0 = time.time()
-      self.engine.warmup(_WarmupProgress(t0))
+      self.engine.warmup(_WarmupProgress(t0), continuations=self.config.serve.keep_turns)
       print(f"engine warm-up (every decode bucket compiled): {time.time() - t0:.0f} s", flush=True)
     if self.trainer_in_process:  # serve the trainer's restored version from the first request
       self.trainer.wait_announced(trainer_timeout)

@@ -338,6 +338,9 @@ def test_a_row_cache_plans_the_turns_multi_turn_episodes_keep(capsys):
   mesh = sharding.make_mesh({}, jax.devices()[:1])
   single = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
   assert single.memory_plan.kept_rows == 0 and single._continued.capacity == 0
+  # the server keeps every chat turn for its conversation's next request (serve.keep_turns)
+  chats = engines.build(c, model, tokenizer, mesh, memory_budget=2**30, keep_turns=True)
+  assert chats.memory_plan.kept_rows == 8 and chats._continued.capacity == 8
   c.rollout.workflow = "multi_turn"
   multi = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
   p = multi.memory_plan

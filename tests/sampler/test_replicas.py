@@ -185,6 +185,13 @@ def test_warmup_compiles_every_replica_at_once(model):
   # progress over both replicas: each program once, counted up to a total known from the start
   assert [t[:2] for t in ticks] == [(k, sum(counts)) for k in range(1, sum(counts) + 1)]
   assert sum(t[2].startswith("replica 1: ") for t in ticks) == counts[1]
+  # with the continuation programs (a server keeping its chats' turns): each replica's too
+  ticks.clear()
+  eng.warmup(lambda done, total, what: ticks.append((done, total, what)), continuations=True)
+  total = sum(r.warmup_count(True) for r in eng.replicas)
+  assert total > sum(counts) and [t[:2] for t in ticks] == [(k, total) for k in range(1, total + 1)]
+  assert sum("replica 1: continuation" in t[2] for t in ticks) == \
+      eng.replicas[1].warmup_count(True) - eng.replicas[1].warmup_count()
 
 
 def _collectives(compiled_text: str) -> list[str]:

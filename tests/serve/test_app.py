@@ -84,6 +84,30 @@ def test_models_and_a_recorded_completion(rt, client):
   assert len(row["prompt_tokens"]) == r.usage.prompt_tokens
 
 
+def test_a_conversations_next_request_continues_its_kept_turn(rt, client):
+  """serve.keep_turns: the engine keeps each turn's KV, and the conversation's next request (its
+  history with the answer in it) runs only the new messages on top of it."""
+  def second_turn(session, question):  # -> (the response, whether the engine continued it)
+    first = client.chat.completions.create(model=MODEL, messages=question, user=session,
+                                           max_tokens=2, temperature=0)  # (a short answer: the
+    # tiny model's bytes may re-encode otherwise, and then share less of the next prompt)
+    history = question + [{"role": "assistant", "content": first.choices[0].message.content},
+                          {"role": "user", "content": "right"}]
+    before = rt.engine.stats["continued"]
+    second = client.chat.completions.create(model=MODEL, messages=history, user=session,
+                                            max_tokens=4, temperature=0)
+    return second, rt.engine.stats["continued"] - before
+
+  assert rt.context.keep_turns  # (the config's default; no version trained yet: no swap drops)
+  second, continued = second_turn("sess-keep", Q)
+  assert continued == 1 and rt.store.get(second.turn_ids[0])["turn_index"] == 1
+  rt.context.keep_turns = False
+  try:  # nothing kept: the history is prefilled
+    assert second_turn("sess-prefill", [{"role": "user", "content": "How much is 17 - 9?"}])[1] == 0
+  finally:
+    rt.context.keep_turns = True
+
+
 def test_streamed_turn_is_in_the_store_before_the_stream_ends(rt):
   body = dict(model=MODEL, messages=Q, stream=True, max_tokens=12)
   text, checked = "", False
