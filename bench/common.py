@@ -3,6 +3,7 @@ the hardware probes (memory read bandwidth, float32 matmul throughput) results a
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import platform
@@ -26,6 +27,20 @@ QWEN25_7B = ModelConfig(arch="qwen2", vocab_size=152064, d_model=3584, n_layers=
 QWEN3_1P7B = ModelConfig(arch="qwen3", vocab_size=151936, d_model=2048, n_layers=28, n_heads=16,
                          n_kv_heads=8, head_dim=128, d_ff=6144, rope_theta=1e6, norm_eps=1e-6,
                          qk_norm=True, tie_embeddings=True, dtype="bfloat16")
+def override_all(config, items) -> None:
+  """``--set KEY=VALUE`` items onto ``config`` (``config.override``: an unknown key fails naming
+  the ones close to it), each value a Python literal, else a string."""
+  from areal_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  for item in items:
+    key, value = item.split("=", 1)
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      pass
+    config_lib.override(config, key, value)
+
+
 def finish(result: dict, json_path: str | None, t_start: float) -> None:
   """The end of a benchmark: its wall time and the machine's load, then ``result`` as JSON."""
   print(f"bench took {time.perf_counter() - t_start:.0f} s; load average "

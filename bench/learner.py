@@ -72,7 +72,6 @@ Runs on one device (all cores); set XLA_FLAGS as you like, only ``jax.devices()[
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import functools
 import json
@@ -93,7 +92,8 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import Sample
 from areal_jax.runtime import engines, weight_transfer
 from areal_jax.sampler import memory as sampler_memory
-from common import QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine
+from common import (QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware, machine,
+                    override_all)
 
 # (name, preset, shape, GiB per device the recipe is written for; 80 GB GPUs report 60: JAX's
 # allocator takes 75% of a GPU by default, XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -339,13 +339,7 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
     if only and preset not in only:
       continue
     c = config_lib.load(f"{pathlib.Path(__file__).parents[1] / 'configs/gsm8k.py'}:{preset}")
-    for item in overrides:  # KEY=VALUE, the value a Python literal (else a string)
-      key, value = item.split("=", 1)
-      try:
-        value = ast.literal_eval(value)
-      except (ValueError, SyntaxError):
-        pass
-      config_lib.override(c, key, value)
+    override_all(c, overrides)
     mesh = meshes.build(c.mesh, devices)[0]
     learner = Learner.abstract(cfg, c.actor, mesh, max_seq_len=c.rollout.max_prompt_len +
                                c.rollout.max_new_tokens)

@@ -2,6 +2,7 @@
 
   python bench/serve.py [--quick] [--json PATH] [--phase-s S] [--clients K] [--trainer=MODE]
   python bench/serve.py --follow-ups [--quick] [--json PATH] [--phase-s S] [--clients K]
+  (either with --set KEY=VALUE: a key of the recipe, e.g. task.system_prompt)
 
 The server (``areal_jax.serve``, configs/serve_arithmetic.py: SmolLM2-135M; ``--quick``: the tiny
 random model) runs in this process on its loopback port, its trainer loop as the config says
@@ -47,7 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from common import machine  # noqa: E402
+from common import machine, override_all  # noqa: E402
 
 from areal_jax import config as config_lib  # noqa: E402
 from areal_jax import tasks  # noqa: E402
@@ -218,6 +219,8 @@ def main():
   ap.add_argument("--clients", type=int, default=4)
   ap.add_argument("--max-tokens", type=int, default=None)
   ap.add_argument("--swap-every-s", type=float, default=2.0)
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="override a key of the recipe (e.g. task.system_prompt='You are ...')")
   ap.add_argument("--follow-ups", action="store_true",
                   help="only: second turns of conversations with the first turn's KV kept "
                        "(serve.keep_turns) against prefilled, serving only, phases alternating")
@@ -232,6 +235,7 @@ def main():
   config.unlock()
   config.serve.port = 0
   config.serve.warmup = True  # every decode bucket compiled before the first request
+  override_all(config, args.set)
   if args.trainer != "config":
     config.serve.trainer_process = args.trainer == "process"
   if args.follow_ups:  # serving only: no version swap drops what is kept
@@ -277,8 +281,8 @@ def main():
           f"{fmt(p['latency_p99_ms'], '9.0f')} {p['tokens_per_s']:>7.1f} "
           f"{fmt(p.get('p50_vs_idle'), '8.2f')} {fmt(p.get('p99_vs_idle'), '8.2f')}  {note}")
   info["load_avg_end"] = os.getloadavg()[0]
-  result = dict(machine=info, model=config.model.source, trainer=mode, cores=rt.cores,
-                clients=args.clients, max_tokens=max_tokens,
+  result = dict(machine=info, model=config.model.source, overrides=args.set, trainer=mode,
+                cores=rt.cores, clients=args.clients, max_tokens=max_tokens,
                 phase_s=phase_s, phases=phases, wall_s=time.time() - t_start)
   print(f"bench took {result['wall_s']:.0f} s; load average {info['load_avg_end']:.1f} at the end")
   if args.json:
@@ -316,7 +320,8 @@ def _follow_up_table(rt, config, args, phase_s, max_tokens, info, t_start) -> No
   ratio = float(np.median(kept) / np.median(full))
   info["load_avg_end"] = os.getloadavg()[0]
   result = dict(machine=info, model=config.model.source, clients=args.clients,
-                max_tokens=max_tokens, feedback_tokens=config.serve.sim_feedback_tokens,
+                overrides=args.set, max_tokens=max_tokens,
+                feedback_tokens=config.serve.sim_feedback_tokens,
                 phase_s=phase_s, follow_ups=runs, kept_vs_prefilled_p50=ratio,
                 wall_s=time.time() - t_start)
   print(f"second turn p50, kept / prefilled: {ratio:.2f}x; bench took {result['wall_s']:.0f} s; "

@@ -14,7 +14,10 @@ them). The row sharing the longest start wins.
 
 A row is kept only if the whole sequence, prompt KV included, came from the weights in use, and
 every weight swap drops all kept rows, so a continuation gives the tokens and logprobs of a full
-re-prefill (up to float rounding between the decode and prefill paths). Rows are used once; the
+re-prefill (up to float rounding between the decode and prefill paths). A row is used up by the
+turn that continues its conversation (its prompt shares some of the kept turn's generated tokens);
+a prompt that shares only the kept turn's prompt with it (at least half its own tokens: another
+conversation with the same system prompt or question) runs on a copy and leaves it kept. The
 kept ones hold at most ``capacity`` rows of ``max_len`` positions (least recently kept dropped
 first). A row cache keeps a copy of the slot's row up to the prefill bucket that holds the tokens
 (layers x 2 x bucket x kv heads x head dim, beside the cache: the sampler's memory plan counts
@@ -106,8 +109,9 @@ class Continuations:
     """``table``: a paged cache's ``pages.PageTable`` (kept rows are its pages; the table evicts
     them when it needs pages)."""
     self.engine, self.capacity, self.table = engine, int(capacity), table
-    # tokens -> (a row cache's copied row, or a paged cache's kept pages; positions it holds)
-    self._rows: collections.OrderedDict[tuple[int, ...], tuple[object, int]] = \
+    # tokens -> (a row cache's copied row, or a paged cache's kept pages; positions it holds;
+    # the kept turn's prompt length)
+    self._rows: collections.OrderedDict[tuple[int, ...], tuple[object, int, int]] = \
         collections.OrderedDict()
     self._fns = engine._fns.setdefault("continuation", {})  # shared like the engine's own
     self.stats = collections.Counter()
@@ -120,7 +124,7 @@ class Continuations:
   @property
   def kept_positions(self) -> int:
     """Positions the kept rows hold (at most ``capacity`` x ``max_len``)."""
-    return sum(positions for _, positions in self._rows.values())
+    return sum(positions for _, positions, _ in self._rows.values())
 
   def clear(self) -> None:
     while self._rows:
@@ -128,7 +132,7 @@ class Continuations:
 
   def _drop_oldest(self) -> int:
     """Lets go of the least recently kept row; returns the positions it held."""
-    _, (row, positions) = self._rows.popitem(last=False)
+    _, (row, positions, _) = self._rows.popitem(last=False)
     if self.table is not None:
       self.table.drop(row)
     return positions
@@ -141,23 +145,26 @@ class Continuations:
     self.stats["evicted"] += 1
     return True
 
-  def keep(self, state, slot: int, tokens: list[int]) -> None:
-    """Keeps slot ``slot``'s cache row, which holds the KV of ``tokens`` (positions 0..): a copy
-    of the prefill bucket that holds them, or a paged cache's slot's pages themselves (the slot
-    then holds none). The least recently kept rows go while the kept ones hold more than
-    ``capacity`` rows of ``max_len`` positions."""
+  def keep(self, state, slot: int, tokens: list[int], prompt_len: int | None = None) -> None:
+    """Keeps slot ``slot``'s cache row, which holds the KV of ``tokens`` (positions 0..; the
+    turn's prompt its first ``prompt_len``, default all): a copy of the prefill bucket that holds
+    them, or a paged cache's slot's pages themselves (the slot then holds none). The least
+    recently kept rows go while the kept ones hold more than ``capacity`` rows of ``max_len``
+    positions."""
     if not tokens or self.capacity < 1:
       return
     key = tuple(int(t) for t in tokens)
     if key in self._rows:  # (the same tokens kept again: the newer row replaces it)
       self._rows.move_to_end(key, last=False)
       self._drop_oldest()
+    prompt_len = len(key) if prompt_len is None else int(prompt_len)
     if self.table is not None:
       pages = self.table.keep(slot)
-      self._rows[key] = pages, len(pages) * self.table.page_size
+      self._rows[key] = pages, len(pages) * self.table.page_size, prompt_len
     else:
       length = self.row_length(len(key))
-      self._rows[key] = self._take_fn(length)(state["cache"], np.int32(slot)), length
+      self._rows[key] = (self._take_fn(length)(state["cache"], np.int32(slot)), length,
+                         prompt_len)
     self.stats["kept"] += 1
     positions, most = self.kept_positions, self.capacity * self.engine.config.max_len
     while positions > most or len(self._rows) > self.MAX_ROWS_PER_CAPACITY * self.capacity:
@@ -170,25 +177,34 @@ class Continuations:
 
   def take(self, params, tokens: list[int], state=None):
     """A KV prefix of ``tokens`` (as ``DecodeEngine.prefill`` gives: a row of the prefill bucket
-    that holds them and the padded chunk) built on a kept row, which is used up; None when no kept
-    row fits (prefill as usual then). A paged cache's kept pages are read out of ``state``'s pool,
-    as many as the row holds, then go back to it."""
+    that holds them and the padded chunk) built on a kept row; None when no kept row fits (prefill
+    as usual then). The row is used up when ``tokens`` share some of its turn's generated tokens
+    (the conversation's next turn, or a turn cut short); one that shares only (part of) the kept
+    turn's prompt (another conversation with the same system prompt or question) reads it and
+    leaves it kept for its own conversation. A paged cache's kept pages are read out of
+    ``state``'s pool, as many as the row holds (then, used up, go back to it)."""
     key, shared = self.match(tokens)
     if key is None:
       return None
-    kept, _ = self._rows.pop(key)
+    kept, _, prompt_len = self._rows[key]
+    used_up = shared > prompt_len
+    if used_up:
+      del self._rows[key]
+    else:
+      self.stats["shared_prompt"] += 1
     rest = [int(t) for t in tokens[shared:]]
     calls = pieces(len(rest))
     length = self.row_length(shared + (calls[-1][0] + calls[-1][2] if calls else 0))
     if length is None:
       self.stats["too_long"] += 1
-      if self.table is not None:
+      if self.table is not None and used_up:
         self.table.drop(kept)
       return None
     if self.table is not None:  # (writes into the pages, later, are ordered after this read)
       pages = self.table.padded(kept)[:self.table.pages_for(length)]
       row = self._take_fn(length)(state["cache"], pages)
-      self.table.drop(kept)
+      if used_up:
+        self.table.drop(kept)
     else:
       row = self._take_fn(length)(kept)
     self.stats["continued"] += 1
@@ -260,7 +276,8 @@ class Continuations:
         rows[length] = self._fns["extend", length](
             params, row, np.zeros((1, size), np.int32), np.zeros((1,), np.int32))
       if progress is not None:
-        progress(done, len(steps), f"continuation {what} {length}" + (f" of {size}" if size else ""))
+        progress(done, len(steps),
+                 f"continuation {what} {length}" + (f" of {size}" if size else ""))
     jax.block_until_ready(rows)
 
   # ---- device functions ------------------------------------------------------------------------

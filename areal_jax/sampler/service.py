@@ -428,7 +428,8 @@ class JaxRolloutEngine(RolloutEngine):
     if continuation_lib.wanted(seq.group.request.metadata, reason) and \
         self._slots[seq.slot] is seq and \
         seq.kv_version == self._version and all(v == self._version for v in seq.versions):
-      self._continued.keep(self._state, seq.slot, seq.fed())
+      self._continued.keep(self._state, seq.slot, seq.fed(),
+                           len(seq.group.request.prompt_tokens))
 
   def _admit(self):
     """Admits waiting groups into free slots (``admission.pick``; a paged cache's preempted

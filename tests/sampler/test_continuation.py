@@ -210,3 +210,38 @@ def test_warmup_compiles_every_program_a_conversation_runs(model, paged):
   finally:
     engine.stop()
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_shared_system_prompt_reads_a_kept_turn_and_leaves_it_to_its_conversation(model, paged):
+  """Conversations that start alike (a system prompt): another conversation's first turn runs on
+  a copy of a kept turn it shares only the prompt with, and the kept turn's own next turn still
+  continues it; each samples what a full prefill samples."""
+  kw = dict(kv_pages=24, page_size=16, decode_attention="dense") if paged else {}
+  engine = JaxRolloutEngine(model, num_slots=4, max_len=128, prefill_buckets=(96,), **kw)
+  engine.start()
+  try:
+    rng = np.random.default_rng(5)
+    system = [int(t) for t in rng.integers(1, 128, 40)]
+    question_a, question_b = [3, 4, 5, 6], [9, 8, 7, 6, 5, 4]
+    greedy = SamplingParams(greedy=True, max_new_tokens=8)
+    a = _one(engine, GroupRequest(1, system + question_a, 1, greedy, {"continue": True}))
+    b = _one(engine, GroupRequest(2, system + question_b, 1, greedy, {"continue": True}))
+    assert engine.stats["continued"] == 1  # b ran on a copy of a's kept turn (40 shared of 45)
+    assert engine._continued.stats["shared_prompt"] == 1 and len(engine._continued) == 2
+    next_a = system + question_a + a.tokens + [11, 12, 13]
+    a2 = _one(engine, GroupRequest(3, next_a, 1, greedy))
+    assert engine.stats["continued"] == 2  # a's own next turn: a's row, used up now
+    assert len(engine._continued) == 1
+  finally:
+    engine.stop()
+  reference = JaxRolloutEngine(model, num_slots=4, max_len=128, prefill_buckets=(96,), **kw)
+  reference.start()  # (nothing kept: every prompt prefilled whole)
+  try:
+    for got, tokens in ((b, system + question_b), (a2, next_a)):
+      full = _one(reference, GroupRequest(9, tokens, 1, greedy))
+      assert got.tokens == full.tokens
+      np.testing.assert_allclose(got.logprobs, full.logprobs, rtol=1e-4, atol=1e-5)
+    assert reference.stats["continued"] == 0
+  finally:
+    reference.stop()
