@@ -24,13 +24,14 @@ the phase did what it says. The machine and its load average are printed and sto
 
 ``--follow-ups`` measures something else instead, serving only (no trainer, so no weight swap
 drops a kept turn): conversations of two turns per client, the question, then "Are you sure?"
-after its answer (``serve.sim_feedback_tokens`` completion tokens), and the latency of the second
-turn with the engine keeping each turn's KV for the next (``serve.keep_turns``: the second turn
-runs only its new tokens on the kept row) against prefilling the whole history, in alternating
-phases (kept, prefilled, kept, prefilled; each starts with nothing kept, the same weights
-swapped in as a new version): ``follow_ups`` (per phase: ``keep_turns``,
-``follow_ups``, ``continued``, ``latency_p50_ms``, ``latency_p99_ms``) and
-``kept_vs_prefilled_p50`` (median of the kept phases' p50 over the prefilled ones').
+``--think-s`` seconds after its answer (``serve.sim_feedback_tokens`` completion tokens), and
+the latency of the second turn with the engine keeping each turn's KV for the next
+(``serve.keep_turns``: the second turn runs only its new tokens on the kept row) against
+prefilling the whole history, in alternating phases (kept, prefilled, kept, prefilled; each
+starts with nothing kept, the same weights swapped in as a new version): ``follow_ups`` (per
+phase: ``keep_turns``, ``follow_ups``, ``continued`` (requests run on a kept turn, first turns
+included), ``latency_p50_ms``, ``latency_p99_ms``) and ``kept_vs_prefilled_p50`` (median of the
+kept phases' p50 over the prefilled ones').
 """
 
 from __future__ import annotations
@@ -114,15 +115,16 @@ def _clients(rt, config, n_clients: int, duration_s: float, max_tokens: int) -> 
 
 
 def _follow_ups(rt, config, n_clients: int, duration_s: float, max_tokens: int,
-                keep: bool) -> dict:
-  """Two-turn conversations (a question, then "Are you sure?" after its answer, as the simulated
-  user's), back to back per client; the latency of the second turn only, whose prompt holds the
-  first turn: with ``keep`` the engine kept the first turn's KV (``serve.keep_turns``), else it
-  prefills the whole history."""
+                keep: bool, think_s: float = 0.0) -> dict:
+  """Two-turn conversations (a question, then "Are you sure?" ``think_s`` seconds after its
+  answer, as the simulated user's), back to back per client; the latency of the second turn
+  only, whose prompt holds the first turn: with ``keep`` the engine kept the first turn's KV
+  (``serve.keep_turns``), else it prefills the whole history."""
   def converse(client, model, messages):
     first = client.chat.completions.create(model=model, max_tokens=max_tokens, messages=messages)
     messages = messages + [{"role": "assistant", "content": first.choices[0].message.content},
                            {"role": "user", "content": "Are you sure?"}]
+    time.sleep(think_s)
     t0 = time.perf_counter()
     r = client.chat.completions.create(model=model, messages=messages,
                                        max_tokens=config.serve.sim_feedback_tokens)
@@ -224,6 +226,8 @@ def main():
   ap.add_argument("--follow-ups", action="store_true",
                   help="only: second turns of conversations with the first turn's KV kept "
                        "(serve.keep_turns) against prefilled, serving only, phases alternating")
+  ap.add_argument("--think-s", type=float, default=0.0,
+                  help="--follow-ups: seconds between a first turn's answer and the second turn")
   ap.add_argument("--trainer", choices=("config", "thread", "process"), default="config",
                   help="the trainer loop as a thread of the server or its own pinned process "
                        "(serve.trainer_process); config: as the config says")
@@ -308,7 +312,7 @@ def _follow_up_table(rt, config, args, phase_s, max_tokens, info, t_start) -> No
   runs = []
   for keep in (True, False, True, False):
     fresh()
-    runs.append(_follow_ups(rt, config, args.clients, phase_s, max_tokens, keep))
+    runs.append(_follow_ups(rt, config, args.clients, phase_s, max_tokens, keep, args.think_s))
   print(f"{'second turns':>14} {'turns':>6} {'errors':>6} {'continued':>9} {'p50 ms':>8} "
         f"{'p99 ms':>8}")
   for r in runs:
@@ -320,7 +324,7 @@ def _follow_up_table(rt, config, args, phase_s, max_tokens, info, t_start) -> No
   ratio = float(np.median(kept) / np.median(full))
   info["load_avg_end"] = os.getloadavg()[0]
   result = dict(machine=info, model=config.model.source, clients=args.clients,
-                overrides=args.set, max_tokens=max_tokens,
+                overrides=args.set, think_s=args.think_s, max_tokens=max_tokens,
                 feedback_tokens=config.serve.sim_feedback_tokens,
                 phase_s=phase_s, follow_ups=runs, kept_vs_prefilled_p50=ratio,
                 wall_s=time.time() - t_start)
