@@ -6,9 +6,9 @@ candidate's KV (the JAX sampler: ``sampler/continuation.py``; while the weights 
 use), so a conversation's next request, whose prompt starts with this one's prompt and answer,
 runs only its new messages through the model instead of the whole history. Its candidates are
 written to the turn store (committed) before the last byte of the response: the body of a plain
-response, the finish chunks and ``[DONE]`` of a stream. A conversation's turns are tied by the session id: the
-``X-Session-Id`` header, else the ``user`` field, else a new session per request (returned in the
-``X-Session-Id`` response header either way).
+response, the finish chunks and ``[DONE]`` of a stream. A conversation's turns are tied by the
+session id: the ``X-Session-Id`` header, else the ``user`` field, else a new session per request
+(returned in the ``X-Session-Id`` response header either way).
 
 Errors are OpenAI error objects: 400 for malformed JSON, bad fields and a prompt over the context
 length (code ``context_length_exceeded``), 404 for an unknown model (``model_not_found``), 503 when

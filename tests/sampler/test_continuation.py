@@ -181,7 +181,7 @@ def test_warmup_compiles_every_program_a_conversation_runs(model, paged):
   import jax
 
   kw = dict(kv_pages=24, page_size=16, decode_attention="dense") if paged else {}
-  engine = JaxRolloutEngine(model, num_slots=4, max_len=128, prefill_buckets=(32, 96), **kw)
+  engine = JaxRolloutEngine(model, num_slots=4, max_len=96, prefill_buckets=(32,), **kw)
   ticks = []
   engine.warmup(lambda done, total, what: ticks.append((done, total, what)), continuations=True)
   assert [d for d, _, _ in ticks] == list(range(1, engine.warmup_count(True) + 1))
@@ -197,13 +197,13 @@ def test_warmup_compiles_every_program_a_conversation_runs(model, paged):
   engine.start()
   try:
     rng = np.random.default_rng(3)
-    for gid, (length, answer, inserted) in enumerate([(20, 9, 5), (40, 12, 30), (70, 4, 3)]):
+    for gid, (length, answer, inserted) in enumerate([(20, 9, 5), (30, 8, 30), (60, 4, 3)]):
       prompt = [int(t) for t in rng.integers(1, 128, length)]  # short turns, then longer ones
       for turn in range(3):
         params = SamplingParams(greedy=True, max_new_tokens=answer)
         out = _one(engine, GroupRequest(10 * gid + turn, prompt, 1, params, {"continue": True}))
         prompt = prompt + out.tokens + [int(t) for t in rng.integers(1, 128, inserted)]
-        if len(prompt) + answer > 120:
+        if len(prompt) + answer > 90:
           break
     assert engine.stats["continued"] >= 4, engine.stats
     assert compiles == [], f"{len(compiles)} programs compiled after the warm-up"
