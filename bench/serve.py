@@ -305,7 +305,10 @@ def _follow_up_table(rt, config, args, phase_s, max_tokens, info, t_start) -> No
     swaps = rt.engine.stats["swaps"]
     rt.engine.update_params(params, rt.engine.version + 1)
     deadline = time.time() + 60
-    while rt.engine.stats["swaps"] == swaps and time.time() < deadline:
+    while rt.engine.stats["swaps"] == swaps:
+      if time.time() > deadline:
+        raise TimeoutError("the engine did not apply the version that empties its kept turns "
+                           "within 60 s")
       time.sleep(0.05)
 
   _follow_ups(rt, config, args.clients, min(phase_s, 10.0), max_tokens, True)  # compile
