@@ -240,8 +240,7 @@ class Continuations:
     cache's read of its pages, and an extend of each chunk bucket (``size``) shorter than the
     row."""
     lengths = self._lengths()
-    chunks = [c for c in (MIN_CHUNK << i for i in range(MAX_PIECE.bit_length()))
-              if c <= MAX_PIECE]
+    chunks = sorted({chunk_bucket(n) for n in range(1, MAX_PIECE + 1)})  # (what pieces() pads to)
     if self.table is None:  # (the kept rows first: the reads take them)
       steps = [("keep", length, 0) for length in lengths]
       steps += [("take", length, kept) for length in lengths for kept in lengths]
@@ -259,20 +258,23 @@ class Continuations:
     next turn does not stall on a compile (a row length or chunk bucket first seen)."""
     steps = self._warmup_steps()
     rows = {}
+
+    def read_pages(length):  # a paged cache: pages read into a row, as a turn starts
+      return self._take_fn(length)(state["cache"],
+                                   self.table.padded([])[:self.table.pages_for(length)])
+
     for done, (what, length, size) in enumerate(steps, 1):
-      take = self._take_fn(length)
       if what == "keep":
-        rows[length] = take(state["cache"], np.int32(0))
+        rows[length] = self._take_fn(length)(state["cache"], np.int32(0))
       elif what == "take" and self.table is None:
-        take(rows[size])
+        self._take_fn(length)(rows[size])
       elif what == "take":
-        take(state["cache"], self.table.padded([])[:self.table.pages_for(length)])
+        read_pages(length)
       else:
         if ("extend", length) not in self._fns:
           self._fns["extend", length] = self._make_extend(length)
         row = rows.pop(length, None)
-        if row is None:  # (a paged cache: its pages read, as a turn starts)
-          row = take(state["cache"], self.table.padded([])[:self.table.pages_for(length)])
+        row = read_pages(length) if row is None else row
         rows[length] = self._fns["extend", length](
             params, row, np.zeros((1, size), np.int32), np.zeros((1,), np.int32))
       if progress is not None:
