@@ -11,39 +11,31 @@
 # session 27 (bench/results/h100-2026-11-27-s27) every program compiled in 1-9 s and the whole
 # script ran in 204 s; in session 21 (bench/results/h100-2026-11-27) no program at the 1.5B shape
 # compiled within 60-170 s, the floor loop then holding its weights as 3 GB of constants.
+# In order, the issue's must-shows first (session 48: one device call of ~10 minutes is all a
+# session gets; a step that does not fit is skipped):
 # 1. Qwen2.5-1.5B shape (128 slots, context 512): bench/sampler.py --decode-only as shipped (on a
 #    GPU: a paged cache read by JAX's Pallas paged-attention kernel, the layers unrolled,
-#    decode_matmul 'blas', and the kernel launch the engine keeps after timing its default,
-#    writes=1 (dot=1), + norms, the loop in CUDA graphs, then XLA's autotuned GEMMs,
-#    rollout.decode_tuning: "launch kept" in the log, with each one's first call, compile
-#    included; the floor loop's program gets the matmul options of the decode program kept),
-#    the issue's keys; then the SmolLM2 shape's
-#    (64 slots, context 128), the same way (the 10x asked is per SmolLM2 step);
-# 2. the same shape under several choices (bench/decode_variants.py): the paged default against
-#    the same with top-k / top-p decided in every step by a conditional, as before session 33
-#    (branch: on a GPU a wait for the host at every step), against
-#    our kernel that also writes the step's keys and values (launch=writes=1: 8 kernels a layer
-#    against 13 at the SmolLM2 shape, compiled for an H100 on a CPU), that with each RMSNorm in one
-#    kernel with the matmul after it too (norms: 5 kernels a layer), the dense read over rows,
-#    XLA's GEMMs, with a profiler trace of the first (bench/trace_top.py);
-# 3. SmolLM2-135M shape (64 slots, context 128): the same choices, with a profiler trace of the
-#    first (the paged default: where its ~13 kernels a layer spend the step); then the default
-#    with XLA's command buffers taking the decode loop too (+WHILE: the 16 steps one CUDA graph);
-# 4. a layer's attention step alone (bench/paged_kernel.py: the cache writes and JAX's Pallas
-#    kernel under its launches, pages per block, parts, the table cut to the kv bound, warps,
-#    stages; our writing kernel with and without dots, in 2 and 4 parts, at 8, 4, 2 warps; pages
-#    of 64, 128, 32) at both shapes, the long rollout's (4,032 positions a slot) at the 1.5B
-#    shape, then
-#    the RMSNorm + matmul pieces alone (bench/norm_matmul.py: XLA's norm, cuBLAS GEMM and SwiGLU
-#    against our one kernel under several launches) at both shapes, then the whole step at each
-#    shape with the engine's launch and the fastest over pages of 64, side by side;
-# 5. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
-#    same SmolLM2 step as that code ran it (the issue's "today");
+#    decode_matmul 'blas', and the kernel launch the engine keeps after timing its stages,
+#    rollout.decode_tuning: our paged step kernel (writes=1, dot=1), the fused norms, the loop in
+#    CUDA graphs, XLA's autotuned GEMMs; "launch kept" in the log, with each one's step and first
+#    call, compile included), the issue's keys; then the SmolLM2 shape's (64 slots, context 128)
+#    the same way (the 10x asked is per SmolLM2 step);
+# 2. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
+#    same SmolLM2 step as that code ran it (the issue's "today"), on the same device;
+# 3. SmolLM2 shape, then the 1.5B shape, under several choices (bench/decode_variants.py): our
+#    kernel that also writes the step's keys and values with each RMSNorm in one kernel with the
+#    matmul after it (launch=writes=1:norms, the fewest kernels a step; profiled,
+#    bench/trace_top.py), against the paged default, writes=1 alone, top-k / top-p decided in
+#    every step by a conditional as before session 33 (branch), XLA's GEMMs, the dense read;
+# 4. bench/sampler.py --quick (the service's continuous batching over the paged default); the
+#    SmolLM2 step's loop in command buffers set by XLA_FLAGS;
+# 5. a layer's attention step alone (bench/paged_kernel.py: JAX's Pallas kernel and ours under
+#    their launches, pages of 64, 128, 32) at both shapes, a long rollout's (4,032 positions a
+#    slot), the RMSNorm + matmul pieces alone (bench/norm_matmul.py), then the whole step with the
+#    fastest launch over pages of 64;
 # 6. the causal attention of whole rows (bench/causal_attention.py: a train step's and a prefill's,
 #    JAX's flash kernel, the default on GPU and TPU since session 37, against the dense form) at
-#    the 1.5B shape's heads, rows of 1k-16k positions: chosen for memory, its run time never measured;
-# 7. bench/sampler.py --quick (the service's continuous batching over the paged default) with the
-#    time left.
+#    the 1.5B shape's heads, rows of 1k-16k positions.
 set -u
 OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/bench"
@@ -65,17 +57,24 @@ log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --for
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
-# (its figures in the log only) the SmolLM2 step as shipped, the launch timed and kept by the engine
+# the SmolLM2 step as shipped, the launch timed and kept by the engine
 log sampler smollm2 as shipped; t=$(limit 90) && timeout "$t" python3 bench/sampler.py \
-  --decode-only --model=smollm2-135m 2>&1 | keep
-log variants "$BIG"; t=$(limit 140) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:branch,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
-  --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
-trace big
-log variants smollm2; t=$(limit 100) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:branch,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:blas,dense:unrolled:16:xla \
+  --decode-only --model=smollm2-135m --json "$OUT/sampler_smollm2.json" 2>&1 | keep
+if [ -n "${1:-}" ]; then  # (its figure in the log only: the files a call brings back are few)
+  log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
+    --no-floor --model=smollm2-135m --variants x:x:1 2>&1 | keep
+fi
+# the first variant (traced) is the launch a GPU is expected to keep (writes=1 + norms: the
+# fewest kernels a step, compiled for an H100 in session 43)
+log variants smollm2; t=$(limit 80) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
+  --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:branch,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:xla \
   --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 trace smollm2
+log variants "$BIG"; t=$(limit 110) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
+  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
+  --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
+trace big
+log sampler quick; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --quick 2>&1 | keep
 # the SmolLM2 step's 16-step loop as one CUDA graph (XLA's command buffers for the while loop too):
 # with no conditional left in the step (session 33), the loop's body can be captured whole and the
 # host need not launch each step; the floor loop in the same process gets the same flag
@@ -84,10 +83,11 @@ log variants smollm2, command buffers for the loop; t=$(limit 60) && \
   python3 bench/decode_variants.py --model=smollm2-135m --reps 5 --floor-matmul blas \
   --variants pallas_gpu:unrolled:16:blas:paged 2>&1 | keep
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
+KJSON=$(mktemp -d)  # (the kernel sweeps' JSON: their figures in the log; $OUT brings back 8 files)
 fastest() { python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['impl']=='pallas_gpu' and x['page_size']==64]; print(min(r,key=lambda x:x['us_per_layer'])['tuning'] if r else '')" "$1" 2>/dev/null; }
 for m in "$BIG" smollm2-135m; do  # (its JSON is written row by row: a sweep cut short keeps its rows)
   log "$m" Pallas kernel launches; t=$(limit 120) && timeout "$t" python3 bench/paged_kernel.py --model="$m" \
-    --page-sizes 64,128,32 --json "$OUT/kernel_$m.json" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
+    --page-sizes 64,128,32 --json "$KJSON/kernel_$m.json" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
 done
 # (its figures in the log only) a long rollout's attention: our kernel reading a row in one program
 # against in parts (auto_parts: 5 at this bound), with dots, and JAX's kernel; 4,032 positions
@@ -100,17 +100,12 @@ for m in "$BIG" smollm2-135m; do  # (its figures in the log only: the files a ca
     python3 bench/norm_matmul.py --model="$m" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
 done
 for m in "$BIG" smollm2-135m; do
-  best=$(fastest "$OUT/kernel_$m.json"); [ -n "$best" ] && [ "$best" != default ] || continue
+  best=$(fastest "$KJSON/kernel_$m.json"); [ -n "$best" ] && [ "$best" != default ] || continue
   log "$m" whole step, the default launch against the fastest: "$best"; t=$(limit 75) && timeout "$t" \
     python3 bench/decode_variants.py --model="$m" --reps 5 --floor-matmul blas --variants \
     "pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=${best//,/+}" 2>&1 | keep
 done
-if [ -n "${1:-}" ]; then  # (its figure in the log only: the files a call brings back are few)
-  log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
-    --no-floor --model=smollm2-135m --variants x:x:1 2>&1 | keep
-fi
 # (its figures in the log only)
 log causal attention "$BIG", flash kernel against dense; t=$(limit 90) && timeout "$t" \
   python3 bench/causal_attention.py --model="$BIG" --reps 3 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
-log sampler quick; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --quick 2>&1 | keep
 rm -rf "$JAX_COMPILATION_CACHE_DIR"; log done; ls -la "$OUT"
