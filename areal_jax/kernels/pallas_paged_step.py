@@ -23,7 +23,8 @@ not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
     (``combine``); the automatic choice (``auto_parts``) keeps one part up to 16 pages of the
     kv bound (every shape ``bench`` times so far), then parts of at most 16 pages, at most 16;
     on an H200 one part was the fastest at both decode shapes ``bench`` times (2 and 4 parts
-    13-30% slower with dots: ``bench/results/h200-2026-11-30-s48``); long rows: not measured on a GPU yet;
+    13-30% slower with dots: ``bench/results/h200-2026-11-30-s48``); long rows: not measured on
+    a GPU yet;
   * the new key and value are stored into the pool (aliased in place) and counted into the softmax
     from registers: the program uses no position it writes (its page is read whole, that position
     masked);
