@@ -792,7 +792,11 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
   1. our paged step kernel (``writes``, where the engine's decode attention is ``pallas_gpu`` over
      pages, ``paged_pallas``, at a shape it takes), and it with its scores and output as
      tensor-core dots (``dot``, where ``pallas_paged_step.dot_usable``: on an H100 in session 27
-     the attention read the 1.5B shape's cache at about half the read probe's bandwidth);
+     the attention read the 1.5B shape's cache at about half the read probe's bandwidth; on an
+     H200 in session 48 the engine kept ``writes=1,dot=1`` at both decode shapes, 1.41x and
+     1.33x JAX's kernel's step), then the last of those with Triton's loop unpipelined
+     (``stages=1``: JAX's kernel read a layer 1.4-1.7x faster so on that H200, ours was not
+     timed so: ``bench/results/h200-2026-11-30-s48``);
   2. the fused norms (``norms``: an engine over one device, ``norm_dims`` the ``(inputs,
      outputs)`` of the matmuls after its norms, one of which the kernel takes);
   3. the decode call's loop in CUDA graphs (``graphs_to_time``);
@@ -817,8 +821,10 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
 
     def paged_step(kept: Launch) -> list[Launch]:
       writes = dataclasses.replace(kept.paged, writes=True)
+      best = dataclasses.replace(writes, dot=True) if dots else writes
       return [kept, dataclasses.replace(kept, paged=writes)] + (
-          [dataclasses.replace(kept, paged=dataclasses.replace(writes, dot=True))] if dots else [])
+          [dataclasses.replace(kept, paged=best)] if dots else []) + [
+          dataclasses.replace(kept, paged=dataclasses.replace(best, stages=1))]
     stages.append(paged_step)
   if (not no_triton and one_device and os.environ.get(NORM_MATMUL_ENV, "").strip() in ("", "0")
       and any(pallas_norm_matmul.usable(*d) for d in norm_dims)):

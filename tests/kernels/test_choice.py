@@ -259,21 +259,23 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
     return out
 
   graphs = ["graphs", "graphs:unrolled"]
-  assert stages() == [["writes=1", "writes=1,dot=1"], ["writes=1,dot=1+norms"],
-                      [f"writes=1,dot=1+norms+{g}" for g in graphs]]
+  # the last of the paged step's offers (Triton's loop unpipelined) kept by the helper
+  step = "stages=1,writes=1,dot=1"
+  assert stages() == [["writes=1", "writes=1,dot=1", step], [f"{step}+norms"],
+                      [f"{step}+norms+{g}" for g in graphs]]
   assert stages("cpu") == stages("tpu") == stages(requested="off") == []
   assert stages(no_triton="a Tesla T4") == [graphs]  # the graphs need no Triton
   # XLA's autotuned GEMMs last, on what the stages before kept, where the engine's are "blas" by
   # default
-  assert stages(matmul_open=True)[3] == ["writes=1,dot=1+norms+graphs:unrolled+matmul=xla"]
+  assert stages(matmul_open=True)[3] == [f"{step}+norms+graphs:unrolled+matmul=xla"]
   assert stages(no_triton="a Tesla T4", matmul_open=True) == [
       graphs, ["graphs:unrolled+matmul=xla"]]
   assert stages("tpu", matmul_open=True) == stages(requested="off", matmul_open=True) == []
   assert stages(paged_pallas=False) == [["norms"], [f"norms+{g}" for g in graphs]]
-  assert stages(one_device=False)[1] == ["writes=1,dot=1+graphs", "writes=1,dot=1+graphs:unrolled"]
-  assert stages(head_dim=16)[0] == ["writes=1"]  # no dots: half a head under 16
+  assert stages(one_device=False)[1] == [f"{step}+graphs", f"{step}+graphs:unrolled"]
+  assert stages(head_dim=16)[0] == ["writes=1", "stages=1,writes=1"]  # no dots: half a head under 16
   assert stages(group=64)[0] == ["norms"]  # a query group the step kernel does not take
-  assert stages(norm_dims=((576, 24),))[1] == [f"writes=1,dot=1+{g}" for g in graphs]
+  assert stages(norm_dims=((576, 24),))[1] == [f"{step}+{g}" for g in graphs]
   monkeypatch.setenv(choice.PAGED_TUNING_ENV, "parts=2")  # forced: kept as the environment says
   assert stages()[0] == ["norms"]
   monkeypatch.setenv(choice.NORM_MATMUL_ENV, "0")  # "0" forces nothing
