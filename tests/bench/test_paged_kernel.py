@@ -51,3 +51,27 @@ def test_a_launch_that_reads_too_few_pages_shows(tmp_path, monkeypatch):
   rows = _run(tmp_path, monkeypatch, "default;bound=1")["rows"]
   diffs = {(r["page_size"], r["tuning"]): r["max_abs_diff"] for r in rows}
   assert diffs[(16, "bound=1")] > 1e-2 and np.isclose(diffs[(16, "default")], 0)
+
+
+def test_a_launch_that_fails_is_noted_and_the_sweep_goes_on(tmp_path, monkeypatch):
+  """A launch the device cannot run (session 48: the dense read asked 84 GiB of an H200) is a row
+  with its error, and the launches after it are still timed."""
+  import jax
+
+  real = paged_kernel.program
+
+  def program(impl, how, *a, **kw):
+    fn = real(impl, how, *a, **kw)
+    if how.warps == 2:
+      def refused(*args):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 83.88GiB")
+      return refused
+    return fn
+
+  monkeypatch.setattr(paged_kernel, "program", program)
+  rows = _run(tmp_path, monkeypatch, "default;writes=1,warps=2;bound=1")["rows"]
+  assert [(r["tuning"], "error" in r) for r in rows[:4]] == [
+      ("default", False), ("writes=1,warps=2", True), ("bound=1", False),
+      ("dense read of the gathered pages", False)]
+  assert rows[1]["error"].startswith("RESOURCE_EXHAUSTED") and "us_per_layer" not in rows[1]
+  assert all(r["max_abs_diff"] < 1e-5 for r in rows if "error" not in r)
