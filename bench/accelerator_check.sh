@@ -23,10 +23,11 @@
 # 2. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
 #    same SmolLM2 step as that code ran it (the issue's "today"), on the same device;
 # 3. SmolLM2 shape, then the 1.5B shape, under several choices (bench/decode_variants.py): our
-#    kernel that also writes the step's keys and values with each RMSNorm in one kernel with the
-#    matmul after it (launch=writes=1:norms, the fewest kernels a step; profiled,
-#    bench/trace_top.py), against the paged default, writes=1 alone, top-k / top-p decided in
-#    every step by a conditional as before session 33 (branch), XLA's GEMMs, the dense read;
+#    kernel that also writes the step's keys and values, with tensor-core dots (launch=
+#    writes=1+dot=1, what an H200 kept in session 48; profiled, bench/trace_top.py), it with
+#    Triton's loop unpipelined (stages=1) or deeper (stages=3), against JAX's paged kernel (the
+#    default), the fused norms, top-k / top-p decided in every step by a conditional as before
+#    session 33 (branch), the dense read;
 # 4. bench/sampler.py --quick (the service's continuous batching over the paged default); the
 #    SmolLM2 step's loop in command buffers set by XLA_FLAGS;
 # 5. a layer's attention step alone (bench/paged_kernel.py: JAX's Pallas kernel and ours under
@@ -64,14 +65,14 @@ if [ -n "${1:-}" ]; then  # (its figure in the log only: the files a call brings
   log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
     --no-floor --model=smollm2-135m --variants x:x:1 2>&1 | keep
 fi
-# the first variant (traced) is the launch a GPU is expected to keep (writes=1 + norms: the
-# fewest kernels a step, compiled for an H100 in session 43)
+# the first variant (traced) is the launch an H200 kept at both shapes in session 48
+# (writes=1,dot=1), then it with Triton's loop unpipelined (stages=1)
 log variants smollm2; t=$(limit 80) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,pallas_gpu:unrolled:16:blas:paged:branch,pallas_gpu:unrolled:16:xla:paged,dense:unrolled:16:xla \
+  --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1:norms,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1:branch,dense:unrolled:16:xla \
   --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 trace smollm2
 log variants "$BIG"; t=$(limit 110) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1:norms,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1,dense:unrolled:16:blas,pallas_gpu:unrolled:16:xla:paged \
+  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=3,dense:unrolled:16:blas \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
 log sampler quick; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --quick 2>&1 | keep
@@ -84,7 +85,7 @@ log variants smollm2, command buffers for the loop; t=$(limit 60) && \
   --variants pallas_gpu:unrolled:16:blas:paged 2>&1 | keep
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
 KJSON=$(mktemp -d)  # (the kernel sweeps' JSON: their figures in the log; $OUT brings back 8 files)
-fastest() { python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['impl']=='pallas_gpu' and x['page_size']==64]; print(min(r,key=lambda x:x['us_per_layer'])['tuning'] if r else '')" "$1" 2>/dev/null; }
+fastest() { python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['impl']=='pallas_gpu' and x['page_size']==64 and 'us_per_layer' in x]; print(min(r,key=lambda x:x['us_per_layer'])['tuning'] if r else '')" "$1" 2>/dev/null; }
 for m in "$BIG" smollm2-135m; do  # (its JSON is written row by row: a sweep cut short keeps its rows)
   log "$m" Pallas kernel launches; t=$(limit 120) && timeout "$t" python3 bench/paged_kernel.py --model="$m" \
     --page-sizes 64,128,32 --json "$KJSON/kernel_$m.json" 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
