@@ -273,7 +273,8 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
   assert stages("tpu", matmul_open=True) == stages(requested="off", matmul_open=True) == []
   assert stages(paged_pallas=False) == [["norms"], [f"norms+{g}" for g in graphs]]
   assert stages(one_device=False)[1] == [f"{step}+graphs", f"{step}+graphs:unrolled"]
-  assert stages(head_dim=16)[0] == ["writes=1", "stages=1,writes=1"]  # no dots: half a head under 16
+  # no dots: half a head under 16
+  assert stages(head_dim=16)[0] == ["writes=1", "stages=1,writes=1"]
   assert stages(group=64)[0] == ["norms"]  # a query group the step kernel does not take
   assert stages(norm_dims=((576, 24),))[1] == [f"{step}+{g}" for g in graphs]
   monkeypatch.setenv(choice.PAGED_TUNING_ENV, "parts=2")  # forced: kept as the environment says
