@@ -238,7 +238,10 @@ class Continuations:
     """``(what, length, size)`` of every program a turn can run: a row cache's read of a slot's
     row (``keep``) and of a kept row of each length (``size``) into a row of ``length``, a paged
     cache's read of its pages, and an extend of each chunk bucket (``size``) shorter than the
-    row."""
+    row; none for a row cache that keeps no row (``capacity`` 0: a memory plan with no room for
+    them), whose turns are all prefilled whole."""
+    if self.table is None and self.capacity < 1:
+      return []
     lengths = self._lengths()
     chunks = sorted({chunk_bucket(n) for n in range(1, MAX_PIECE + 1)})  # (what pieces() pads to)
     if self.table is None:  # (the kept rows first: the reads take them)

@@ -245,3 +245,25 @@ def test_a_shared_system_prompt_reads_a_kept_turn_and_leaves_it_to_its_conversat
     assert reference.stats["continued"] == 0
   finally:
     reference.stop()
+
+
+def test_a_row_cache_planned_without_kept_rows_compiles_no_continuation_program(model):
+  """A memory plan with no room for kept rows (``kept_rows`` 0): the warm-up compiles no
+  continuation program, and a conversation's next turn is prefilled whole, as it would be."""
+  engine = JaxRolloutEngine(model, num_slots=2, max_len=64, prefill_buckets=(32,))
+  assert engine.warmup_count(True) > engine.warmup_count()
+  engine.memory_plan = types.SimpleNamespace(kept_rows=0)
+  assert engine.warmup_count(True) == engine.warmup_count()
+  ticks = []
+  engine.warmup(lambda done, total, what: ticks.append((done, total)), continuations=True)
+  assert ticks[-1] == (engine.warmup_count(), engine.warmup_count())
+  engine.start()
+  try:
+    prompt = list(range(1, 21))
+    out = _one(engine, GroupRequest(0, prompt, 1, SamplingParams(greedy=True, max_new_tokens=4),
+                                    {"continue": True}))
+    _one(engine, GroupRequest(1, prompt + out.tokens + [5, 6], 1,
+                              SamplingParams(greedy=True, max_new_tokens=4), {"continue": True}))
+    assert engine.stats["continued"] == 0, engine.stats
+  finally:
+    engine.stop()
