@@ -4,6 +4,7 @@ the hardware probes (memory read bandwidth, float32 matmul throughput) results a
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import platform
@@ -119,11 +120,23 @@ def against(us: float, out, base: tuple, nbytes: int, read_GBps: float, ratio: s
                f"probe)  x{row[ratio]:.2f}  max |diff| {row['max_abs_diff']:.1e}")
 
 
+def _passes(reduce, n: int, x):
+  """``reduce`` of ``x`` scaled by each pass's number, ``n`` passes: each reads all of ``x`` (the
+  scale differs per pass, so no pass is hoisted out of the loop or shared with another)."""
+  if n == 1:
+    return reduce(x)
+  return jax.lax.fori_loop(0, n, lambda i, acc: acc + reduce(x * (i + 1).astype(x.dtype)),
+                           jnp.zeros(jax.eval_shape(reduce, x).shape, x.dtype))
+
+
 class Hardware:
-  """Memory read bandwidth (a sum over 128 MiB; 1 GiB off CPU, past an accelerator's caches and its
-  launch overhead) and matmul throughput (2048^3 float32 on CPU; 8192^3 bfloat16 off CPU, the
-  accelerators' decode dtype), best of the probes so far; ``probe()`` can be interleaved with other
-  measurements."""
+  """Memory read bandwidth (a sum over 128 MiB; 1 GiB off CPU, past an accelerator's caches, read
+  ``READS`` times in one call so the call's launch and the host's wait weigh little) and matmul
+  throughput (2048^3 float32 on CPU; 8192^3 bfloat16 off CPU, the accelerators' decode dtype), best
+  of the probes so far; ``probe()`` can be interleaved with other measurements."""
+
+  READS = 8  # off CPU: passes over the buffer in one call (a pass at 4 TB/s is ~0.27 ms; until
+  # session 48 one pass a call, whose launch and wait counted against it: 2.4-3.1 TB/s on an H200)
 
   def __init__(self):
     on_cpu = jax.default_backend() == "cpu"
@@ -134,8 +147,10 @@ class Hardware:
     self.a = jax.random.normal(jax.random.key(0), (self.n, self.n), jnp.float32).astype(dtype)
     # off CPU three reduction shapes, the fastest counts (XLA's one-dimensional sum leaves an
     # accelerator's memory bandwidth partly unused)
-    self.sums = [jax.jit(jnp.sum)] + ([] if on_cpu else [
-        jax.jit(lambda x: x.reshape(-1, 4096).sum(0)), jax.jit(lambda x: x.reshape(-1, 4096).sum(1))])
+    shapes = [jnp.sum] + ([] if on_cpu else [lambda x: x.reshape(-1, 4096).sum(0),
+                                             lambda x: x.reshape(-1, 4096).sum(1)])
+    self.reads = 1 if on_cpu else self.READS
+    self.sums = [jax.jit(functools.partial(_passes, shape, self.reads)) for shape in shapes]
     self.mm = jax.jit(lambda a: a @ a)
     self.read_s, self.mm_s = float("inf"), float("inf")
     jax.block_until_ready(([f(self.x) for f in self.sums], self.mm(self.a)))
@@ -147,6 +162,6 @@ class Hardware:
     return self
 
   def figures(self) -> dict:
-    return {"read_GBps": self.x.nbytes / self.read_s / 1e9,
+    return {"read_GBps": self.reads * self.x.nbytes / self.read_s / 1e9,
             "matmul_GFLOPps": 2 * self.n**3 / self.mm_s / 1e9,
             "matmul_dtype": jnp.dtype(self.a.dtype).name, "read_MiB": self.x.nbytes / 2**20}
