@@ -28,6 +28,8 @@ QWEN25_7B = ModelConfig(arch="qwen2", vocab_size=152064, d_model=3584, n_layers=
 QWEN3_1P7B = ModelConfig(arch="qwen3", vocab_size=151936, d_model=2048, n_layers=28, n_heads=16,
                          n_kv_heads=8, head_dim=128, d_ff=6144, rope_theta=1e6, norm_eps=1e-6,
                          qk_norm=True, tie_embeddings=True, dtype="bfloat16")
+
+
 def override_all(config, items) -> None:
   """``--set KEY=VALUE`` items onto ``config`` (``config.override``: an unknown key fails naming
   the ones close to it), each value a Python literal, else a string."""

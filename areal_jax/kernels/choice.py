@@ -821,10 +821,9 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
 
     def paged_step(kept: Launch) -> list[Launch]:
       writes = dataclasses.replace(kept.paged, writes=True)
-      best = dataclasses.replace(writes, dot=True) if dots else writes
-      return [kept, dataclasses.replace(kept, paged=writes)] + (
-          [dataclasses.replace(kept, paged=best)] if dots else []) + [
-          dataclasses.replace(kept, paged=dataclasses.replace(best, stages=1))]
+      offers = [writes] + ([dataclasses.replace(writes, dot=True)] if dots else [])
+      offers.append(dataclasses.replace(offers[-1], stages=1))  # the last, unpipelined
+      return [kept] + [dataclasses.replace(kept, paged=p) for p in offers]
     stages.append(paged_step)
   if (not no_triton and one_device and os.environ.get(NORM_MATMUL_ENV, "").strip() in ("", "0")
       and any(pallas_norm_matmul.usable(*d) for d in norm_dims)):
