@@ -24,7 +24,8 @@
 # 3. the Qwen2.5-1.5B shape (128 slots, context 512) as shipped, the keys;
 # 4. SmolLM2 shape under several choices (bench/decode_variants.py): our kernel with tensor-core
 #    dots (launch=writes=1+dot=1, what an H200 kept in session 48; profiled, bench/trace_top.py),
-#    it with Triton's loop unpipelined (stages=1), JAX's paged kernel (the default), the fused
+#    it with Triton's loop unpipelined (stages=1), reading two pages a step of its loop
+#    (block_pages=2), JAX's paged kernel (the default), the fused
 #    norms, top-k / top-p decided in every step by a conditional as before session 33 (branch),
 #    the dense read; then a layer's attention alone (bench/paged_kernel.py: JAX's Pallas kernel
 #    and ours under their launches, pages of 64 and 32), the RMSNorm + matmul pieces alone
@@ -64,7 +65,7 @@ log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/samp
 # the first variant (traced) is the launch an H200 kept at both shapes in session 48
 # (writes=1,dot=1), then it with Triton's loop unpipelined (stages=1)
 log variants smollm2; t=$(limit 80) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
-  --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1:norms,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1:branch,dense:unrolled:16:xla \
+  --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+block_pages=2,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1:norms,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1:branch,dense:unrolled:16:xla \
   --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep
 trace smollm2
 # fastest JSON: the fastest Pallas launch over pages of 64 in a paged_kernel.py JSON ("" if none)
@@ -87,7 +88,7 @@ sweep() {
 }
 sweep smollm2-135m 64,32 70
 log variants "$BIG"; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=3,dense:unrolled:16:blas \
+  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+block_pages=2,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=3,dense:unrolled:16:blas \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
 sweep "$BIG" 64,128 100
@@ -96,7 +97,7 @@ log sampler quick; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --qui
 # against in parts (auto_parts: 5 at this bound), with dots, and JAX's kernel; 4,032 positions
 # a slot
 log "$BIG" long context, Pallas kernel launches; t=$(limit 60) && timeout "$t" python3 bench/paged_kernel.py \
-  --model="$BIG" --context 4032 --no-dense --reps 3 --tunings "default;writes=1,dot=1;writes=1,dot=1,stages=1;writes=1,dot=1,parts=1" 2>&1 \
+  --model="$BIG" --context 4032 --no-dense --reps 3 --tunings "default;writes=1,dot=1;writes=1,dot=1,stages=1;writes=1,dot=1,block_pages=4;writes=1,dot=1,parts=1" 2>&1 \
   | grep -v -E "Warning|warnings.warn" | cut -c1-200
 # (its figures in the log only)
 log causal attention "$BIG", flash kernel against dense; t=$(limit 90) && timeout "$t" \

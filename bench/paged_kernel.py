@@ -52,8 +52,9 @@ from common import (QWEN25_1P5B, SMOLLM2, TINY, Hardware, against, best_time,  #
 
 SHAPES = {"qwen2.5-1.5b": (QWEN25_1P5B, 128, 512), "smollm2-135m": (SMOLLM2, 64, 128),
           "tiny": (TINY, 4, 24)}
-SWEEP = ("default;writes=1,dot=1;writes=1,dot=1,stages=1;writes=1,dot=1,stages=3;"
-         "writes=1,dot=1,stages=1,warps=4;writes=1,dot=1,parts=2;writes=1,dot=1,parts=4;"
+SWEEP = ("default;writes=1,dot=1;writes=1,dot=1,stages=1;writes=1,dot=1,block_pages=2;"
+         "writes=1,dot=1,block_pages=4;writes=1,dot=1,block_pages=2,stages=1;"
+         "writes=1,dot=1,stages=3;writes=1,dot=1,stages=1,warps=4;writes=1,dot=1,parts=2;writes=1,dot=1,parts=4;"
          "writes=1,dot=1,warps=4;writes=1;writes=1,parts=2;"
          "bound=1;bound=1,stages=1;bound=1,parts=1;bound=1,parts=4;bound=1,block_pages=2;"
          "bound=1,warps=4;bound=1,stages=1,warps=4;bound=1,stages=1,block_pages=2;warps=4")

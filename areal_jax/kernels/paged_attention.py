@@ -134,7 +134,8 @@ def _step_kernel(qkv_BxKxSxD, rope, k_KxLxMxPxD, v_KxLxMxPxD, layer, table_BxN, 
     flat = lambda x: x.reshape(x.shape[0], n_layers * m, page, d)  # noqa: E731  (a view)
     out, k_pool_, v_pool_ = pallas_paged_step.step(
         qkv_BxKxSxD, flat(k_pool), flat(v_pool), base, table_BxN, pos_B, page_B, offset_B, t,
-        tuning.warps, tuning.stages, interpret, scale, rope, tuning.parts, tuning.dot)
+        tuning.warps, tuning.stages, interpret, scale, rope, tuning.parts, tuning.dot,
+        tuning.block_pages)
     return out, k_pool_.reshape(k_pool.shape), v_pool_.reshape(v_pool.shape)
 
   ctx = sharding.current()

@@ -84,7 +84,8 @@ class PagedTuning:
   static kv bound (``False``: the whole page table, its programs past every row's length exit
   at once); ``writes``: a decode step over a paged cache runs ``pallas_paged_step`` instead, our
   kernel that also writes the step's keys and values (of the fields above it takes ``warps``,
-  ``stages`` and ``parts``, 0 there: ``pallas_paged_step.auto_parts``); ``dot``: that kernel
+  ``stages``, ``parts``, 0 there: ``pallas_paged_step.auto_parts``, and ``block_pages``, the
+  pages a step of its loop reads); ``dot``: that kernel
   computes a page's scores and output with tensor-core dots over its queries padded to 16 rows
   in registers, where ``pallas_paged_step.dot_usable`` (else products summed per query). The
   defaults are what ``bench/results/h100-2026-11-27-s27`` measured; ``bench/paged_kernel.py``

@@ -45,6 +45,7 @@ Runs in Pallas interpret mode on a CPU device (tests); its speed on a GPU is ``b
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +82,8 @@ def auto_parts(max_pages: int) -> int:
 
 def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, cos_ref, sin_ref,
             k_in_ref, v_in_ref, o_ref, k_out_ref, v_out_ref, lse_ref=None, *, group: int,
-            max_pages: int, scale: float, parts: int = 1, dot: bool = False):
+            max_pages: int, scale: float, parts: int = 1, dot: bool = False,
+            block: int = 1):
   base, pos = base_ref[0], pos_ref[0]
   part = pl.program_id(2) if parts > 1 else 0
   first = part == 0  # the part that writes and counts pos
@@ -112,25 +114,38 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
   k_new = [k_h.astype(k_out_ref.dtype).astype(jnp.float32) for k_h in k_new]
   v_new = v_new.astype(v_out_ref.dtype).astype(jnp.float32)
   q = [[q_h * scale for q_h in rows(g)] for g in range(group)]
-  if dot:
-    init, page_step, unpack = _tiles(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos)
-  else:
-    init, page_step, unpack = _rows(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos)
+  form = _tiles if dot else _rows
+  init, block_step, unpack = form(q, k_new, v_new, k_in_ref, v_in_ref)
   m, l, acc = init
   if parts > 1:  # the other parts start empty (their first page holds a position before pos)
     m, l, acc = (jax.tree.map(lambda x: jnp.where(first, x, empty), x)
                  for x, empty in ((m, _MASK), (l, 0.0), (acc, 0.0)))
 
+  def read(lo, end, carry):
+    """The pages ``[lo, end)`` of the row, ``block`` a step of the loop: a block's pages past
+    ``end`` read the block's first page again, every position of it masked."""
+    def body(i, carry):
+      j0 = lo + i * block
+      pages_read = []
+      for t in range(block):
+        j = j0 + t
+        inside = True if block == 1 else j < end
+        before_P = j * page + lax.broadcasted_iota(jnp.int32, (page,), 0) < pos
+        pages_read.append((base + table_ref[j if block == 1 else jnp.where(inside, j, j0)],
+                           before_P if block == 1 else before_P & inside))
+      return block_step(pages_read, carry)
+    return unpack(*lax.fori_loop(0, pl.cdiv(end - lo, block), body, carry))
+
   pages = jnp.minimum(pl.cdiv(pos, page), max_pages)
   if parts == 1:
-    m, l, acc = unpack(*lax.fori_loop(0, pages, page_step, (m, l, acc)))
+    m, l, acc = read(0, pages, (m, l, acc))
     for g in range(group):
       o_ref[g, :] = (acc[g] / l[g]).astype(o_ref.dtype)
     return
   # this part's run of the row's pages; runs past the row's last page are empty
   run = pl.cdiv(pages, parts)
   start = jnp.minimum(part * run, pages)
-  m, l, acc = unpack(*lax.fori_loop(start, jnp.minimum(start + run, pages), page_step, (m, l, acc)))
+  m, l, acc = read(start, jnp.minimum(start + run, pages), (m, l, acc))
   lse = jnp.full(lse_ref.shape, _MASK, jnp.float32)
   heads = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
   for g in range(group):  # an empty part: output 0, log-sum-exp never the maximum
@@ -141,47 +156,54 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
   lse_ref[...] = lse
 
 
+def _total(xs):
+  """A block's pages' terms added (a block of one page: that term alone, no addition)."""
+  return functools.reduce(operator.add, xs)
+
+
 def _halves(d: int):
   return pl.ds(0, d // 2), pl.ds(d // 2, d // 2)  # rope's rotated halves
 
 
-def _rows(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos):
+def _rows(q, k_new, v_new, k_in_ref, v_in_ref):
   """The elementwise form: per query head its running maximum, sum and output row, each page's
   scores as products summed over the head's features. Returns ``(m, l, acc)`` from the new
-  position alone, the loop's step over a page, and what turns the loop's carry into per-head
-  lists (here: itself)."""
-  page, d = k_in_ref.shape[1:]
+  position alone, the loop's step over a block of pages (``[(page id, mask of the positions
+  read)]``: one running maximum over the block, then its pages' sums), and what turns the
+  loop's carry into per-head lists (here: itself)."""
+  d = k_in_ref.shape[2]
   # the new position first: every running maximum is a real score from the start
   m = [sum(jnp.sum(q_h * k_h) for q_h, k_h in zip(q_g, k_new)) for q_g in q]
   init = m, [jnp.float32(1.0)] * len(q), [v_new] * len(q)
 
-  def page_step(j, carry):
+  def block_step(pages_read, carry):
     m, l, acc = carry
-    page_id = base + table_ref[j]
-    k_PxD = [k_in_ref[page_id, :, h].astype(jnp.float32) for h in _halves(d)]
-    v_PxD = v_in_ref[page_id, :, :].astype(jnp.float32)
-    before_P = j * page + lax.broadcasted_iota(jnp.int32, (page,), 0) < pos
+    loaded = [([k_in_ref[page_id, :, h].astype(jnp.float32) for h in _halves(d)],
+               v_in_ref[page_id, :, :].astype(jnp.float32), before_P)
+              for page_id, before_P in pages_read]
     out = ([], [], [])
     for m_g, l_g, acc_g, q_g in zip(m, l, acc, q):
-      s_P = sum(jnp.sum(k_h * q_h[None, :], axis=1) for k_h, q_h in zip(k_PxD, q_g))
-      s_P = jnp.where(before_P, s_P, _MASK)
-      m_next = jnp.maximum(m_g, jnp.max(s_P))
-      p_P = jnp.exp(s_P - m_next)
+      s = [jnp.where(before_P, sum(jnp.sum(k_h * q_h[None, :], axis=1)
+                                   for k_h, q_h in zip(k_PxD, q_g)), _MASK)
+           for k_PxD, _, before_P in loaded]
+      m_next = functools.reduce(jnp.maximum, [jnp.max(s_P) for s_P in s], m_g)
+      p = [jnp.exp(s_P - m_next) for s_P in s]
       correction = jnp.exp(m_g - m_next)
       out[0].append(m_next)
-      out[1].append(l_g * correction + jnp.sum(p_P))
-      out[2].append(acc_g * correction + jnp.sum(p_P[:, None] * v_PxD, axis=0))
+      out[1].append(l_g * correction + _total(jnp.sum(p_P) for p_P in p))
+      out[2].append(acc_g * correction + _total(jnp.sum(p_P[:, None] * v_PxD, axis=0)
+                                                for p_P, (_, v_PxD, _) in zip(p, loaded)))
     return out
 
-  return init, page_step, lambda m, l, acc: (m, l, acc)
+  return init, block_step, lambda m, l, acc: (m, l, acc)
 
 
-def _tiles(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos):
+def _tiles(q, k_new, v_new, k_in_ref, v_in_ref):
   """The dot form: the query heads padded to a tile of ``TILE`` rows (in registers), each page's
   scores and output products as tensor-core dots of the cache's dtype accumulating in float32
   (the queries and the probabilities rounded to that dtype first, as JAX's kernel does). Returns
   what ``_rows`` does; its carry is the tiles, unpacked per head at the end."""
-  page, d = k_in_ref.shape[1:]
+  d = k_in_ref.shape[2]
   dt, f32 = k_in_ref.dtype, jnp.float32
   rid = lax.broadcasted_iota(jnp.int32, (TILE, 1), 0)
   # [TILE, D/2] a half: row g query head g's, rows past the heads zeros
@@ -191,19 +213,20 @@ def _tiles(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos):
   init = m, jnp.ones((TILE,), f32), jnp.broadcast_to(v_new[None, :], (TILE, d))
   contract_features = (((1,), (1,)), ((), ()))
 
-  def page_step(j, carry):
+  def block_step(pages_read, carry):
     m, l, acc = carry
-    page_id = base + table_ref[j]
-    s_TxP = sum(lax.dot_general(q_h, k_in_ref[page_id, :, h], contract_features,
-                                preferred_element_type=f32)
-                for q_h, h in zip(q_T, _halves(d)))
-    before_P = j * page + lax.broadcasted_iota(jnp.int32, (page,), 0) < pos
-    s_TxP = jnp.where(before_P[None, :], s_TxP, _MASK)
-    m_next = jnp.maximum(m, jnp.max(s_TxP, axis=1))
-    p_TxP = jnp.exp(s_TxP - m_next[:, None])
+    s = [jnp.where(before_P[None, :],
+                   sum(lax.dot_general(q_h, k_in_ref[page_id, :, h], contract_features,
+                                       preferred_element_type=f32)
+                       for q_h, h in zip(q_T, _halves(d))), _MASK)
+         for page_id, before_P in pages_read]
+    m_next = functools.reduce(jnp.maximum, [jnp.max(s_TxP, axis=1) for s_TxP in s], m)
+    p = [jnp.exp(s_TxP - m_next[:, None]) for s_TxP in s]
     correction = jnp.exp(m - m_next)
-    pv_TxD = jnp.dot(p_TxP.astype(dt), v_in_ref[page_id, :, :], preferred_element_type=f32)
-    return m_next, l * correction + jnp.sum(p_TxP, axis=1), acc * correction[:, None] + pv_TxD
+    pv_TxD = _total(jnp.dot(p_TxP.astype(dt), v_in_ref[page_id, :, :],
+                            preferred_element_type=f32) for p_TxP, (page_id, _) in zip(p, pages_read))
+    return (m_next, l * correction + _total(jnp.sum(p_TxP, axis=1) for p_TxP in p),
+            acc * correction[:, None] + pv_TxD)
 
   def unpack(m, l, acc):
     heads = range(len(q))
@@ -211,7 +234,7 @@ def _tiles(q, k_new, v_new, k_in_ref, v_in_ref, table_ref, base, pos):
     return ([pick(m, g) for g in heads], [pick(l, g) for g in heads],
             [jnp.sum(jnp.where(rid == g, acc, 0.0), axis=0) for g in heads])
 
-  return init, page_step, unpack
+  return init, block_step, unpack
 
 
 def combine(out_BxKxRxGxD, lse_BxKxRxG):
@@ -228,10 +251,11 @@ def combine(out_BxKxRxGxD, lse_BxKxRxG):
 # (jitted: a program's layers share one trace of the kernel, rather than one each)
 @functools.partial(jax.jit,
                    static_argnames=("bound", "warps", "stages", "interpret", "scale", "parts",
-                                    "dot"))
+                                    "dot", "block_pages"))
 def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offset_B,
          bound: int, warps: int = 4, stages: int = 2, interpret: bool = False,
-         scale: float | None = None, rope=None, parts: int = 0, dot: bool = False):
+         scale: float | None = None, rope=None, parts: int = 0, dot: bool = False,
+         block_pages: int = 1):
   """Per row and K/V head its ``G = S - 2`` queries, then its new key and value, ``[B, K, S, D]``
   (as a layer's fused projection gives them; queries scaled in the kernel by ``scale``, None:
   ``D ** -0.5``), over pools ``[K, pages, P, D]``: writes row ``b``'s new key and value at page
@@ -243,16 +267,21 @@ def step(qkv_BxKxSxD, k_pool, v_pool, base, table_BxN, pos_B, write_page_B, offs
   and the kernel rotates them as ``transformer.rope`` does. ``base``: int32 ``[1]``, the layer's
   first page; ``bound``: the static kv bound (no row reads past it); ``parts``: programs a row's
   pages are read by (0: ``auto_parts``), combined after the kernel when more than one; ``dot``:
-  the dot form (``_tiles``) where ``dot_usable``, else the elementwise one (``_rows``)."""
+  the dot form (``_tiles``) where ``dot_usable``, else the elementwise one (``_rows``);
+  ``block_pages``: pages a step of a program's loop reads (at most a part's), their loads
+  independent of one another's scores."""
   b, kv, s, d = qkv_BxKxSxD.shape
   n_pages, page = k_pool.shape[1:3]
   max_pages = max(1, min(-(-bound // page), table_BxN.shape[1]))
   parts = min(parts or auto_parts(max_pages), max_pages)
   if parts < 1:
     raise ValueError(f"parts={parts}: expected >= 0 (0: automatic)")
+  if block_pages < 1:
+    raise ValueError(f"block_pages={block_pages}: expected >= 1")
   kernel = functools.partial(_kernel, group=s - 2, max_pages=max_pages,
                              scale=d ** -0.5 if scale is None else scale, parts=parts,
-                             dot=dot and dot_usable(page, d))
+                             dot=dot and dot_usable(page, d),
+                             block=min(block_pages, -(-max_pages // parts)))
   row = lambda i, h, *_: (i,)  # noqa: E731
   rope_spec = None if rope is None else pl.BlockSpec((None, d // 2), lambda i, h, *_: (i, 0))
   pool_spec = pl.BlockSpec((None, n_pages, page, d), lambda i, h, *_: (h, 0, 0, 0))

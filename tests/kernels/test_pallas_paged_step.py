@@ -40,19 +40,22 @@ def _reference(q, k_new, v_new, pools, layer, table, page, offset, pos, dtype):
   return out, k_pool, v_pool
 
 
-@pytest.mark.parametrize("g,dtype,layer,parts", [(3, jnp.float32, 1, 0), (1, jnp.float32, 0, 0),
-                                                 (4, jnp.bfloat16, 1, 0), (3, jnp.float32, 1, 2),
-                                                 (3, jnp.float32, 0, 3), (4, jnp.bfloat16, 1, 4)])
-def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer, parts):
+@pytest.mark.parametrize("g,dtype,layer,parts,block", [
+    (3, jnp.float32, 1, 0, 1), (1, jnp.float32, 0, 0, 1), (4, jnp.bfloat16, 1, 0, 1),
+    (3, jnp.float32, 1, 2, 1), (3, jnp.float32, 0, 3, 1), (4, jnp.bfloat16, 1, 4, 1),
+    (3, jnp.float32, 1, 0, 3), (2, jnp.float32, 0, 0, 4), (3, jnp.float32, 1, 2, 2)])
+def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer, parts, block):
   """Positions 0 (the new one alone), inside a page, at a page's start and end, the last page; the
   last row writes nothing (its key and value go to the trash page, which no read uses). Read in
-  one program a row, or cut into ``parts`` (rows of fewer pages than parts leave parts empty)."""
+  one program a row, or cut into ``parts`` (rows of fewer pages than parts leave parts empty);
+  ``block`` pages a step of the loop (a row's last block part past its pages: 4 pages in blocks
+  of 3, 1-3 pages in a block of 4, runs of 2 pages in blocks of 2)."""
   rng = np.random.default_rng(g)
   q, k_new, v_new, pools, table, pos = _case(rng, 6, g, [0, 5, 8, 15, 31, 20], dtype)
   page = table[np.arange(6), pos // P]
   page[-1] = M - 1  # the trash page
   offset = pos % P
-  tuning = pallas_attention.PagedTuning(writes=True, warps=2, parts=parts)
+  tuning = pallas_attention.PagedTuning(writes=True, warps=2, parts=parts, block_pages=block)
   out, k_pool, v_pool = paged_attention.decode_step_paged(
       jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(pools[0], dtype),
       jnp.asarray(pools[1], dtype), layer, jnp.asarray(table), jnp.asarray(page),
@@ -65,14 +68,17 @@ def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer, parts):
   np.testing.assert_allclose(np.asarray(out, np.float32)[:5], ref[:5], atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("g,dtype,parts,rope", [(3, jnp.float32, 0, False),
-                                                (6, jnp.float32, 3, True),
-                                                (1, jnp.float32, 2, False),
-                                                (4, jnp.bfloat16, 0, True)])
-def test_the_dot_form_attends_as_numpy_does(g, dtype, parts, rope):
+@pytest.mark.parametrize("g,dtype,parts,rope,block", [(3, jnp.float32, 0, False, 1),
+                                                      (6, jnp.float32, 3, True, 1),
+                                                      (1, jnp.float32, 2, False, 1),
+                                                      (4, jnp.bfloat16, 0, True, 1),
+                                                      (3, jnp.float32, 0, True, 3),
+                                                      (4, jnp.bfloat16, 2, False, 2)])
+def test_the_dot_form_attends_as_numpy_does(g, dtype, parts, rope, block):
   """``dot=1``: a page's scores and output as dots over the queries padded to 16 rows (pages of
-  16, heads of 32: the least it takes), in one part or in parts, the rope the kernel's or not;
-  in bfloat16 the queries and probabilities are rounded to it before the dots."""
+  16, heads of 32: the least it takes), in one part or in parts, the rope the kernel's or not,
+  ``block`` pages a step of the loop; in bfloat16 the queries and probabilities are rounded to
+  it before the dots."""
   p, d = 16, 32
   assert pallas_paged_step.dot_usable(p, d) and not pallas_paged_step.dot_usable(8, 32)
   assert choice.pallas_gpu_tuning("writes=1,dot=1,parts=3") == pallas_attention.PagedTuning(
@@ -80,7 +86,7 @@ def test_the_dot_form_attends_as_numpy_does(g, dtype, parts, rope):
   rng = np.random.default_rng(20 + g)
   q, k_new, v_new, pools, table, pos = _case(rng, 6, g, [0, 5, 16, 31, 63, 40], dtype, p, d)
   page, offset = table[np.arange(6), pos // p], pos % p
-  tuning = pallas_attention.PagedTuning(writes=True, dot=True, parts=parts)
+  tuning = pallas_attention.PagedTuning(writes=True, dot=True, parts=parts, block_pages=block)
   args = [jnp.asarray(pools[0], dtype), jnp.asarray(pools[1], dtype), 1, jnp.asarray(table),
           jnp.asarray(page), jnp.asarray(offset), jnp.asarray(pos), N * p]
   if rope:  # the queries and key given before rope; the reference rotates them itself
@@ -157,10 +163,12 @@ def test_from_the_projections_before_rope_it_rotates_queries_and_key_as_the_mode
   np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6, rtol=2e-6)
 
 
-def test_long_contexts_are_read_in_parts_combined_as_one_softmax():
+@pytest.mark.parametrize("block", [1, 4])
+def test_long_contexts_are_read_in_parts_combined_as_one_softmax(block):
   """The automatic choice cuts a kv bound of more than 16 pages into parts of at most 16 pages (at
   most 16 parts); over 40 pages of 8 positions a row (a bound of 320) the parts' combined output
-  is NumPy's softmax over every position, rows ending in different parts."""
+  is NumPy's softmax over every position, rows ending in different parts. In blocks of 4 pages a
+  run of 14 ends in a block of 2 pages of its own and 2 of the next part's, which it skips."""
   assert [pallas_paged_step.auto_parts(n) for n in (1, 16, 17, 40, 256, 2048)] == [
       1, 1, 2, 3, 16, 16]
   rng = np.random.default_rng(5)
@@ -174,7 +182,7 @@ def test_long_contexts_are_read_in_parts_combined_as_one_softmax():
   out, k_pool, _ = paged_attention.decode_step_paged(
       *(jnp.asarray(x) for x in (q, k_new, v_new, *pools, )), 0, jnp.asarray(table),
       jnp.asarray(page), jnp.asarray(offset), jnp.asarray(pos), n * P, "pallas_gpu", D ** -0.5,
-      interpret=True, tuning=pallas_attention.PagedTuning(writes=True))
+      interpret=True, tuning=pallas_attention.PagedTuning(writes=True, block_pages=block))
   k_ref, v_ref = (x.copy() for x in pools)
   ref = np.zeros_like(q)
   for r in range(b):
@@ -193,12 +201,13 @@ def test_the_kernel_is_offered_where_its_loads_are_powers_of_two():
   assert not pallas_paged_step.usable(3, 48, 64) and not pallas_paged_step.usable(3, 64, 80)
 
 
-@pytest.mark.parametrize("launch", [{}, {"parts": 4}, {"dot": True}, {"dot": True, "parts": 2}])
+@pytest.mark.parametrize("launch", [{}, {"parts": 4}, {"dot": True}, {"dot": True, "parts": 2},
+                                    {"dot": True, "block_pages": 2}, {"block_pages": 4}])
 @pytest.mark.parametrize("b,k,g,d", [(64, 3, 3, 64), (128, 2, 6, 128)])  # SmolLM2, Qwen2.5-1.5B
 def test_the_kernel_lowers_for_a_gpu_at_the_benchmark_shapes(launch, b, k, g, d):
   """Compiled, not interpreted, and lowered for a GPU (Triton) on this CPU: the rope the
   kernel's, pages of 64, the benchmark's kv bound (577: 10 pages), in one part or in parts, the
-  elementwise or the dot form."""
+  elementwise or the dot form, a page or a block of pages a step."""
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
   i32, f32 = jnp.int32, jnp.float32
   n, pages = 28, b * 28 + 1
