@@ -31,6 +31,7 @@ from typing import Any
 from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import GroupRequest
 from areal_jax.vllm_rollout import env as env_lib
+from areal_jax.vllm_rollout import settings
 from areal_jax.vllm_rollout.base import Group, Seq, VllmEngineBase
 from areal_jax.vllm_rollout.weights import WeightDirs
 
@@ -49,7 +50,10 @@ class VllmInProcessEngine(VllmEngineBase):
       (default: a fresh temporary directory).
     num_slots: vLLM's ``max_num_seqs`` (sequences decoded together).
     max_model_len: prompt + generated tokens per sequence.
-    kv_cache_gib: KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
+    kv_cache_gib: KV cache size (on a GPU 0 or less: vLLM's own, from its memory share).
+    dtype: vLLM's compute dtype (``"auto"``: float32 on CPU, bfloat16 on a GPU).
+    gpu_memory_utilization: on a GPU, vLLM's share of its memory (0: what is free when the engine
+      starts, less ``settings.HEADROOM_GIB``); see ``settings.py``.
     keep_weights: weight directories kept on disk.
     seed: vLLM's engine seed. per_request_seeds: seed each request (see ``base.py``: off because
       of a vLLM CPU bug with chunked prefill).
@@ -62,7 +66,8 @@ class VllmInProcessEngine(VllmEngineBase):
                max_model_len: int = 512, kv_cache_gib: float = 1.0, keep_weights: int = 2,
                num_threads: int | None = None, seed: int = 0, version: int = 0,
                per_request_seeds: bool = False, engine_kwargs: dict[str, Any] | None = None,
-               lora: lora_lib.LoraConfig | None = None):
+               lora: lora_lib.LoraConfig | None = None, dtype: str = "auto",
+               gpu_memory_utilization: float = 0.0):
     env_lib.require_vllm()
     super().__init__(vocab_size=model.cfg.vocab_size,
                      eos_token_ids=tuple(getattr(tokenizer, "eos_token_ids", None)
@@ -71,7 +76,11 @@ class VllmInProcessEngine(VllmEngineBase):
     self.workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="areal_vllm_"))
     self.weights = WeightDirs(model, tokenizer, os.path.join(self.workdir, "weights"),
                               keep_weights)
-    self._env = env_lib.vllm_env(os.path.join(self.workdir, "cache"), kv_cache_gib, num_threads)
+    self.platform = settings.platform()
+    self._env = settings.environment(self.platform, os.path.join(self.workdir, "cache"),
+                                     kv_cache_gib, num_threads)
+    self._settings = dict(dtype=dtype, kv_cache_gib=kv_cache_gib,
+                          gpu_memory_utilization=gpu_memory_utilization)
     self._engine_kwargs = dict(seed=seed, **(engine_kwargs or {}))
     self.per_request_seeds = per_request_seeds
     self.lora = lora
@@ -101,11 +110,13 @@ class VllmInProcessEngine(VllmEngineBase):
     if self.lora is not None:
       self._engine_kwargs.update(enable_lora=True, max_loras=1,
                                  max_lora_rank=vllm_lora_rank(self.lora.rank))
+    memory = settings.device_memory() if self.platform == settings.GPU else None
+    fields = settings.engine_fields(self.platform, memory=memory, **self._settings)
     args = EngineArgs(
-        model=self._loaded, dtype="float32", max_model_len=self.max_model_len,
-        max_num_seqs=self.num_slots, enforce_eager=True, distributed_executor_backend="uni",
+        model=self._loaded, max_model_len=self.max_model_len, max_num_seqs=self.num_slots,
         logprobs_mode="processed_logprobs", skip_tokenizer_init=True, generation_config="vllm",
-        enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION, **self._engine_kwargs)
+        enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION,
+        **{**fields, **self._engine_kwargs})
     self._llm = LLMEngine.from_engine_args(args)
     self.stats["startup_s"] = time.time() - t0
 

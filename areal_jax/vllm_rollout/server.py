@@ -1,8 +1,8 @@
 """``VllmServerEngine``: a vLLM OpenAI-compatible server on 127.0.0.1, driven over HTTP.
 
-The engine starts ``python -m vllm.entrypoints.openai.api_server`` (same interpreter, with the CPU
-settings of ``env.py``, ``VLLM_SERVER_DEV_MODE=1`` for the weight endpoints and this package's
-worker extension) or attaches to a running one (``server_url``). A server it starts runs under a
+The engine starts ``python -m vllm.entrypoints.openai.api_server`` (same interpreter, with the
+settings of vLLM's platform, ``settings.py``, ``VLLM_SERVER_DEV_MODE=1`` for the weight endpoints
+and this package's worker extension) or attaches to a running one (``server_url``). A server it starts runs under a
 lifeline, and guards itself (``lifeline.py``): it stops, with every process it started, when this
 process ends, even by a signal that runs no exit handler, or when the lifeline is killed (as Ray
 kills a worker's direct children); ``close`` returns once they are gone. Up to ``num_slots``
@@ -42,6 +42,7 @@ from typing import Any
 from areal_jax.rollout_api import GroupRequest
 from areal_jax.vllm_rollout import env as env_lib
 from areal_jax.vllm_rollout import lifeline
+from areal_jax.vllm_rollout import settings
 from areal_jax.vllm_rollout.base import Seq, VllmEngineBase
 from areal_jax.vllm_rollout.weights import WeightDirs
 
@@ -63,16 +64,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def server_args(model_dir: str, port: int, *, num_slots: int, max_model_len: int,
-                seed: int) -> list[str]:
-  """The arguments of ``python -m SERVER_MODULE``: a CPU vLLM server for this backend."""
+def server_args(model_dir: str, port: int, *, num_slots: int, max_model_len: int, seed: int,
+                fields: dict) -> list[str]:
+  """The arguments of ``python -m SERVER_MODULE``: a vLLM server for this backend, with
+  ``fields`` (``settings.engine_fields``: its platform's) on its command line."""
   return ["--model", model_dir,
           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-          "--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
           "--max-model-len", str(max_model_len), "--max-num-seqs", str(num_slots),
           "--seed", str(seed), "--enable-prefix-caching",
-          "--worker-extension-cls", WORKER_EXTENSION, "--disable-uvicorn-access-log"]
+          "--worker-extension-cls", WORKER_EXTENSION, "--disable-uvicorn-access-log",
+          *settings.cli_args(fields)]
 
 
 @dataclasses.dataclass
@@ -87,14 +89,17 @@ class VllmServerEngine(VllmEngineBase):
   """Rollout engine on a vLLM HTTP server; see the module docstring.
 
   Args: as ``VllmInProcessEngine``, plus ``server_url`` (attach instead of starting a server; it
-  must run this backend's worker extension and ``VLLM_SERVER_DEV_MODE=1``) and ``startup_timeout``.
+  must run this backend's worker extension and ``VLLM_SERVER_DEV_MODE=1``; ``kv_cache_gib``,
+  ``num_threads``, ``dtype`` and ``gpu_memory_utilization`` are then the server's own) and
+  ``startup_timeout``.
   """
 
   def __init__(self, model, tokenizer, *, server_url: str | None = None,
                workdir: str | None = None, num_slots: int = 8, max_model_len: int = 512,
                kv_cache_gib: float = 1.0, keep_weights: int = 2, num_threads: int | None = None,
                seed: int = 0, version: int = 0, per_request_seeds: bool = False,
-               startup_timeout: float = 600.0, request_timeout: float = 600.0):
+               startup_timeout: float = 600.0, request_timeout: float = 600.0,
+               dtype: str = "auto", gpu_memory_utilization: float = 0.0):
     if server_url is None:
       env_lib.require_vllm()
     super().__init__(vocab_size=model.cfg.vocab_size,
@@ -119,8 +124,9 @@ class VllmServerEngine(VllmEngineBase):
     if server_url is None:
       port = free_port()
       self.server_url = f"http://127.0.0.1:{port}"
-      self._start_server(port, num_slots, max_model_len, seed, kv_cache_gib, num_threads,
-                         startup_timeout)
+      self._start_server(port, num_slots, max_model_len, seed, startup_timeout,
+                         dict(dtype=dtype, kv_cache_gib=kv_cache_gib,
+                              gpu_memory_utilization=gpu_memory_utilization), num_threads)
     else:
       self.server_url = server_url.rstrip("/")
       self._wait_healthy(startup_timeout)
@@ -130,10 +136,13 @@ class VllmServerEngine(VllmEngineBase):
 
   # ---- the server process ------------------------------------------------------------------------
 
-  def _start_server(self, port, num_slots, max_model_len, seed, kv_cache_gib, num_threads,
-                    timeout) -> None:
-    env = dict(os.environ, **env_lib.vllm_env(os.path.join(self.workdir, "cache"), kv_cache_gib,
-                                              num_threads))
+  def _start_server(self, port, num_slots, max_model_len, seed, timeout, chosen,
+                    num_threads) -> None:
+    """Starts the server on vLLM's platform here with ``chosen`` (``settings.engine_fields``'
+    keyword arguments) and ``num_threads``."""
+    self.platform = settings.platform()
+    env = dict(os.environ, **settings.environment(
+        self.platform, os.path.join(self.workdir, "cache"), chosen["kv_cache_gib"], num_threads))
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.pop("JAX_PLATFORMS", None)
     self.pid_file = os.path.join(self.workdir, "server.pid")
@@ -142,8 +151,10 @@ class VllmServerEngine(VllmEngineBase):
     # the server runs under a lifeline and guards itself: it is stopped (with the engine core it
     # starts) when this process ends, even by a signal that runs no exit handler, or when the
     # lifeline is killed (Ray kills a worker's direct children when it exits)
+    memory = settings.device_memory() if self.platform == settings.GPU else None
     args = server_args(self._loaded, port, num_slots=num_slots, max_model_len=max_model_len,
-                       seed=seed)
+                       seed=seed, fields=settings.engine_fields(self.platform, memory=memory,
+                                                                **chosen))
     cmd = lifeline.command(lifeline.guarded(SERVER_MODULE, args, grace_s=STOP_GRACE_S),
                            owner=os.getpid(), grace_s=STOP_GRACE_S, pid_file=self.pid_file)
     self.log_path = os.path.join(self.workdir, "server.log")
