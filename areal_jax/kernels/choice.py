@@ -796,8 +796,10 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
      H200 in session 48 the engine kept ``writes=1,dot=1`` at both decode shapes, 1.41x and
      1.33x JAX's kernel's step), then the last of those with Triton's loop unpipelined
      (``stages=1``: JAX's kernel read a layer 1.4-1.7x faster so on that H200, ours was not
-     timed so: ``bench/results/h200-2026-11-30-s48``), and reading two pages a step of its loop
-     (``block_pages=2``: their loads issued together; not yet timed on a GPU);
+     timed so: ``bench/results/h200-2026-11-30-s48``), and reading two or four pages a step of
+     its loop (``block_pages``: their loads issued together, for rows of a few pages whose
+     attention is bound by the latency of one page's loads after another; at the SmolLM2 shape
+     on that H200 a layer's attention took 18.7 us to read 6.3 MB; not yet timed on a GPU);
   2. the fused norms (``norms``: an engine over one device, ``norm_dims`` the ``(inputs,
      outputs)`` of the matmuls after its norms, one of which the kernel takes);
   3. the decode call's loop in CUDA graphs (``graphs_to_time``);
@@ -823,9 +825,10 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
     def paged_step(kept: Launch) -> list[Launch]:
       writes = dataclasses.replace(kept.paged, writes=True)
       offers = [writes] + ([dataclasses.replace(writes, dot=True)] if dots else [])
-      # the last, unpipelined, and reading two pages a step of its loop
-      offers += [dataclasses.replace(offers[-1], stages=1),
-                 dataclasses.replace(offers[-1], block_pages=2)]
+      # the last, unpipelined, and reading two or four pages a step of its loop
+      last = offers[-1]
+      offers += [dataclasses.replace(last, stages=1)] + [
+          dataclasses.replace(last, block_pages=n) for n in (2, 4)]
       return [kept] + [dataclasses.replace(kept, paged=p) for p in offers]
     stages.append(paged_step)
   if (not no_triton and one_device and os.environ.get(NORM_MATMUL_ENV, "").strip() in ("", "0")

@@ -476,7 +476,7 @@ def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):
 
 def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   """The stages a GPU engine times (``choice.launch_stages`` for a GPU: our paged step kernel,
-  with dots, unpipelined, two pages a step, the fused norms, the loop in graphs), walked to the
+  with dots, unpipelined, 2 and 4 pages a step, the fused norms, the loop in graphs), walked to the
   last of each on CPU (Pallas in interpret mode; XLA:CPU takes the graphs' options and ignores
   them): each compiles and runs, and the launch kept decodes as the engine's default does."""
   from .conftest import tiny_model
@@ -498,10 +498,11 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
     return 1.0 / ranks.setdefault(eng.launch.name, len(ranks) + 1)
 
   _, report = launch_tuning.tune(eng, eng.init_state(), stages, rounds=1, measure=measure)
-  # (Triton's loop unpipelined: no pipelining in interpret mode; then two pages a step)
-  step = "block_pages=2,writes=1,dot=1"
+  # (Triton's loop unpipelined: no pipelining in interpret mode; then two and four pages a step)
+  step = "block_pages=4,writes=1,dot=1"
   assert list(report["step_ms"]) == [
-      "default", "writes=1", "writes=1,dot=1", "stages=1,writes=1,dot=1", step, f"{step}+norms",
+      "default", "writes=1", "writes=1,dot=1", "stages=1,writes=1,dot=1",
+      "block_pages=2,writes=1,dot=1", step, f"{step}+norms",
       f"{step}+norms+graphs", f"{step}+norms+graphs:unrolled",
       f"{step}+norms+graphs:unrolled+matmul=xla"]
   assert report["launch"] == f"{step}+norms+graphs:unrolled+matmul=xla"
