@@ -2,7 +2,8 @@
 
 ``load_hf(path)`` reads ``config.json`` and ``model.safetensors`` (or the shards listed in
 ``model.safetensors.index.json``); ``save_hf(model, tokenizer, path)`` writes a directory that
-``transformers`` (and vLLM) load: config, float32 safetensors with Hugging Face parameter names
+``transformers`` (and vLLM) load: config, float32 safetensors (or ``dtype``'s: bfloat16 halves
+what a weight version writes for a reader that computes in it) with Hugging Face parameter names
 (sharded above a size limit), tokenizer files and ``generation_config.json``. Saving is atomic: the
 files go to a temporary directory next to the target, which is renamed into place when complete.
 
@@ -331,11 +332,21 @@ def model_from_tensors(cfg: ModelConfig, get_tensor: Callable[[str], np.ndarray]
   return nnx.merge(graphdef, params, rest)
 
 
-def model_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, float32 host array in HF layout) for every parameter; gathers sharded arrays."""
+SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+               "float16": np.dtype(np.float16)}
+
+
+def model_tensors(model: Transformer, dtype: str = "float32") -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, host array in HF layout, of ``dtype``: ``SAVE_DTYPES``) for every parameter; gathers
+  sharded arrays (cast where they are, so only ``dtype``'s bytes come to the host)."""
+  if dtype not in SAVE_DTYPES:
+    raise ValueError(f"dtype={dtype!r}: expected one of {list(SAVE_DTYPES)}")
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for path, (name, transpose) in param_names(model.cfg).items():
-    arr = np.asarray(jax.device_get(_get(pure, path)), dtype=np.float32)
+    value = _get(pure, path)
+    if value.dtype != SAVE_DTYPES[dtype]:
+      value = value.astype(SAVE_DTYPES[dtype])
+    arr = np.asarray(jax.device_get(value), dtype=SAVE_DTYPES[dtype])
     yield name, np.ascontiguousarray(arr.T if transpose else arr)
 
 
@@ -392,19 +403,22 @@ def _shards(tensors: list[tuple[str, np.ndarray]], max_bytes: int) -> list[list[
 
 
 def save_hf(model: Transformer, tokenizer: Tokenizer | None, path: str | os.PathLike, *,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: str = "float32") -> str:
   """Writes ``model`` (and ``tokenizer``) as a Hugging Face directory at ``path``, atomically.
 
-  Tensors are float32 with Hugging Face names; above ``max_shard_bytes`` they are split into
-  ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``. An existing ``path``
-  is replaced only once the new directory is complete. Returns ``path``.
+  Tensors are ``dtype`` (``SAVE_DTYPES``; the config's ``dtype`` says it) with Hugging Face
+  names; above ``max_shard_bytes`` they are split into ``model-0000i-of-0000n.safetensors`` with
+  ``model.safetensors.index.json``. An existing ``path`` is replaced only once the new directory
+  is complete. Returns ``path``.
   """
+  if dtype not in SAVE_DTYPES:
+    raise ValueError(f"save_hf: dtype={dtype!r}, expected one of {list(SAVE_DTYPES)}")
   path = os.path.abspath(os.fspath(path))
   parent, name = os.path.split(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
   try:
-    _write_dir(model, tokenizer, tmp, max_shard_bytes)
+    _write_dir(model, tokenizer, tmp, max_shard_bytes, dtype)
     if os.path.exists(path):
       old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
       os.rename(path, os.path.join(old, name))
@@ -418,14 +432,15 @@ def save_hf(model: Transformer, tokenizer: Tokenizer | None, path: str | os.Path
   return path
 
 
-def _write_dir(model: Transformer, tokenizer: Tokenizer | None, out: str, max_bytes: int) -> None:
+def _write_dir(model: Transformer, tokenizer: Tokenizer | None, out: str, max_bytes: int,
+               dtype: str) -> None:
   cfg = model.cfg
   if tokenizer is not None:
     tokenizer.save(out)
     if tokenizer.eos_token_ids and not cfg.eos_token_ids:
       cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_token_ids))
   with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(config_to_hf(cfg), f, indent=2)
+    json.dump(dict(config_to_hf(cfg), dtype=dtype), f, indent=2)
   gen = {"bos_token_id": cfg.bos_token_id,
          "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1
          else cfg.eos_token_ids[0]}
@@ -433,7 +448,7 @@ def _write_dir(model: Transformer, tokenizer: Tokenizer | None, out: str, max_by
     gen = {**tokenizer.generation_config(), **{k: v for k, v in gen.items() if v not in (None, [])}}
   with open(os.path.join(out, "generation_config.json"), "w") as f:
     json.dump(gen, f, indent=2)
-  groups = _shards(list(model_tensors(model)), max_bytes)
+  groups = _shards(list(model_tensors(model, dtype)), max_bytes)
   if len(groups) == 1:
     write_safetensors(os.path.join(out, "model.safetensors"), dict(groups[0]))
     return

@@ -74,9 +74,9 @@ class VllmInProcessEngine(VllmEngineBase):
                                          or model.cfg.eos_token_ids),
                      max_model_len=max_model_len, num_slots=num_slots, version=version)
     self.workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="areal_vllm_"))
-    self.weights = WeightDirs(model, tokenizer, os.path.join(self.workdir, "weights"),
-                              keep_weights)
     self.platform = settings.platform()
+    self.weights = WeightDirs(model, tokenizer, os.path.join(self.workdir, "weights"),
+                              keep_weights, settings.compute_dtype(self.platform, dtype))
     self._env = settings.environment(self.platform, os.path.join(self.workdir, "cache"),
                                      kv_cache_gib, num_threads)
     self._settings = dict(dtype=dtype, kv_cache_gib=kv_cache_gib,

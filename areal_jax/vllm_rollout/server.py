@@ -107,8 +107,13 @@ class VllmServerEngine(VllmEngineBase):
                                          or model.cfg.eos_token_ids),
                      max_model_len=max_model_len, num_slots=num_slots, version=version)
     self.workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="areal_vllm_server_"))
-    self.weights = WeightDirs(model, tokenizer, os.path.join(self.workdir, "weights"),
-                              keep_weights)
+    # (an attached server's platform is its own: weights in float32 unless dtype says, any vLLM
+    # reads them)
+    self.platform = settings.platform() if server_url is None else None
+    self.weights = WeightDirs(
+        model, tokenizer, os.path.join(self.workdir, "weights"), keep_weights,
+        settings.compute_dtype(self.platform, dtype) if self.platform
+        else "float32" if dtype == "auto" else dtype)
     self.request_timeout = request_timeout
     self.per_request_seeds = per_request_seeds
     self._lock = threading.Condition()
@@ -140,7 +145,6 @@ class VllmServerEngine(VllmEngineBase):
                     num_threads) -> None:
     """Starts the server on vLLM's platform here with ``chosen`` (``settings.engine_fields``'
     keyword arguments) and ``num_threads``."""
-    self.platform = settings.platform()
     env = dict(os.environ, **settings.environment(
         self.platform, os.path.join(self.workdir, "cache"), chosen["kv_cache_gib"], num_threads))
     env["VLLM_SERVER_DEV_MODE"] = "1"

@@ -90,6 +90,12 @@ def memory_share(requested: float, memory: tuple[int, int] | None) -> float | No
   return round(min(MAX_SHARE, share), 3)
 
 
+def compute_dtype(platform_: str, dtype: str = "auto") -> str:
+  """vLLM's compute dtype on ``platform_`` for ``dtype`` (``"auto"``: float32 on CPU, bfloat16 on
+  a GPU); the engines write each weight version in it."""
+  return dtype if dtype != "auto" else ("bfloat16" if platform_ == GPU else "float32")
+
+
 def engine_fields(platform_: str, *, dtype: str = "auto", kv_cache_gib: float = 1.0,
                   gpu_memory_utilization: float = 0.0,
                   memory: tuple[int, int] | None = None) -> dict:
@@ -99,7 +105,7 @@ def engine_fields(platform_: str, *, dtype: str = "auto", kv_cache_gib: float = 
   if platform_ not in PLATFORMS:
     raise ValueError(f"vLLM platform {platform_!r}: expected one of {PLATFORMS}")
   gpu = platform_ == GPU
-  fields = {"dtype": dtype if dtype != "auto" else ("bfloat16" if gpu else "float32"),
+  fields = {"dtype": compute_dtype(platform_, dtype),
             "enforce_eager": not gpu, "distributed_executor_backend": "uni"}
   if gpu:
     if kv_cache_gib > 0:

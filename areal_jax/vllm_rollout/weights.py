@@ -4,8 +4,9 @@
 ``<root>/v<version>`` instead (``adapter_config.json`` marks it), for vLLM's LoRA support.
 ``WeightDirs.write(params, version)`` puts the parameters into the model's structure and writes
 ``<root>/v<version>`` with ``areal_jax.models.save_hf`` (atomic: a directory appears only once
-complete; sharded arrays are gathered from whatever mesh holds them). vLLM then reloads from that
-path. Old versions are pruned, keeping the newest ``keep`` plus any directory still marked in use.
+complete; sharded arrays are gathered from whatever mesh holds them) in ``dtype``, vLLM's compute
+dtype (on a GPU bfloat16: half the float32 bytes, which vLLM would cast to anyway). vLLM then
+reloads from that path. Old versions are pruned, keeping the newest ``keep`` plus any directory still marked in use.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def as_model(template: nnx.Module, params: Any) -> nnx.Module:
 class WeightDirs:
   """Writes versioned Hugging Face directories under ``root`` for vLLM to load."""
 
-  def __init__(self, template: nnx.Module, tokenizer, root: str, keep: int = 2):
+  def __init__(self, template: nnx.Module, tokenizer, root: str, keep: int = 2,
+               dtype: str = "float32"):
     if keep < 1:
       raise ValueError(f"keep={keep} must be >= 1")
-    self.template, self.tokenizer, self.keep = template, tokenizer, keep
+    self.template, self.tokenizer, self.keep, self.dtype = template, tokenizer, keep, dtype
     self.root = os.path.abspath(root)
     os.makedirs(self.root, exist_ok=True)
     self._in_use: set[str] = set()
@@ -60,7 +62,7 @@ class WeightDirs:
   def write(self, params: Any, version: int) -> str:
     """Writes ``params`` as version ``version``; returns its directory (replaced if it existed)."""
     model = as_model(self.template, params)
-    path = save_hf(model, self.tokenizer, self.path(version))
+    path = save_hf(model, self.tokenizer, self.path(version), dtype=self.dtype)
     self.prune()
     return path
 

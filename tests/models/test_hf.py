@@ -82,6 +82,33 @@ def test_bfloat16_checkpoint_loads_as_float32(hf_checkpoint, tmp_path):
   np.testing.assert_array_equal(np.asarray(model.layers[0].attn.q[...]), expected)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_saved_in_a_16_bit_dtype_the_values_are_rounded_once_and_the_bytes_halved(tiny, tmp_path,
+                                                                                  dtype):
+  """``save_hf(dtype=...)`` (what the vLLM backend writes on a GPU): every tensor in that dtype,
+  said in the config, each value the float32 one rounded to it; cast where a mesh holds it."""
+  model, tok = tiny
+  full = models.save_hf(model, tok, tmp_path / "f32")
+  sharded, _ = models.load(full)
+  sharding.shard_model(sharded, sharding.make_mesh({"fsdp": 2, "tensor": 4}))
+  out = models.save_hf(sharded, tok, tmp_path / dtype, dtype=dtype)
+  header_len = int.from_bytes((tmp_path / dtype / "model.safetensors").read_bytes()[:8], "little")
+  header = json.loads((tmp_path / dtype / "model.safetensors").read_bytes()[8:8 + header_len])
+  assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {
+      {"bfloat16": "BF16", "float16": "F16"}[dtype]}
+  assert json.loads((tmp_path / dtype / "config.json").read_text())["dtype"] == dtype
+  sizes = [os.path.getsize(d / "model.safetensors") for d in (tmp_path / "f32", tmp_path / dtype)]
+  assert sizes[1] < 0.51 * sizes[0]
+  loaded, _ = models.load(out)
+  for name, value in _params(model).items():
+    np.testing.assert_array_equal(
+        _params(loaded)[name], value.astype(hf.SAVE_DTYPES[dtype]).astype(np.float32),
+        err_msg=name)
+  with pytest.raises(ValueError, match="dtype='int8'"):
+    models.save_hf(model, tok, tmp_path / "int8", dtype="int8")
+  assert not (tmp_path / "int8").exists()
+
+
 def test_sharded_parameters_are_gathered_on_save(tiny, tmp_path):
   model, tok = tiny
   reference = models.save_hf(model, tok, tmp_path / "plain")

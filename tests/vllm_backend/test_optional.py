@@ -136,3 +136,8 @@ def test_weight_dirs_write_loadable_versions_and_prune(tmp_path, tokenizer, poli
   dirs.mark_in_use(dirs.path(3), previous=p0)
   dirs.write(m0, 4)
   assert dirs.versions() == [3, 4]
+  # in vLLM's compute dtype on a GPU: bfloat16, each value rounded once
+  half = WeightDirs(m0, tokenizer, str(tmp_path / "bf16"), keep=2, dtype="bfloat16")
+  loaded, _ = models.load_hf(half.write(m1, 0))
+  for a, b in zip(models.hf.model_tensors(loaded), models.hf.model_tensors(m1, "bfloat16")):
+    assert a[0] == b[0] and np.array_equal(a[1], b[1].astype(np.float32))

@@ -51,6 +51,13 @@ def test_on_a_gpu_bfloat16_compiled_and_the_cache_on_the_device(tmp_path):
     settings.engine_fields("tpu")
 
 
+def test_the_weights_are_written_in_the_compute_dtype():
+  assert settings.compute_dtype("cpu") == "float32"
+  assert settings.compute_dtype("gpu") == "bfloat16"
+  assert settings.compute_dtype("gpu", "float32") == "float32"
+  assert settings.compute_dtype("cpu", "bfloat16") == "bfloat16"
+
+
 def test_the_automatic_share_is_what_is_free_less_headroom_at_most_vllms_default():
   assert settings.memory_share(0.0, (80 * GIB, 80 * GIB)) == settings.MAX_SHARE
   assert settings.memory_share(0.0, (10 * GIB, 80 * GIB)) == 0.1
