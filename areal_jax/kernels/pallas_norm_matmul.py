@@ -16,9 +16,9 @@ rows; a decode step's slots are usually one block of rows):
      ``x``'s dtype, as ``transformer.RMSNorm`` rounds it) and multiplies it by the weight's block,
      accumulating in float32;
   3. rounds to ``x``'s dtype (as the model's matmul), adds the bias (rounded), or, with ``glu``,
-     takes the interleaved columns ``2j`` (gate) and ``2j + 1`` (up) of the fused gate/up weight
-     (``transformer.fuse_projections``) in two accumulators and writes ``silu(gate) * up`` with
-     ``jax.nn.silu``'s roundings.
+     parts the interleaved columns ``2j`` (gate) and ``2j + 1`` (up) of the fused gate/up weight
+     (``transformer.fuse_projections``; read as a whole block) after the product (``_columns``)
+     and writes ``silu(gate) * up`` with ``jax.nn.silu``'s roundings.
 
 Rows are padded to a power of two of at least 16 (``jnp.dot``'s smallest block on the GPU), or to
 a multiple of ``BLOCK_ROWS`` blocks, one program each, past it. Runs in
@@ -85,24 +85,33 @@ def _kernel(x_ref, scale_ref, w_ref, *rest, eps: float, glu: bool, block_k: int,
     return acc_R + jnp.sum(x * x, axis=1)
 
   inv_R = lax.rsqrt(lax.fori_loop(0, steps, squares, jnp.zeros((rows,), f32)) / d_in + eps)
-  columns = ((pl.ds(0, block_n, stride=2), pl.ds(1, block_n, stride=2)) if glu
-             else (slice(None),))
 
-  def product(k, accs):
+  def product(k, acc):  # (the weight's block read whole: contiguous, vectorized, pipelined)
     ks = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
     x = (x_ref[:, ks].astype(f32) * inv_R[:, None] * scale_ref[ks].astype(f32)[None, :]).astype(dt)
-    return tuple(acc + jnp.dot(x, w_ref[ks, c], preferred_element_type=f32)
-                 for acc, c in zip(accs, columns))
+    return acc + jnp.dot(x, w_ref[ks, :], preferred_element_type=f32)
 
-  accs = lax.fori_loop(0, steps, product, tuple(jnp.zeros((rows, block_n), f32) for _ in columns))
-  y = accs[0].astype(dt)
+  acc = lax.fori_loop(0, steps, product, jnp.zeros((rows, w_ref.shape[1]), f32))
+  y = acc.astype(dt)
   if glu:  # jax.nn.silu(gate) * up, each operation rounded to the dtype as XLA rounds it
-    gate, up = (a.astype(dt).astype(f32) for a in accs)
+    gate, up = _columns(y, block_n)
     silu = (gate * jax.nn.sigmoid(gate).astype(dt).astype(f32)).astype(dt).astype(f32)
     y = (silu * up).astype(dt)
   if bias_ref is not None:
     y = (y.astype(f32) + bias_ref[...].astype(f32)).astype(dt)
   o_ref[...] = y
+
+
+def _columns(y_RxW, n: int):
+  """The even (gate) and odd (up) columns of ``y`` ``[R, 2n]`` as float32 ``[R, n]`` each, exactly:
+  products with 0/1 selection matrices built in registers (one term each: no rounding), where a
+  strided read of the weight's columns would load them one 16-bit element at a time (no vector
+  loads, no asynchronous copies: the PTX of an H100 compile, ``bench/norm_matmul.py``)."""
+  rows = lax.broadcasted_iota(jnp.int32, (2 * n, n), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (2 * n, n), 1)
+  exact = lax.Precision.HIGHEST if y_RxW.dtype == jnp.float32 else None
+  return tuple(jnp.dot(y_RxW, (rows == 2 * cols + parity).astype(y_RxW.dtype), precision=exact,
+                       preferred_element_type=jnp.float32) for parity in (0, 1))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "glu", "tuning", "interpret"))

@@ -58,6 +58,24 @@ def test_in_bfloat16_it_rounds_as_the_model_does():
                              rtol=2 ** -7, atol=1e-2)
 
 
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_in_bfloat16_swiglu_rounds_as_the_model_does(block_n):
+  """``glu`` in bfloat16: the gate/up product rounded to bfloat16, its interleaved columns parted
+  exactly, then ``jax.nn.silu(gate) * up`` as XLA computes it: equal up to the products' order."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(8, 128)), jnp.bfloat16)
+  scale = jnp.asarray(1 + 0.2 * rng.normal(size=128), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(128, 128)) / 11, jnp.bfloat16)
+  tuning = pallas_norm_matmul.NormTuning(block_n=block_n, warps=2, stages=1)
+  y = pallas_norm_matmul.norm_matmul(x, scale, w, eps=EPS, glu=True, tuning=tuning,
+                                     interpret=True)
+  both = jnp.einsum("ni,io->no", transformer.rms_norm(x, scale, EPS), w)
+  ref = jax.nn.silu(both[:, 0::2]) * both[:, 1::2]
+  assert y.dtype == jnp.bfloat16 and y.shape == (8, 64)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
+                             rtol=2 ** -7, atol=1e-2)
+
+
 def test_shapes_it_does_not_take_and_bad_launches_are_refused():
   assert not pallas_norm_matmul.usable(24, 64)  # no input block of 16
   assert not pallas_norm_matmul.usable(64, 40)  # no output block of 16
