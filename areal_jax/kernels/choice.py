@@ -801,7 +801,8 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
      attention is bound by the latency of one page's loads after another; at the SmolLM2 shape
      on that H200 a layer's attention took 18.7 us to read 6.3 MB; not yet timed on a GPU);
   2. the fused norms (``norms``: an engine over one device, ``norm_dims`` the ``(inputs,
-     outputs)`` of the matmuls after its norms, one of which the kernel takes);
+     outputs)`` of the matmuls after its norms, one of which the kernel takes), with programs of
+     16 output columns and with its default's;
   3. the decode call's loop in CUDA graphs (``graphs_to_time``);
   4. XLA's own GEMMs, autotuned, for the decode program (``matmul="xla"``), where the engine's
      are ``"blas"`` by default (``matmul_open``: neither ``rollout.decode_matmul`` nor
@@ -833,8 +834,10 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
     stages.append(paged_step)
   if (not no_triton and one_device and os.environ.get(NORM_MATMUL_ENV, "").strip() in ("", "0")
       and any(pallas_norm_matmul.usable(*d) for d in norm_dims)):
-    stages.append(lambda kept: [kept, dataclasses.replace(
-        kept, norms=pallas_norm_matmul.NormTuning())])
+    # (programs of 16 output columns: 4x the programs of the default's 64 at a decode step's
+    # rows, 60 for SmolLM2's q/k/v, where the default's 15 leave most of a GPU's cores idle)
+    stages.append(lambda kept: [kept] + [dataclasses.replace(kept, norms=n) for n in (
+        pallas_norm_matmul.NormTuning(block_n=16), pallas_norm_matmul.NormTuning())])
   if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
     stages.append(graphs_to_time)
   if matmul_open:

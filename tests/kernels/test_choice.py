@@ -262,7 +262,8 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
   # the last of the paged step's offers (four pages a step of its loop) kept by the helper
   step = "block_pages=4,writes=1,dot=1"
   assert stages() == [["writes=1", "writes=1,dot=1", "stages=1,writes=1,dot=1",
-                       "block_pages=2,writes=1,dot=1", step], [f"{step}+norms"],
+                       "block_pages=2,writes=1,dot=1", step],
+                      [f"{step}+norms:block_n=16", f"{step}+norms"],
                       [f"{step}+norms+{g}" for g in graphs]]
   assert stages("cpu") == stages("tpu") == stages(requested="off") == []
   assert stages(no_triton="a Tesla T4") == [graphs]  # the graphs need no Triton
@@ -272,17 +273,19 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
   assert stages(no_triton="a Tesla T4", matmul_open=True) == [
       graphs, ["graphs:unrolled+matmul=xla"]]
   assert stages("tpu", matmul_open=True) == stages(requested="off", matmul_open=True) == []
-  assert stages(paged_pallas=False) == [["norms"], [f"norms+{g}" for g in graphs]]
+  assert stages(paged_pallas=False) == [["norms:block_n=16", "norms"],
+                                        [f"norms+{g}" for g in graphs]]
   assert stages(one_device=False)[1] == [f"{step}+graphs", f"{step}+graphs:unrolled"]
   # no dots: half a head under 16
   assert stages(head_dim=16)[0] == ["writes=1", "stages=1,writes=1", "block_pages=2,writes=1",
                                     "block_pages=4,writes=1"]
-  assert stages(group=64)[0] == ["norms"]  # a query group the step kernel does not take
+  # a query group the step kernel does not take
+  assert stages(group=64)[0] == ["norms:block_n=16", "norms"]
   assert stages(norm_dims=((576, 24),))[1] == [f"{step}+{g}" for g in graphs]
   monkeypatch.setenv(choice.PAGED_TUNING_ENV, "parts=2")  # forced: kept as the environment says
-  assert stages()[0] == ["norms"]
+  assert stages()[0] == ["norms:block_n=16", "norms"]
   monkeypatch.setenv(choice.NORM_MATMUL_ENV, "0")  # "0" forces nothing
-  assert stages()[0] == ["norms"]
+  assert stages()[0] == ["norms:block_n=16", "norms"]
   monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
   monkeypatch.setenv("XLA_FLAGS", flags + " --xla_gpu_enable_command_buffer=")
   assert stages() == []

@@ -502,7 +502,7 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   step = "block_pages=4,writes=1,dot=1"
   assert list(report["step_ms"]) == [
       "default", "writes=1", "writes=1,dot=1", "stages=1,writes=1,dot=1",
-      "block_pages=2,writes=1,dot=1", step, f"{step}+norms",
+      "block_pages=2,writes=1,dot=1", step, f"{step}+norms:block_n=16", f"{step}+norms",
       f"{step}+norms+graphs", f"{step}+norms+graphs:unrolled",
       f"{step}+norms+graphs:unrolled+matmul=xla"]
   assert report["launch"] == f"{step}+norms+graphs:unrolled+matmul=xla"
