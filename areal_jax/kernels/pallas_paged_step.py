@@ -25,6 +25,11 @@ not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
     on an H200 one part was the fastest at both decode shapes ``bench`` times (2 and 4 parts
     13-30% slower with dots: ``bench/results/h200-2026-11-30-s48``); long rows: not measured on
     a GPU yet;
+  * a program's loop reads ``block_pages`` pages a step (1 by default): a block's loads are
+    independent of its scores, so Triton's pipelined loop issues them together (a row of up to
+    that many pages in one round trip; the PTX of an H100 compile,
+    ``bench/results/cpu-aot-h100-2026-11-30-s49``); a block's pages past the row's (or the
+    part's) last are its first again, every position masked;
   * the new key and value are stored into the pool (aliased in place) and counted into the softmax
     from registers: the program uses no position it writes (its page is read whole, that position
     masked);
