@@ -228,8 +228,8 @@ def _tiles(q, k_new, v_new, k_in_ref, v_in_ref):
     m_next = functools.reduce(jnp.maximum, [jnp.max(s_TxP, axis=1) for s_TxP in s], m)
     p = [jnp.exp(s_TxP - m_next[:, None]) for s_TxP in s]
     correction = jnp.exp(m - m_next)
-    pv_TxD = _total(jnp.dot(p_TxP.astype(dt), v_in_ref[page_id, :, :],
-                            preferred_element_type=f32) for p_TxP, (page_id, _) in zip(p, pages_read))
+    pv_TxD = _total(jnp.dot(p_TxP.astype(dt), v_in_ref[page_id, :, :], preferred_element_type=f32)
+                    for p_TxP, (page_id, _) in zip(p, pages_read))
     return (m_next, l * correction + _total(jnp.sum(p_TxP, axis=1) for p_TxP in p),
             acc * correction[:, None] + pv_TxD)
 

@@ -110,8 +110,7 @@ class VllmInProcessEngine(VllmEngineBase):
     if self.lora is not None:
       self._engine_kwargs.update(enable_lora=True, max_loras=1,
                                  max_lora_rank=vllm_lora_rank(self.lora.rank))
-    memory = settings.device_memory() if self.platform == settings.GPU else None
-    fields = settings.engine_fields(self.platform, memory=memory, **self._settings)
+    fields = settings.engine_fields_here(self.platform, **self._settings)
     args = EngineArgs(
         model=self._loaded, max_model_len=self.max_model_len, max_num_seqs=self.num_slots,
         logprobs_mode="processed_logprobs", skip_tokenizer_init=True, generation_config="vllm",

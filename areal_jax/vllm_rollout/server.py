@@ -2,10 +2,11 @@
 
 The engine starts ``python -m vllm.entrypoints.openai.api_server`` (same interpreter, with the
 settings of vLLM's platform, ``settings.py``, ``VLLM_SERVER_DEV_MODE=1`` for the weight endpoints
-and this package's worker extension) or attaches to a running one (``server_url``). A server it starts runs under a
-lifeline, and guards itself (``lifeline.py``): it stops, with every process it started, when this
-process ends, even by a signal that runs no exit handler, or when the lifeline is killed (as Ray
-kills a worker's direct children); ``close`` returns once they are gone. Up to ``num_slots``
+and this package's worker extension) or attaches to a running one (``server_url``). A server it
+starts runs under a lifeline, and guards itself (``lifeline.py``): it stops, with every process
+it started, when this process ends, even by a signal that runs no exit handler, or when the
+lifeline is killed (as Ray kills a worker's direct children); ``close`` returns once they are
+gone. Up to ``num_slots``
 sequences are in flight at once, each a streaming ``/v1/completions`` request on token ids
 (``prompt`` is a list of ids, ``return_token_ids`` gives the generated ids, ``logprobs=0`` the
 sampled token's logprob), read by one worker thread per slot.
@@ -107,13 +108,11 @@ class VllmServerEngine(VllmEngineBase):
                                          or model.cfg.eos_token_ids),
                      max_model_len=max_model_len, num_slots=num_slots, version=version)
     self.workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="areal_vllm_server_"))
-    # (an attached server's platform is its own: weights in float32 unless dtype says, any vLLM
-    # reads them)
     self.platform = settings.platform() if server_url is None else None
-    self.weights = WeightDirs(
-        model, tokenizer, os.path.join(self.workdir, "weights"), keep_weights,
-        settings.compute_dtype(self.platform, dtype) if self.platform
-        else "float32" if dtype == "auto" else dtype)
+    # (an attached server's platform is not known here: float32 unless dtype says, which any
+    # vLLM reads)
+    self.weights = WeightDirs(model, tokenizer, os.path.join(self.workdir, "weights"),
+                              keep_weights, settings.compute_dtype(self.platform or "cpu", dtype))
     self.request_timeout = request_timeout
     self.per_request_seeds = per_request_seeds
     self._lock = threading.Condition()
@@ -155,10 +154,8 @@ class VllmServerEngine(VllmEngineBase):
     # the server runs under a lifeline and guards itself: it is stopped (with the engine core it
     # starts) when this process ends, even by a signal that runs no exit handler, or when the
     # lifeline is killed (Ray kills a worker's direct children when it exits)
-    memory = settings.device_memory() if self.platform == settings.GPU else None
     args = server_args(self._loaded, port, num_slots=num_slots, max_model_len=max_model_len,
-                       seed=seed, fields=settings.engine_fields(self.platform, memory=memory,
-                                                                **chosen))
+                       seed=seed, fields=settings.engine_fields_here(self.platform, **chosen))
     cmd = lifeline.command(lifeline.guarded(SERVER_MODULE, args, grace_s=STOP_GRACE_S),
                            owner=os.getpid(), grace_s=STOP_GRACE_S, pid_file=self.pid_file)
     self.log_path = os.path.join(self.workdir, "server.log")

@@ -116,6 +116,12 @@ def engine_fields(platform_: str, *, dtype: str = "auto", kv_cache_gib: float = 
   return fields
 
 
+def engine_fields_here(platform_: str, **chosen) -> dict:
+  """``engine_fields`` with ``chosen`` (its keyword arguments but ``memory``) for an engine about
+  to start here: on a GPU with the device's memory as it is now (``device_memory``)."""
+  return engine_fields(platform_, memory=device_memory() if platform_ == GPU else None, **chosen)
+
+
 def environment(platform_: str, cache_dir: str, kv_cache_gib: float = 1.0,
                 num_threads: int | None = None, bind_threads: bool = False) -> dict[str, str]:
   """Environment variables for vLLM on ``platform_``, every cache under ``cache_dir``:

@@ -6,7 +6,8 @@
 ``<root>/v<version>`` with ``areal_jax.models.save_hf`` (atomic: a directory appears only once
 complete; sharded arrays are gathered from whatever mesh holds them) in ``dtype``, vLLM's compute
 dtype (on a GPU bfloat16: half the float32 bytes, which vLLM would cast to anyway). vLLM then
-reloads from that path. Old versions are pruned, keeping the newest ``keep`` plus any directory still marked in use.
+reloads from that path. Old versions are pruned, keeping the newest ``keep`` plus any directory
+still marked in use.
 """
 
 from __future__ import annotations
