@@ -115,7 +115,7 @@ def base_config() -> ConfigDict:
   c.rollout.vllm = ConfigDict()  # rollout.backend="vllm" only (see areal_jax/vllm_rollout/factory.py)
   c.rollout.vllm.mode = "inprocess"  # "inprocess" | "server" (OpenAI-compatible, on 127.0.0.1)
   c.rollout.vllm.server_url = ""  # attach to a running server instead of starting one
-  c.rollout.vllm.kv_cache_gib = 1.0  # on a GPU 0: vLLM sizes it from its memory share
+  c.rollout.vllm.kv_cache_gib = 0.0  # 0: 1 GiB on CPU, on a GPU vLLM's own (its memory share)
   c.rollout.vllm.num_threads = 0  # 0: all cores (CPU)
   c.rollout.vllm.dtype = "auto"  # "auto": float32 on CPU, bfloat16 on a GPU | a dtype vLLM takes
   c.rollout.vllm.gpu_memory_utilization = 0.0  # GPU: vLLM's share; 0: what is free at its start

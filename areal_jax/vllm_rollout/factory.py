@@ -6,8 +6,8 @@ Settings, all optional, under ``rollout.vllm`` (defaults when the block or a key
   vLLM server on 127.0.0.1);
 * ``server_url``: attach to a running server (started with ``VLLM_SERVER_DEV_MODE=1`` and
   ``worker_extension_cls`` as ``server.py`` does) instead of starting one;
-* ``kv_cache_gib`` (1.0; on a GPU 0: vLLM's own, from its memory share), ``num_threads`` (0: all
-  cores; CPU), ``workdir`` ("": a temporary directory);
+* ``kv_cache_gib`` (0: 1 GiB on CPU, on a GPU vLLM's own size, from its memory share),
+  ``num_threads`` (0: all cores; CPU), ``workdir`` ("": a temporary directory);
 * ``dtype`` (``"auto"``: float32 on CPU, bfloat16 on a GPU; or one of ``DTYPES``) and
   ``gpu_memory_utilization`` (on a GPU vLLM's share of its memory; 0: what is free when it starts,
   less 2 GiB): ``settings.py``, which picks what vLLM runs with by the platform of its build.
@@ -55,7 +55,7 @@ def build(config, model, tokenizer, sampler_mesh=None):
   common = dict(
       workdir=workdir or None, num_slots=r.num_slots,
       max_model_len=r.max_prompt_len + r.max_new_tokens,
-      kv_cache_gib=float(_option(config, "kv_cache_gib", 1.0)),
+      kv_cache_gib=float(_option(config, "kv_cache_gib", 0.0)),
       num_threads=int(_option(config, "num_threads", 0)) or None,
       keep_weights=max(2, int(config.weights.keep)), seed=int(config.seed), dtype=dtype,
       gpu_memory_utilization=float(_option(config, "gpu_memory_utilization", 0.0)))

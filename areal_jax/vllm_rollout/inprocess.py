@@ -50,7 +50,8 @@ class VllmInProcessEngine(VllmEngineBase):
       (default: a fresh temporary directory).
     num_slots: vLLM's ``max_num_seqs`` (sequences decoded together).
     max_model_len: prompt + generated tokens per sequence.
-    kv_cache_gib: KV cache size (on a GPU 0 or less: vLLM's own, from its memory share).
+    kv_cache_gib: KV cache size (0 or less: 1 GiB on CPU, on a GPU vLLM's own, from its memory
+      share).
     dtype: vLLM's compute dtype (``"auto"``: float32 on CPU, bfloat16 on a GPU).
     gpu_memory_utilization: on a GPU, vLLM's share of its memory (0: what is free when the engine
       starts, less ``settings.HEADROOM_GIB``); see ``settings.py``.
@@ -63,7 +64,7 @@ class VllmInProcessEngine(VllmEngineBase):
   """
 
   def __init__(self, model, tokenizer, *, workdir: str | None = None, num_slots: int = 8,
-               max_model_len: int = 512, kv_cache_gib: float = 1.0, keep_weights: int = 2,
+               max_model_len: int = 512, kv_cache_gib: float = 0.0, keep_weights: int = 2,
                num_threads: int | None = None, seed: int = 0, version: int = 0,
                per_request_seeds: bool = False, engine_kwargs: dict[str, Any] | None = None,
                lora: lora_lib.LoraConfig | None = None, dtype: str = "auto",

@@ -97,7 +97,7 @@ class VllmServerEngine(VllmEngineBase):
 
   def __init__(self, model, tokenizer, *, server_url: str | None = None,
                workdir: str | None = None, num_slots: int = 8, max_model_len: int = 512,
-               kv_cache_gib: float = 1.0, keep_weights: int = 2, num_threads: int | None = None,
+               kv_cache_gib: float = 0.0, keep_weights: int = 2, num_threads: int | None = None,
                seed: int = 0, version: int = 0, per_request_seeds: bool = False,
                startup_timeout: float = 600.0, request_timeout: float = 600.0,
                dtype: str = "auto", gpu_memory_utilization: float = 0.0):

@@ -6,7 +6,8 @@ install-vllm`` installs, or a CUDA (or ROCm) build on a GPU host. ``engine_field
 are, the server engine as its command line, ``cli_args``), ``environment`` the variables:
 
 * CPU: float32, eager (nothing to compile or capture), ``kv_cache_gib`` of KV cache in host memory
-  (``VLLM_CPU_KVCACHE_SPACE``), ``num_threads`` torch threads, no torch.compile;
+  (``VLLM_CPU_KVCACHE_SPACE``; 0 or less: ``CPU_KV_CACHE_GIB``), ``num_threads`` torch threads, no
+  torch.compile;
 * GPU: bfloat16, vLLM's torch.compile and CUDA graphs (its defaults), ``kv_cache_gib`` of KV cache
   on the device (``kv_cache_memory_bytes``; 0 or less: vLLM sizes it from its memory share), and
   that share (``gpu_memory_utilization``) by default what is free on the device when the engine
@@ -27,6 +28,7 @@ HEADROOM_GIB = 2.0  # what a share chosen from the free memory leaves (vLLM's ow
 MAX_SHARE = 0.92  # vLLM's own default share, the most the automatic one takes
 MIN_SHARE = 0.02  # below it the automatic share is an error, not a start that fails later
 GIB = 1 << 30
+CPU_KV_CACHE_GIB = 1.0  # host memory for vLLM's KV cache on CPU where kv_cache_gib leaves it
 
 
 def platform() -> str:
@@ -96,7 +98,7 @@ def compute_dtype(platform_: str, dtype: str = "auto") -> str:
   return dtype if dtype != "auto" else ("bfloat16" if platform_ == GPU else "float32")
 
 
-def engine_fields(platform_: str, *, dtype: str = "auto", kv_cache_gib: float = 1.0,
+def engine_fields(platform_: str, *, dtype: str = "auto", kv_cache_gib: float = 0.0,
                   gpu_memory_utilization: float = 0.0,
                   memory: tuple[int, int] | None = None) -> dict:
   """The ``vllm.EngineArgs`` fields of ``platform_`` (``PLATFORMS``) that this backend sets (the
@@ -122,14 +124,15 @@ def engine_fields_here(platform_: str, **chosen) -> dict:
   return engine_fields(platform_, memory=device_memory() if platform_ == GPU else None, **chosen)
 
 
-def environment(platform_: str, cache_dir: str, kv_cache_gib: float = 1.0,
+def environment(platform_: str, cache_dir: str, kv_cache_gib: float = 0.0,
                 num_threads: int | None = None, bind_threads: bool = False) -> dict[str, str]:
   """Environment variables for vLLM on ``platform_``, every cache under ``cache_dir``:
 
   * one process, no engine-core subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
   * caches under ``cache_dir``, no usage statistics;
   * on CPU also: no torch.compile / inductor (``TORCHDYNAMO_DISABLE=1``; the engine is eager),
-    ``kv_cache_gib`` GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``), ``num_threads`` torch threads
+    ``kv_cache_gib`` GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``; 0 or less:
+    ``CPU_KV_CACHE_GIB``), ``num_threads`` torch threads
     (``OMP_NUM_THREADS``; default: every core of this process, otherwise vLLM drops to one
     thread) and no OpenMP core pinning unless ``bind_threads`` (pinning an in-process engine
     would also pin the JAX learner's threads sharing the process)."""
@@ -143,7 +146,7 @@ def environment(platform_: str, cache_dir: str, kv_cache_gib: float = 1.0,
   if platform_ == "cpu":
     env.update({
         "TORCHDYNAMO_DISABLE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib if kv_cache_gib > 0 else CPU_KV_CACHE_GIB:g}",
         "VLLM_CPU_OMP_THREADS_BIND": "auto" if bind_threads else "nobind",
         "OMP_NUM_THREADS": str(num_threads or len(os.sched_getaffinity(0))),
     })

@@ -29,17 +29,19 @@ def test_on_cpu_the_engine_is_float32_and_eager_with_its_cache_in_host_memory(tm
   assert env["VLLM_CPU_KVCACHE_SPACE"] == "1.5" and env["OMP_NUM_THREADS"] == "3"
   assert env["TORCHDYNAMO_DISABLE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
   assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm")
+  assert settings.environment("cpu", str(tmp_path))["VLLM_CPU_KVCACHE_SPACE"] == "1"  # the default
 
 
 def test_on_a_gpu_bfloat16_compiled_and_the_cache_on_the_device(tmp_path):
+  # by default vLLM sizes its cache from its share, what is free less the headroom
   fields = settings.engine_fields("gpu", memory=(20 * GIB, 80 * GIB))
   assert fields == {"dtype": "bfloat16", "enforce_eager": False,
-                    "distributed_executor_backend": "uni", "kv_cache_memory_bytes": GIB,
+                    "distributed_executor_backend": "uni",
                     "gpu_memory_utilization": 0.225}  # (20 - 2) / 80 GiB
-  # 0 GiB: vLLM sizes its cache from its share; an explicit share and dtype are kept
-  fields = settings.engine_fields("gpu", dtype="float16", kv_cache_gib=0,
+  # a size asked for; an explicit share and dtype are kept
+  fields = settings.engine_fields("gpu", dtype="float16", kv_cache_gib=1,
                                   gpu_memory_utilization=0.4, memory=(20 * GIB, 80 * GIB))
-  assert fields["dtype"] == "float16" and "kv_cache_memory_bytes" not in fields
+  assert fields["dtype"] == "float16" and fields["kv_cache_memory_bytes"] == GIB
   assert fields["gpu_memory_utilization"] == 0.4
   assert "gpu_memory_utilization" not in settings.engine_fields("gpu")  # unknown: vLLM's own
   env = settings.environment("gpu", str(tmp_path), kv_cache_gib=1.5, num_threads=3)
@@ -135,7 +137,7 @@ def test_vllms_own_parser_reads_the_server_arguments_as_the_engine_fields(platfo
   from vllm.engine.arg_utils import EngineArgs
   from vllm.entrypoints.launchers.cli_args import make_arg_parser
   from vllm.utils.argparse_utils import FlexibleArgumentParser
-  fields = settings.engine_fields(platform, memory=(40 * GIB, 80 * GIB))
+  fields = settings.engine_fields(platform, kv_cache_gib=1, memory=(40 * GIB, 80 * GIB))
   args = server.server_args("/tmp/model", 8123, num_slots=4, max_model_len=96, seed=3,
                             fields=fields)
   parsed = EngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(args))
