@@ -3,7 +3,7 @@ GEMM as the engine compiles it, the bias or SwiGLU) against our one-kernel Palla
 several launches.
 
   python bench/norm_matmul.py [--model qwen2.5-1.5b] [--tunings "default;block_n=32"]
-                              [--json PATH] [--compile-only h100]
+                              [--json PATH] [--compile-only h100 [--ptx]]
 
 The two pieces ``kernels/pallas_norm_matmul.py`` fuses (``$AREAL_JAX_DECODE_NORM_MATMUL``): the
 norm and the fused q/k/v projection (with its bias where the model has one), and the norm, the
@@ -16,7 +16,7 @@ Per launch: microseconds per layer (best of ``--reps`` calls of all layers), the
 layer reads over that time, that as a fraction of the read probe's bandwidth, the time against
 ``xla``'s, and the largest difference of the outputs from ``xla``'s. ``--compile-only TARGET``
 compiles each for a GPU this machine lacks (``bench/aot_decode.py``'s targets) and counts its
-kernels instead. On CPU the kernel runs in Pallas interpret mode (``--model tiny`` is for tests).
+kernels instead (``--ptx``: and what our kernel's PTX holds, ``bench/ptx.py``). On CPU the kernel runs in Pallas interpret mode (``--model tiny`` is for tests).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from areal_jax.kernels import choice, pallas_norm_matmul  # noqa: E402
 from areal_jax.models import transformer  # noqa: E402
 from common import (QWEN25_1P5B, SMOLLM2, TINY, Hardware, against, best_time,  # noqa: E402
                     finish, machine)
-from paged_kernel import compiled  # noqa: E402
+from paged_kernel import compiled, ptx_line  # noqa: E402
 
 SHAPES = {"qwen2.5-1.5b": (QWEN25_1P5B, 128), "smollm2-135m": (SMOLLM2, 64), "tiny": (TINY, 4)}
 SWEEP = "xla;default;block_n=32;block_n=16;warps=8;stages=2;stages=4;block_n=32,warps=8"
@@ -105,8 +105,12 @@ def main():
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--compile-only", default=None, metavar="TARGET",
                   help="compile for a GPU under bench/aot_targets (e.g. h100) and count kernels")
+  ap.add_argument("--ptx", action="store_true",
+                  help="with --compile-only: our kernel's PTX instructions (bench/ptx.py)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
+  if args.ptx and not args.compile_only:
+    ap.error("--ptx reads what --compile-only compiles")
   t_start = time.perf_counter()
   cfg, rows = SHAPES[args.model]
   on_cpu = jax.default_backend() == "cpu"
@@ -134,9 +138,10 @@ def main():
         row.update(dataclasses.asdict(tuning(spec)))
       fn = program(spec, cfg.n_layers, cfg.norm_eps, glu, bias, gpu=not interpret)
       if args.compile_only:
-        row.update(compiled(fn, args_, args.compile_only, cfg.n_layers))
+        row.update(compiled(fn, args_, args.compile_only, cfg.n_layers,
+                            None if spec == "xla" else "norm_matmul"))
         print(f"  {piece:20s} {spec:24s} compile {row['compile_s']:5.1f} s, "
-              f"{row['launches_per_layer']:4.1f} kernels a layer")
+              f"{row['launches_per_layer']:4.1f} kernels a layer{ptx_line(row)}")
       else:
         out = fn(*args_)
         us = best_time(fn, *args_, reps=args.reps) / cfg.n_layers * 1e6

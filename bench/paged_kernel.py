@@ -4,7 +4,7 @@ keys and values (``writes=1``), and the dense read.
 
   python bench/paged_kernel.py [--model qwen2.5-1.5b] [--page-sizes 64]
                                [--tunings "default;bound=1;writes=1"] [--json PATH]
-                               [--compile-only h100]
+                               [--compile-only h100 [--ptx]]
 
 What one decode step's attention costs on a GPU, with nothing else in the program: every layer of
 the shape (each its own index into one pool, as the sampler's paged cache holds them) runs
@@ -26,7 +26,9 @@ outputs from ``default``'s (the same attention: a launch that reads wrong shows 
 gives its output in the queries' dtype, so on a GPU that difference includes bfloat16's
 rounding). ``--compile-only TARGET`` compiles each launch for a GPU this machine does not have
 (``bench/aot_decode.py``'s targets) and counts its kernels instead: a launch that would not lower
-for the GPU fails here, not on a lent one. On CPU the kernels run in Pallas interpret mode (slow;
+for the GPU fails here, not on a lent one; with ``--ptx`` also what its kernel's PTX holds and in
+what order (``bench/ptx.py``: vector or scalar loads, asynchronous copies, barriers, products).
+On CPU the kernels run in Pallas interpret mode (slow;
 ``--model tiny`` is for tests).
 """
 
@@ -41,6 +43,9 @@ import time
 if any(a.startswith("--compile-only") for a in sys.argv):  # as bench/aot_decode.py: no GPU here
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+import ptx  # noqa: E402
+
+PTX_DUMP = ptx.dump_to() if "--ptx" in sys.argv else None  # (before JAX reads XLA_FLAGS)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -133,8 +138,12 @@ def main():
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--compile-only", default=None, metavar="TARGET",
                   help="compile for a GPU under bench/aot_targets (e.g. h100) and count kernels")
+  ap.add_argument("--ptx", action="store_true",
+                  help="with --compile-only: each kernel's PTX instructions (bench/ptx.py)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
+  if args.ptx and not args.compile_only:
+    ap.error("--ptx reads what --compile-only compiles")
   t_start = time.perf_counter()
   cfg, slots, context = SHAPES[args.model]
   context = args.context or context
@@ -172,9 +181,11 @@ def main():
       row = {"page_size": page, "tuning": name, "impl": impl, **vars(how)}
       fn = program(impl, how, cfg.n_layers, t, interpret=on_cpu and not args.compile_only)
       if args.compile_only:
-        row.update(compiled(fn, args_, args.compile_only, cfg.n_layers))
+        kernel = None if impl != "pallas_gpu" else (
+            "paged_decode_step" if how.writes else "paged_attention")
+        row.update(compiled(fn, args_, args.compile_only, cfg.n_layers, kernel))
         print(f"  page {page:4d} {name:44s} compile {row['compile_s']:5.1f} s, "
-              f"{row['launches_per_layer']:5.1f} kernels a layer")
+              f"{row['launches_per_layer']:5.1f} kernels a layer{ptx_line(row)}")
         keep(row)
         continue
       try:
@@ -200,21 +211,35 @@ def main():
   finish(result, args.json, t_start)
 
 
-def compiled(fn, fargs, target: str, n_layers: int) -> dict:
-  """Compile ``fn`` for ``target`` (no such device here) and count its kernels."""
+def compiled(fn, fargs, target: str, n_layers: int, kernel: str | None = None) -> dict:
+  """Compile ``fn`` for ``target`` (no such device here) and count its kernels; with ``--ptx``,
+  ``ptx``: the summary of the PTX of the kernel named ``kernel`` (``bench/ptx.py``)."""
   import aot_decode  # noqa: PLC0415 (its GPU target descriptions)
   from jax.sharding import SingleDeviceSharding  # noqa: PLC0415
 
   device = aot_decode.target_device(target)
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=SingleDeviceSharding(device))
             for a in fargs]  # shapes only: nothing is allocated
+  if PTX_DUMP:
+    ptx.take(PTX_DUMP, "")  # (what earlier compiles dumped)
   t0 = time.perf_counter()
   with choice.lowering_for("gpu"):
     hlo = choice.lower(fn, shapes, "cuda").compile().as_text()
   counts = aot_decode.launches(hlo)
   kernels = aot_decode.launch_total(counts)
-  return {"compile_s": time.perf_counter() - t0, "launches_per_layer": kernels / n_layers,
-          "copied_MB": counts["copied_bytes"] / 1e6}
+  out = {"compile_s": time.perf_counter() - t0, "launches_per_layer": kernels / n_layers,
+         "copied_MB": counts["copied_bytes"] / 1e6}
+  text = ptx.take(PTX_DUMP, kernel) if PTX_DUMP and kernel else None
+  if text is not None:
+    out["ptx"] = ptx.summary(text)
+  return out
+
+
+def ptx_line(row: dict) -> str:
+  """A compiled row's PTX counts, for its printed line ("" without them)."""
+  if "ptx" not in row:
+    return ""
+  return "; PTX " + ", ".join(f"{k} {n}" for k, n in row["ptx"]["counts"].items() if n)
 
 
 if __name__ == "__main__":
