@@ -73,8 +73,8 @@ def memory_share(requested: float, memory: tuple[int, int] | None) -> float | No
   (``(free, total)`` bytes) leaves free less ``HEADROOM_GIB``, at most ``MAX_SHARE`` (None when
   ``memory`` is not known: vLLM's default). Raises ``ValueError`` naming the keys to change when
   too little is free."""
-  if requested > 0:
-    if requested > 1:
+  if requested != 0:
+    if not 0 < requested <= 1:
       raise ValueError(f"rollout.vllm.gpu_memory_utilization={requested}: expected a fraction of "
                        "the GPU's memory in (0, 1], or 0 for what is free when vLLM starts")
     return float(requested)

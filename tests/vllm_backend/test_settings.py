@@ -68,8 +68,9 @@ def test_the_automatic_share_is_what_is_free_less_headroom_at_most_vllms_default
   # a JAX learner holding most of the card: an error naming what to change, not a failed start
   with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION.*gpu_memory_utilization"):
     settings.memory_share(0.0, (3 * GIB, 80 * GIB))
-  with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
-    settings.memory_share(1.5, (80 * GIB, 80 * GIB))
+  for bad in (1.5, -0.2):
+    with pytest.raises(ValueError, match=f"gpu_memory_utilization={bad}"):
+      settings.memory_share(bad, (80 * GIB, 80 * GIB))
 
 
 def test_free_memory_is_read_for_the_first_visible_gpu(monkeypatch):
