@@ -306,6 +306,14 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   choices["rollout.decode_layers"] = (r.decode_layers, ("auto",) + kernel_choice.LAYERS)
   choices["rollout.decode_projections"] = (r.get("decode_projections", "auto"),
                                            ("auto",) + kernel_choice.PROJECTIONS)
+  vllm = r.get("vllm", None) or {}
+  if vllm:  # (checked again where the engine is built; here before any model loads)
+    from areal_jax.vllm_rollout import factory as vllm_factory  # noqa: PLC0415
+    choices["rollout.vllm.mode"] = (vllm.get("mode", "inprocess"), vllm_factory.MODES)
+    choices["rollout.vllm.dtype"] = (vllm.get("dtype", "auto"), vllm_factory.DTYPES)
+    if not 0 <= vllm.get("gpu_memory_utilization", 0.0) <= 1:
+      errors.append(f"rollout.vllm.gpu_memory_utilization={vllm.gpu_memory_utilization} must be in "
+                    "[0, 1] (0: what is free when vLLM starts)")
   for key, (value, valid) in choices.items():
     if value not in valid:
       errors.append(f"{key}={value!r} is not one of {valid}")

@@ -109,6 +109,20 @@ def test_decode_kernel_keys_are_checked():
     config_lib.validate(c)
 
 
+def test_vllm_settings_are_checked_before_anything_loads():
+  c = config_lib.base_config()
+  c.rollout.vllm.dtype, c.rollout.vllm.mode = "fp8", "remote"
+  c.rollout.vllm.gpu_memory_utilization = 1.2
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(c)
+  for key in ("rollout.vllm.dtype='fp8'", "rollout.vllm.mode='remote'",
+              "rollout.vllm.gpu_memory_utilization=1.2"):
+    assert key in str(e.value)
+  c.rollout.vllm.dtype, c.rollout.vllm.mode = "bfloat16", "server"
+  c.rollout.vllm.gpu_memory_utilization = 0.5
+  config_lib.validate(c)
+
+
 def test_paged_cache_keys_are_checked():
   c = config_lib.base_config()
   c.rollout.kv_pages, c.rollout.page_size = 40, 16  # 640 positions: a sequence needs 512 + 256
