@@ -16,7 +16,8 @@ Per launch: microseconds per layer (best of ``--reps`` calls of all layers), the
 layer reads over that time, that as a fraction of the read probe's bandwidth, the time against
 ``xla``'s, and the largest difference of the outputs from ``xla``'s. ``--compile-only TARGET``
 compiles each for a GPU this machine lacks (``bench/aot_decode.py``'s targets) and counts its
-kernels instead (``--ptx``: and what our kernel's PTX holds, ``bench/ptx.py``). On CPU the kernel runs in Pallas interpret mode (``--model tiny`` is for tests).
+kernels instead (``--ptx``: and what our kernel's PTX holds, ``bench/ptx.py``). On CPU the
+kernel runs in Pallas interpret mode (``--model tiny`` is for tests).
 """
 
 from __future__ import annotations

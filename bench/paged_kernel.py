@@ -28,8 +28,7 @@ rounding). ``--compile-only TARGET`` compiles each launch for a GPU this machine
 (``bench/aot_decode.py``'s targets) and counts its kernels instead: a launch that would not lower
 for the GPU fails here, not on a lent one; with ``--ptx`` also what its kernel's PTX holds and in
 what order (``bench/ptx.py``: vector or scalar loads, asynchronous copies, barriers, products).
-On CPU the kernels run in Pallas interpret mode (slow;
-``--model tiny`` is for tests).
+On CPU the kernels run in Pallas interpret mode (slow; ``--model tiny`` is for tests).
 """
 
 from __future__ import annotations

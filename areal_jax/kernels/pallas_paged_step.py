@@ -134,10 +134,11 @@ def _kernel(base_ref, pos_ref, write_page_ref, offset_ref, table_ref, qkv_ref, c
       pages_read = []
       for t in range(block):
         j = j0 + t
-        inside = True if block == 1 else j < end
         before_P = j * page + lax.broadcasted_iota(jnp.int32, (page,), 0) < pos
-        pages_read.append((base + table_ref[j if block == 1 else jnp.where(inside, j, j0)],
-                           before_P if block == 1 else before_P & inside))
+        if block > 1:  # a page past the run: the block's first read again, every position masked
+          inside = j < end
+          j, before_P = jnp.where(inside, j, j0), before_P & inside
+        pages_read.append((base + table_ref[j], before_P))
       return block_step(pages_read, carry)
     return unpack(*lax.fori_loop(0, pl.cdiv(end - lo, block), body, carry))
 
