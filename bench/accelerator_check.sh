@@ -57,9 +57,11 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 # 45-49 s on an H200 in session 48 with 7 launches timed, 10 since session 49)
 log sampler smollm2 as shipped; t=$(limit 110) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model=smollm2-135m --json "$OUT/sampler_smollm2.json" 2>&1 | keep
-if [ -n "${1:-}" ]; then  # (its figure in the log only: the files a call brings back are few)
+# the legacy step: the best of 20 one-step calls and their median (host-bound, it moved 18% between
+# two H200 machines in session 48: 10.92 / 9.25 ms, best of 5); its figure in the log only
+if [ -n "${1:-}" ]; then
   log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
-    --no-floor --model=smollm2-135m --variants x:x:1 2>&1 | keep
+    --no-floor --model=smollm2-135m --variants x:x:1 --reps 20 2>&1 | keep
 fi
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep

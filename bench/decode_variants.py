@@ -234,7 +234,8 @@ def main():
     if "error" in row:
       print(f"{variant:>28}: {row['error']}")
     else:
-      print(f"{variant:>28}: {row['step_ms']:8.3f} ms/step ({row['attention']} attention, "
+      print(f"{variant:>28}: {row['step_ms']:8.3f} ms/step (median of {len(row['step_ms_all'])} "
+            f"calls {np.median(row['step_ms_all']):.3f}; {row['attention']} attention, "
             f"{row['layers']} layers, {row['matmul']} matmuls; first call "
             f"{row['compile_and_first_s']:.1f} s)"
             + (f", {row['floor_ratio']:.2f}x floor" if "floor_ratio" in row else "")
