@@ -212,7 +212,9 @@ def main():
 
 def compiled(fn, fargs, target: str, n_layers: int, kernel: str | None = None) -> dict:
   """Compile ``fn`` for ``target`` (no such device here) and count its kernels; with ``--ptx``,
-  ``ptx``: the summary of the PTX of the kernel named ``kernel`` (``bench/ptx.py``)."""
+  ``ptx``: the summary of the PTX of the kernel named ``kernel``, and ``launch``: its grid,
+  threads and shared memory as XLA launches it, and the blocks an SM of ``target`` holds
+  (``bench/ptx.py``)."""
   import aot_decode  # noqa: PLC0415 (its GPU target descriptions)
   from jax.sharding import SingleDeviceSharding  # noqa: PLC0415
 
@@ -228,6 +230,9 @@ def compiled(fn, fargs, target: str, n_layers: int, kernel: str | None = None) -
   kernels = aot_decode.launch_total(counts)
   out = {"compile_s": time.perf_counter() - t0, "launches_per_layer": kernels / n_layers,
          "copied_MB": counts["copied_bytes"] / 1e6}
+  launch = ptx.geometry(PTX_DUMP, kernel) if PTX_DUMP and kernel else None
+  if launch is not None:  # (XLA's thunk sequence: read before take empties the dump)
+    out["launch"] = {**launch, "residency": ptx.residency(launch, ptx.gpu(target))}
   text = ptx.take(PTX_DUMP, kernel) if PTX_DUMP and kernel else None
   if text is not None:
     out["ptx"] = ptx.summary(text)
@@ -235,10 +240,11 @@ def compiled(fn, fargs, target: str, n_layers: int, kernel: str | None = None) -
 
 
 def ptx_line(row: dict) -> str:
-  """A compiled row's PTX counts, for its printed line ("" without them)."""
-  if "ptx" not in row:
-    return ""
-  return "; PTX " + ", ".join(f"{k} {n}" for k, n in row["ptx"]["counts"].items() if n)
+  """A compiled row's launch and PTX counts, for its printed line ("" without them)."""
+  out = f"; {ptx.launch_text(row['launch'])}" if "launch" in row else ""
+  if "ptx" in row:
+    out += "; PTX " + ", ".join(f"{k} {n}" for k, n in row["ptx"]["counts"].items() if n)
+  return out
 
 
 if __name__ == "__main__":

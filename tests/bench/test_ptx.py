@@ -50,3 +50,42 @@ def test_ptx_needs_compile_only(monkeypatch):
   monkeypatch.setattr(sys, "argv", ["paged_kernel.py", "--model", "tiny", "--ptx"])
   with pytest.raises(SystemExit):
     paged_kernel.main()
+
+
+# XLA's thunk sequence as it dumps it (``*.thunk_sequence.txt``), compiled for an H100
+THUNKS = """\
+001: kCustomKernel [source       | next=002 (1)] input_concatenate_fusion grid: [288, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+002: kCustomKernel [prev=001 (1) | next=003 (1)] paged_decode_step grid: [128, 2, 1] threads: [256, 1, 1]  shared_memory: 133120 bytes
+003: kCustomKernel [prev=002 (1) | next=004 (1)] paged_decode_step grid: [128, 2, 1] threads: [256, 1, 1]  shared_memory: 133120 bytes
+"""
+
+
+def test_a_kernels_launch_is_read_off_the_thunk_sequence(tmp_path):
+  (tmp_path / "module_0001.jit_f.thunk_sequence_after_thunk_passes.txt").write_text("")
+  (tmp_path / "module_0001.jit_f.thunk_sequence.txt").write_text(THUNKS)
+  launch = ptx.geometry(str(tmp_path), "paged_decode")
+  assert launch == {"grid": [128, 2, 1], "threads": 256, "shared_bytes": 133120, "programs": 256}
+  assert ptx.geometry(str(tmp_path), "input_concatenate")["shared_bytes"] == 0
+  assert ptx.geometry(str(tmp_path), "norm_matmul") is None
+
+
+def test_blocks_a_sm_holds_and_the_waves_of_a_grid():
+  h100 = ptx.gpu("h100")
+  assert h100 == {"core_count": 132, "shared_memory_per_core": 233472,
+                  "threads_per_core_limit": 2048, "registers_per_core_limit": 65536}
+  launch = {"grid": [128, 2, 1], "threads": 256, "shared_bytes": 133120, "programs": 256}
+  # 228 KiB an SM holds one block of 130 KiB (+1 KiB CUDA keeps): 256 blocks on 132 SMs, 2 waves
+  assert ptx.residency(launch, h100) == {"per_sm": 1, "bound": "shared memory", "waves": 2,
+                                         "sms": 132}
+  # two blocks of 113.5 KiB would fit 228 KiB but for the 1 KiB CUDA keeps for each
+  assert ptx.residency(dict(launch, shared_bytes=116224), h100)["per_sm"] == 1
+  small = dict(launch, shared_bytes=1024)  # 8 blocks of 256 threads fill an SM's 2048
+  assert ptx.residency(small, h100) == {"per_sm": 8, "bound": "threads", "waves": 1, "sms": 132}
+  tiny = dict(launch, threads=32, shared_bytes=0, grid=[5000, 1, 1], programs=5000)
+  assert ptx.residency(tiny, h100)["bound"] == "blocks"  # 32 a SM: 4224 at once, 2 waves
+  assert ptx.residency(tiny, h100)["waves"] == 2
+  text = ptx.launch_text({**launch, "residency": ptx.residency(launch, h100)})
+  assert text == ("grid 128x2x1 of 256 threads, 130.0 KiB shared: <= 1 a SM (shared memory), "
+                  ">= 2 wave(s) on 132 SMs")
+  with pytest.raises(ValueError, match="no GPU description"):
+    ptx.gpu("v100")
