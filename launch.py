@@ -68,8 +68,9 @@ def main(argv):
   except LearnerProcessDied as e:  # the group is already stopped; the supervisor restarts the run
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(RESTART_EXIT_CODE)
-  except (RunDirError, CheckpointError, MemoryError) as e:  # expected faults (run directory,
-    # model files, a memory plan that cannot fit): the message says what to do
+  except (RunDirError, CheckpointError, MemoryError, config_lib.ConfigError) as e:  # expected
+    # faults (run directory, model files, a memory plan that cannot fit, settings that contradict
+    # each other or the devices): the message says what to do
     if flags.FLAGS.verbosity >= 1:
       raise
     print(f"error: {e}", file=sys.stderr, flush=True)

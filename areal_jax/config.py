@@ -271,8 +271,13 @@ def mesh_sizes(axes: ConfigDict, n_devices: int, where: str) -> dict[str, int]:
   return sizes
 
 
+class ConfigError(ValueError):
+  """A config that cannot run as set; the message names the keys involved."""
+
+
 def validate(config: ConfigDict, n_devices: int | None = None) -> None:
-  """Rejects inconsistent settings with a message that names the keys involved."""
+  """Rejects inconsistent settings with a message that names the keys involved
+  (``ConfigError``)."""
   a, r, m = config.actor, config.rollout, config.mesh
   errors = []
   if a.use_decoupled_loss and not a.recompute_logprobs:
@@ -401,7 +406,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
                            group=r.n_samples if r.get("data_parallel", "replicas") == "replicas"
                            and r.backend == "jax" else 0)
   if errors:
-    raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+    raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 
 def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int,

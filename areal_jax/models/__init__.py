@@ -73,4 +73,8 @@ def load(source: str, *, dtype: str = "float32", seed: int = 0) -> tuple[Transfo
     if tokenizer is None:
       raise CheckpointError(f"{source}: no tokenizer.json next to the weights")
     return model, tokenizer
-  raise ValueError(f"model source {source!r} is not a directory, 'gguf:<path>', 'smollm2', 'tiny' or 'small'")
+  raise CheckpointError(
+      f"model source {source!r}: no such directory. Expected a local Hugging Face model directory "
+      "(config.json, *.safetensors, tokenizer.json), 'gguf:<path>', 'smollm2', 'tiny' or 'small'; "
+      "runs never download: fetch a model once, e.g. `huggingface-cli download "
+      "Qwen/Qwen2.5-1.5B-Instruct --local-dir DIR`, and pass that DIR")

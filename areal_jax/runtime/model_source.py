@@ -16,7 +16,10 @@ def load(config):
   the learner and the sampler place copies of their own (``models.load`` leaves a float32 copy on
   the first device, beside the planned memory for as long as the model lives: in the trainer the
   whole run, in a rollout worker while it plans and builds its engine)."""
-  model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+  try:
+    model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
+  except models.CheckpointError as e:  # (launch.py prints these as one line: name the key)
+    raise models.CheckpointError(f"model.source: {e}") from e
   if lora_lib.LoraConfig.from_config(config.actor.get("lora")) is not None:
     lora_lib.freeze_model_base(model, config.actor.dtype)
   else:

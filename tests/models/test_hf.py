@@ -203,11 +203,6 @@ def test_tensor_missing_from_shard_index(tiny, tmp_path):
     models.load(out)
 
 
-def test_unknown_source_is_rejected():
-  with pytest.raises(ValueError, match="not a directory"):
-    models.load("/nonexistent/model")
-
-
 def test_config_mapping_reads_rope_parameters_and_defaults():
   cfg = hf.config_from_hf({
       "architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 32,
@@ -224,3 +219,12 @@ def test_config_mapping_reads_rope_parameters_and_defaults():
     hf.config_from_hf({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True})
   with pytest.raises(hf.CheckpointError, match="rope scaling 'llama3'"):
     hf.config_from_hf({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3"}})
+
+
+def test_a_model_source_that_is_not_there_says_what_is_expected(tmp_path):
+  with pytest.raises(models.CheckpointError, match="no such directory") as e:
+    models.load("Qwen2.5-1.5B-Instruct")
+  assert "huggingface-cli download" in str(e.value) and "'smollm2'" in str(e.value)
+  with pytest.raises(models.CheckpointError, match="no such directory"):
+    models.load(str(tmp_path / "missing"))
+  assert issubclass(models.CheckpointError, ValueError)  # (callers that caught ValueError still do)

@@ -186,6 +186,24 @@ def test_a_learner_that_cannot_fit_stops_before_the_first_step(tmp_path):
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
 
 
+@pytest.mark.parametrize("override,says", [
+    ("--config.model.source=Qwen2.5-1.5B-Instruct",
+     "error: model.source: model source 'Qwen2.5-1.5B-Instruct': no such directory"),
+    ("--config.mesh.learner_devices=9", "error: invalid config:"),
+])
+def test_launch_stops_a_bad_model_source_or_config_with_a_brief_message(tmp_path, override, says):
+  """A model that is not there, or settings the devices cannot take: one message naming the key,
+  no traceback, exit status 1, nothing trained (both fail before anything compiles)."""
+  cmd = [sys.executable, str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={tmp_path}",
+         override]
+  env = dict(os.environ)  # (conftest.py's XLA_FLAGS: 8 devices, the tests' compile flags)
+  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert says in out.stderr
+  assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+
+
 @pytest.mark.slow
 def test_launch_stops_a_sampler_that_cannot_fit_with_a_brief_message(tmp_path):
   """The learner fits a small budget (at a smaller micro-batch) but not even a group's slots of
