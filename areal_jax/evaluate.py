@@ -319,7 +319,13 @@ def main(argv) -> None:
   if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO
     logging.set_verbosity(logging.WARNING)
   name = config_flags.get_config_filename(flags.FLAGS["config"])  # path[:preset] as given
-  evaluate(_CONFIG.value, _CHECKPOINT.value, config_name=name, output=_OUTPUT.value or "eval_results.json")
+  try:
+    evaluate(_CONFIG.value, _CHECKPOINT.value, config_name=name,
+             output=_OUTPUT.value or "eval_results.json")
+  except (models.CheckpointError, config_lib.ConfigError) as e:  # the message names what to fix
+    if flags.FLAGS.verbosity >= 1:
+      raise
+    raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -207,6 +207,16 @@ def test_cli_rejects_a_misspelt_key(tmp_path):
   assert proc.returncode != 0 and "eval_size" in proc.stderr
 
 
+def test_cli_says_a_model_that_is_not_there_in_one_line(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "areal_jax.evaluate", f"--config={TINY}",
+       f"--config.model.source={tmp_path / 'missing'}"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert f"error: model source '{tmp_path / 'missing'}': no such directory" in proc.stderr
+
+
 def test_run_checkpoint_through_the_python_api(tmp_path):
   save_run_checkpoint(tmp_path / "run", 2)
   c = tiny_config(**{"train.eval_samples": 2})

@@ -37,12 +37,15 @@ def main(argv) -> None:
       raise RuntimeError("JAX was imported before the server pinned its cores")
     pin_process(cores[0])
     print(f"server on cores {cores[0]}, trainer process on cores {cores[1]}", flush=True)
+  from areal_jax.models import CheckpointError  # pylint: disable=import-outside-toplevel
   from areal_jax.serve.runtime import ServeRuntime  # pylint: disable=import-outside-toplevel
 
   logging.set_verbosity(logging.INFO)
   try:
     runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
-  except MemoryError as e:  # a memory plan that cannot fit: the message names the keys to change
+  except (MemoryError, CheckpointError, config_lib.ConfigError) as e:  # a memory plan that
+    # cannot fit, a model that is not there, settings that contradict each other: the message
+    # names the keys to change
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
   done = threading.Event()

@@ -44,6 +44,19 @@ def test_the_cli_prints_a_plan_that_cannot_fit_without_a_traceback(tmp_path):
   assert "Traceback" not in out.stderr
 
 
+def test_the_cli_says_a_model_that_is_not_there_without_a_traceback(tmp_path):
+  import subprocess
+  import sys
+  out = subprocess.run(
+      [sys.executable, "-m", "areal_jax.serve", "--config=configs/serve_arithmetic.py:tiny",
+       f"--workdir={tmp_path}", "--config.serve.port=0", "--config.serve.train=False",
+       f"--config.model.source={tmp_path / 'missing'}"], capture_output=True, text=True,
+      timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert f"error: model.source: model source '{tmp_path / 'missing'}': no such" in out.stderr
+  assert "Traceback" not in out.stderr
+
+
 def test_warmup_progress_prints_at_most_every_interval_and_not_the_end(capsys):
   clock = [100.0]
   progress = runtime._WarmupProgress(t0=100.0, every=10.0, clock=lambda: clock[0])
