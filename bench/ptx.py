@@ -16,6 +16,7 @@ blocks an SM holds at once and the waves its grid takes (``residency``; session 
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 import shutil
@@ -80,29 +81,21 @@ def geometry(dump_dir: str, kernel: str) -> dict | None:
         for m in _LAUNCH.finditer(f.read()):
           if m["name"].startswith(kernel):
             grid, threads = ([int(x) for x in m[k].split(",")] for k in ("grid", "threads"))
-            return {"grid": grid, "threads": _prod(threads), "shared_bytes": int(m["shared"]),
-                    "programs": _prod(grid)}
+            return {"grid": grid, "threads": math.prod(threads),
+                    "shared_bytes": int(m["shared"]), "programs": math.prod(grid)}
   return None
-
-
-def _prod(xs):
-  out = 1
-  for x in xs:
-    out *= x
-  return out
 
 
 def gpu(target: str) -> dict:
   """The figures of ``bench/aot_targets/<target>*.txtpb`` (XLA's description of the GPU) that
-  bound how many blocks an SM holds: ``core_count`` (SMs), ``shared_memory_per_core``,
-  ``threads_per_core_limit``, ``registers_per_core_limit``."""
+  bound how many blocks an SM holds and that this reads (registers aside): ``core_count`` (SMs),
+  ``shared_memory_per_core``, ``threads_per_core_limit``."""
   names = sorted(n for n in os.listdir(TARGETS) if n.startswith(target) and n.endswith(".txtpb"))
   if not names:
     raise ValueError(f"no GPU description {target}*.txtpb in {TARGETS}")
   with open(os.path.join(TARGETS, names[0]), encoding="utf-8") as f:
     text = f.read()
-  keys = ("core_count", "shared_memory_per_core", "threads_per_core_limit",
-          "registers_per_core_limit")
+  keys = ("core_count", "shared_memory_per_core", "threads_per_core_limit")
   return {k: int(re.search(rf"\b{k}: (\d+)", text).group(1)) for k in keys}
 
 

@@ -72,7 +72,7 @@ def test_a_kernels_launch_is_read_off_the_thunk_sequence(tmp_path):
 def test_blocks_a_sm_holds_and_the_waves_of_a_grid():
   h100 = ptx.gpu("h100")
   assert h100 == {"core_count": 132, "shared_memory_per_core": 233472,
-                  "threads_per_core_limit": 2048, "registers_per_core_limit": 65536}
+                  "threads_per_core_limit": 2048}
   launch = {"grid": [128, 2, 1], "threads": 256, "shared_bytes": 133120, "programs": 256}
   # 228 KiB an SM holds one block of 130 KiB (+1 KiB CUDA keeps): 256 blocks on 132 SMs, 2 waves
   assert ptx.residency(launch, h100) == {"per_sm": 1, "bound": "shared memory", "waves": 2,
