@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 
 # The fields every line of metrics.jsonl carries (a stable interface; more may follow them).
@@ -26,9 +25,10 @@ def _plain(value):
 
 
 class MetricsWriter:
-  """Appends one JSON object per training step; mirrors scalars to TensorBoard."""
+  """Appends one JSON object per training step; mirrors scalars to TensorBoard; prints the
+  progress lines to ``stream`` (None: ``sys.stdout`` as it is when each line is printed)."""
 
-  def __init__(self, workdir: str, total_steps: int, resume_step: int = 0, stream=sys.stdout):
+  def __init__(self, workdir: str, total_steps: int, resume_step: int = 0, stream=None):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     _truncate_after(self.path, resume_step)
@@ -72,6 +72,15 @@ class MetricsWriter:
     if row.get("eval_accuracy") is not None:
       line += f"  eval {row['eval_accuracy']:.3f}"
     print(line, file=self._stream, flush=True)
+
+  def waiting(self, step: int, waited_s: float, batch_size: int, ready: int, generating: int,
+              tokens: int) -> None:
+    """A progress line while step ``step`` waits for its batch (a first batch can take minutes
+    on a CPU, compiling and generating): groups ``ready`` of the ``batch_size`` it needs, groups
+    ``generating``, ``tokens`` generated since the last step."""
+    print(f"step {step}/{self._total}  waiting {waited_s:.0f}s for {batch_size} groups: "
+          f"{ready} ready, {generating} generating, {tokens} tokens generated",
+          file=self._stream, flush=True)
 
   def close(self) -> None:
     self._file.close()

@@ -37,6 +37,9 @@ from areal_jax.runtime.rewards import RewardPool
 from areal_jax.runtime.staleness import StalenessController
 
 
+WAIT_NOTE_S = 30.0  # a step waiting this long for its batch prints a line, then as often again
+
+
 def run(config, workdir: str, wrap_engine=None) -> dict:
   """Trains until ``train.total_steps`` policy versions exist; resumes from ``workdir``.
 
@@ -116,7 +119,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
     for step in range(version, c_train.total_steps):
       # 1. Wait for B accepted groups, none older than the bound allows.
       t0 = time.time()
-      batch = None
+      batch, note_at = None, t0 + WAIT_NOTE_S
       while batch is None:
         batch = staleness.take_batch(step, timeout=0.5)
         controller.check()
@@ -124,6 +127,10 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
           raise KeyboardInterrupt
         if batch is None and controller.data_exhausted and staleness.idle():
           raise RuntimeError(f"the training data ran out at step {step}: raise train.epochs")
+        if batch is None and time.time() >= note_at:  # a long wait shows its progress
+          writer.waiting(step + 1, time.time() - t0, c_act.batch_size, staleness.queued,
+                         staleness.running, controller.stats["gen_tokens"] - last_stats["gen_tokens"])
+          note_at += WAIT_NOTE_S
       wait_s = time.time() - t0
 
       # 2. Train: recompute proximal logprobs, advantages, ppo_n_minibatches updates.

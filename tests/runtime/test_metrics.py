@@ -46,3 +46,13 @@ def test_resume_drops_rows_after_the_checkpoint_and_torn_lines(tmp_path):
   w.write(row(4))
   w.close()
   assert [r["step"] for r in metrics_lib.read(str(path))] == [1, 2, 3, 4]
+
+
+def test_a_long_wait_for_a_batch_prints_its_progress(tmp_path):
+  out = io.StringIO()
+  w = metrics_lib.MetricsWriter(str(tmp_path), total_steps=20, stream=out)
+  w.waiting(1, 31.4, batch_size=8, ready=3, generating=5, tokens=1840)
+  w.close()
+  assert out.getvalue() == ("step 1/20  waiting 31s for 8 groups: 3 ready, 5 generating, "
+                            "1840 tokens generated\n")
+  assert metrics_lib.read(os.path.join(tmp_path, "metrics.jsonl")) == []  # (a line, not a row)

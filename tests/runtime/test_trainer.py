@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -144,12 +145,16 @@ def test_a_run_whose_sampler_times_its_decode_launches_first(tmp_path, monkeypat
     return 0.5 if len(timed) % 2 == 0 else 1.0
 
   monkeypatch.setattr(launch_tuning, "wall_seconds", measure)
+  monkeypatch.setattr(trainer, "WAIT_NOTE_S", 0.0)  # (the wait for a batch: a line each poll)
   c = tiny_config(**{"train.total_steps": 2, "train.dump_trajectories": True,
                      "rollout.max_head_offpolicyness": 1})
   trainer.run(c, str(tmp_path))
   check_run(str(tmp_path), 2, eta=1)
   assert len(timed) == 2 * (1 + launch_tuning.ROUNDS)  # once, before the first decode
-  assert "sampler decode launch: graphs:unrolled (" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "sampler decode launch: graphs:unrolled (" in out
+  # the first batch took the timing, compiles and generation: its wait showed progress
+  assert re.search(r"step 1/2  waiting \d+s for \d+ groups: \d+ ready, \d+ generating", out)
 
 
 @pytest.mark.slow
