@@ -336,17 +336,23 @@ SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.b
                "float16": np.dtype(np.float16)}
 
 
+def _save_dtype(dtype: str) -> np.dtype:
+  """The NumPy dtype of ``SAVE_DTYPES``'s name ``dtype``; a ValueError naming it otherwise."""
+  if dtype not in SAVE_DTYPES:
+    raise ValueError(f"dtype={dtype!r}: expected one of {list(SAVE_DTYPES)}")
+  return SAVE_DTYPES[dtype]
+
+
 def model_tensors(model: Transformer, dtype: str = "float32") -> Iterator[tuple[str, np.ndarray]]:
   """(HF name, host array in HF layout, of ``dtype``: ``SAVE_DTYPES``) for every parameter; gathers
   sharded arrays (cast where they are, so only ``dtype``'s bytes come to the host)."""
-  if dtype not in SAVE_DTYPES:
-    raise ValueError(f"dtype={dtype!r}: expected one of {list(SAVE_DTYPES)}")
+  np_dtype = _save_dtype(dtype)
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for path, (name, transpose) in param_names(model.cfg).items():
     value = _get(pure, path)
-    if value.dtype != SAVE_DTYPES[dtype]:
-      value = value.astype(SAVE_DTYPES[dtype])
-    arr = np.asarray(jax.device_get(value), dtype=SAVE_DTYPES[dtype])
+    if value.dtype != np_dtype:  # (only then an operation where the array is held)
+      value = value.astype(np_dtype)
+    arr = np.asarray(jax.device_get(value), dtype=np_dtype)
     yield name, np.ascontiguousarray(arr.T if transpose else arr)
 
 
@@ -411,8 +417,7 @@ def save_hf(model: Transformer, tokenizer: Tokenizer | None, path: str | os.Path
   ``model.safetensors.index.json``. An existing ``path`` is replaced only once the new directory
   is complete. Returns ``path``.
   """
-  if dtype not in SAVE_DTYPES:
-    raise ValueError(f"save_hf: dtype={dtype!r}, expected one of {list(SAVE_DTYPES)}")
+  _save_dtype(dtype)  # (checked before anything is written)
   path = os.path.abspath(os.fspath(path))
   parent, name = os.path.split(path)
   os.makedirs(parent, exist_ok=True)
