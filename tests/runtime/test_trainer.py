@@ -145,7 +145,17 @@ def test_a_run_whose_sampler_times_its_decode_launches_first(tmp_path, monkeypat
     return 0.5 if len(timed) % 2 == 0 else 1.0
 
   monkeypatch.setattr(launch_tuning, "wall_seconds", measure)
-  monkeypatch.setattr(trainer, "WAIT_NOTE_S", 0.0)  # (the wait for a batch: a line each poll)
+  # the wait for a batch prints a line at each poll that finds none; the first poll finds none
+  # (a first batch can be ready within one poll when the programs come from the compile cache)
+  from areal_jax.runtime.staleness import StalenessController
+  take_batch, polls = StalenessController.take_batch, []
+
+  def first_poll_empty(self, step=None, timeout=None):
+    polls.append(step)
+    return None if len(polls) == 1 else take_batch(self, step, timeout)
+
+  monkeypatch.setattr(StalenessController, "take_batch", first_poll_empty)
+  monkeypatch.setattr(trainer, "WAIT_NOTE_S", 0.0)
   c = tiny_config(**{"train.total_steps": 2, "train.dump_trajectories": True,
                      "rollout.max_head_offpolicyness": 1})
   trainer.run(c, str(tmp_path))
