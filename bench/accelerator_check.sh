@@ -54,17 +54,23 @@ trace() { local f; f=$(ls "$OUT"/trace/plugins/profile/*/perfetto_trace.json.gz 
 log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tail -2
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 # the SmolLM2 step as shipped, the launch timed and kept by the engine (the 10x asked is per step;
-# 45-49 s on an H200 in session 48 with 7 launches timed, 10 since session 49)
-log sampler smollm2 as shipped; t=$(limit 110) && timeout "$t" python3 bench/sampler.py \
-  --decode-only --model=smollm2-135m --json "$OUT/sampler_smollm2.json" 2>&1 | keep
-# the legacy step: the best of 20 one-step calls and their median (host-bound, it moved 18% between
-# two H200 machines in session 48: 10.92 / 9.25 ms, best of 5); its figure in the log only
-if [ -n "${1:-}" ]; then
-  log legacy smollm2; t=$(limit 60) && PYTHONPATH="$1:$PYTHONPATH" timeout "$t" python3 bench/decode_variants.py --legacy \
-    --no-floor --model=smollm2-135m --variants x:x:1 --reps 20 2>&1 | keep
-fi
+# 45-49 s on an H200 in session 48 with 7 launches timed, 10 since session 49), then the legacy
+# step: the best of 20 one-step calls and their median (host-bound, it moved 18% between two H200
+# machines in session 48: 10.92 / 9.25 ms, best of 5; its figure in the log only). smollm N: the
+# pair, its JSON numbered N; run twice, before and after the 1.5B shape (a session gets one call)
+smollm() {
+  log sampler smollm2 as shipped, run "$1"; t=$(limit 110) && timeout "$t" python3 bench/sampler.py \
+    --decode-only --model=smollm2-135m --json "$OUT/sampler_smollm2_$1.json" 2>&1 | keep
+  [ -n "$LEGACY" ] || return 0
+  log legacy smollm2, run "$1"; t=$(limit 60) && PYTHONPATH="$LEGACY:$PYTHONPATH" timeout "$t" \
+    python3 bench/decode_variants.py --legacy --no-floor --model=smollm2-135m --variants x:x:1 \
+    --reps 20 2>&1 | keep
+}
+LEGACY=${1:-}
+smollm 1
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
+smollm 2
 # the first variant (traced) is the launch an H200 kept at both shapes in session 48
 # (writes=1,dot=1), then it with Triton's loop unpipelined (stages=1)
 log variants smollm2; t=$(limit 80) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \

@@ -156,16 +156,17 @@ def run_static(model, groups, slots, max_len, kv_buckets, steps):
           "decode_calls": calls, "slot_steps": calls * slots * steps, "prefills": prefills}
 
 
-def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
+def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3, page_size=64):
   """Steady decode of ``slots`` slots at ``context`` positions: measured vs ideal step time, the
   hardware probed between the steps (``hw`` keeps the best figures seen). ``steps`` per call, 0:
-  the engine's choice for the platform."""
+  the engine's choice for the platform; ``page_size``: positions a page where the cache is paged
+  (``rollout.page_size``)."""
   steps = steps or choice.steps_per_call(choice.platform_of(None))
   # the read bound: the positions these calls reach (the dense path reads all of it, as the floor)
   kv_len = context + steps * (reps + 1) + 1
   eng = JaxRolloutEngine(model, num_slots=slots, max_len=context + 16 * steps * (reps + 2),
                          prefill_buckets=(16,), kv_buckets=(kv_len,), eos_token_ids=(),
-                         steps_per_call=steps)
+                         steps_per_call=steps, page_size=page_size)
   dev = eng.engine
   pages = own_pages(dev)  # a paged cache (the platform's choice): each slot its own pages
   # the kernel launch a run would keep (timed on this device where there is a choice: a GPU)
@@ -198,7 +199,8 @@ def roofline(model, cfg, slots, context, hw: Hardware, steps=0, reps=3):
           "decode_attention": dev.attention_impl, "decode_matmul": dev.decode_matmul,
           "decode_layers": dev.layers_impl, "decode_projections": dev.projections,
           "cache_layout": dev.cache_layout, "kv_pages": dev.config.kv_pages,
-          "launch": dev.launch.name, "launch_step_ms": tuned and tuned["step_ms"],
+          "page_size": dev.config.page_size if dev.paged else None, "launch": dev.launch.name,
+          "launch_step_ms": tuned and tuned["step_ms"],
           "launch_compile_s": tuned and tuned["compile_s"],
           "launch_failed": tuned and tuned["failed"],
           "hardware": figures, "step_ms_all": [t * 1e3 for t in times]}
@@ -216,22 +218,24 @@ def launch_line(r: dict) -> str:
 DECODE_SHAPES = {"smollm2-135m": (SMOLLM2, 64, 128), "qwen2.5-1.5b": (QWEN25_1P5B, 128, 512)}
 
 
-def decode_rows(name, quick, probe):
-  """Our decode step against the roofline and the floor loop, for the ``--model`` shape."""
+def decode_rows(name, quick, probe, page_size=64):
+  """Our decode step against the roofline and the floor loop, for the ``--model`` shape (a paged
+  cache in pages of ``page_size`` positions)."""
   cfg, slots, context = DECODE_SHAPES[name]
   on_cpu = jax.default_backend() == "cpu"
   if name == "smollm2-135m" and quick:
     context = 64
   cfg = dataclasses.replace(cfg, dtype="float32" if on_cpu else "bfloat16")
   model, reps = make_model(cfg), 3 if quick else 5
-  out = {"roof": roofline(model, cfg, slots, context, probe, reps=reps)}
+  out = {"roof": roofline(model, cfg, slots, context, probe, reps=reps, page_size=page_size)}
   if on_cpu:
     with cpu_attention.disabled():  # the same decode with XLA's attention instead of the CPU kernel
-      out["roof_xla"] = roofline(model, cfg, slots, context, probe, reps=reps)
+      out["roof_xla"] = roofline(model, cfg, slots, context, probe, reps=reps, page_size=page_size)
     with cpu_matmul.disabled():  # ... and with XLA's matmuls instead of the packed-weight kernel
-      out["roof_xla_mm"] = roofline(model, cfg, slots, context, probe, reps=reps)
+      out["roof_xla_mm"] = roofline(model, cfg, slots, context, probe, reps=reps,
+                                    page_size=page_size)
     with cpu_attention.disabled(), cpu_matmul.disabled():  # both: the accelerators' XLA path
-      out["roof_off"] = roofline(model, cfg, slots, context, probe, reps=reps)
+      out["roof_off"] = roofline(model, cfg, slots, context, probe, reps=reps, page_size=page_size)
   # the floor's program gets the GEMMs our engine's programs get (compiler options, per program)
   matmul = out["roof"]["decode_matmul"]
   floor = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype, reps=reps,
@@ -281,6 +285,9 @@ def main():
                   help="shape of the decode roofline and floor measurement (random weights)")
   ap.add_argument("--decode-only", action="store_true",
                   help="only the decode rows (roofline, floor): no continuous / static workloads")
+  ap.add_argument("--page-size", type=int, default=64,
+                  help="positions a page of the decode rows' paged cache (rollout.page_size), "
+                       "where the platform pages it")
   args = ap.parse_args()
   if args.decode_only and args.peer:
     ap.error("--peer compares the workloads, which --decode-only skips")
@@ -319,14 +326,15 @@ def main():
     s = next(r for r in rows if r["model"] == name and r["engine"] == "static")
     speed[name] = c["tok_per_s"] / s["tok_per_s"]
     print(f"{name:>13} speedup continuous / static: {speed[name]:.2f}x")
-  dec = decode_rows(args.model, quick, probe)
+  dec = decode_rows(args.model, quick, probe, args.page_size)
   roof = dec["roof"]
   kernel, mm_kernel = cpu_attention.available() and on_cpu, cpu_matmul.available() and on_cpu
   labels = (("as shipped", "roof"), ("XLA attention", "roof_xla"), ("XLA matmuls", "roof_xla_mm"),
             ("CPU kernels off", "roof_off"))
   for label, r in ((label, dec[key]) for label, key in labels if key in dec):
+    paged = f", pages of {r['page_size']}" if r.get("kv_pages") else ""
     print(f"{args.model:>13} decode at {r['slots']} slots, context {r['context']}, {label} "
-          f"({r['decode_attention']} attention{', paged' if r.get('kv_pages') else ''}, "
+          f"({r['decode_attention']} attention{paged}, "
           f"{r['decode_matmul']} matmuls, {r['steps_per_call']} steps/call): "
           f"{r['step_ms']:.2f} ms/step = {r['tok_per_s']:.0f} tok/s; ideal "
           f"{r['ideal_step_ms']:.2f} ms ({r['bound']}-bound: {r['gflop_per_step']:.1f} GFLOP, "

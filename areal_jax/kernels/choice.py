@@ -734,6 +734,8 @@ def fused_norms() -> pallas_norm_matmul.NormTuning | None:
 
 DECODE_TUNING = ("auto", "off")
 GRAPHS = ("", "while", "unrolled")
+# XLA's own default: autotune, with the buffers initialized and reinitialized, results checked
+AUTOTUNE_LEVEL = 4
 # XLA's GPU command buffers (CUDA graphs) by default, as of jax 0.10-0.11: sequences of these
 # thunks outside loops; a launch's ``graphs`` adds the decode call's loop over its steps
 COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
@@ -745,17 +747,23 @@ class Launch:
   after it, or None), ``paged`` (``pallas_gpu_tuning``), ``graphs`` (``GRAPHS``: on a GPU the
   call's loop over its steps captured in XLA's command buffers too, ``"while"`` as a CUDA graph
   loop node, ``"unrolled"`` unrolled into one graph; ``""``: XLA's defaults) and ``matmul`` (the
-  decode program's matmuls, ``MATMUL``; ``""``: the engine's, ``matmul``)."""
+  decode program's matmuls, ``MATMUL``; ``""``: the engine's, ``matmul``), ``autotune``: the
+  vendor library's GEMMs (``"blas"``) with XLA's autotuning on, which times the library's
+  algorithms for each GEMM of the program when it compiles instead of taking its heuristics'
+  first (XLA's Triton GEMMs stay off)."""
   norms: pallas_norm_matmul.NormTuning | None
   paged: pallas_attention.PagedTuning
   graphs: str = ""
   matmul: str = ""
+  autotune: bool = False
 
   def compiler_options(self) -> dict:
-    """The XLA options ``graphs`` adds to a decode program's (``compiler_options``)."""
+    """The XLA options ``graphs`` and ``autotune`` add to a decode program's
+    (``compiler_options``)."""
+    options = {"xla_gpu_autotune_level": AUTOTUNE_LEVEL} if self.autotune else {}
     if not self.graphs:
-      return {}
-    options = {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS + ",WHILE,CONDITIONAL"}
+      return options
+    options["xla_gpu_enable_command_buffer"] = COMMAND_BUFFERS + ",WHILE,CONDITIONAL"
     if self.graphs == "unrolled":
       options["xla_gpu_command_buffer_unroll_loops"] = True
     return options
@@ -764,8 +772,8 @@ class Launch:
   def name(self) -> str:
     """The fields that differ from the defaults, as the environment would force them:
     ``$AREAL_JAX_PALLAS_GPU_PAGED``'s, then ``norms`` (``$AREAL_JAX_DECODE_NORM_MATMUL``'s
-    fields after a colon where they differ from its defaults), ``graphs``, ``matmul=``
-    (``$AREAL_JAX_DECODE_MATMUL``'s); ``"default"`` for none."""
+    fields after a colon where they differ from its defaults), ``graphs``, ``autotune``,
+    ``matmul=`` (``$AREAL_JAX_DECODE_MATMUL``'s); ``"default"`` for none."""
     def changed(obj):
       return [f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in dataclasses.fields(obj)
               if (v := getattr(obj, f.name)) != f.default]
@@ -775,6 +783,8 @@ class Launch:
                             else ["norms"]))
     if self.graphs:
       parts.append("graphs" + (":unrolled" if self.graphs == "unrolled" else ""))
+    if self.autotune:
+      parts.append("autotune")
     if self.matmul:
       parts.append(f"matmul={self.matmul}")
     return "+".join(parts) or "default"
@@ -783,7 +793,8 @@ class Launch:
 def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_device: bool,
                   group: int, page_size: int, head_dim: int,
                   norm_dims: tuple[tuple[int, int], ...], no_triton: str | None = None,
-                  matmul_open: bool = False) -> list[Callable[[Launch], list[Launch]]]:
+                  matmul_open: bool = False, blas: bool = False
+                  ) -> list[Callable[[Launch], list[Launch]]]:
   """The stages of launches an engine times before it decodes (``sampler.launch_tuning``): each
   is given the launch kept so far (first the engine's own) and returns it first, then what may
   replace it; the fastest is kept. ``requested`` (``rollout.decode_tuning``): ``"auto"`` on a GPU
@@ -796,21 +807,30 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
      H200 in session 48 the engine kept ``writes=1,dot=1`` at both decode shapes, 1.41x and
      1.33x JAX's kernel's step), then the last of those with Triton's loop unpipelined
      (``stages=1``: JAX's kernel read a layer 1.4-1.7x faster so on that H200, ours was not
-     timed so: ``bench/results/h200-2026-11-30-s48``), and reading two or four pages a step of
-     its loop (``block_pages``: their loads issued together, for rows of a few pages whose
-     attention is bound by the latency of one page's loads after another; at the SmolLM2 shape
-     on that H200 a layer's attention took 18.7 us to read 6.3 MB; not yet timed on a GPU);
+     timed so: ``bench/results/h200-2026-11-30-s48``), reading two pages a step of its loop
+     (``block_pages``: their loads issued together, for rows of a few pages whose attention is
+     bound by the latency of one page's loads after another; at the SmolLM2 shape on that H200 a
+     layer's attention took 18.7 us to read 6.3 MB), and in 4 warps a program (``warps``). On an
+     H200 in session 51 (``bench/results/h200-2026-11-30-s51``) none of the three beat
+     ``writes=1,dot=1`` at the SmolLM2 shape; at the 1.5B shape ``warps=4`` read a layer in 34.4 us
+     against 39.4 (its step 2.51 against 2.58 ms). Four pages a step, offered until then, was
+     slower at both shapes (1.02 / 2.85 ms against 0.99 / 2.50) and is no longer offered;
   2. the fused norms (``norms``: an engine over one device, ``norm_dims`` the ``(inputs,
      outputs)`` of the matmuls after its norms, one of which the kernel takes), with programs of
      16 output columns and with its default's;
   3. the decode call's loop in CUDA graphs (``graphs_to_time``);
-  4. XLA's own GEMMs, autotuned, for the decode program (``matmul="xla"``), where the engine's
+  4. where the engine's decode matmuls are the vendor library's (``blas``), the same with XLA's
+     autotuning picking each GEMM's algorithm (``autotune``: with ``blas`` XLA takes the
+     library's heuristics' first; at the 1.5B shape on an H200 in session 51 those GEMMs read
+     the output and down projections' weights at 0.37 of the read probe, q/k/v's at 0.25,
+     gate/up's at 0.78, the whole step 0.48), and
+     XLA's own GEMMs, autotuned, for the decode program (``matmul="xla"``), where the engine's
      are ``"blas"`` by default (``matmul_open``: neither ``rollout.decode_matmul`` nor
      ``$AREAL_JAX_DECODE_MATMUL`` names them). Measured on an H100 in session 27 (layers
      unrolled, rows): SmolLM2 shape ``"xla"`` 1.38-1.50 ms a step against ``"blas"`` 1.62-1.75;
      1.5B shape 5.10 against 5.08 ms, its program compiled in 8.4 s with the autotuning. Last,
-     as its compile autotunes (minutes a program at the 1.5B shape on an H200 with jax 0.11.2):
-     the stages before it are timed whatever it costs.
+     as their compiles autotune (XLA's GEMMs: minutes a program at the 1.5B shape on an H200
+     with jax 0.11.2): the stages before them are timed whatever it costs.
 
   1 and 2 need Triton (``no_triton``: why not). ``"off"``, CPU and TPU: none."""
   if requested not in DECODE_TUNING:
@@ -826,10 +846,10 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
     def paged_step(kept: Launch) -> list[Launch]:
       writes = dataclasses.replace(kept.paged, writes=True)
       offers = [writes] + ([dataclasses.replace(writes, dot=True)] if dots else [])
-      # the last, unpipelined, and reading two or four pages a step of its loop
+      # the last, unpipelined, reading two pages a step of its loop, and in 4 warps a program
       last = offers[-1]
-      offers += [dataclasses.replace(last, stages=1)] + [
-          dataclasses.replace(last, block_pages=n) for n in (2, 4)]
+      offers += [dataclasses.replace(last, stages=1), dataclasses.replace(last, block_pages=2),
+                 dataclasses.replace(last, warps=4)]
       return [kept] + [dataclasses.replace(kept, paged=p) for p in offers]
     stages.append(paged_step)
   if (not no_triton and one_device and os.environ.get(NORM_MATMUL_ENV, "").strip() in ("", "0")
@@ -840,8 +860,9 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
         pallas_norm_matmul.NormTuning(block_n=16), pallas_norm_matmul.NormTuning())])
   if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
     stages.append(graphs_to_time)
-  if matmul_open:
-    stages.append(lambda kept: [kept, dataclasses.replace(kept, matmul="xla")])
+  if blas or matmul_open:
+    stages.append(lambda kept: [kept] + ([dataclasses.replace(kept, autotune=True)] if blas else [])
+                  + ([dataclasses.replace(kept, matmul="xla")] if matmul_open else []))
   return stages
 
 

@@ -318,7 +318,8 @@ class DecodeEngine:
         page_size=self.config.page_size, head_dim=m.head_dim,
         norm_dims=((m.d_model, q_kv), (m.d_model, m.d_ff)),
         no_triton=choice.triton_unusable(self.mesh.devices.flat),
-        matmul_open=choice.matmul_open(self.matmul_impl, self.config.decode_matmul))
+        matmul_open=choice.matmul_open(self.matmul_impl, self.config.decode_matmul),
+        blas=self.matmul_impl == "blas")
 
   @property
   def pages_per_slot(self) -> int:

@@ -40,3 +40,22 @@ def test_the_roofline_row_names_the_launch_its_engine_timed_and_kept(monkeypatch
   assert row["launch_failed"] == {} and "not used" not in line
   line = sampler.launch_line({**row, "launch_failed": {"graphs": "computes NaN"}})
   assert line.endswith("; not used: graphs: computes NaN")
+
+
+def test_the_roofline_row_decodes_over_pages_of_the_size_asked(monkeypatch):
+  """``--page-size``: the row's engine pages its cache in pages of that size (the GPU's paged
+  cache, forced on CPU) and the row says so; a cache of rows says none."""
+  monkeypatch.setattr(DecodeEngine, "launch_stages", lambda self: [])
+  monkeypatch.setenv(choice.PAGED_ENV, "1")
+  cfg = sampler.TINY
+  model = sampler.make_model(cfg)
+  rows = {size: sampler.roofline(model, cfg, slots=2, context=16, hw=_Hardware(), steps=2, reps=1,
+                                 page_size=size) for size in (16, 32)}
+  for size, row in rows.items():
+    assert row["page_size"] == size and row["kv_pages"] > 0 and row["step_ms"] > 0
+  # the same pool of positions: half the pages of twice the size (a page of headroom a slot)
+  assert rows[16]["kv_pages"] > rows[32]["kv_pages"]
+  monkeypatch.setenv(choice.PAGED_ENV, "0")
+  row = sampler.roofline(model, cfg, slots=2, context=16, hw=_Hardware(), steps=2, reps=1,
+                         page_size=32)
+  assert row["kv_pages"] == 0 and row["page_size"] is None

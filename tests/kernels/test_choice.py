@@ -1,6 +1,7 @@
 """The one place that picks decode kernels: per platform, overridden by config or environment, with
 clear errors for choices a platform cannot run."""
 
+import dataclasses
 import os
 
 import jax
@@ -259,8 +260,8 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
     return out
 
   graphs = ["graphs", "graphs:unrolled"]
-  # the last of the paged step's offers (four pages a step of its loop) kept by the helper
-  step = "block_pages=4,writes=1,dot=1"
+  # the last of the paged step's offers (4 warps a program) kept by the helper
+  step = "warps=4,writes=1,dot=1"
   assert stages() == [["writes=1", "writes=1,dot=1", "stages=1,writes=1,dot=1",
                        "block_pages=2,writes=1,dot=1", step],
                       [f"{step}+norms:block_n=16", f"{step}+norms"],
@@ -273,12 +274,18 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
   assert stages(no_triton="a Tesla T4", matmul_open=True) == [
       graphs, ["graphs:unrolled+matmul=xla"]]
   assert stages("tpu", matmul_open=True) == stages(requested="off", matmul_open=True) == []
+  # the library's GEMMs autotuned, where the engine's are the library's (forced or by default),
+  # before XLA's own
+  assert stages(blas=True)[3] == [f"{step}+norms+graphs:unrolled+autotune"]
+  assert stages(blas=True, matmul_open=True)[3] == [
+      f"{step}+norms+graphs:unrolled+autotune", f"{step}+norms+graphs:unrolled+matmul=xla"]
+  assert stages("tpu", blas=True) == []
   assert stages(paged_pallas=False) == [["norms:block_n=16", "norms"],
                                         [f"norms+{g}" for g in graphs]]
   assert stages(one_device=False)[1] == [f"{step}+graphs", f"{step}+graphs:unrolled"]
   # no dots: half a head under 16
   assert stages(head_dim=16)[0] == ["writes=1", "stages=1,writes=1", "block_pages=2,writes=1",
-                                    "block_pages=4,writes=1"]
+                                    "warps=4,writes=1"]
   # a query group the step kernel does not take
   assert stages(group=64)[0] == ["norms:block_n=16", "norms"]
   assert stages(norm_dims=((576, 24),))[1] == [f"{step}+{g}" for g in graphs]
@@ -303,3 +310,13 @@ def test_on_a_gpu_the_launches_left_open_are_offered_to_be_timed(monkeypatch):
     assert "WHILE" in options["xla_gpu_enable_command_buffer"]
     assert jax.jit(lambda x: x + 1, compiler_options=options)(jnp.ones(2)).tolist() == [2, 2]
   assert offered[2].compiler_options()["xla_gpu_command_buffer_unroll_loops"] is True
+  # the library's GEMMs autotuned: merged over "blas"'s options as the engine merges them, the
+  # autotuning is on and the Triton GEMMs stay off, and XLA takes them
+  tuned = dataclasses.replace(own, autotune=True)
+  assert tuned.name == "autotune"
+  options = {**choice.compiler_options("blas"), **tuned.compiler_options()}
+  assert options == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 4}
+  assert jax.jit(lambda x: x + 1, compiler_options=options)(jnp.ones(2)).tolist() == [2, 2]
+  graphs_tuned = dataclasses.replace(offered[1], autotune=True)
+  assert graphs_tuned.name == "graphs+autotune"
+  assert graphs_tuned.compiler_options()["xla_gpu_autotune_level"] == 4

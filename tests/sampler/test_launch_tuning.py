@@ -476,8 +476,8 @@ def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):
 
 def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   """The stages a GPU engine times (``choice.launch_stages`` for a GPU: our paged step kernel,
-  with dots, unpipelined, 2 and 4 pages a step, the fused norms, the loop in graphs), walked to the
-  last of each on CPU (Pallas in interpret mode; XLA:CPU takes the graphs' options and ignores
+  with dots, unpipelined, 2 pages a step, 4 warps, the fused norms, the loop in graphs, the
+  library's GEMMs autotuned, XLA's GEMMs), walked to the last of each on CPU (Pallas in interpret mode; XLA:CPU takes the graphs' options and ignores
   them): each compiles and runs, and the launch kept decodes as the engine's default does."""
   from .conftest import tiny_model
   monkeypatch.setattr(engine_lib, "_COMPILED", {})
@@ -490,7 +490,7 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   stages = choice.launch_stages(
       "gpu", "auto", paged_pallas=True, one_device=True, group=m.n_heads // m.n_kv_heads,
       page_size=16, head_dim=m.head_dim, norm_dims=((m.d_model, 8 * m.head_dim),),
-      matmul_open=True)
+      matmul_open=True, blas=True)
   ranks = {}  # each launch faster than every one offered before it
 
   def measure(call):
@@ -498,12 +498,14 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
     return 1.0 / ranks.setdefault(eng.launch.name, len(ranks) + 1)
 
   _, report = launch_tuning.tune(eng, eng.init_state(), stages, rounds=1, measure=measure)
-  # (Triton's loop unpipelined: no pipelining in interpret mode; then two and four pages a step)
-  step = "block_pages=4,writes=1,dot=1"
+  # (Triton's loop unpipelined: no pipelining in interpret mode; then two pages a step, 4 warps;
+  # XLA:CPU takes the autotuning option as it takes the graphs')
+  step = "warps=4,writes=1,dot=1"
+  last = f"{step}+norms+graphs:unrolled+autotune"
   assert list(report["step_ms"]) == [
       "default", "writes=1", "writes=1,dot=1", "stages=1,writes=1,dot=1",
       "block_pages=2,writes=1,dot=1", step, f"{step}+norms:block_n=16", f"{step}+norms",
-      f"{step}+norms+graphs", f"{step}+norms+graphs:unrolled",
+      f"{step}+norms+graphs", f"{step}+norms+graphs:unrolled", last,
       f"{step}+norms+graphs:unrolled+matmul=xla"]
   assert report["launch"] == f"{step}+norms+graphs:unrolled+matmul=xla"
   assert not report["failed"]
