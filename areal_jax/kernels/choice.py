@@ -806,24 +806,26 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
      the attention read the 1.5B shape's cache at about half the read probe's bandwidth; on an
      H200 in session 48 the engine kept ``writes=1,dot=1`` at both decode shapes, 1.41x and
      1.33x JAX's kernel's step), then the last of those with Triton's loop unpipelined
-     (``stages=1``: JAX's kernel read a layer 1.4-1.7x faster so on that H200, ours was not
-     timed so: ``bench/results/h200-2026-11-30-s48``), reading two pages a step of its loop
+     (``stages=1``: JAX's kernel read a layer 1.4-1.7x faster so on that H200,
+     ``bench/results/h200-2026-11-30-s48``), reading two pages a step of its loop
      (``block_pages``: their loads issued together, for rows of a few pages whose attention is
      bound by the latency of one page's loads after another; at the SmolLM2 shape on that H200 a
      layer's attention took 18.7 us to read 6.3 MB), and in 4 warps a program (``warps``). On an
      H200 in session 51 (``bench/results/h200-2026-11-30-s51``) none of the three beat
      ``writes=1,dot=1`` at the SmolLM2 shape; at the 1.5B shape ``warps=4`` read a layer in 34.4 us
-     against 39.4 (its step 2.51 against 2.58 ms). Four pages a step, offered until then, was
-     slower at both shapes (1.02 / 2.85 ms against 0.99 / 2.50) and is no longer offered;
+     against 39.4, and the engine kept it (2.44 against 2.51 ms a step). Four pages a step,
+     offered until then, was slower at both shapes (1.02 / 2.85 ms against 0.99 / 2.50);
   2. the fused norms (``norms``: an engine over one device, ``norm_dims`` the ``(inputs,
      outputs)`` of the matmuls after its norms, one of which the kernel takes), with programs of
-     16 output columns and with its default's;
+     16 output columns and with its default's (on H200s, sessions 48 and 51, 1.3-2.6x slower
+     than the launch before them at both shapes: never kept there);
   3. the decode call's loop in CUDA graphs (``graphs_to_time``);
   4. where the engine's decode matmuls are the vendor library's (``blas``), the same with XLA's
      autotuning picking each GEMM's algorithm (``autotune``: with ``blas`` XLA takes the
      library's heuristics' first; at the 1.5B shape on an H200 in session 51 those GEMMs read
      the output and down projections' weights at 0.37 of the read probe, q/k/v's at 0.25,
-     gate/up's at 0.78, the whole step 0.48), and
+     gate/up's at 0.78, the whole step 0.48; timed there, ``autotune`` ran 2.40 / 2.43 ms a step
+     against 2.44 / 2.49, under the 3% ``sampler.launch_tuning`` asks), and
      XLA's own GEMMs, autotuned, for the decode program (``matmul="xla"``), where the engine's
      are ``"blas"`` by default (``matmul_open``: neither ``rollout.decode_matmul`` nor
      ``$AREAL_JAX_DECODE_MATMUL`` names them). Measured on an H100 in session 27 (layers
