@@ -11,16 +11,18 @@
 # session 27 (bench/results/h100-2026-11-27-s27) every program compiled in 1-9 s and the whole
 # script ran in 204 s; in session 21 (bench/results/h100-2026-11-27) no program at the 1.5B shape
 # compiled within 60-170 s, the floor loop then holding its weights as 3 GB of constants.
-# In order, what #18 still lacks first (session 48: one device call of ~10 minutes is all a
-# session gets; a step that does not fit is skipped; on an H200 then the 1.5B shape's targets were
-# met, the SmolLM2 step's 10x in one call of two):
+# In order, what #18 still lacks first (a session gets one device call of ~10 minutes and a
+# short one; a step that does not fit is skipped; on an H200 in session 51 the 1.5B shape's
+# targets were met, hbm_roofline_frac at the threshold, the SmolLM2 step's 10x not):
 # 1. SmolLM2-135M shape (64 slots, context 128): bench/sampler.py --decode-only as shipped (on a
 #    GPU: a paged cache, the layers unrolled, decode_matmul 'blas', and the kernel launch the
 #    engine keeps after timing its stages, rollout.decode_tuning: our paged step kernel
-#    (writes=1, dot=1, stages=1), the fused norms, the loop in CUDA graphs, XLA's autotuned
-#    GEMMs; "launch kept" in the log, with each one's step and first call, compile included);
+#    (writes=1, dot=1, stages=1, block_pages=2, warps=4), the fused norms, the loop in CUDA
+#    graphs, the library's GEMMs autotuned, XLA's GEMMs; "launch kept" in the log, with each
+#    one's step and first call, compile included);
 # 2. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
-#    same SmolLM2 step as that code ran it (the issue's "today"), on the same device;
+#    same SmolLM2 step as that code ran it (the issue's "today"), on the same device (1 and 2
+#    run again after 3);
 # 3. the Qwen2.5-1.5B shape (128 slots, context 512) as shipped, the issue's keys;
 # 4. SmolLM2 shape under several choices (bench/decode_variants.py): our kernel with tensor-core
 #    dots (launch=writes=1+dot=1, what an H200 kept in session 48; profiled, bench/trace_top.py),
@@ -29,8 +31,9 @@
 #    norms, top-k / top-p decided in every step by a conditional as before session 33 (branch),
 #    the dense read; then a layer's attention alone (bench/paged_kernel.py: JAX's Pallas kernel
 #    and ours under their launches, pages of 64 and 32), the RMSNorm + matmul pieces alone
-#    (bench/norm_matmul.py), the whole step with the fastest attention launch;
-# 5. the same at the 1.5B shape (pages of 64 and 128; stages=3 too);
+#    (bench/norm_matmul.py), the whole step with the fastest attention launch, the attention
+#    alone against the positions a row reads (8-512);
+# 5. the same at the 1.5B shape (pages of 64 and 128; warps=4 too, kept there in session 51);
 # 6. bench/sampler.py --quick (the service's continuous batching over the paged default), a long
 #    rollout's attention (4,032 positions a slot), the causal attention of whole rows
 #    (bench/causal_attention.py: JAX's flash kernel against the dense form, rows of 1k-16k).
@@ -96,8 +99,15 @@ sweep() {
     "pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=${best//,/+}" 2>&1 | keep
 }
 sweep smollm2-135m 64,32 70
+# (its figures in the log only) the SmolLM2 attention alone against the positions each row reads,
+# under the launch kept there (session 51: 10.5 us a layer in the step at context 128, 4 pages a
+# row, bound by latency): a program's fixed cost against each page's
+log smollm2-135m attention against the positions read; t=$(limit 45) && timeout "$t" bash -c '
+  for c in 8 64 128 256 512; do python3 bench/paged_kernel.py --model=smollm2-135m --context $c \
+    --no-dense --reps 10 --tunings "writes=1,dot=1;writes=1,dot=1,block_pages=2" 2>&1 \
+    | grep -E "shape:|us a layer" | cut -c1-200; done'
 log variants "$BIG"; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
-  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+block_pages=2,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=3,dense:unrolled:16:blas \
+  --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+block_pages=2,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+warps=4,dense:unrolled:16:blas \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
 sweep "$BIG" 64,128 100
