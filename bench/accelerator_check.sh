@@ -24,19 +24,20 @@
 #    same SmolLM2 step as that code ran it (the issue's "today"), on the same device (1 and 2
 #    run again after 3);
 # 3. the Qwen2.5-1.5B shape (128 slots, context 512) as shipped, the issue's keys;
-# 4. SmolLM2 shape under several choices (bench/decode_variants.py): our kernel with tensor-core
-#    dots (launch=writes=1+dot=1, what an H200 kept in session 48; profiled, bench/trace_top.py),
-#    it with Triton's loop unpipelined (stages=1), reading two pages a step of its loop
-#    (block_pages=2), JAX's paged kernel (the default), the fused
-#    norms, top-k / top-p decided in every step by a conditional as before session 33 (branch),
-#    the dense read; then a layer's attention alone (bench/paged_kernel.py: JAX's Pallas kernel
-#    and ours under their launches, pages of 64 and 32), the RMSNorm + matmul pieces alone
-#    (bench/norm_matmul.py), the whole step with the fastest attention launch, the attention
-#    alone against the positions a row reads (8-512);
-# 5. the same at the 1.5B shape (pages of 64 and 128; warps=4 too, kept there in session 51);
-# 6. bench/sampler.py --quick (the service's continuous batching over the paged default), a long
-#    rollout's attention (4,032 positions a slot), the causal attention of whole rows
-#    (bench/causal_attention.py: JAX's flash kernel against the dense form, rows of 1k-16k).
+# 4. the SmolLM2 attention alone (bench/paged_kernel.py) against the positions a row reads (8-512),
+#    and a long rollout's attention at the 1.5B shape (4,032 positions a slot);
+# 5. SmolLM2 shape under several choices (bench/decode_variants.py): our kernel with tensor-core
+#    dots (launch=writes=1+dot=1, what an H200 kept in sessions 48 and 51; profiled,
+#    bench/trace_top.py), it with Triton's loop unpipelined (stages=1), reading two pages a step
+#    of its loop (block_pages=2), JAX's paged kernel (the default), the fused norms, top-k /
+#    top-p decided in every step by a conditional as before session 33 (branch), the dense read;
+#    then a layer's attention alone (bench/paged_kernel.py: JAX's Pallas kernel and ours under
+#    their launches, pages of 64 and 32), the RMSNorm + matmul pieces alone
+#    (bench/norm_matmul.py), the whole step with the fastest attention launch;
+# 6. the same at the 1.5B shape (pages of 64 and 128; warps=4 too, kept there in session 51);
+# 7. bench/sampler.py --quick (the service's continuous batching over the paged default), the
+#    causal attention of whole rows (bench/causal_attention.py: JAX's flash kernel against the
+#    dense form, rows of 1k-16k).
 set -u
 OUT=${OUT:-/tmp/accelerator_check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/bench"
@@ -74,6 +75,19 @@ smollm 1
 log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/sampler.py \
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
 smollm 2
+# (its figures in the log only) the SmolLM2 attention alone against the positions each row reads,
+# under the launch kept there (session 51: 10.5 us a layer in the step at context 128, 4 pages a
+# row, bound by latency): a program's fixed cost against each page's
+log smollm2-135m attention against the positions read; t=$(limit 45) && timeout "$t" bash -c '
+  for c in 8 64 128 256 512; do python3 bench/paged_kernel.py --model=smollm2-135m --context $c \
+    --no-dense --reps 10 --tunings "writes=1,dot=1;writes=1,dot=1,block_pages=2" 2>&1 \
+    | grep -E "shape:|us a layer" | cut -c1-200; done'
+# (its figures in the log only) a long rollout's attention: our kernel reading a row in one program
+# against in parts (auto_parts: 5 at this bound), with dots, and JAX's kernel; 4,032 positions
+# a slot (never yet reached on a GPU: after the must-shows since session 51)
+log "$BIG" long context, Pallas kernel launches; t=$(limit 60) && timeout "$t" python3 bench/paged_kernel.py \
+  --model="$BIG" --context 4032 --no-dense --reps 3 --tunings "default;writes=1,dot=1;writes=1,dot=1,warps=4;writes=1,dot=1,block_pages=2;writes=1,dot=1,parts=1" 2>&1 \
+  | grep -v -E "Warning|warnings.warn" | cut -c1-200
 # the first variant (traced) is the launch an H200 kept at both shapes in session 48
 # (writes=1,dot=1), then it with Triton's loop unpipelined (stages=1)
 log variants smollm2; t=$(limit 80) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
@@ -99,25 +113,12 @@ sweep() {
     "pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=${best//,/+}" 2>&1 | keep
 }
 sweep smollm2-135m 64,32 70
-# (its figures in the log only) the SmolLM2 attention alone against the positions each row reads,
-# under the launch kept there (session 51: 10.5 us a layer in the step at context 128, 4 pages a
-# row, bound by latency): a program's fixed cost against each page's
-log smollm2-135m attention against the positions read; t=$(limit 45) && timeout "$t" bash -c '
-  for c in 8 64 128 256 512; do python3 bench/paged_kernel.py --model=smollm2-135m --context $c \
-    --no-dense --reps 10 --tunings "writes=1,dot=1;writes=1,dot=1,block_pages=2" 2>&1 \
-    | grep -E "shape:|us a layer" | cut -c1-200; done'
 log variants "$BIG"; t=$(limit 90) && timeout "$t" python3 bench/decode_variants.py --model="$BIG" --reps 3 \
   --floor-matmul blas --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+block_pages=2,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+warps=4,dense:unrolled:16:blas \
   --trace "$OUT/trace" --json "$OUT/variants_big.json" 2>&1 | keep
 trace big
 sweep "$BIG" 64,128 100
 log sampler quick; t=$(limit 150) && timeout "$t" python3 bench/sampler.py --quick 2>&1 | keep
-# (its figures in the log only) a long rollout's attention: our kernel reading a row in one program
-# against in parts (auto_parts: 5 at this bound), with dots, and JAX's kernel; 4,032 positions
-# a slot
-log "$BIG" long context, Pallas kernel launches; t=$(limit 60) && timeout "$t" python3 bench/paged_kernel.py \
-  --model="$BIG" --context 4032 --no-dense --reps 3 --tunings "default;writes=1,dot=1;writes=1,dot=1,stages=1;writes=1,dot=1,block_pages=4;writes=1,dot=1,parts=1" 2>&1 \
-  | grep -v -E "Warning|warnings.warn" | cut -c1-200
 # (its figures in the log only)
 log causal attention "$BIG", flash kernel against dense; t=$(limit 90) && timeout "$t" \
   python3 bench/causal_attention.py --model="$BIG" --reps 3 2>&1 | grep -v -E "Warning|warnings.warn" | cut -c1-200
