@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -226,16 +227,17 @@ def decode_rows(name, quick, probe, page_size=64):
   if name == "smollm2-135m" and quick:
     context = 64
   cfg = dataclasses.replace(cfg, dtype="float32" if on_cpu else "bfloat16")
-  model, reps = make_model(cfg), 3 if quick else 5
-  out = {"roof": roofline(model, cfg, slots, context, probe, reps=reps, page_size=page_size)}
+  reps = 3 if quick else 5
+  row = functools.partial(roofline, make_model(cfg), cfg, slots, context, probe, reps=reps,
+                          page_size=page_size)  # the same decode, each row under its kernels
+  out = {"roof": row()}
   if on_cpu:
     with cpu_attention.disabled():  # the same decode with XLA's attention instead of the CPU kernel
-      out["roof_xla"] = roofline(model, cfg, slots, context, probe, reps=reps, page_size=page_size)
+      out["roof_xla"] = row()
     with cpu_matmul.disabled():  # ... and with XLA's matmuls instead of the packed-weight kernel
-      out["roof_xla_mm"] = roofline(model, cfg, slots, context, probe, reps=reps,
-                                    page_size=page_size)
+      out["roof_xla_mm"] = row()
     with cpu_attention.disabled(), cpu_matmul.disabled():  # both: the accelerators' XLA path
-      out["roof_off"] = roofline(model, cfg, slots, context, probe, reps=reps, page_size=page_size)
+      out["roof_off"] = row()
   # the floor's program gets the GEMMs our engine's programs get (compiler options, per program)
   matmul = out["roof"]["decode_matmul"]
   floor = decode_floor.step_ms(cfg, slots, context, cfg.compute_dtype, reps=reps,
