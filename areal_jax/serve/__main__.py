@@ -40,12 +40,15 @@ def main(argv) -> None:
   from areal_jax.models import CheckpointError  # pylint: disable=import-outside-toplevel
   from areal_jax.serve.runtime import ServeRuntime  # pylint: disable=import-outside-toplevel
 
-  logging.set_verbosity(logging.INFO)
+  if not flags.FLAGS["verbosity"].present:  # the engine's warm-up and the plan at INFO
+    logging.set_verbosity(logging.INFO)
   try:
     runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
   except (MemoryError, CheckpointError, config_lib.ConfigError) as e:  # a memory plan that
     # cannot fit, a model that is not there, settings that contradict each other: the message
-    # names the keys to change
+    # names the keys to change (with its traceback at --verbosity=1, as launch.py and evaluate)
+    if flags.FLAGS.verbosity >= 1:
+      raise
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
   done = threading.Event()

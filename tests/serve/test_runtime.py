@@ -44,17 +44,24 @@ def test_the_cli_prints_a_plan_that_cannot_fit_without_a_traceback(tmp_path):
   assert "Traceback" not in out.stderr
 
 
-def test_the_cli_says_a_model_that_is_not_there_without_a_traceback(tmp_path):
+@pytest.mark.parametrize("verbosity", [None, 1])
+def test_the_cli_says_a_model_that_is_not_there_with_a_traceback_only_if_asked(tmp_path,
+                                                                                 verbosity):
   import subprocess
   import sys
   out = subprocess.run(
       [sys.executable, "-m", "areal_jax.serve", "--config=configs/serve_arithmetic.py:tiny",
        f"--workdir={tmp_path}", "--config.serve.port=0", "--config.serve.train=False",
-       f"--config.model.source={tmp_path / 'missing'}"], capture_output=True, text=True,
-      timeout=300)
+       f"--config.model.source={tmp_path / 'missing'}"]
+      + ([f"--verbosity={verbosity}"] if verbosity is not None else []),
+      capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-2000:]
-  assert f"error: model.source: model source '{tmp_path / 'missing'}': no such" in out.stderr
-  assert "Traceback" not in out.stderr
+  message = f"model.source: model source '{tmp_path / 'missing'}': no such"
+  if verbosity is None:
+    assert f"error: {message}" in out.stderr
+    assert "Traceback" not in out.stderr
+  else:  # as launch.py and evaluate do at --verbosity=1: the exception with its traceback
+    assert "Traceback" in out.stderr and message in out.stderr
 
 
 def test_warmup_progress_prints_at_most_every_interval_and_not_the_end(capsys):
