@@ -63,9 +63,12 @@ $(VLLM_STAMP): requirements-vllm.lock pyproject.toml
 
 install-vllm: $(VLLM_STAMP)
 
-# The vLLM backend tests (real vLLM on CPU, no mocks); under the main venv they skip.
+# The vLLM backend tests (real vLLM on CPU, no mocks); under the main venv they skip. Two workers
+# as for the main suite: most of their time is waiting on vLLM servers starting, a Ray worker
+# killed and a run's loops, which the other worker's tests overlap (2026-12-01 on 2 cores: 2:45 and
+# 2:54 against 3:30 in one process, though each worker starts its own module-scoped server).
 test-vllm: install-vllm
-	$(VLLM_PYBIN) -m pytest -q tests/vllm_backend
+	$(VLLM_PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests/vllm_backend
 
 # The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO (training measured at 13 to 29
 # minutes on 2 cores, each evaluation ~1 minute),
