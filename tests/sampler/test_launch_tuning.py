@@ -477,8 +477,9 @@ def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):
 def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   """The stages a GPU engine times (``choice.launch_stages`` for a GPU: our paged step kernel,
   with dots, unpipelined, 2 pages a step, 4 warps, the fused norms, the loop in graphs, the
-  library's GEMMs autotuned, XLA's GEMMs), walked to the last of each on CPU (Pallas in interpret mode; XLA:CPU takes the graphs' options and ignores
-  them): each compiles and runs, and the launch kept decodes as the engine's default does."""
+  library's GEMMs autotuned, XLA's GEMMs), walked to the last of each on CPU (Pallas in
+  interpret mode; XLA:CPU takes the graphs' options and ignores them): each compiles and runs,
+  and the launch kept decodes as the engine's default does."""
   from .conftest import tiny_model
   monkeypatch.setattr(engine_lib, "_COMPILED", {})
   monkeypatch.setenv("XLA_FLAGS", " ".join(  # (no command buffers forced; the 8 devices kept)
