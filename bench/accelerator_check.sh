@@ -25,6 +25,7 @@
 #    run again after 3);
 # 3. the Qwen2.5-1.5B shape (128 slots, context 512) as shipped, the issue's keys;
 # 4. the SmolLM2 attention alone (bench/paged_kernel.py) against the positions a row reads (8-512),
+#    the SmolLM2 step as in 1 with XLA's programmatic dependent launch on (--xla_gpu_enable_pdl),
 #    and a long rollout's attention at the 1.5B shape (4,032 positions a slot);
 # 5. SmolLM2 shape under several choices (bench/decode_variants.py): our kernel with tensor-core
 #    dots (launch=writes=1+dot=1, what an H200 kept in sessions 48 and 51; profiled,
@@ -82,6 +83,15 @@ log smollm2-135m attention against the positions read; t=$(limit 45) && timeout 
   for c in 8 64 128 256 512; do python3 bench/paged_kernel.py --model=smollm2-135m --context $c \
     --no-dense --reps 10 --tunings "writes=1,dot=1;writes=1,dot=1,block_pages=2" 2>&1 \
     | grep -E "shape:|us a layer" | cut -c1-200; done'
+# (its figures in the log only) the same SmolLM2 step with XLA's programmatic dependent launch
+# (--xla_gpu_enable_pdl, Hopper and later: a kernel XLA emits waits in its own prologue for the
+# one before it, launched before that one ends). The step is bound by ~8 kernels a layer each
+# waiting for the last (session 51); CUDA graphs did not shorten it there (1.000-1.028 against
+# 0.987-0.997 ms), so what is left is each kernel's start on the device, which PDL overlaps. Never
+# timed on a GPU here; a jax without the flag fails at start-up (its error in the log)
+log smollm2 as shipped under XLA_FLAGS=--xla_gpu_enable_pdl=true; t=$(limit 70) && \
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_pdl=true" timeout "$t" python3 \
+  bench/sampler.py --decode-only --model=smollm2-135m 2>&1 | keep
 # (its figures in the log only) a long rollout's attention: our kernel reading a row in one program
 # against in parts (auto_parts: 5 at this bound), with dots, and JAX's kernel; 4,032 positions
 # a slot (never yet reached on a GPU: after the must-shows since session 51)
