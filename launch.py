@@ -59,25 +59,18 @@ def main(argv):
     # A learner group: a supervisor reruns the training process (which resumes from its last
     # checkpoint) when a learner process dies, up to runtime.max_learner_restarts times.
     sys.exit(supervisor.supervise([sys.executable, *sys.argv], config.runtime.max_learner_restarts))
+  from areal_jax import cli
   from areal_jax.runtime import trainer  # imports JAX after flags are parsed
-  from areal_jax.models import CheckpointError
-  from areal_jax.runtime.errors import RESTART_EXIT_CODE, LearnerProcessDied, RunDirError
+  from areal_jax.runtime.errors import RESTART_EXIT_CODE, LearnerProcessDied
 
   try:
-    trainer.run(config, _WORKDIR.value)
+    # Faults of what was given (settings, model files, task data, the run directory, a memory
+    # plan that cannot fit): one line that says what to change (areal_jax.cli).
+    with cli.reported_faults(quiet_exit=True):
+      trainer.run(config, _WORKDIR.value)
   except LearnerProcessDied as e:  # the group is already stopped; the supervisor restarts the run
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(RESTART_EXIT_CODE)
-  except (RunDirError, CheckpointError, MemoryError, config_lib.ConfigError) as e:  # expected
-    # faults (run directory, model files, a memory plan that cannot fit, settings that contradict
-    # each other or the devices): the message says what to do
-    if flags.FLAGS.verbosity >= 1:
-      raise
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    # TensorStore's and asyncio's shutdown chatter about the failed reads would bury the message.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from areal_jax import cli
 from areal_jax import config as config_lib
 from areal_jax import models, tasks, workflows
 from areal_jax.models import lora as lora_lib
@@ -65,16 +66,16 @@ def resolve_checkpoint(checkpoint: str, model_source: str) -> ModelSpec:
     return ModelSpec("source", model_source)
   path = os.path.abspath(os.path.expanduser(checkpoint))
   if not os.path.exists(path):
-    raise FileNotFoundError(f"--checkpoint={checkpoint}: no such file or directory")
+    raise models.CheckpointError(f"--checkpoint={checkpoint}: no such file or directory")
   if not os.path.isdir(path):
-    raise ValueError(f"--checkpoint={checkpoint} is a file; expected a run workdir, a checkpoint "
-                     "step directory or a Hugging Face model directory")
+    raise models.CheckpointError(f"--checkpoint={checkpoint} is a file; expected a run workdir, a "
+                                 "checkpoint step directory or a Hugging Face model directory")
   ckpt_dir = os.path.join(path, "checkpoints")
   if os.path.isdir(ckpt_dir):  # a run workdir (it also holds a config.json: check this first)
     steps = weight_transfer.list_versions(ckpt_dir)  # finished (committed) steps only
     if not steps:
-      raise FileNotFoundError(f"{ckpt_dir} holds no finished checkpoint (no <step>/"
-                              f"{weight_transfer.COMMIT_FILE}); has the run saved one yet?")
+      raise models.CheckpointError(f"{ckpt_dir} holds no finished checkpoint (no <step>/"
+                                   f"{weight_transfer.COMMIT_FILE}); has the run saved one yet?")
     return ModelSpec("run_checkpoint", os.path.join(ckpt_dir, str(steps[-1])), steps[-1])
   name = os.path.basename(path)
   if name.isdigit() and os.path.isdir(os.path.join(path, "state")):
@@ -82,7 +83,7 @@ def resolve_checkpoint(checkpoint: str, model_source: str) -> ModelSpec:
   files = os.listdir(path)
   if "config.json" in files and any(f.endswith(".safetensors") for f in files):
     return ModelSpec("hf", path)
-  raise ValueError(
+  raise models.CheckpointError(
       f"--checkpoint={checkpoint} is neither a run workdir (no checkpoints/ in it), a checkpoint "
       "step (<workdir>/checkpoints/<step> with a state/ item) nor a Hugging Face model directory "
       "(config.json and *.safetensors)")
@@ -102,7 +103,7 @@ def restore_params(step_dir: str, model, mesh=None) -> None:
   """
   state_dir = os.path.join(step_dir, "state")
   if not os.path.isdir(state_dir):
-    raise FileNotFoundError(f"{step_dir}: no 'state' item (is it a run checkpoint step?)")
+    raise models.CheckpointError(f"{step_dir}: no 'state' item (is it a run checkpoint step?)")
   handler = ocp.PyTreeCheckpointHandler()  # item-level metadata: no step metadata file wanted
   try:
     tree = handler.metadata(epath.Path(state_dir))
@@ -120,8 +121,8 @@ def restore_params(step_dir: str, model, mesh=None) -> None:
   problems += [f"{k}: checkpoint {found[k]} vs model {expected[k]}"
                for k in sorted(set(expected) & set(found)) if found[k] != expected[k]]
   if problems:
-    raise ValueError(f"{state_dir}: the checkpointed params do not fit the model of "
-                     f"config.model.source (pass the run's config): {problems[:8]}")
+    raise models.CheckpointError(f"{state_dir}: the checkpointed params do not fit the model of "
+                                 f"config.model.source (pass the run's config): {problems[:8]}")
   if mesh is None:
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: single, nnx.to_pure_dict(params))
@@ -140,7 +141,7 @@ def restore_adapters(step_dir: str, model, lcfg: lora_lib.LoraConfig) -> dict:
   ``step_dir``, on the first device, for the base ``model``."""
   state_dir = os.path.join(step_dir, "state")
   if not os.path.isdir(state_dir):
-    raise FileNotFoundError(f"{step_dir}: no 'state' item (is it a run checkpoint step?)")
+    raise models.CheckpointError(f"{step_dir}: no 'state' item (is it a run checkpoint step?)")
   base = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   shapes = jax.eval_shape(lambda: lora_lib.init_adapters(base, lcfg, jax.random.key(0)))
   single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -151,9 +152,10 @@ def restore_adapters(step_dir: str, model, lcfg: lora_lib.LoraConfig) -> dict:
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
   except (ValueError, KeyError) as e:
-    raise ValueError(f"{state_dir}: the checkpoint does not hold LoRA adapters of actor.lora "
-                     f"(rank {lcfg.rank}, targets {list(lcfg.targets)}) for config.model.source "
-                     f"(pass the run's config): {e}") from e
+    raise models.CheckpointError(
+        f"{state_dir}: the checkpoint does not hold LoRA adapters of actor.lora (rank "
+        f"{lcfg.rank}, targets {list(lcfg.targets)}) for config.model.source (pass the run's "
+        f"config): {e}") from e
   return restored["params"]
 
 
@@ -223,11 +225,12 @@ def evaluate(config, checkpoint: str = "", *, config_name: str = "", output: str
   config_lib.validate(config, jax.device_count())
   c_roll, c_train = config.rollout, config.train
   if c_train.eval_size < 1:
-    raise ValueError(f"train.eval_size={c_train.eval_size} must be >= 1")
+    raise config_lib.ConfigError(f"train.eval_size={c_train.eval_size} must be >= 1")
   if c_train.eval_samples < 1:
-    raise ValueError(f"train.eval_samples={c_train.eval_samples} must be >= 1")
+    raise config_lib.ConfigError(f"train.eval_samples={c_train.eval_samples} must be >= 1")
   if c_train.eval_samples > 1 and c_train.eval_temperature <= 0:
-    raise ValueError(f"train.eval_temperature={c_train.eval_temperature} must be > 0 for mean@k")
+    raise config_lib.ConfigError(
+        f"train.eval_temperature={c_train.eval_temperature} must be > 0 for mean@k")
   spec = resolve_checkpoint(checkpoint, config.model.source)
   _, sampler_mesh = meshes.build(config.mesh)
 
@@ -319,13 +322,9 @@ def main(argv) -> None:
   if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO
     logging.set_verbosity(logging.WARNING)
   name = config_flags.get_config_filename(flags.FLAGS["config"])  # path[:preset] as given
-  try:
+  with cli.reported_faults(quiet_exit=True):  # what to fix, in one line
     evaluate(_CONFIG.value, _CHECKPOINT.value, config_name=name,
              output=_OUTPUT.value or "eval_results.json")
-  except (models.CheckpointError, config_lib.ConfigError) as e:  # the message names what to fix
-    if flags.FLAGS.verbosity >= 1:
-      raise
-    raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

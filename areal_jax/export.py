@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+from areal_jax import cli
 from areal_jax import config as config_lib
 from areal_jax import models
 from areal_jax.evaluate import resolve_checkpoint, restore_adapters
@@ -25,12 +26,13 @@ def export(config, checkpoint: str, output: str, merged: str = "") -> dict:
   """Writes the PEFT adapter dir ``output`` (and the merged model dir ``merged``); returns paths."""
   lcfg = lora_lib.LoraConfig.from_config(config.actor.lora)
   if lcfg is None:
-    raise ValueError("actor.lora.rank=0: this config trains every weight, there are no adapters "
-                     "to export (its checkpoints load with `areal_jax.evaluate --checkpoint`)")
+    raise config_lib.ConfigError(
+        "actor.lora.rank=0: this config trains every weight, there are no adapters to export (its "
+        "checkpoints load with `areal_jax.evaluate --checkpoint`)")
   spec = resolve_checkpoint(checkpoint, config.model.source)
   if spec.kind != "run_checkpoint":
-    raise ValueError(f"--checkpoint={checkpoint} is not a run checkpoint (a workdir or "
-                     "<workdir>/checkpoints/<step>)")
+    raise models.CheckpointError(f"--checkpoint={checkpoint} is not a run checkpoint (a workdir or "
+                                 "<workdir>/checkpoints/<step>)")
   model, tokenizer = models.load(config.model.source, dtype=config.model.dtype, seed=config.seed)
   adapters = restore_adapters(spec.path, model, lcfg)
   out = {"adapter": lora_lib.save_peft(adapters, lcfg, output, base_model=config.model.source)}
@@ -42,7 +44,8 @@ def export(config, checkpoint: str, output: str, merged: str = "") -> dict:
 def main(argv) -> None:
   if len(argv) > 1:
     raise SystemExit(f"error: unexpected arguments {argv[1:]}")
-  paths = export(_CONFIG.value, _CHECKPOINT.value, _OUTPUT.value, _MERGED.value)
+  with cli.reported_faults(quiet_exit=True):  # what to fix, in one line
+    paths = export(_CONFIG.value, _CHECKPOINT.value, _OUTPUT.value, _MERGED.value)
   for kind, path in paths.items():
     print(f"{kind}: {path}", flush=True)
 

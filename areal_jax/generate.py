@@ -53,12 +53,14 @@ def format_sample(tokenizer, sample, with_logprobs: bool) -> str:
 
 def main(argv):
   del argv
+  from areal_jax import cli
   from areal_jax.models import load
   from areal_jax.rollout_api import GroupRequest, SamplingParams
   from areal_jax.sampler.service import JaxRolloutEngine
 
   t0 = time.time()
-  model, tokenizer = load(_MODEL.value, dtype=_DTYPE.value)
+  with cli.reported_faults():  # a model that is not there: one line naming it
+    model, tokenizer = load(_MODEL.value, dtype=_DTYPE.value)
   prompt = build_prompt(tokenizer, _PROMPT.value, _CHAT.value)
   max_len = _MAX_LEN.value or len(prompt) + _MAX_NEW.value
   print(f"loaded {_MODEL.value} in {time.time() - t0:.1f} s; prompt {len(prompt)} tokens",

@@ -102,15 +102,15 @@ def test_hf_dir_and_bad_paths(tmp_path):
   (hf / "config.json").write_text("{}")
   (hf / "model.safetensors").write_bytes(b"")
   assert ev.resolve_checkpoint(str(hf), "tiny") == ev.ModelSpec("hf", str(hf))
-  with pytest.raises(FileNotFoundError, match="no such file"):
+  with pytest.raises(models.CheckpointError, match="no such file"):
     ev.resolve_checkpoint(str(tmp_path / "missing"), "tiny")
-  with pytest.raises(ValueError, match="neither a run workdir"):
+  with pytest.raises(models.CheckpointError, match="neither a run workdir"):
     ev.resolve_checkpoint(str(tmp_path), "tiny")  # holds hf/, nothing else
   (tmp_path / "file.txt").write_text("x")
-  with pytest.raises(ValueError, match="is a file"):
+  with pytest.raises(models.CheckpointError, match="is a file"):
     ev.resolve_checkpoint(str(tmp_path / "file.txt"), "tiny")
   os.makedirs(tmp_path / "run" / "checkpoints")
-  with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
+  with pytest.raises(models.CheckpointError, match="no finished checkpoint"):
     ev.resolve_checkpoint(str(tmp_path / "run"), "tiny")
 
 
@@ -131,9 +131,9 @@ def test_restore_params_reads_the_learner_state_params(tmp_path):
   wrong = models.Transformer(models.ModelConfig(
       arch="llama", vocab_size=259, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
       d_ff=64, tie_embeddings=True), nnx.Rngs(0))
-  with pytest.raises(ValueError, match="do not fit the model"):
+  with pytest.raises(models.CheckpointError, match="do not fit the model"):
     ev.restore_params(str(tmp_path / "checkpoints" / "4"), wrong)
-  with pytest.raises(FileNotFoundError, match="no 'state' item"):
+  with pytest.raises(models.CheckpointError, match="no 'state' item"):
     ev.restore_params(str(tmp_path), model)
 
 

@@ -37,20 +37,15 @@ def main(argv) -> None:
       raise RuntimeError("JAX was imported before the server pinned its cores")
     pin_process(cores[0])
     print(f"server on cores {cores[0]}, trainer process on cores {cores[1]}", flush=True)
-  from areal_jax.models import CheckpointError  # pylint: disable=import-outside-toplevel
+  from areal_jax import cli  # pylint: disable=import-outside-toplevel
   from areal_jax.serve.runtime import ServeRuntime  # pylint: disable=import-outside-toplevel
 
   if not flags.FLAGS["verbosity"].present:  # the engine's warm-up and the plan at INFO
     logging.set_verbosity(logging.INFO)
-  try:
+  # a memory plan that cannot fit, a model that is not there, settings that contradict each
+  # other: one line naming what to change (areal_jax.cli)
+  with cli.reported_faults():
     runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
-  except (MemoryError, CheckpointError, config_lib.ConfigError) as e:  # a memory plan that
-    # cannot fit, a model that is not there, settings that contradict each other: the message
-    # names the keys to change (with its traceback at --verbosity=1, as launch.py and evaluate)
-    if flags.FLAGS.verbosity >= 1:
-      raise
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
   done = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: done.set())

@@ -34,7 +34,16 @@ PYARROW_HINT = ("reading {kind} files needs pyarrow, which is not installed. Ins
 Validator = Callable[[dict], "str | None"]
 
 
-class MalformedRowError(ValueError):
+class DataError(ValueError):
+  """Task data that cannot be used (``task.train_path`` / ``task.test_path``); the message names
+  the file (and line). The command lines report it in one line (``areal_jax.cli``)."""
+
+
+class DataNotFoundError(DataError, FileNotFoundError):
+  """A data path with no data files under it (or none of the split asked for)."""
+
+
+class MalformedRowError(DataError):
   """A data row that cannot be used; the message starts with ``file:line:``."""
 
   def __init__(self, path: str | pathlib.Path, line: int, problem: str, unit: str = "line"):
@@ -81,20 +90,20 @@ def data_files(path: str | pathlib.Path, split: str | None = None) -> list[pathl
   """
   p = pathlib.Path(path).expanduser()
   if not p.exists():
-    raise FileNotFoundError(f"data path not found: {p}")
+    raise DataNotFoundError(f"data path not found: {p}")
   if p.is_file():
     if p.suffix not in DATA_SUFFIXES:
-      raise ValueError(f"{p}: unsupported data file type {p.suffix!r}; expected one of {DATA_SUFFIXES}")
+      raise DataError(f"{p}: unsupported data file type {p.suffix!r}; expected one of {DATA_SUFFIXES}")
     return [p]
   files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES
                  and not any(part.startswith(".") for part in f.relative_to(p).parts))
   if not files:
-    raise FileNotFoundError(f"no {'/'.join(DATA_SUFFIXES)} files found under directory {p}")
+    raise DataNotFoundError(f"no {'/'.join(DATA_SUFFIXES)} files found under directory {p}")
   splits = {f: _split_of(f.relative_to(p)) for f in files}
   if split is not None and len(set(splits.values()) - {None}) > 1:
     files = [f for f in files if splits[f] == split]
     if not files:
-      raise FileNotFoundError(f"{p} holds the splits {sorted(set(splits.values()) - {None})} "
+      raise DataNotFoundError(f"{p} holds the splits {sorted(set(splits.values()) - {None})} "
                               f"but no {split!r} files; point at the {split} file or folder")
   return files
 
@@ -169,7 +178,7 @@ def read_rows(path: str | pathlib.Path, validate: Validator, skip_malformed: boo
     logging.warning("skipped %d malformed rows under %s (task.skip_malformed=True); first: %s",
                     out.skipped, path, "; ".join(out.skipped_where[:3]))
   if not out.rows:
-    raise ValueError(f"no usable rows under {path}" +
+    raise DataError(f"no usable rows under {path}" +
                      (f" ({out.skipped} malformed rows skipped)" if out.skipped else ""))
   return out
 
