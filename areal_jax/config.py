@@ -475,11 +475,17 @@ def override(config: ConfigDict, key: str, value) -> None:
 
 
 def check_overrides(argv: list[str], flag: str = "config") -> None:
-  """Fails early, with the nearby valid keys, on a ``--config.x.y=`` override naming no key."""
+  """Fails early, with the nearby valid keys, on a ``--config.x.y=`` override naming no key; and
+  in one line on a config file that is not there or a preset it does not have."""
   spec = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), None)
   if spec is None:
     return
-  config = load(spec)
+  try:
+    config = load(spec)
+  except FileNotFoundError:
+    raise SystemExit(f"error: --{flag}={spec}: no such file") from None
+  except ValueError as e:  # get_config's unknown preset
+    raise SystemExit(f"error: --{flag}={spec}: {e}") from None
   for arg in argv:
     if arg.startswith(f"--{flag}."):
       key = arg[len(flag) + 3:].split("=", 1)[0]

@@ -147,6 +147,14 @@ def test_unknown_override_names_the_nearby_keys():
   config_lib.check_overrides([f"--config={spec}", "--config.actor.lr=1e-6"])  # a real key passes
 
 
+def test_a_config_file_or_preset_that_is_not_there_is_named_in_one_line(tmp_path):
+  missing = tmp_path / "nope.py"
+  with pytest.raises(SystemExit, match=f"error: --config={missing}: no such file"):
+    config_lib.check_overrides([f"--config={missing}"])
+  with pytest.raises(SystemExit, match=r"unknown preset 'tinyy' for configs/gsm8k.py: default, tiny"):
+    config_lib.check_overrides([f"--config={ROOT}/configs/gsm8k.py:tinyy", "--config.actor.lr=1e-6"])
+
+
 def test_mesh_sizes_resolves_minus_one():
   assert config_lib.mesh_sizes({"data": -1, "fsdp": 2, "tensor": 1}, 8, "m") == dict(data=4, fsdp=2, tensor=1)
   with pytest.raises(ValueError, match="at most one axis may be -1"):
