@@ -76,9 +76,9 @@ def run(args, cwd):
   return proc
 
 
-def test_launch_names_task_data_it_cannot_read(tmp_path):
+def test_launch_names_task_data_or_a_workdir_it_cannot_use(tmp_path):
   """A train path that is not there, then a file with a broken line: the path (and line) in one
-  message, before anything is trained."""
+  message, before anything is trained; a --workdir that is a file."""
   missing = tmp_path / "missing.jsonl"
   proc = run([str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={tmp_path / 'a'}",
               f"--config.task.train_path={missing}"], tmp_path)
@@ -89,6 +89,8 @@ def test_launch_names_task_data_it_cannot_read(tmp_path):
               f"--config.task.train_path={bad}"], tmp_path)
   assert f"error: {bad}:2: invalid JSON" in proc.stderr
   assert not (tmp_path / "b" / "metrics.jsonl").exists()
+  proc = run([str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={bad}"], tmp_path)
+  assert f"error: --workdir={bad} is a file, not a directory" in proc.stderr
 
 
 def test_evaluate_and_export_name_a_checkpoint_or_setting_they_cannot_use(tmp_path):

@@ -1,8 +1,25 @@
 """Expected faults of a run directory, reported to a person without a traceback (see launch.py)."""
 
+import os
+
 
 class RunDirError(RuntimeError):
   """A damaged or unwritable checkpoint or weights directory; the message says what to do."""
+
+
+def make_run_dir(workdir: str) -> None:
+  """Creates ``workdir`` (and its parents) if need be; one that cannot be created (a file in the
+  way, a parent without permission) or written to is a :class:`RunDirError` naming it."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise RunDirError(f"--workdir={workdir} is a file, not a directory; pass a directory")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise RunDirError(f"--workdir={workdir}: cannot create the run directory "
+                      f"({e.strerror or e}); pass a directory this user can write") from e
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise RunDirError(f"--workdir={workdir}: the run directory is not writable by this user; "
+                      "pass one that is")
 
 
 # Exit status of a training process whose learner group lost a process: the supervisor

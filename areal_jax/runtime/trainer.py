@@ -28,8 +28,8 @@ from areal_jax import config as config_lib
 from areal_jax import tasks, workflows
 from areal_jax import learner as learner_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import (checkpoint, engines, learner_group, meshes, model_source, plots,
-                               ray_cluster, ray_rollout, weight_transfer)
+from areal_jax.runtime import (checkpoint, engines, errors, learner_group, meshes, model_source,
+                               plots, ray_cluster, ray_rollout, weight_transfer)
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -55,7 +55,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
   if config.runtime.mode == "ray":  # pin the learner before JAX starts its threads
     engine, transfer = ray_rollout.build(config, workdir)
   config_lib.validate(config, jax.device_count())
-  os.makedirs(workdir, exist_ok=True)
+  errors.make_run_dir(workdir)
   _write_config(config, workdir)
   c_roll, c_act, c_train = config.rollout, config.actor, config.train
   learner_mesh, sampler_mesh = meshes.build(config.mesh, remote_sampler=config.runtime.mode == "ray")

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import engines, meshes, model_source, weight_transfer
+from areal_jax.runtime import engines, errors, meshes, model_source, weight_transfer
 from areal_jax.runtime.ray_worker import pin_process
 from areal_jax.serve import judge as judge_lib
 from areal_jax.serve.app import ServeContext, build_app
@@ -51,7 +51,7 @@ class ServeRuntime:
         pin_process(cores[0])
     config_lib.validate(config, jax.device_count())
     self.config, self.workdir = config, os.path.abspath(workdir)
-    os.makedirs(self.workdir, exist_ok=True)
+    errors.make_run_dir(self.workdir)
     self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
     model, self.tokenizer = model_source.load(config)
