@@ -72,6 +72,22 @@ def test_several_errors_are_reported_together():
   assert "rollout.temperature" in str(e.value) and "rollout.backend='sglang'" in str(e.value)
 
 
+def test_optimizer_and_loss_coefficients_are_checked():
+  c = config_lib.base_config()
+  c.actor.lr, c.actor.b2, c.actor.eps_clip, c.actor.grad_clip = -1e-5, 1.0, 0.0, -1.0
+  c.rollout.top_k = -1
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  lines = str(e.value).splitlines()[1:]
+  assert [l.strip() for l in lines] == [
+      "actor.lr=-1e-05 must be >= 0", "actor.grad_clip=-1.0 must be >= 0 (0: off)",
+      "rollout.top_k=-1 must be >= 0 (0: off)", "actor.eps_clip=0.0 must be > 0",
+      "actor.b2=1.0 must be in [0, 1)"]
+  c = config_lib.base_config()
+  c.actor.lr, c.actor.grad_clip, c.actor.behav_imp_weight_cap, c.actor.b1 = 0.0, 0.0, 0.0, 0.0
+  config_lib.validate(c)  # the bounds themselves are settings: no step, no clipping, no cap
+
+
 def test_decode_kernel_keys_are_checked():
   c = config_lib.base_config()
   config_lib.validate(c)  # "auto" and 0 steps per call (per platform) by default
