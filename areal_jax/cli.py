@@ -4,9 +4,10 @@ launch.py, ``areal_jax.serve``, ``areal_jax.evaluate``, ``areal_jax.export`` and
 ``areal_jax.generate`` run their work under :func:`reported_faults`. A fault of what the person
 gave them (settings that contradict each other or the devices, a model or checkpoint that is not
 there or does not fit the config, task data that cannot be read, a damaged run directory, a memory
-plan that cannot fit) prints ``error: <message>`` on stderr, the message naming the key, file or
-line to change, and exits with status 1. ``--verbosity=1`` (or more) raises it with its traceback
-instead. Any other exception is a bug and keeps its traceback.
+plan that cannot fit, ``rollout.backend='vllm'`` where vLLM is not installed) prints
+``error: <message>`` on stderr, the message naming the key, file or line to change, and exits with
+status 1. ``--verbosity=1`` (or more) raises it with its traceback instead. Any other exception is
+a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def fault_kinds() -> tuple[type[BaseException], ...]:
   from areal_jax.models import CheckpointError
   from areal_jax.runtime.errors import RunDirError
   from areal_jax.tasks.data import DataError
-  return (ConfigError, CheckpointError, DataError, RunDirError, MemoryError)
+  from areal_jax.vllm_rollout.env import VllmNotInstalledError  # (imports no vLLM)
+  return (ConfigError, CheckpointError, DataError, RunDirError, MemoryError, VllmNotInstalledError)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from areal_jax import cli
 from areal_jax import config as config_lib
 from areal_jax import generate, models
 from areal_jax.tasks import data
+from areal_jax.vllm_rollout import VllmNotInstalledError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = f"{ROOT}/configs/gsm8k.py:tiny"
@@ -36,6 +37,7 @@ def verbosity(level):
     data.MalformedRowError("/data/train.jsonl", 7, "invalid JSON"),
     data.DataNotFoundError("data path not found: /data/missing.jsonl"),
     MemoryError("sampler memory plan: does not fit"),
+    VllmNotInstalledError("vLLM is not installed in this environment"),
 ])
 def test_a_fault_of_what_was_given_ends_in_one_line(fault, capsys):
   with verbosity(0), pytest.raises(SystemExit) as info:
