@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -36,6 +37,27 @@ from areal_jax.serve import trainer_process, trainer_supervisor
 log = logging.getLogger(__name__)
 
 
+def check_listen(host: str, port: int) -> None:
+  """A ``ConfigError`` naming ``serve.host`` / ``serve.port`` when this process cannot listen there
+  (another server holds the port, an address this host does not have); ``port`` 0 (any free
+  one) always can."""
+  if port == 0:
+    return
+  where = f"serve.host={host!r}, serve.port={port}"
+  try:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+  except socket.gaierror as e:
+    raise config_lib.ConfigError(f"{where}: the host does not resolve ({e.strerror})") from e
+  with socket.socket(family, kind, proto) as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+      sock.bind(address)
+    except OSError as e:
+      raise config_lib.ConfigError(
+          f"{where}: cannot listen there ({e.strerror}); if another server holds the port, stop "
+          "it or choose another serve.port (0: any free port)") from e
+
+
 class ServeRuntime:
   """``start()`` brings up the four loops, ``stop()`` ends them (trainer checkpoints first)."""
 
@@ -52,6 +74,7 @@ class ServeRuntime:
     config_lib.validate(config, jax.device_count())
     self.config, self.workdir = config, os.path.abspath(workdir)
     errors.make_run_dir(self.workdir)
+    check_listen(s.host, s.port if port is None else port)  # before the model loads and warms up
     self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
     model, self.tokenizer = model_source.load(config)

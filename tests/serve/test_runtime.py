@@ -64,6 +64,24 @@ def test_the_cli_says_a_model_that_is_not_there_with_a_traceback_only_if_asked(t
     assert "Traceback" in out.stderr and message in out.stderr
 
 
+def test_a_port_another_server_holds_stops_start_up_before_the_model_loads(tmp_path, monkeypatch):
+  import socket
+  with socket.socket() as held:
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    with pytest.raises(config_lib.ConfigError,
+                       match=f"serve.host='127.0.0.1', serve.port={port}: cannot listen there"):
+      runtime.check_listen("127.0.0.1", port)
+    loads = []
+    monkeypatch.setattr(runtime.model_source, "load", lambda *a: loads.append(a))
+    with pytest.raises(config_lib.ConfigError, match="choose another serve.port"):
+      ServeRuntime(_config(), str(tmp_path), port=port)
+    assert not loads
+  runtime.check_listen("127.0.0.1", port)  # free again
+  runtime.check_listen("127.0.0.1", 0)  # any free port
+
+
 def test_warmup_progress_prints_at_most_every_interval_and_not_the_end(capsys):
   clock = [100.0]
   progress = runtime._WarmupProgress(t0=100.0, every=10.0, clock=lambda: clock[0])
