@@ -15,8 +15,11 @@ it is complete (:func:`committed`).
 Damage (an interrupted copy of a workdir, another model's checkpoint, a full disk) is an expected
 fault. ``restore_latest`` tries the checkpoints newest first and uses the first one that restores
 completely and matches the config; each one that does not is moved aside (never deleted) as
-``<step>.corrupt-<UTC time>`` with a one-line warning. Faults a person must act on raise
-:class:`RunDirError`, whose message is meant to be printed as is, without a traceback.
+``<step>.corrupt-<UTC time>`` with a one-line warning. A checkpoint whose arrays do not fit
+because the run was restarted with other settings (``meta`` records the config each save ran with)
+is not damage: it is left in place, and the restore stops naming the keys that differ. Faults a
+person must act on raise :class:`RunDirError`, whose message is meant to be printed as is, without
+a traceback.
 
 With several learner processes (``runtime.learner_processes``) every process runs the same restore
 and they agree on each checkpoint (unusable if any process found it so); only process 0 moves
@@ -25,6 +28,7 @@ directories aside.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -66,9 +70,13 @@ def move_aside(path: str, suffix: str) -> str | None:
 
 class Checkpointer:
 
-  def __init__(self, workdir: str, keep: int, resume: bool = True):
-    """``resume=False`` moves existing checkpoints to ``checkpoints.old-<time>`` (kept) first."""
+  def __init__(self, workdir: str, keep: int, resume: bool = True, config=None):
+    """``resume=False`` moves existing checkpoints to ``checkpoints.old-<time>`` (kept) first.
+    ``config`` (the run's): each save records it in ``meta``, so that a checkpoint whose arrays do
+    not fit a later run's model is reported as written with other settings (the keys that
+    differ), and kept in place, rather than set aside as damaged."""
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self._settings = settings_of(config) if config is not None else None
     if not resume and os.path.isdir(self.directory) and os.listdir(self.directory):
       old = move_aside(self.directory, f".old-{utc_tag()}")
       print(f"train.resume=False: the previous checkpoints were moved to {old}", flush=True)
@@ -89,6 +97,8 @@ class Checkpointer:
     """Writes ``step`` completely or not at all: on failure the temporary directory is removed,
     earlier checkpoints are untouched and :class:`RunDirError` is raised."""
     before = self.steps()
+    if self._settings is not None:
+      meta = dict(meta, config=self._settings)
     try:
       self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                    meta=ocp.args.JsonSave(meta)), force=True)
@@ -156,7 +166,9 @@ class Checkpointer:
 
     A checkpoint that fails :meth:`restore` is reported in one warning and moved aside as
     ``<step>.corrupt-<UTC time>``; then the next older one is tried. Raises
-    :class:`RunDirError` when checkpoints exist (or were moved aside) but none is usable.
+    :class:`RunDirError` when checkpoints exist (or were moved aside) but none is usable, and,
+    leaving it in place, when one whose arrays do not fit was saved with settings other than the
+    ``config`` given (:meth:`__init__`): it names the keys that differ.
     Several processes: each checkpoint is checked (its stored shapes), then read, by all of them,
     agreeing after each part (an Orbax read waits for every process at its end).
     """
@@ -166,8 +178,8 @@ class Checkpointer:
     for step in reversed(candidates):
       step_dir = os.path.join(self.directory, str(step))
       found, local = None, None
-      for part in (lambda: self._check_shapes(step, abstract_state),
-                   lambda: self._read(step, abstract_state)):
+      for first, part in ((True, lambda: self._check_shapes(step, abstract_state)),
+                          (False, lambda: self._read(step, abstract_state))):
         try:
           found = part()
         except Exception as e:  # pylint: disable=broad-except
@@ -178,6 +190,13 @@ class Checkpointer:
           break
       else:
         return (step, *found)
+      changed = _agree(self._settings_changed(step)) if first else None
+      if changed is not None:  # not damage: a run of other settings wrote it
+        raise RunDirError(
+            f"checkpoint {step} in {self.directory} does not fit this run: {reason}. It was saved "
+            f"with other settings: {changed}.\nRerun with the run's settings (its checkpoints "
+            "are untouched), pass another --workdir, or rerun with --config.train.resume=False "
+            "to start over (the old checkpoints are kept in checkpoints.old-<time>).")
       where = self._set_aside(step)
       tried.append(f"checkpoint {step}: {reason} ({where})")
       then = "trying an older one" if step > candidates[0] else "no older one"
@@ -211,6 +230,29 @@ class Checkpointer:
 
   def close(self) -> None:
     self._mgr.close()
+
+  def _settings_changed(self, step: int) -> str | None:
+    """The keys whose values differ between the settings ``step`` was saved with and this run's
+    (``"model.source: 'tiny' then, 'small' now, ..."``); None when unknown (no ``config`` given,
+    a checkpoint that recorded none, an unreadable ``meta``) or the same."""
+    if self._settings is None:
+      return None
+    try:
+      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception:  # pylint: disable=broad-except  (damage: reported as such)
+      _quiet_orphaned_reads()
+      return None
+    then = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(then, dict):
+      return None
+    then, now = _dotted(then), _dotted(self._settings)
+    # the model's and the adapters' keys first: what shapes the arrays
+    keys = [k for k in then.keys() | now.keys() if then.get(k, _ABSENT) != now.get(k, _ABSENT)]
+    keys.sort(key=lambda k: (not k.startswith(("model.", "actor.lora.")), k))
+    if not keys:
+      return None
+    said = [f"{k}: {then.get(k, _ABSENT)!r} then, {now.get(k, _ABSENT)!r} now" for k in keys[:6]]
+    return "; ".join(said) + (f"; and {len(keys) - 6} more" if len(keys) > 6 else "")
 
   def _check_shapes(self, step: int, abstract_state: Any) -> None:
     """Stored shapes and dtypes against the config's, before any array is read."""
@@ -274,6 +316,31 @@ def _flat(tree) -> dict[str, Any]:
     return str(k)
   return {"/".join(name(k) for k in path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+class _Absent:
+  def __repr__(self):
+    return "(absent)"
+
+
+_ABSENT = _Absent()
+
+
+def settings_of(config) -> dict:
+  """A config (``ConfigDict`` or dict) as plain JSON values, as a checkpoint's ``meta`` keeps it."""
+  text = config.to_json_best_effort() if hasattr(config, "to_json_best_effort") else json.dumps(
+      config, default=str)
+  return json.loads(text)
+
+
+def _dotted(settings: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in settings.items():
+    if isinstance(value, dict) and value:
+      out.update(_dotted(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
 
 
 def _check_meta(step: int, meta) -> None:

@@ -74,7 +74,8 @@ def build_trainer(config, workdir: str, store, model, learner_mesh, transfer_fn,
   learner = learner_lib.Learner(model, config.actor, learner_mesh, temperature=c_roll.temperature,
                                 total_steps=config.train.total_steps,
                                 max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
-  ckpt = Checkpointer(workdir, config.train.keep_checkpoints, resume=config.train.resume)
+  ckpt = Checkpointer(workdir, config.train.keep_checkpoints, resume=config.train.resume,
+                      config=config)
   return TrainerLoop(config, workdir, store, learner, transfer_fn(learner), engine, ckpt)
 
 

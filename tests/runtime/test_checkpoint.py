@@ -109,6 +109,37 @@ def test_checkpoint_of_another_model_is_not_restored(run, capsys):
   assert corrupt_dirs(workdir / "checkpoints", 4)
 
 
+def test_a_checkpoint_saved_with_other_settings_is_named_and_left_in_place(run, capsys):
+  """The run's checkpoints record its settings: a rerun whose model they do not fit (another
+  model.source in the same workdir) stops naming the keys that differ, and moves nothing aside;
+  arrays that do not fit under the same settings are still damage."""
+  workdir, state = run
+  ckpt_dir = workdir / "checkpoints"
+  c = tiny_config(**RUN)
+  other = tiny_config(**{**RUN, "model.source": "small", "train.total_steps": 9})
+  wider = jax.tree.map(lambda x: np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)
+                       if np.ndim(x) == 2 else np.asarray(x), state)
+  ckpt = ckpt_lib.Checkpointer(str(workdir), keep=5, config=other)
+  with pytest.raises(RunDirError) as info:
+    ckpt.restore_latest(wider)
+  ckpt.close()
+  message = str(info.value)
+  assert message.startswith(f"checkpoint 3 in {ckpt_dir} does not fit this run: state/"), message
+  assert ("saved with other settings: model.source: 'tiny' then, 'small' now; "
+          f"train.total_steps: {STEPS} then, 9 now.") in message
+  assert "--config.train.resume=False" in message
+  assert sorted(os.listdir(ckpt_dir)) == ["1", "2", "3"]  # nothing moved aside
+  assert capsys.readouterr().err == ""
+
+  ckpt = ckpt_lib.Checkpointer(str(workdir), keep=5, config=c)
+  _, _, meta = ckpt.restore_latest(state)  # the run's own settings: restored
+  assert meta["config"]["model"]["source"] == "tiny"
+  ckpt.save(4, wider, dict(meta, version=4))  # the same settings, arrays of another shape: damage
+  assert ckpt.restore_latest(state)[0] == 3
+  ckpt.close()
+  assert corrupt_dirs(ckpt_dir, 4) and "checkpoint 4 is unusable" in capsys.readouterr().err
+
+
 def test_no_usable_checkpoint_stops_and_never_starts_over(run):
   workdir, state = run
   for step in (1, 2, 3):
