@@ -40,7 +40,7 @@ def reported_faults(*, quiet_exit: bool = False):
   try:
     yield
   except kinds as e:
-    if logging.get_verbosity() >= 1:  # --verbosity=1
+    if logging.get_verbosity() >= 1 or not str(e):  # --verbosity=1; a bare MemoryError: the host's
       raise
     print(f"error: {e}", file=sys.stderr, flush=True)
     if quiet_exit:

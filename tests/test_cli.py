@@ -52,7 +52,8 @@ def test_verbosity_keeps_the_traceback_and_a_bug_is_not_reported_as_a_fault(caps
     with cli.reported_faults():
       raise config_lib.ConfigError("rollout.n_samples=0 must be >= 1")
   with verbosity(0):
-    for bug in (KeyError("params"), RuntimeError("boom"), ValueError("a plain ValueError")):
+    for bug in (KeyError("params"), RuntimeError("boom"), ValueError("a plain ValueError"),
+                MemoryError()):  # (the host out of memory, not a plan: its traceback says where)
       with pytest.raises(type(bug)):
         with cli.reported_faults():
           raise bug
