@@ -179,7 +179,7 @@ def read_rows(path: str | pathlib.Path, validate: Validator, skip_malformed: boo
                     out.skipped, path, "; ".join(out.skipped_where[:3]))
   if not out.rows:
     raise DataError(f"no usable rows under {path}" +
-                     (f" ({out.skipped} malformed rows skipped)" if out.skipped else ""))
+                    (f" ({out.skipped} malformed rows skipped)" if out.skipped else ""))
   return out
 
 
