@@ -378,16 +378,15 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if a.dual_clip and a.dual_clip <= 1:
     errors.append(f"actor.dual_clip={a.dual_clip} must be > 1 (or 0 to disable)")
   # the optimizer's and the loss's coefficients (a negative learning rate climbs the loss)
-  non_negative = {"actor.lr": a.lr, "actor.weight_decay": a.weight_decay,
-                  "actor.warmup_steps": a.warmup_steps, "actor.grad_clip (0: off)": a.grad_clip,
-                  "actor.eps_clip_high (0: actor.eps_clip)": a.eps_clip_high,
-                  "actor.kl_coef": a.kl_coef, "actor.adv_eps": a.adv_eps,
-                  "actor.behav_imp_weight_cap (0: off)": a.behav_imp_weight_cap,
-                  "rollout.top_k (0: off)": r.top_k}
-  for key, value in non_negative.items():
-    name, _, hint = key.partition(" ")
+  for name, value, hint in (
+      ("actor.lr", a.lr, ""), ("actor.weight_decay", a.weight_decay, ""),
+      ("actor.warmup_steps", a.warmup_steps, ""), ("actor.grad_clip", a.grad_clip, " (0: off)"),
+      ("actor.eps_clip_high", a.eps_clip_high, " (0: actor.eps_clip)"),
+      ("actor.kl_coef", a.kl_coef, ""), ("actor.adv_eps", a.adv_eps, ""),
+      ("actor.behav_imp_weight_cap", a.behav_imp_weight_cap, " (0: off)"),
+      ("rollout.top_k", r.top_k, " (0: off)")):
     if value < 0:
-      errors.append(f"{name}={value} must be >= 0" + (f" {hint}" if hint else ""))
+      errors.append(f"{name}={value} must be >= 0{hint}")
   if a.eps_clip <= 0:
     errors.append(f"actor.eps_clip={a.eps_clip} must be > 0")
   for name in ("b1", "b2"):

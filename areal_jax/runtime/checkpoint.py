@@ -327,10 +327,8 @@ _ABSENT = _Absent()
 
 
 def settings_of(config) -> dict:
-  """A config (``ConfigDict`` or dict) as plain JSON values, as a checkpoint's ``meta`` keeps it."""
-  text = config.to_json_best_effort() if hasattr(config, "to_json_best_effort") else json.dumps(
-      config, default=str)
-  return json.loads(text)
+  """A run's ``ConfigDict`` as plain JSON values, as a checkpoint's ``meta`` keeps it."""
+  return json.loads(config.to_json_best_effort())
 
 
 def _dotted(settings: dict, prefix: str = "") -> dict[str, Any]:
