@@ -18,17 +18,7 @@ import sys
 
 from absl import logging
 
-
-def fault_kinds() -> tuple[type[BaseException], ...]:
-  """The exceptions a person fixes by changing what they passed (imported when asked: the
-  checkpoint errors' module imports JAX, which launch.py and serve import late on purpose)."""
-  # pylint: disable=import-outside-toplevel
-  from areal_jax.config import ConfigError
-  from areal_jax.models import CheckpointError
-  from areal_jax.runtime.errors import RunDirError
-  from areal_jax.tasks.data import DataError
-  from areal_jax.vllm_rollout.env import VllmNotInstalledError  # (imports no vLLM)
-  return (ConfigError, CheckpointError, DataError, RunDirError, MemoryError, VllmNotInstalledError)
+from areal_jax.runtime.errors import fault_kinds
 
 
 @contextlib.contextmanager

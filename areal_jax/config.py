@@ -415,6 +415,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     if m.colocated:
       errors.append("runtime.mode='ray' runs rollout workers in processes of their own: "
                     "set mesh.colocated=False")
+  errors += learner_group_errors(config)
   if n_devices is not None:
     errors += _mesh_errors(m, n_devices, a.batch_size * r.n_samples, r.num_slots,
                            remote_sampler=config.runtime.mode == "ray",
@@ -422,6 +423,33 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
                            and r.backend == "jax" else 0)
   if errors:
     raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def learner_group_errors(config: ConfigDict) -> list[str]:
+  """What a learner group (``runtime.learner_processes`` > 1) needs of the other keys."""
+  n = int(config.runtime.learner_processes)
+  if n < 1:
+    return [f"runtime.learner_processes={n} must be >= 1"]
+  if n == 1:
+    return []
+  errors = []
+  if config.weights.transfer != "orbax" and config.runtime.mode != "ray":  # (ray: always Orbax)
+    errors.append(f"runtime.learner_processes={n} needs weights.transfer='orbax' (the group "
+                  f"publishes Orbax versions), got {config.weights.transfer!r}")
+  if config.mesh.colocated:
+    errors.append(f"runtime.learner_processes={n} needs mesh.colocated=False (the learner's "
+                  "devices belong to its processes)")
+  if config.mesh.learner_devices % n:
+    errors.append(f"mesh.learner_devices={config.mesh.learner_devices} is not divisible by "
+                  f"runtime.learner_processes={n}")
+  address = config.runtime.learner_address
+  host, _, port = address.rpartition(":")
+  if address and (not host or not port.isdigit()):
+    errors.append(f"runtime.learner_address={address!r} is not host:port")
+  if config.actor.lora.rank:
+    errors.append(f"runtime.learner_processes={n} does not support actor.lora yet (set "
+                  "actor.lora.rank=0 or runtime.learner_processes=1)")
+  return errors
 
 
 def _mesh_errors(m: ConfigDict, n_devices: int, batch_seqs: int, num_slots: int,

@@ -1,4 +1,4 @@
-"""Expected faults of a run directory, reported to a person without a traceback (see launch.py)."""
+"""Expected faults of a run directory, and the list of every fault a person fixes (see cli.py)."""
 
 import os
 
@@ -29,3 +29,16 @@ RESTART_EXIT_CODE = 75
 
 class LearnerProcessDied(RuntimeError):
   """A process of the learner group exited or lost its connection; the group was torn down."""
+
+
+def fault_kinds() -> tuple[type[BaseException], ...]:
+  """The exceptions a person fixes by changing what they passed: the command lines print them in
+  one line (``cli.reported_faults``) and a learner group re-raises them under their own type.
+  Imported when asked: the checkpoint errors' module imports JAX, which launch.py and serve import
+  late on purpose."""
+  # pylint: disable=import-outside-toplevel
+  from areal_jax.config import ConfigError
+  from areal_jax.models import CheckpointError
+  from areal_jax.tasks.data import DataError
+  from areal_jax.vllm_rollout.env import VllmNotInstalledError  # (imports no vLLM)
+  return (ConfigError, CheckpointError, DataError, RunDirError, MemoryError, VllmNotInstalledError)

@@ -39,6 +39,7 @@ import time
 
 import jax
 
+from areal_jax import config as config_lib
 from areal_jax.runtime import checkpoint, distributed, process_group, weight_transfer
 REMOTE_STATE = "<learner state held by the learner group>"
 
@@ -51,29 +52,11 @@ class RemoteParams:
 
 
 def check_config(config) -> int:
-  """The number of learner processes, after checking the keys a group depends on."""
-  n = int(config.runtime.learner_processes)
-  errors = []
-  if n < 1:
-    errors.append(f"runtime.learner_processes={n} must be >= 1")
-  elif n > 1:
-    if config.weights.transfer != "orbax" and config.runtime.mode != "ray":  # (ray: always Orbax)
-      errors.append(f"runtime.learner_processes={n} needs weights.transfer='orbax' (the group "
-                    f"publishes Orbax versions), got {config.weights.transfer!r}")
-    if config.mesh.colocated:
-      errors.append(f"runtime.learner_processes={n} needs mesh.colocated=False (the learner's "
-                    "devices belong to its processes)")
-    if config.mesh.learner_devices % n:
-      errors.append(f"mesh.learner_devices={config.mesh.learner_devices} is not divisible by "
-                    f"runtime.learner_processes={n}")
-    if config.runtime.learner_address:
-      process_group.host_port(config.runtime.learner_address)
-    if config.actor.lora.rank:
-      errors.append(f"runtime.learner_processes={n} does not support actor.lora yet (set "
-                    "actor.lora.rank=0 or runtime.learner_processes=1)")
+  """The number of learner processes, after checking the keys a group depends on (ConfigError)."""
+  errors = config_lib.learner_group_errors(config)
   if errors:
-    raise ValueError("; ".join(errors))
-  return n
+    raise config_lib.ConfigError("invalid config:\n  " + "\n  ".join(errors))
+  return int(config.runtime.learner_processes)
 
 
 class LearnerGroup:

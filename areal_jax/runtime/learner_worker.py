@@ -5,7 +5,7 @@ the other workers with ``jax.distributed`` (process 0 serves ``--coordinator``),
 ``Learner`` on the mesh spanning the whole group and then executes the driver's commands, the same
 command on every process (multi-controller SPMD): ``train_step`` on the same batch, ``save`` /
 ``restore`` of the run checkpoint and ``publish`` of a weights version through Orbax, every process
-writing or reading its own shards. Replies are ``("ok", value)`` or ``("error", type, message)``.
+writing or reading its own shards. Replies are ``("ok", value)`` or ``("error", type names, message, traceback)``.
 
 Started by the driver on its own host; on other hosts start it by hand (or by the cluster's
 launcher) with the same arguments and ``AREAL_JAX_LEARNER_AUTHKEY`` set to the driver's key.
@@ -20,9 +20,9 @@ import os
 import signal
 import sys
 import time
-import traceback
 from multiprocessing.connection import Client
 
+from areal_jax.runtime import process_group
 from areal_jax.runtime.process_group import AUTHKEY_ENV
 
 
@@ -112,7 +112,7 @@ def serve(conn, process_id: int, num_processes: int, coordinator: str) -> None:
         value = getattr(worker, cmd)(*args)
       reply = ("ok", value)
     except Exception as e:  # pylint: disable=broad-except  (reported to the driver, which raises)
-      reply = ("error", type(e).__name__, f"{e}\n{traceback.format_exc()}")
+      reply = process_group.error_reply(e)
     conn.send(reply)
 
 

@@ -23,6 +23,7 @@ GROUP = {"runtime.learner_processes": 2, "mesh.learner_devices": 2, "weights.tra
 
 
 def test_group_config_is_checked():
+  """The keys a group needs are config faults (one line from launch.py), found by validate."""
   c = config_lib.load(TINY)
   assert learner_group.check_config(c) == 1
   for k, v in GROUP.items():
@@ -31,12 +32,15 @@ def test_group_config_is_checked():
   for key, value, match in [("weights.transfer", "device_put", "weights.transfer='orbax'"),
                             ("mesh.colocated", True, "mesh.colocated=False"),
                             ("mesh.learner_devices", 3, "not divisible"),
-                            ("actor.lora.rank", 4, "actor.lora")]:
+                            ("actor.lora.rank", 4, "actor.lora"),
+                            ("runtime.learner_address", "host-without-port", "not host:port")]:
     bad = config_lib.load(TINY)
     for k, v in dict(GROUP, **{key: value}).items():
       config_lib.override(bad, k, v)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(config_lib.ConfigError, match=match):
       learner_group.check_config(bad)
+    with pytest.raises(config_lib.ConfigError, match=match):  # a run stops before it loads a model
+      config_lib.validate(bad)
 
 
 # A stand-in learner process speaking the driver's protocol (no JAX): replies to train_step with
@@ -66,6 +70,13 @@ while True:
     os._exit(3)
   elif cmd == "train_step" and args[0] == "fail" and pid == 1:
     conn.send(("error", "FloatingPointError", "non-finite loss"))
+  elif cmd == "train_step" and args[0] == "bad config" and pid == 1:
+    from areal_jax import config
+    from areal_jax.runtime import process_group
+    try:
+      raise config.ConfigError("actor.lr=-1 must be >= 0")
+    except config.ConfigError as e:
+      conn.send(process_group.error_reply(e))
   elif cmd == "train_step":
     conn.send(("ok", dict(loss=float(pid))))
   elif cmd == "restore":
@@ -77,7 +88,8 @@ while True:
 
 def test_group_protocol_with_external_processes(tmp_path, monkeypatch):
   """runtime.learner_address: the driver waits for processes started elsewhere; process 0's
-  metrics come back, a worker's error is raised under its type naming the process, and a
+  metrics come back, a worker's error is raised under its type naming the process (a fault a
+  person fixes under its own type, its message one line), and a
   dead worker stops the group with LearnerProcessDied."""
   from areal_jax.runtime import distributed, learner_worker
   from areal_jax.runtime.errors import LearnerProcessDied
@@ -102,6 +114,9 @@ def test_group_protocol_with_external_processes(tmp_path, monkeypatch):
     group.load_state(learner_group.REMOTE_STATE)
     with pytest.raises(FloatingPointError, match="learner process 1: .*non-finite loss"):
       group.train_step("fail", [])
+    with pytest.raises(config_lib.ConfigError) as fault:
+      group.train_step("bad config", [])
+    assert str(fault.value) == "learner process 1: actor.lr=-1 must be >= 0"  # (traceback: a note)
     with pytest.raises(LearnerProcessDied, match="learner process 1 closed its connection"):
       group.train_step("die", [])
     with pytest.raises(RuntimeError, match="closed"):
