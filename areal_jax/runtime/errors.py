@@ -1,6 +1,7 @@
 """Expected faults of a run directory, and the list of every fault a person fixes (see cli.py)."""
 
 import os
+import traceback
 
 
 class RunDirError(RuntimeError):
@@ -25,6 +26,10 @@ def make_run_dir(workdir: str) -> None:
 # Exit status of a training process whose learner group lost a process: the supervisor
 # (``supervisor.py``) reruns it, and it resumes from its last checkpoint (EX_TEMPFAIL).
 RESTART_EXIT_CODE = 75
+# Exit status of a process stopped by one of :func:`fault_kinds` (a checkpoint saved with other
+# settings, a memory plan that cannot fit): its supervisor does not restart it, since the same
+# settings would fail the same way (EX_CONFIG).
+FAULT_EXIT_CODE = 78
 
 
 class LearnerProcessDied(RuntimeError):
@@ -42,3 +47,29 @@ def fault_kinds() -> tuple[type[BaseException], ...]:
   from areal_jax.tasks.data import DataError
   from areal_jax.vllm_rollout.env import VllmNotInstalledError  # (imports no vLLM)
   return (ConfigError, CheckpointError, DataError, RunDirError, MemoryError, VllmNotInstalledError)
+
+
+def error_fields(error: BaseException) -> tuple[list[str], str, str]:
+  """What another process needs to raise ``error`` again (:func:`remote_error`): the names of its
+  class and bases, its message and the traceback being handled (call it in the ``except``)."""
+  return [c.__name__ for c in type(error).__mro__], str(error), traceback.format_exc()
+
+
+_BUILTIN_ERRORS = (FloatingPointError, ValueError, MemoryError, TypeError, LookupError, OSError,
+                   NotImplementedError, RuntimeError)
+
+
+def remote_error(where: str, types, message: str, traceback_text: str = "") -> Exception:
+  """The error ``where`` (e.g. "learner process 1") reported by :func:`error_fields`, to raise
+  here: the first of its class and bases (``types``; or one name) that is one of
+  :func:`fault_kinds` (printed by the command lines in one line) or a builtin error, else
+  RuntimeError. The message starts with ``where`` (and the original type when it is not kept);
+  the other process's traceback is a note, shown only with this one's."""
+  types = [types] if isinstance(types, str) else list(types)
+  known = {c.__name__: c for c in (*fault_kinds(), *_BUILTIN_ERRORS)}
+  kind = next((known[n] for n in types if n in known), RuntimeError)
+  error = kind(f"{where}: {message}" if kind.__name__ == types[0] else
+               f"{where}: {types[0]}: {message}")
+  if traceback_text:
+    error.add_note(f"{where}'s traceback:\n{traceback_text.rstrip()}")
+  return error

@@ -6,7 +6,7 @@ or waits for workers started elsewhere (``address`` "host:port" and a shared key
 ``AREAL_JAX_LEARNER_AUTHKEY``). A worker first sends ``("hello", process_id, pid)``, then answers
 each ``(cmd, args)`` with ``("ok", value)`` or ``("error", type names, message, traceback)``
 (:func:`error_reply`: the names of the exception's class and its bases, or one name, and its
-traceback text), which the driver re-raises under the first type it knows (:func:`worker_error`).
+traceback text), which the driver re-raises under the first type it knows (``errors.remote_error``).
 
 A worker that exits or breaks its connection while a command runs stops the whole group (the
 others may be blocked in a collective with it) and raises ``LearnerProcessDied``.
@@ -20,15 +20,13 @@ import os
 import secrets
 import subprocess
 import time
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Listener, wait as wait_ready
 
-from areal_jax.runtime.errors import LearnerProcessDied, fault_kinds
+from areal_jax.runtime import errors
+from areal_jax.runtime.errors import LearnerProcessDied
 
 AUTHKEY_ENV = "AREAL_JAX_LEARNER_AUTHKEY"
-_BUILTIN_ERRORS = (FloatingPointError, ValueError, MemoryError, TypeError, LookupError, OSError,
-                   NotImplementedError, RuntimeError)
 
 
 class ProcessGroup:
@@ -148,7 +146,7 @@ class ProcessGroup:
       self._check_alive()
     for i in range(self.n):
       if replies[i][0] == "error":
-        raise worker_error(i, *replies[i][1:])
+        raise errors.remote_error(f"learner process {i}", *replies[i][1:])
     return replies[0][1]
 
   def kill(self) -> None:
@@ -180,23 +178,7 @@ class ProcessGroup:
 
 def error_reply(error: Exception) -> tuple:
   """A worker's reply for ``error``, raised by the command it ran (call it in the ``except``)."""
-  return ("error", [c.__name__ for c in type(error).__mro__], str(error), traceback.format_exc())
-
-
-def worker_error(i: int, names, message: str, traceback_text: str = "") -> Exception:
-  """Worker ``i``'s error on the driver: the first of its class and bases (``names``) that is one
-  of the faults a person fixes (``errors.fault_kinds``: printed by the command lines in one line)
-  or a builtin error, else RuntimeError; the message names the process (and the worker's type
-  when it is not kept), and the worker's traceback is a note, shown only with the driver's."""
-  names = [names] if isinstance(names, str) else list(names)
-  known = {c.__name__: c for c in (*fault_kinds(), *_BUILTIN_ERRORS)}
-  kind = next((known[n] for n in names if n in known), RuntimeError)
-  kept = kind.__name__ == names[0]
-  error = kind(f"learner process {i}: {message}" if kept else
-               f"learner process {i}: {names[0]}: {message}")
-  if traceback_text:
-    error.add_note(f"learner process {i}'s traceback:\n{traceback_text.rstrip()}")
-  return error
+  return ("error", *errors.error_fields(error))
 
 
 def host_port(address: str) -> tuple[str, int]:

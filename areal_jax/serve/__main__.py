@@ -44,12 +44,19 @@ def main(argv) -> None:
     logging.set_verbosity(logging.INFO)
   # a memory plan that cannot fit, a model that is not there, settings that contradict each
   # other: one line naming what to change (areal_jax.cli)
-  with cli.reported_faults():
-    runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
+  # SIGTERM while starting (warm-up, the trainer process restoring) interrupts like Ctrl-C: what
+  # started is stopped (runtime.start), nothing was served yet
+  signal.signal(signal.SIGTERM, signal.default_int_handler)
+  try:
+    with cli.reported_faults():
+      runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
+      runtime.start()  # (its trainer process's faults too)
+  except KeyboardInterrupt:
+    print("interrupted while starting; stopped", file=sys.stderr, flush=True)
+    sys.exit(130)
   done = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: done.set())
-  runtime.start()
   while not done.wait(1.0):
     pass
   print("stopping: the trainer checkpoints, then the server and the engine stop", flush=True)

@@ -169,6 +169,15 @@ class ServeRuntime:
     return isinstance(self.trainer, trainer_supervisor.TrainerProcess)
 
   def start(self, timeout: float = 120.0, trainer_timeout: float = 900.0) -> None:
+    """Starts the loops and the HTTP server. If it fails or is interrupted (a trainer process that
+    stops on a fault, KeyboardInterrupt) it stops what it started, then raises."""
+    try:
+      self._start(timeout, trainer_timeout)
+    except BaseException:
+      self.stop()
+      raise
+
+  def _start(self, timeout: float, trainer_timeout: float) -> None:
     if self.trainer_in_process:  # it loads and restores while the engine warms up
       self.trainer.start()
     if self.config.serve.warmup and hasattr(self.engine, "warmup"):

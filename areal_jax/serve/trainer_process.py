@@ -9,8 +9,10 @@ turns from the SQLite store (WAL: the server writes while this process reads), t
 exactly-once marks, checkpoints and resume (``restore`` rolls back marks of steps after the newest
 checkpoint). Each version is written as Orbax weights (``<weights.path or workdir/weights>/<v>/``)
 and announced in ``<workdir>/trainer_status.json`` (atomic), which the server's watcher reads; the
-status also carries the loop's counters and error for ``/health``. SIGTERM/SIGINT (or the server
-dying: this process then has another parent): stop after the current step and checkpoint; SIGKILL loses only the steps since the last checkpoint (redone on the
+status also carries the loop's counters and error for ``/health``; a fault a person fixes (e.g. a
+checkpoint saved with other settings) is written there with its type and traceback, and the
+process exits with ``errors.FAULT_EXIT_CODE``: the server does not restart it.
+SIGTERM/SIGINT (or the server dying: this process then has another parent): stop after the current step and checkpoint; SIGKILL loses only the steps since the last checkpoint (redone on the
 same turns after the restart, nothing trained twice).
 
 ``--bench=train|swap`` is for bench/serve.py only: train the first recorded batch back to back
@@ -108,6 +110,23 @@ def _bench(loop, mode: str, stop: threading.Event, status) -> None:
 def main(argv) -> None:
   del argv
   workdir = os.path.abspath(FLAGS.workdir)
+  try:
+    _main(workdir)
+  except BaseException as e:
+    from areal_jax.runtime import errors  # pylint: disable=import-outside-toplevel
+
+    if not isinstance(e, errors.fault_kinds()) or not str(e):
+      raise
+    # a fault a person fixes (a checkpoint saved with other settings, a plan that cannot fit):
+    # the server reads it here, does not restart this process, and names it
+    types, message, trace = errors.error_fields(e)
+    write_json(os.path.join(workdir, STATUS_FILE),
+               dict(pid=os.getpid(), error=message, fault=dict(types=types, message=message,
+                                                               traceback=trace)))
+    sys.exit(errors.FAULT_EXIT_CODE)  # (the server prints it: this process's stderr is its)
+
+
+def _main(workdir: str) -> None:
   if FLAGS.cores:
     from areal_jax.runtime.ray_worker import pin_process  # pylint: disable=import-outside-toplevel
 

@@ -3,7 +3,8 @@ the watcher that loads the versions it announces.
 
 ``plan_cores`` splits this process's CPU cores (``serve.trainer_cores``; 0: half) between the server
 and the trainer; ``TrainerProcess`` starts ``python -m areal_jax.serve.trainer_process`` pinned to
-the trainer's share, restarts it when it dies (exponential back-off up to 30 s), stops it with
+the trainer's share, restarts it when it dies (exponential back-off up to 30 s; not when it stopped
+on a fault a person fixes, ``errors.FAULT_EXIT_CODE``: that fault is its error), stops it with
 SIGTERM (it checkpoints) or kills it; ``WeightsWatcher`` (a thread) reads the trainer's status file
 and, when it announces a version other than the engine's, restores it (Orbax, straight onto the
 sampler's shardings) and calls ``engine.update_params`` (applied between decode steps; in-flight
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 
+from areal_jax.runtime import errors
 from areal_jax.runtime.ray_cluster import plan_cores as _plan
 from areal_jax.serve import trainer_process as tp
 
@@ -48,6 +50,8 @@ class TrainerProcess:
     self.extra_args = list(extra_args)
     self.restarts = 0
     self.last_exit: int | None = None
+    self.fault: dict | None = None  # what stopped the process for good (types, message, traceback)
+    self._awaited = False  # wait_announced waits: it raises the fault (else the monitor prints it)
     self._proc: subprocess.Popen | None = None
     self._lock = threading.Lock()
     self._stopping = threading.Event()
@@ -68,6 +72,8 @@ class TrainerProcess:
 
   @property
   def error(self) -> str | None:
+    if self.fault is not None:
+      return f"trainer process stopped, not restarted: {self.fault['message']}"
     st = self.status()
     if st is not None and st.get("error"):
       return st["error"]
@@ -87,6 +93,7 @@ class TrainerProcess:
     os.replace(os.path.join(self.workdir, tp.CONFIG_FILE) + ".tmp",
                os.path.join(self.workdir, tp.CONFIG_FILE))
     self._stopping.clear()
+    self.fault = None
     self._spawn()
     self._monitor = threading.Thread(target=self._watch, name="serve-trainer-monitor", daemon=True)
     self._monitor.start()
@@ -108,7 +115,15 @@ class TrainerProcess:
       if proc is None or proc.poll() is None:
         continue
       self.last_exit = proc.returncode
-      up_s = time.time() - (tp.read_status(self.workdir) or {}).get("started", time.time())
+      st = tp.read_status(self.workdir) or {}
+      fault = st.get("fault") if st.get("pid") == proc.pid else None
+      if proc.returncode == errors.FAULT_EXIT_CODE and fault:
+        self.fault = fault  # the same settings would fail the same way: fix, then restart
+        if not self._awaited:
+          print(f"trainer process {proc.pid} stopped, not restarted (serving goes on without "
+                f"training): {self.fault['message']}", file=sys.stderr, flush=True)
+        return
+      up_s = time.time() - st.get("started", time.time())
       backoff = 1.0 if up_s > 60 else min(backoff * 2, 30.0)
       print(f"trainer process {proc.pid} exited with {proc.returncode}; restarting in "
             f"{backoff:.0f} s (it resumes from its newest checkpoint)", file=sys.stderr, flush=True)
@@ -118,9 +133,20 @@ class TrainerProcess:
       self.restarts += 1  # (after the new process is in place: whoever reads it sees the new pid)
 
   def wait_announced(self, timeout: float) -> dict:
-    """Blocks until the current process has published its first version; its status."""
+    """Blocks until the current process has published its first version; its status. A process
+    that stopped on a fault raises it here, under its own type (``errors.remote_error``)."""
+    self._awaited = True
+    try:
+      return self._wait_announced(timeout)
+    finally:
+      self._awaited = False
+
+  def _wait_announced(self, timeout: float) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
+      if self.fault is not None:
+        raise errors.remote_error("trainer process", self.fault["types"], self.fault["message"],
+                                  self.fault["traceback"])
       st = self.status()
       if st is not None and st.get("published") is not None:
         return st

@@ -5,8 +5,11 @@ while the supervisor restarts it; the new process resumes with nothing trained t
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import numpy as np
 import openai
 import pytest
 
@@ -79,3 +82,33 @@ def test_the_server_cli_imports_the_trainer_process_module_without_flag_clashes(
   from areal_jax.serve import trainer_process, trainer_supervisor  # noqa: F401  pylint: disable=import-outside-toplevel
 
   assert trainer_process.STATUS_FILE and trainer_supervisor.plan_cores
+
+
+@pytest.mark.slow
+def test_a_trainer_process_fault_stops_the_server_start_in_one_line_not_a_restart_loop(tmp_path):
+  """A trainer process that cannot start for a reason a restart does not change (here: the
+  workdir's checkpoint was saved with another model.source) is not restarted; the server names
+  the fault in one line and exits, leaving the checkpoint where it was."""
+  from areal_jax.runtime.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+
+  other = config_lib.load("configs/serve_arithmetic.py:tiny")
+  config_lib.override(other, "model.source", "small")
+  ckpt = Checkpointer(str(tmp_path), keep=2, config=other)
+  ckpt.save(1, {"w": np.zeros(2, np.float32)}, dict(version=1, data_state={}, next_group_id=0,
+                                                    pending=[], staleness={}, totals={}))
+  ckpt.close()
+  out = subprocess.run(
+      [sys.executable, "-m", "areal_jax.serve", "--config=configs/serve_arithmetic.py:tiny",
+       f"--workdir={tmp_path}", "--config.serve.port=0", "--config.serve.trainer_process=True",
+       "--config.serve.warmup=False"], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  (error,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert error.startswith(f"error: trainer process: checkpoint 1 in {tmp_path}/checkpoints does "
+                          "not fit this run"), error
+  assert "saved with other settings: model.source: 'small' then, 'tiny' now" in error
+  assert "Traceback" not in out.stderr and "restarting" not in out.stderr
+  assert os.listdir(tmp_path / "checkpoints") == ["1"]  # nothing moved aside
+  status = trainer_process.read_status(str(tmp_path))
+  assert status["fault"]["types"][0] == "RunDirError"
+  with pytest.raises(ProcessLookupError):  # the trainer process is gone
+    os.kill(status["pid"], 0)
