@@ -39,7 +39,7 @@ import threading
 import time
 
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample
-from areal_jax.runtime import ray_worker, weight_transfer
+from areal_jax.runtime import errors, ray_worker, weight_transfer
 from areal_jax.runtime.ray_cluster import plan_cores
 
 
@@ -283,6 +283,8 @@ class RayRolloutEngine(RolloutEngine):
       else:
         self._on_death(i, e)
       return []
+    if kind == "ready" and value.get("fault"):  # it started, but on a fault a person fixes
+      raise errors.remote_error(f"rollout worker {i}", *value["fault"])
     with self._lock:
       if kind == "ready":  # back after a restart: current weights, then its groups again
         w.ready_ref, w.live = None, True

@@ -11,6 +11,10 @@ The body of the actor is a plain class, ``RolloutWorker``; ``ray_rollout`` wraps
      base, into which the engine merges each version's adapters);
   3. waits for the driver to announce a weights version (``notify``; also right after a restart).
 
+A fault a person fixes in 1-2 (``errors.fault_kinds``: ``model.source`` not on this host, a
+sampler memory plan that cannot fit its devices) is not raised there (Ray would restart the actor
+into the same fault): ``info`` reports it, and the driver raises it under its own type.
+
 A loader thread reads the newest published version (``OrbaxReceiver.fetch_newer``: the full
 weights, or with LoRA only the adapters; with ``weights.transfer="jax_transfer"``,
 ``JaxTransferReceiver.fetch_newer`` pulls the newest version it holds a ticket for, from the
@@ -79,6 +83,20 @@ class RolloutWorker:
 
   def __init__(self, config, weights_path: str, cores=None):
     self.started = time.time()
+    self.fault = None
+    try:
+      self._start(config, weights_path, cores)
+    except Exception as e:  # pylint: disable=broad-except
+      from areal_jax.runtime import errors  # pylint: disable=import-outside-toplevel
+
+      if not isinstance(e, errors.fault_kinds()) or not str(e):
+        raise
+      # a fault a person fixes (model.source not on this host, a sampler plan that cannot fit on
+      # its devices): kept, not raised, so that Ray does not restart the actor into the same
+      # fault; the driver's ready probe (info) raises it under its own type
+      self.fault = errors.error_fields(e)
+
+  def _start(self, config, weights_path: str, cores) -> None:
     if cores:
       pin_process(cores)
     devices = config.runtime.worker_devices
@@ -135,7 +153,10 @@ class RolloutWorker:
 
   # ---- the driver's calls ----------------------------------------------------------------------
   def info(self) -> dict:
-    """Process id, devices, version: also the driver's "ready" probe after a restart."""
+    """Process id, devices, version: also the driver's "ready" probe after a restart. ``fault``
+    (``errors.error_fields``) when the worker could not start."""
+    if self.fault is not None:
+      return dict(pid=os.getpid(), fault=self.fault)
     return dict(pid=os.getpid(), version=self._loaded, cores=sorted(os.sched_getaffinity(0)),
                 devices=[str(d) for d in self.jax.devices()], started=self.started)
 
@@ -181,6 +202,8 @@ class RolloutWorker:
     return self._loaded
 
   def stop(self) -> None:
+    if self.fault is not None:  # nothing was started
+      return
     with self._lock:
       self._stopping = True
       self._lock.notify_all()

@@ -210,6 +210,25 @@ def test_a_worker_the_cluster_cannot_place_fails_start_with_a_clear_message(loca
     engine.stop()
 
 
+def test_a_worker_fault_fails_start_under_its_own_type_in_one_line(local_ray, tmp_path):
+  """model.source not on the worker's host: the worker is not restarted into the same fault; start
+  raises it as the CheckpointError it is, naming the worker (launch.py: one line)."""
+  from areal_jax import models
+
+  c = config_lib.load(TINY)
+  config_lib.override(c, "model.source", str(tmp_path / "missing"))
+  engine = ray_rollout.RayRolloutEngine(c, str(tmp_path / "weights"), [None])
+  try:
+    with pytest.raises(models.CheckpointError) as fault:
+      engine.start()
+  finally:
+    engine.stop()
+  assert str(fault.value).startswith(f"rollout worker 0: model.source: model source "
+                                     f"'{tmp_path / 'missing'}': no such directory")
+  assert "Traceback" in fault.value.__notes__[0]  # the worker's, shown only with the driver's
+  assert engine.workers[0].restarts == 0
+
+
 def _overridden(path, **overrides):
   c = config_lib.load(path)
   for key, value in overrides.items():
