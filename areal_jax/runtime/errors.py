@@ -38,8 +38,9 @@ class LearnerProcessDied(RuntimeError):
 
 def fault_kinds() -> tuple[type[BaseException], ...]:
   """The exceptions a person fixes by changing what they passed: the command lines print them in
-  one line (``cli.reported_faults``) and a learner group re-raises them under their own type.
-  Imported when asked: the checkpoint errors' module imports JAX, which launch.py and serve import
+  one line (``cli.reported_faults``); raised in another process (a learner process, a rollout
+  worker, the serve trainer process) they come back under their own type (:func:`remote_error`)
+  and that process is not restarted into the same fault. Imported when asked: the checkpoint errors' module imports JAX, which launch.py and serve import
   late on purpose."""
   # pylint: disable=import-outside-toplevel
   from areal_jax.config import ConfigError

@@ -5,7 +5,8 @@ the other workers with ``jax.distributed`` (process 0 serves ``--coordinator``),
 ``Learner`` on the mesh spanning the whole group and then executes the driver's commands, the same
 command on every process (multi-controller SPMD): ``train_step`` on the same batch, ``save`` /
 ``restore`` of the run checkpoint and ``publish`` of a weights version through Orbax, every process
-writing or reading its own shards. Replies are ``("ok", value)`` or ``("error", type names, message, traceback)``.
+writing or reading its own shards. Replies are ``("ok", value)`` or
+``("error", type names, message, traceback)`` (``process_group.error_reply``).
 
 Started by the driver on its own host; on other hosts start it by hand (or by the cluster's
 launcher) with the same arguments and ``AREAL_JAX_LEARNER_AUTHKEY`` set to the driver's key.

@@ -47,16 +47,19 @@ def main(argv) -> None:
   # SIGTERM while starting (warm-up, the trainer process restoring) interrupts like Ctrl-C: what
   # started is stopped (runtime.start), nothing was served yet
   signal.signal(signal.SIGTERM, signal.default_int_handler)
+  done, started = threading.Event(), False
   try:
     with cli.reported_faults():
       runtime = ServeRuntime(_CONFIG.value, _WORKDIR.value, cores=cores)
       runtime.start()  # (its trainer process's faults too)
+    started = True
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(sig, lambda *_: done.set())
   except KeyboardInterrupt:
+    if started:  # (a signal just before the handlers were in place)
+      runtime.stop()
     print("interrupted while starting; stopped", file=sys.stderr, flush=True)
     sys.exit(130)
-  done = threading.Event()
-  for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda *_: done.set())
   while not done.wait(1.0):
     pass
   print("stopping: the trainer checkpoints, then the server and the engine stop", flush=True)

@@ -112,3 +112,28 @@ def test_a_trainer_process_fault_stops_the_server_start_in_one_line_not_a_restar
   assert status["fault"]["types"][0] == "RunDirError"
   with pytest.raises(ProcessLookupError):  # the trainer process is gone
     os.kill(status["pid"], 0)
+
+
+@pytest.mark.slow
+def test_a_start_interrupted_while_waiting_for_the_trainer_stops_the_trainer_process(tmp_path,
+                                                                                      monkeypatch):
+  """SIGTERM/Ctrl-C while the server starts (serve's __main__ makes both KeyboardInterrupt): start
+  stops what it started, the trainer process included, and serves nothing."""
+  from areal_jax.serve import trainer_supervisor  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.load("configs/serve_arithmetic.py:tiny")
+  for key, value in {"serve.port": 0, "serve.trainer_process": True, "serve.warmup": False}.items():
+    config_lib.override(config, key, value)
+  pids = []
+
+  def interrupted(self, timeout):
+    pids.append(self.pid)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(trainer_supervisor.TrainerProcess, "wait_announced", interrupted)
+  rt = ServeRuntime(config, str(tmp_path))
+  with pytest.raises(KeyboardInterrupt):
+    rt.start()
+  assert not rt.trainer.alive and rt._server is None  # pylint: disable=protected-access
+  with pytest.raises(ProcessLookupError):
+    os.kill(pids[0], 0)
