@@ -446,9 +446,6 @@ def learner_group_errors(config: ConfigDict) -> list[str]:
   host, _, port = address.rpartition(":")
   if address and (not host or not port.isdigit()):
     errors.append(f"runtime.learner_address={address!r} is not host:port")
-  if config.actor.lora.rank:
-    errors.append(f"runtime.learner_processes={n} does not support actor.lora yet (set "
-                  "actor.lora.rank=0 or runtime.learner_processes=1)")
   return errors
 
 

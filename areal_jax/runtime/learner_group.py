@@ -8,7 +8,8 @@ state stays in the group), ``params()`` (a token for ``transfer``), and gives th
 trainer builds around a learner: ``checkpointer()`` (the run checkpoint, saved and restored by all
 processes through Orbax, with the driver's meta) and ``transfer(...)`` (each version published by
 the group as an Orbax weights version, ``weights.transfer="orbax"``, and restored by the driver
-straight onto the sampler mesh: the driver never gathers the full weights). With
+straight onto the sampler mesh: the driver never gathers the full weights; with ``actor.lora``
+a version is the adapters, which the sampler merges into its base). With
 ``runtime.mode="ray"`` the driver has no sampler: ``announcer()`` has the group publish each version,
 and the rollout workers restore it from the same directory themselves.
 
@@ -28,7 +29,9 @@ workers the cluster's launcher starts, one per host, with the same ``AREAL_JAX_L
 Faults: when a worker exits or its connection breaks during a call, the whole group is killed and
 :class:`LearnerProcessDied` is raised; the training process then exits with
 ``RESTART_EXIT_CODE`` and the supervisor (``supervisor.py``) reruns it, resuming from the last
-checkpoint (see launch.py).
+checkpoint (see launch.py). A fault a person fixes raised in a worker (``errors.fault_kinds``: a
+checkpoint saved with other settings, a memory plan that cannot fit) is raised by the driver under
+its own type, naming the process, and is not restarted into.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import time
 import jax
 
 from areal_jax import config as config_lib
+from areal_jax.models import lora as lora_lib
 from areal_jax.runtime import checkpoint, distributed, process_group, weight_transfer
 REMOTE_STATE = "<learner state held by the learner group>"
 
@@ -65,7 +69,7 @@ class LearnerGroup:
   def __init__(self, config, workdir: str, start_timeout_s: float = 300.0):
     self.n = check_config(config)
     self.workdir = os.path.abspath(workdir)
-    self.lora = None
+    self.lora = lora_lib.LoraConfig.from_config(config.actor.get("lora"))  # (adapters published)
     ckpt_dir = os.path.join(self.workdir, "checkpoints")
     if not config.train.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
       old = checkpoint.move_aside(ckpt_dir, f".old-{checkpoint.utc_tag()}")
@@ -136,9 +140,8 @@ class LearnerGroup:
   def transfer(self, weights, model, sampler_mesh, dtype=None) -> "GroupTransfer":
     """``dtype``: the processes' versions are cast to it (``weight_transfer.version_dtype``)."""
     path = weights.path or os.path.join(self.workdir, "weights")
-    shardings = weight_transfer.target_shardings(model, sampler_mesh)
-    return GroupTransfer(self, weight_transfer.OrbaxReceiver(
-        path, weight_transfer.abstract_params(model, shardings, dtype)))
+    target = weight_transfer.version_target(model, sampler_mesh, self.lora, dtype)
+    return GroupTransfer(self, weight_transfer.OrbaxReceiver(path, target))
 
 
 class GroupCheckpointer:

@@ -55,22 +55,6 @@ def cpu_seconds() -> float:
   return ru.ru_utime + ru.ru_stime
 
 
-def _weights_target(lcfg, model, mesh, dtype=None):
-  """What a published version holds, as restore targets on this worker's mesh: the model's
-  parameters (cast to ``dtype``: ``weight_transfer.version_dtype``), or with LoRA (``lcfg``) only
-  the adapters (replicated), which the engine merges into its base."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from areal_jax.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
-  from areal_jax.runtime import weight_transfer  # pylint: disable=import-outside-toplevel
-
-  if lcfg is None:
-    return weight_transfer.abstract_params(model, weight_transfer.target_shardings(model, mesh),
-                                           dtype)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return lora_lib.abstract_adapters(nnx.to_pure_dict(nnx.state(model, nnx.Param)), lcfg, replicated)
-
-
 def _exit_stuck(timeout_s: float) -> None:
   """The weights watchdog: a pull that never returns would hold the worker's groups forever."""
   print(f"rollout worker {os.getpid()}: a weights pull took over {timeout_s:.0f} s "
@@ -124,7 +108,8 @@ class RolloutWorker:
                               devs)
     model, tokenizer = model_source.load(config)  # (LoRA: the learner's frozen base, as locally)
     lcfg = lora_lib.LoraConfig.from_config(config.actor.get("lora"))
-    target = _weights_target(lcfg, model, mesh, weight_transfer.version_dtype(config))
+    target = weight_transfer.version_target(model, mesh, lcfg,
+                                            weight_transfer.version_dtype(config))
     if config.weights.transfer == "jax_transfer":
       from areal_jax.runtime import jax_transfer  # pylint: disable=import-outside-toplevel
       import ray  # pylint: disable=import-outside-toplevel

@@ -122,6 +122,16 @@ def abstract_params(params, shardings, dtype=None) -> dict:
                                   params, shardings), dtype)
 
 
+def version_target(model, mesh, lcfg=None, dtype=None) -> dict:
+  """What a published version holds, as restore targets on ``mesh``: the model's parameters (cast
+  to ``dtype``: :func:`version_dtype`), or with LoRA (``lcfg``) only the adapters (replicated),
+  which the sampler merges into its base."""
+  if lcfg is None:
+    return abstract_params(model, target_shardings(model, mesh), dtype)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return lora_lib.abstract_adapters(nnx.to_pure_dict(nnx.state(model, nnx.Param)), lcfg, replicated)
+
+
 def _pure(params) -> dict:
   if isinstance(params, nnx.Module):
     params = nnx.state(params, nnx.Param)

@@ -17,6 +17,9 @@ from areal_jax import config as config_lib
 from areal_jax.runtime import learner_group
 from areal_jax.runtime import metrics as metrics_lib
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import lora_run  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = f"{ROOT}/configs/gsm8k.py:tiny"
 GROUP = {"runtime.learner_processes": 2, "mesh.learner_devices": 2, "weights.transfer": "orbax"}
@@ -32,7 +35,6 @@ def test_group_config_is_checked():
   for key, value, match in [("weights.transfer", "device_put", "weights.transfer='orbax'"),
                             ("mesh.colocated", True, "mesh.colocated=False"),
                             ("mesh.learner_devices", 3, "not divisible"),
-                            ("actor.lora.rank", 4, "actor.lora"),
                             ("runtime.learner_address", "host-without-port", "not host:port")]:
     bad = config_lib.load(TINY)
     for k, v in dict(GROUP, **{key: value}).items():
@@ -185,3 +187,24 @@ def test_killed_learner_process_restarts_the_run_from_its_checkpoint(tmp_path):
   last = json.loads(pids_file.read_text())
   assert {p["pid"] for p in last} != {p["pid"] for p in first}
   assert not any(_alive(p["pid"]) for p in first + last)
+
+
+@pytest.mark.slow
+def test_a_lora_group_publishes_adapters_and_the_driver_samples_the_merged_policy(tmp_path):
+  """actor.lora with a learner group: the processes train and publish only the adapters; the
+  driver's sampler merges each version into its base, so its behaviour logprobs are those of the
+  merged policy of their version."""
+  from areal_jax.runtime import trainer
+
+  steps, eta = 3, 1
+  c = config_lib.load(f"{ROOT}/configs/arithmetic.py:tiny")
+  for k, v in dict(GROUP, **{
+      "mesh.colocated": False, "mesh.sampler_devices": 1, "actor.lora.rank": 4,
+      "actor.lora.alpha": 8.0, "train.total_steps": steps, "rollout.max_head_offpolicyness": eta,
+      "train.eval_every": 0, "train.checkpoint_every": 100, "train.dump_trajectories": True,
+      "weights.keep": steps + 1,
+      # the random model never scores: a constant advantage of 1 still trains the adapters
+      "actor.adv_norm": "none", "actor.reward_bias": 1.0}).items():
+    config_lib.override(c, k, v)
+  trainer.run(c, str(tmp_path))
+  lora_run.check_adapters_trained_and_sampled(c, tmp_path, steps, eta)
