@@ -12,7 +12,8 @@ and announced in ``<workdir>/trainer_status.json`` (atomic), which the server's 
 status also carries the loop's counters and error for ``/health``; a fault a person fixes (e.g. a
 checkpoint saved with other settings) is written there with its type and traceback, and the
 process exits with ``errors.FAULT_EXIT_CODE``: the server does not restart it.
-SIGTERM/SIGINT (or the server dying: this process then has another parent): stop after the current step and checkpoint; SIGKILL loses only the steps since the last checkpoint (redone on the
+SIGTERM/SIGINT (or the server dying: this process then has another parent): stop after the
+current step and checkpoint; SIGKILL loses only the steps since the last checkpoint (redone on the
 same turns after the restart, nothing trained twice).
 
 ``--bench=train|swap`` is for bench/serve.py only: train the first recorded batch back to back
