@@ -330,9 +330,6 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"serve.baseline_decay={config.serve.baseline_decay} must be in [0, 1)")
   if config.serve.trainer_cores < 0:
     errors.append(f"serve.trainer_cores={config.serve.trainer_cores} must be >= 0 (0: half)")
-  if config.serve.trainer_process and config.actor.lora.rank > 0:
-    errors.append("serve.trainer_process=True does not support actor.lora (the server loads full "
-                  "weights); set serve.trainer_process=False")
   if config.serve.max_staleness < 0:
     errors.append(f"serve.max_staleness={config.serve.max_staleness} must be >= 0")
   if a.logits_chunk < 0:

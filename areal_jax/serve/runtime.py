@@ -25,6 +25,7 @@ import uvicorn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
+from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import engines, errors, meshes, model_source, weight_transfer
 from areal_jax.runtime.ray_worker import pin_process
@@ -89,8 +90,9 @@ class ServeRuntime:
     if s.train and s.trainer_process:  # the trainer in its own process, versions through Orbax
       self.trainer = trainer_supervisor.TrainerProcess(
           config, self.workdir, cores[1] if cores else None, trainer_args)
-      target = weight_transfer.abstract_params(
-          model, weight_transfer.target_shardings(model, sampler_mesh),
+      # (with LoRA a version is the adapters: the engine merges them into its base)
+      target = weight_transfer.version_target(
+          model, sampler_mesh, lora_lib.LoraConfig.from_config(config.actor.get("lora")),
           weight_transfer.version_dtype(config))
       receiver = weight_transfer.OrbaxReceiver(trainer_process.weights_path(config, self.workdir),
                                                target)

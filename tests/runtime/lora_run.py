@@ -1,7 +1,7 @@
-"""What a LoRA run must show, whichever process samples (a Ray worker, or the driver beside a
-learner group): each version published is adapters only, and the behaviour logprobs of every
-sample are those of the merged policy of their version (test_ray_rollout.py,
-test_learner_group.py). And the sizes of a run's published versions."""
+"""What a LoRA run must show, whichever process samples (a Ray worker, the driver beside a learner
+group, a server beside its trainer process): each version published is adapters only, and the
+behaviour logprobs of every sample are those of the merged policy of their version
+(test_ray_rollout.py, test_learner_group.py, serve/test_trainer_process.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -27,24 +27,8 @@ def check_adapters_trained_and_sampled(c, tmp_path, steps: int, eta: int) -> Non
   rows = metrics_lib.read(str(tmp_path / "metrics.jsonl"))
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
   assert all(r["staleness_max"] <= eta for r in rows)
-  base, _ = models.load(c.model.source, dtype=c.model.dtype, seed=c.seed)
-  lora.freeze_model_base(base, c.actor.dtype)
-  base_params = nnx.to_pure_dict(nnx.state(base, nnx.Param))
-  full_bytes = sum(x.nbytes for x in jax.tree.leaves(base_params))
-  lcfg = lora.LoraConfig.from_config(c.actor.lora)
-  adapter_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in
-                      jax.tree.leaves(lora.abstract_adapters(base_params, lcfg)))
-  sizes = published(tmp_path / "weights")
+  sizes = check_versions_are_adapters(c, tmp_path / "weights")
   assert sorted(sizes) == list(range(steps + 1))  # each version published once, none left out
-  for v, size in sizes.items():  # adapters (and Orbax's metadata), far below the full weights
-    assert size < full_bytes / 2, (v, size, full_bytes)
-    assert v == 0 or size >= adapter_bytes, (v, size, adapter_bytes)  # (version 0: b is all zero)
-
-  receiver = weight_transfer.OrbaxReceiver(tmp_path / "weights", lora.abstract_adapters(
-      base_params, lcfg, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
-  policies = {v: lora.merged_model(base, receiver.fetch(v), lcfg) for v in sizes}
-  receiver.close()
-
   samples = trajectories(str(tmp_path))
   assert len(samples) == steps * c.actor.batch_size * c.rollout.n_samples
   assert all(0 <= s["staleness"] <= eta for s in samples)
@@ -52,22 +36,56 @@ def check_adapters_trained_and_sampled(c, tmp_path, steps: int, eta: int) -> Non
   # group admitted at version >= 1 starts on a worker that runs it: the staleness bound).
   trained = [s for s in samples if s["versions"][0] >= 1]
   assert trained, "no sample started on a trained version"
-  checked = samples[:6] + trained[:10]
+  check_merged_policy_logprobs(c, tmp_path / "weights", samples[:6] + trained[:10],
+                               c.rollout.temperature)
+
+
+def _base(c):
+  base, _ = models.load(c.model.source, dtype=c.model.dtype, seed=c.seed)
+  lora.freeze_model_base(base, c.actor.dtype)
+  lcfg = lora.LoraConfig.from_config(c.actor.lora)
+  return base, nnx.to_pure_dict(nnx.state(base, nnx.Param)), lcfg
+
+
+def check_versions_are_adapters(c, weights_dir) -> dict[int, int]:
+  """Every version in ``weights_dir`` holds the adapters (and Orbax's metadata), far below the
+  full weights; their sizes."""
+  _, base_params, lcfg = _base(c)
+  full_bytes = sum(x.nbytes for x in jax.tree.leaves(base_params))
+  adapter_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in
+                      jax.tree.leaves(lora.abstract_adapters(base_params, lcfg)))
+  sizes = published(weights_dir)
+  for v, size in sizes.items():
+    assert size < full_bytes / 2, (v, size, full_bytes)
+    assert v == 0 or size >= adapter_bytes, (v, size, adapter_bytes)  # (version 0: b is all zero)
+  return sizes
+
+
+def check_merged_policy_logprobs(c, weights_dir, samples, temperature: float) -> None:
+  """Each sample's behaviour logprobs (``prompt_tokens``, ``tokens``, ``versions``, ``logprobs``;
+  the tokens up to its first weight swap) are those of a teacher-forced forward of the base with
+  the adapters of their version (in ``weights_dir``) merged, within 1e-4; and not the base's."""
+  base, base_params, lcfg = _base(c)
+  receiver = weight_transfer.OrbaxReceiver(weights_dir, lora.abstract_adapters(
+      base_params, lcfg, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+  used = sorted({0} | {s["versions"][0] for s in samples})
+  policies = {v: lora.merged_model(base, receiver.fetch(v), lcfg) for v in used}
+  receiver.close()
   max_len = c.rollout.max_prompt_len + c.rollout.max_new_tokens
-  tokens_BxL = np.zeros((len(checked), max_len), np.int32)
-  for k, s in enumerate(checked):  # (causal: the padding after a sequence changes nothing in it)
+  tokens_BxL = np.zeros((len(samples), max_len), np.int32)
+  for k, s in enumerate(samples):  # (causal: the padding after a sequence changes nothing in it)
     tokens_BxL[k, :len(s["prompt_tokens"]) + len(s["tokens"])] = s["prompt_tokens"] + s["tokens"]
   forward = nnx.jit(lambda model, tokens: jax.nn.log_softmax(
-      model(tokens).astype(jnp.float32) / c.rollout.temperature, axis=-1))
+      model(tokens).astype(jnp.float32) / temperature, axis=-1))
   logp = {v: np.asarray(forward(policy, jnp.asarray(tokens_BxL))) for v, policy in policies.items()}
 
   def teacher_forced(v, k):  # the merged policy v's logprobs of sample k's generated tokens
-    s = checked[k]
+    s = samples[k]
     start = len(s["prompt_tokens"]) - 1
     return logp[v][k, np.arange(start, start + len(s["tokens"])), s["tokens"]]
 
   base_gaps = []
-  for k, s in enumerate(checked):
+  for k, s in enumerate(samples):
     v = s["versions"][0]
     j = s["versions"].count(v)
     want = teacher_forced(v, k)[:j]
@@ -77,4 +95,4 @@ def check_adapters_trained_and_sampled(c, tmp_path, steps: int, eta: int) -> Non
   # The adapters matter: the base alone would fail that parity, by far more than its tolerance.
   # (Over all the trained samples checked: one whose first version ran a single token can sit on
   # a token the few adapter steps barely moved.)
-  assert np.concatenate(base_gaps).max() > 1e-3, np.concatenate(base_gaps)
+  assert base_gaps and np.concatenate(base_gaps).max() > 1e-3, base_gaps

@@ -4,6 +4,7 @@ while the supervisor restarts it; the new process resumes with nothing trained t
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -12,6 +13,9 @@ import time
 import numpy as np
 import openai
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "runtime"))
+import lora_run  # noqa: E402  pylint: disable=wrong-import-position
 
 from areal_jax import config as config_lib
 from areal_jax.serve import trainer_loop, trainer_process
@@ -137,3 +141,44 @@ def test_a_start_interrupted_while_waiting_for_the_trainer_stops_the_trainer_pro
   assert not rt.trainer.alive and rt._server is None  # pylint: disable=protected-access
   with pytest.raises(ProcessLookupError):
     os.kill(pids[0], 0)
+
+
+@pytest.mark.slow
+def test_lora_with_a_trainer_process_serves_the_merged_policy_of_each_version(tmp_path):
+  """actor.lora with serve.trainer_process: the trainer process publishes adapters only, and the
+  server merges each version into its base: the recorded turns' behaviour logprobs are those of
+  the merged policy of their version."""
+  config = config_lib.load("configs/serve_arithmetic.py:tiny")
+  # the test judges (the random model is never right: the rule judge's scores would all be 0,
+  # and so every advantage: nothing would train)
+  for key, value in {"serve.port": 0, "serve.judge": "none", "serve.trainer_process": True,
+                     "serve.weights_poll_s": 0.2, "actor.lora.rank": 4, "actor.lora.alpha": 8.0,
+                     "weights.keep": 100}.items():
+    config_lib.override(config, key, value)
+  rt = ServeRuntime(config, str(tmp_path))
+
+  def judged(cond):
+    def judge_then_check():
+      rows = rt.store.pending_judgement()
+      rt.store.set_judgements([(r["id"], "judged", float(r["id"] % 2)) for r in rows])
+      return cond()
+    return judge_then_check
+
+  rt.start()
+  try:
+    users = SimulatedUsers(rt.config, rt.url)
+    _wait(judged(lambda: rt.engine.version >= 2), users)  # trained there, merged here
+    _wait(judged(lambda: len(_served_at_one_trained_version(rt.store)) >= 4), users)
+  finally:
+    rt.stop()
+  lora_run.check_versions_are_adapters(config, tmp_path / "weights")
+  rows = _served_at_one_trained_version(rt.store)[:8]
+  assert {r["temperature"] for r in rows} == {config.rollout.temperature}
+  lora_run.check_merged_policy_logprobs(
+      config, tmp_path / "weights", [dict(r, tokens=r["completion_tokens"]) for r in rows],
+      config.rollout.temperature)
+
+
+def _served_at_one_trained_version(store):
+  return [r for r in store.first(100000)
+          if r["versions"] and r["versions"][0] >= 1 and r["temperature"] > 0]
