@@ -1,6 +1,8 @@
 """The learner as a group of 2 processes in a real run: it trains, publishes Orbax versions the
 driver's sampler loads, checkpoints; a SIGKILLed learner process makes the run restart from its
-last checkpoint by itself and finish with continuous versions. And the keys a group needs."""
+last checkpoint by itself and finish with continuous versions; with LoRA only the adapters are
+published and the driver samples the merged policy. And the keys a group needs, and a worker's
+fault raised by the driver under its own type."""
 
 import glob
 import json

@@ -1,6 +1,8 @@
 """The trainer loop in its own process (``serve.trainer_process``) on the tiny model: it trains on the
 server's recorded turns, the server loads the versions it publishes, and a SIGKILL leaves serving up
-while the supervisor restarts it; the new process resumes with nothing trained twice."""
+while the supervisor restarts it; the new process resumes with nothing trained twice. A fault a
+restart would not change is not restarted into but named in one line, an interrupted start
+leaves no process behind, and with LoRA the server serves the merged policy of each version."""
 
 import json
 import os
