@@ -18,7 +18,7 @@ import sys
 
 from absl import logging
 
-from areal_jax.runtime.errors import fault_kinds
+from areal_jax.runtime.errors import fault_kinds, is_fault  # noqa: F401 (fault_kinds: re-exported)
 
 
 @contextlib.contextmanager
@@ -26,11 +26,10 @@ def reported_faults(*, quiet_exit: bool = False):
   """Runs the body; one of :func:`fault_kinds` raised in it ends the process as the module
   docstring says. ``quiet_exit``: stderr is closed after the message, so that the shutdown
   chatter of TensorStore's and asyncio's failed reads does not bury it."""
-  kinds = fault_kinds()
   try:
     yield
-  except kinds as e:
-    if logging.get_verbosity() >= 1 or not str(e):  # --verbosity=1; a bare MemoryError: the host's
+  except Exception as e:  # pylint: disable=broad-except
+    if not is_fault(e) or logging.get_verbosity() >= 1:  # a bug; --verbosity=1
       raise
     print(f"error: {e}", file=sys.stderr, flush=True)
     if quiet_exit:

@@ -50,6 +50,12 @@ def fault_kinds() -> tuple[type[BaseException], ...]:
   return (ConfigError, CheckpointError, DataError, RunDirError, MemoryError, VllmNotInstalledError)
 
 
+def is_fault(error: BaseException) -> bool:
+  """One of :func:`fault_kinds`, with a message to print (a bare MemoryError is the host running
+  out of memory, not a plan of ours: it keeps its traceback)."""
+  return isinstance(error, fault_kinds()) and bool(str(error))
+
+
 def error_fields(error: BaseException) -> tuple[list[str], str, str]:
   """What another process needs to raise ``error`` again (:func:`remote_error`): the names of its
   class and bases, its message and the traceback being handled (call it in the ``except``)."""

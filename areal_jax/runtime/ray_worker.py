@@ -73,7 +73,7 @@ class RolloutWorker:
     except Exception as e:  # pylint: disable=broad-except
       from areal_jax.runtime import errors  # pylint: disable=import-outside-toplevel
 
-      if not isinstance(e, errors.fault_kinds()) or not str(e):
+      if not errors.is_fault(e):
         raise
       # a fault a person fixes (model.source not on this host, a sampler plan that cannot fit on
       # its devices): kept, not raised, so that Ray does not restart the actor into the same

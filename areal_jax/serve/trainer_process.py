@@ -116,7 +116,7 @@ def main(argv) -> None:
   except BaseException as e:
     from areal_jax.runtime import errors  # pylint: disable=import-outside-toplevel
 
-    if not isinstance(e, errors.fault_kinds()) or not str(e):
+    if not errors.is_fault(e):
       raise
     # a fault a person fixes (a checkpoint saved with other settings, a plan that cannot fit):
     # the server reads it here, does not restart this process, and names it
