@@ -71,10 +71,14 @@ def remote_error(where: str, types, message: str, traceback_text: str = "") -> E
   here: the first of its class and bases (``types``; or one name) that is one of
   :func:`fault_kinds` (printed by the command lines in one line) or a builtin error, else
   RuntimeError. The message starts with ``where`` (and the original type when it is not kept);
-  the other process's traceback is a note, shown only with this one's."""
+  the other process's traceback is a note, shown only with this one's. A fault kind without a
+  message (a bare MemoryError: that host ran out of memory) is not a fault here either
+  (:func:`is_fault`): it comes back as RuntimeError, so its traceback is printed."""
   types = [types] if isinstance(types, str) else list(types)
   known = {c.__name__: c for c in (*fault_kinds(), *_BUILTIN_ERRORS)}
   kind = next((known[n] for n in types if n in known), RuntimeError)
+  if not message.strip() and issubclass(kind, fault_kinds()):
+    kind, message = RuntimeError, "(no message)"
   error = kind(f"{where}: {message}" if kind.__name__ == types[0] else
                f"{where}: {types[0]}: {message}")
   if traceback_text:

@@ -93,3 +93,17 @@ def test_a_fault_of_another_process_ends_a_command_line_in_one_line(capsys):
       raise _raised_elsewhere(ConfigError("actor.lr=-1 must be >= 0"))
   assert exit_.value.code == 1
   assert capsys.readouterr().err == "error: learner process 1: actor.lr=-1 must be >= 0\n"
+
+
+def test_a_bare_memory_error_of_another_process_is_a_bug_with_its_traceback(capsys):
+  """A MemoryError without a message is the host running out of memory, not a plan of ours: here
+  too it is not a fault, so the command line lets it through with the other process's traceback."""
+  raised = _raised_elsewhere(MemoryError())
+  assert type(raised) is RuntimeError and not errors.is_fault(raised)
+  assert str(raised) == "learner process 1: MemoryError: (no message)"
+  (note,) = raised.__notes__
+  assert note.startswith("learner process 1's traceback:\nTraceback") and "MemoryError" in note
+  with pytest.raises(RuntimeError) as passed:
+    with cli.reported_faults():
+      raise raised
+  assert passed.value is raised and capsys.readouterr().err == ""
