@@ -12,7 +12,8 @@ session id: the ``X-Session-Id`` header, else the ``user`` field, else a new ses
 
 Errors are OpenAI error objects: 400 for malformed JSON, bad fields and a prompt over the context
 length (code ``context_length_exceeded``), 404 for an unknown model (``model_not_found``), 503 when
-the engine stopped mid-request, 500 when generation failed. A client that disconnects mid-stream has
+the engine stopped mid-request, 500 when generation failed; 404 / 405 for a path or method not
+served, naming those that are. A client that disconnects mid-stream has
 its request aborted in the engine (its slots free at the next decode step) and nothing recorded.
 """
 
@@ -27,6 +28,7 @@ import uuid
 from collections.abc import Callable
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -81,11 +83,21 @@ def build_app(ctx: ServeContext) -> Starlette:
     except ApiError as e:
       return _error(e)
 
-  return Starlette(routes=[
-      Route("/v1/models", models, methods=["GET"]),
-      Route("/health", health, methods=["GET"]),
-      Route("/v1/chat/completions", chat, methods=["POST"]),
-  ])
+  routes = [Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/chat/completions", chat, methods=["POST"])]
+  served = ", ".join(f"{m} {r.path}" for r in routes for m in sorted(r.methods - {"HEAD"}))
+
+  async def not_served(request: Request, exc: HTTPException) -> JSONResponse:
+    # (an OpenAI error object, as for the API's own errors, so that clients report it as one)
+    what = ("is not an endpoint of this server" if exc.status_code == 404 else
+            "is not a method this endpoint takes" if exc.status_code == 405 else exc.detail)
+    response = _error(ApiError(exc.status_code, f"{request.method} {request.url.path} {what}; "
+                               f"this server serves {served}"))
+    response.headers.update(exc.headers or {})  # (a 405's Allow)
+    return response
+
+  return Starlette(routes=routes, exception_handlers={HTTPException: not_served})
 
 
 async def _chat(ctx: ServeContext, request: Request):

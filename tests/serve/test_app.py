@@ -145,6 +145,18 @@ def test_bad_requests_get_openai_errors(rt, body, status, code):
   assert error["message"] and error["code"] == code
 
 
+@pytest.mark.parametrize("method,path,status", [("POST", "/v1/completions", 404),
+                                                ("GET", "/v1/chat/completions", 405)])
+def test_paths_and_methods_not_served_get_openai_errors_naming_what_is(rt, method, path, status):
+  with _request(rt, method, path, {} if method == "POST" else None) as resp:
+    assert resp.status_code == status
+    error = resp.json()["error"]
+  assert error["message"].startswith(f"{method} {path} is not ")
+  assert "POST /v1/chat/completions" in error["message"] and "GET /v1/models" in error["message"]
+  if status == 405:
+    assert resp.headers["Allow"] == "POST"
+
+
 def test_the_client_library_raises_typed_errors(client):
   with pytest.raises(openai.NotFoundError):
     client.chat.completions.create(model="nope", messages=Q)
