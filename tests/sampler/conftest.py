@@ -1,5 +1,8 @@
-"""Shared tiny models for the sampler tests (d_model 64, 2 layers)."""
+"""Shared tiny models for the sampler tests (d_model 64, 2 layers), and the full forward's
+logprobs they compare the sampler's against."""
 
+import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -12,6 +15,23 @@ TINY = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads
 def tiny_model(seed: int = 0, **overrides) -> Transformer:
   import dataclasses
   return Transformer(dataclasses.replace(TINY, **overrides), nnx.Rngs(seed))
+
+
+@nnx.jit
+def _log_softmax(model, tokens_1xL, temperature):
+  return jax.nn.log_softmax(model(tokens_1xL)[0] / temperature, axis=-1)
+
+
+def full_forward_logprobs(model, prompt, tokens, temperature: float = 1.0) -> np.ndarray:
+  """What the model's full forward over ``prompt + tokens`` gives each of ``tokens`` at
+  ``temperature``. The row is padded to a multiple of 64 tokens (causal: the padding after it
+  changes nothing before it) and the forward jitted, so that a test's many sequences compile it
+  once per model shape, not op by op at each length."""
+  seq = list(prompt) + list(tokens)
+  tokens_1xL = np.zeros((1, -(-len(seq) // 64) * 64), np.int32)
+  tokens_1xL[0, :len(seq)] = seq
+  logp_LxV = np.asarray(_log_softmax(model, tokens_1xL, np.float32(temperature)))
+  return logp_LxV[np.arange(len(prompt) - 1, len(seq) - 1), np.asarray(tokens, np.int64)]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from areal_jax.sampler import sampling, slot_cache
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 from areal_jax.sampler.pages import PageTable
 
+from .conftest import full_forward_logprobs
+
 
 def _decode(eng, prompt, n, steps, slots=None, temperature=1.0, greedy=False, seed=0):
   """Runs one group through prefill/insert/generate; returns per-sample tokens and logprobs."""
@@ -63,10 +65,7 @@ def test_behaviour_logprobs_match_full_forward(model):
   toks, lps = _decode(eng, prompt, 4, 24, temperature=temperature, seed=11)
   assert len({tuple(t) for t in toks}) == 4  # distinct samples from one shared prefill
   for t, lp in zip(toks, lps):
-    seq = jnp.asarray([prompt + t])
-    logp = jax.nn.log_softmax(model(seq)[0] / temperature, axis=-1)
-    ref = logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(t)]
-    np.testing.assert_allclose(lp, ref, atol=1e-4)
+    np.testing.assert_allclose(lp, full_forward_logprobs(model, prompt, t, temperature), atol=1e-4)
 
 
 def test_logprobs_exact_with_slots_at_very_different_positions(model):
@@ -88,10 +87,8 @@ def test_logprobs_exact_with_slots_at_very_different_positions(model):
     toks, lps = np.concatenate([toks, np.asarray(t)]), np.concatenate([lps, np.asarray(lp)])
   for prompt, slots in groups:
     for s in slots:
-      seq = jnp.asarray([prompt + toks[:, s].tolist()])
-      logp = jax.nn.log_softmax(model(seq)[0], axis=-1)
-      ref = logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(toks[:, s])]
-      np.testing.assert_allclose(lps[:, s], ref, atol=1e-4)
+      np.testing.assert_allclose(lps[:, s], full_forward_logprobs(model, prompt, toks[:, s]),
+                                 atol=1e-4)
 
 
 def test_no_recompilation_in_steady_state(model):
@@ -281,10 +278,7 @@ def test_accelerator_paths_forced_on_cpu_match_the_reference(model, impl):
   assert toks[0] == toks[1] == _naive_greedy(model, prompt, 20)
   toks, lps = _decode(eng, prompt, 2, 20, temperature=0.7, seed=3)
   for t, lp in zip(toks, lps):
-    seq = jnp.asarray([prompt + t])
-    logp = jax.nn.log_softmax(model(seq)[0] / 0.7, axis=-1)
-    ref = logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(t)]
-    np.testing.assert_allclose(lp, ref, atol=1e-4)
+    np.testing.assert_allclose(lp, full_forward_logprobs(model, prompt, t, 0.7), atol=1e-4)
 
 
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
@@ -400,10 +394,7 @@ def test_layers_in_a_scan_match_the_reference(model, impl, steps):
   assert toks[0] == toks[1] == _naive_greedy(model, prompt, 20)
   toks, lps = _decode(eng, prompt, 3, 20, temperature=0.7, seed=3)
   for t, lp in zip(toks, lps):
-    seq = jnp.asarray([prompt + t])
-    logp = jax.nn.log_softmax(model(seq)[0] / 0.7, axis=-1)
-    ref = logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(t)]
-    np.testing.assert_allclose(lp, ref, atol=1e-4)
+    np.testing.assert_allclose(lp, full_forward_logprobs(model, prompt, t, 0.7), atol=1e-4)
 
 
 def test_layers_in_a_scan_on_a_four_device_mesh(model):
@@ -940,7 +931,7 @@ def test_an_inactive_slot_draws_greedily_so_its_top_p_never_makes_the_step_sort(
   eng = DecodeEngine(model, config)
   prompt = [5, 7, 9, 11, 3, 1, 2]
   prefix = eng.prefill(eng.params, prompt[:-1])
-  argmax = int(jnp.argmax(model(jnp.asarray([prompt]))[0, -1]))
+  argmax = _naive_greedy(model, prompt, 1)[0]
   runs = []
   for stale_top_p in (0.3, 1.0):
     state = eng.init_state()

@@ -15,6 +15,8 @@ from areal_jax.models import init_cache
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler.service import JaxRolloutEngine
 
+from .conftest import full_forward_logprobs
+
 
 def _collect(engine, count, timeout=120.0):
   out, deadline = [], time.time() + timeout
@@ -27,12 +29,6 @@ def _collect(engine, count, timeout=120.0):
 def _engine(model, **kw):
   kw = {"num_slots": 8, "max_len": 64, "prefill_buckets": (16, 63), "kv_buckets": (32, 64), **kw}
   return JaxRolloutEngine(model, **kw)
-
-
-def _logprobs(model, prompt, tokens, temperature):
-  seq = jnp.asarray([list(prompt) + list(tokens)])
-  logp = jax.nn.log_softmax(model(seq)[0] / temperature, axis=-1)
-  return np.asarray(logp[jnp.arange(len(prompt) - 1, seq.shape[1] - 1), jnp.asarray(tokens)])
 
 
 def test_groups_stream_distinct_samples_before_the_longest_ends(model):
@@ -76,7 +72,8 @@ def test_draining_batch_moves_down_and_keeps_exact_logprobs(model):
   assert eng.stats["moves"] >= 1
   assert eng.stats["slot_steps"] < 8 * eng.stats["calls"]  # some steps ran narrower
   for s in samples:
-    np.testing.assert_allclose(s.logprobs, _logprobs(model, s.prompt_tokens, s.tokens, 0.9),
+    np.testing.assert_allclose(s.logprobs,
+                               full_forward_logprobs(model, s.prompt_tokens, s.tokens, 0.9),
                                atol=1e-4)
   assert sorted(len(s.tokens) for s in samples) == [2, 3, 4, 5, 6, 7, 40, 45]
 
@@ -156,6 +153,10 @@ _SWAP_VARIANTS = {  # engine settings of the exact-continuation test below
 }
 
 
+# (jitted: one program per length, not the forward's ops compiled one by one at each)
+_extend = nnx.jit(lambda model, tokens, pos, cache: model.extend(tokens, pos, cache))
+
+
 @pytest.mark.parametrize("continuation,steps_per_call,variant",
                          [("reprefill", 1, "unrolled"), ("keep_cache", 1, "unrolled"),
                           ("reprefill", 4, "unrolled"), ("keep_cache", 4, "unrolled"),
@@ -176,19 +177,20 @@ def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call,
     j = s.versions.index(1)  # first token drawn by the new weights
     assert 0 < j < 40 and s.versions == [0] * j + [1] * (40 - j)
     assert j % steps_per_call == 0
-    np.testing.assert_allclose(s.logprobs[:j], _logprobs(model, prompt, s.tokens, temperature)[:j],
+    np.testing.assert_allclose(s.logprobs[:j],
+                               full_forward_logprobs(model, prompt, s.tokens, temperature)[:j],
                                atol=1e-4)
     if continuation == "reprefill":
-      ref = _logprobs(new_model, prompt, s.tokens, temperature)[j:]
+      ref = full_forward_logprobs(new_model, prompt, s.tokens, temperature)[j:]
     else:  # old weights' KV for everything fed before the swap, new weights from then on
       seq = jnp.asarray([prompt + s.tokens])
       p = len(prompt)
       cache = init_cache(model.cfg, 1, 64)
-      _, cache = model.extend(seq[:, :p + j - 1], jnp.zeros((1,), jnp.int32), cache)
-      logits, _ = new_model.extend(seq[:, p + j - 1:-1], jnp.full((1,), p + j - 1), cache)
+      _, cache = _extend(model, seq[:, :p + j - 1], jnp.zeros((1,), jnp.int32), cache)
+      logits, _ = _extend(new_model, seq[:, p + j - 1:-1], jnp.full((1,), p + j - 1), cache)
       logp = jax.nn.log_softmax(logits[0] / temperature, axis=-1)
       ref = np.asarray(logp[jnp.arange(40 - j), jnp.asarray(s.tokens[j:])])
-      fresh = _logprobs(new_model, prompt, s.tokens, temperature)[j:]
+      fresh = full_forward_logprobs(new_model, prompt, s.tokens, temperature)[j:]
       assert np.abs(fresh - ref).max() > 1e-3  # the stale cache does matter
     np.testing.assert_allclose(s.logprobs[j:], ref, atol=1e-4)
 
@@ -422,9 +424,10 @@ def test_a_reprefill_swap_that_unshares_prompt_pages_preempts_and_resumes(model,
     assert s.finish_reason == "length" and len(s.tokens) == 20
     j = s.versions.index(1)
     assert 0 < j and s.versions == [0] * j + [1] * (20 - j)
-    np.testing.assert_allclose(s.logprobs[:j], _logprobs(model, prompt, s.tokens, 0.8)[:j],
-                               atol=1e-4)
-    np.testing.assert_allclose(s.logprobs[j:], _logprobs(other_model, prompt, s.tokens, 0.8)[j:],
+    np.testing.assert_allclose(s.logprobs[:j],
+                               full_forward_logprobs(model, prompt, s.tokens, 0.8)[:j], atol=1e-4)
+    np.testing.assert_allclose(s.logprobs[j:],
+                               full_forward_logprobs(other_model, prompt, s.tokens, 0.8)[j:],
                                atol=1e-4)
 
 
