@@ -412,7 +412,7 @@ def test_layers_in_a_scan_on_a_four_device_mesh(model):
   assert toks == [_naive_greedy(model, prompt, 12)] * 3
 
 
-@pytest.mark.parametrize("split,steps", [(False, 16), (True, 4)])
+@pytest.mark.parametrize("split,steps", [(False, 8), (True, 4)])
 def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, other_model, split,
                                                                       steps):
   """The TPU kernel path forced on CPU (Pallas TPU interpret mode; the layers in a scan, a bfloat16
@@ -420,38 +420,38 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
   tokens and logprobs (1e-4) as XLA's chunked read of the same cache, through a weight swap that
   keeps the cache and a continuation re-prefilled under the new weights."""
   mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:8]) if split else None
-  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8, 32), steps_per_call=steps,
+  config = EngineConfig(num_slots=4, max_len=32, prefill_buckets=(8, 32), steps_per_call=steps,
                         decode_matmul="xla", decode_layers="scan", cache_dtype="bfloat16")
   engines = [DecodeEngine(model, dataclasses.replace(config, decode_attention=impl), mesh)
              for impl in ("pallas_tpu", "xla")]
-  assert engines[0].attention_impl == "pallas_tpu" and engines[0].kv_buckets == (64,)
+  assert engines[0].attention_impl == "pallas_tpu" and engines[0].kv_buckets == (32,)
   new = nnx.to_pure_dict(nnx.state(other_model, nnx.Param))
   prompt, runs = [5, 7, 9, 11, 3, 1, 2], []
   for eng in engines:
     params, state, outs = eng.params, eng.init_state(), []
     keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
     state = eng.insert(state, eng.prefill(params, prompt[:-1]), [0, 1, 3], token=[prompt[-1]] * 3,
-                       pos=[len(prompt) - 1] * 3, end=[64] * 3, keys=keys, temperature=0.7,
+                       pos=[len(prompt) - 1] * 3, end=[32] * 3, keys=keys, temperature=0.7,
                        top_k=0, top_p=1.0, greedy=False, stop_ids=[])
     for call in range(3):
       if call == 2:  # the swap: the cache written under the old weights is kept
         params = eng.put_params(new)
-      state, out = eng.generate(params, state, 64)
+      state, out = eng.generate(params, state, 32)
       outs.append(jax.device_get(out))
     # slot 0's sequence re-prefilled under the new weights into slot 2, decoded on from there
     seq = prompt + [int(t) for t in np.concatenate([o[0][:, 0] for o in outs])]
     state = eng.deactivate(state, [0, 1, 3])
     state = eng.insert(state, eng.prefill(params, seq[:-1]), [2], token=[seq[-1]],
-                       pos=[len(seq) - 1], end=[64], keys=keys[:1], temperature=0.7, top_k=0,
+                       pos=[len(seq) - 1], end=[32], keys=keys[:1], temperature=0.7, top_k=0,
                        top_p=1.0, greedy=False, stop_ids=[])
-    state, out = eng.generate(params, state, 64)
+    state, out = eng.generate(params, state, 32)
     runs.append(outs + [jax.device_get(out)])
   for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(*runs):
     np.testing.assert_array_equal(valid, valid_ref)
     np.testing.assert_array_equal(np.where(valid, tok, -1), np.where(valid_ref, tok_ref, -1))
     np.testing.assert_allclose(np.where(valid, lp, 0), np.where(valid_ref, lp_ref, 0), atol=1e-4)
   # the re-prefilled slot's steps (to the end of the cache when the call is longer)
-  assert runs[0][-1][2][:, 2].sum() == min(steps, 64 - len(prompt) - 3 * steps)
+  assert runs[0][-1][2][:, 2].sum() == min(steps, 32 - len(prompt) - 3 * steps)
 
 
 @pytest.mark.parametrize("impl,layers", [("dense", "scan"), ("pallas_gpu", "scan"),
