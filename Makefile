@@ -75,9 +75,9 @@ install-vllm: $(VLLM_STAMP)
 test-vllm: install-vllm
 	$(VLLM_PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests/vllm_backend
 
-# The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO (training measured at 13 to 29
-# minutes on 2 cores, each evaluation ~1 minute),
-# evaluated on held-out problems before and after by the standalone evaluator.
+# The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO, evaluated on held-out problems
+# before and after by the standalone evaluator (about 10 minutes in all on 2 cores:
+# bench/results/demo-2026-11-30-s44).
 DEMO := runs/demo
 demo: install
 	test -f $(DEMO)/eval_before.json || \
@@ -94,5 +94,10 @@ SERVE_DEMO := runs/serve_demo
 serve-demo: install
 	$(PYBIN) -m areal_jax.serve.demo --config=configs/serve_arithmetic.py --workdir=$(SERVE_DEMO)
 
+# The documentation site (docs/, Sphinx + MyST) with warnings as errors; open docs/_build/html/index.html.
+.PHONY: docs
+docs: install
+	$(PYBIN) -m sphinx -W --keep-going -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache docs/_build
