@@ -7,13 +7,10 @@
 # each step gets its own limit or what is left, whichever is less, and a step with under 30 s left
 # is skipped (its log line says so), so one that hangs or fails leaves the others' results.
 # At most 8 files land in $OUT (what one device call brings back; 7 here and the caller's log).
-# JAX_LOG_COMPILES is on and the decode programs' compile times are kept in the log: on an H100 in
-# session 27 (bench/results/h100-2026-11-27-s27) every program compiled in 1-9 s and the whole
-# script ran in 204 s; in session 21 (bench/results/h100-2026-11-27) no program at the 1.5B shape
-# compiled within 60-170 s, the floor loop then holding its weights as 3 GB of constants.
-# In order, what #18 still lacks first (a session gets one device call of ~10 minutes and a
-# short one; a step that does not fit is skipped; on an H200 in session 51 the 1.5B shape's
-# targets were met, hbm_roofline_frac at the threshold, the SmolLM2 step's 10x not):
+# JAX_LOG_COMPILES is on and the decode programs' compile times are kept in the log (every program
+# compiled in 1-9 s and the whole script ran in 204 s on an H100: bench/results/h100-2026-11-27-s27).
+# In order, most telling first (a step that does not fit the deadline is skipped; the last full run,
+# on an H200: bench/results/h200-2026-11-30-s51):
 # 1. SmolLM2-135M shape (64 slots, context 128): bench/sampler.py --decode-only as shipped (on a
 #    GPU: a paged cache, the layers unrolled, decode_matmul 'blas', and the kernel launch the
 #    engine keeps after timing its stages, rollout.decode_tuning: our paged step kernel
@@ -21,21 +18,21 @@
 #    graphs, the library's GEMMs autotuned, XLA's GEMMs; "launch kept" in the log, with each
 #    one's step and first call, compile included);
 # 2. with a legacy checkout's areal_jax (argument 1, e.g. `git archive 955fbb8^ areal_jax`), the
-#    same SmolLM2 step as that code ran it (the issue's "today"), on the same device (1 and 2
-#    run again after 3);
-# 3. the Qwen2.5-1.5B shape (128 slots, context 512) as shipped, the issue's keys;
+#    same SmolLM2 step as that code ran it (the baseline the decode work is compared with), on the
+#    same device (1 and 2 run again after 3);
+# 3. the Qwen2.5-1.5B shape (128 slots, context 512) as shipped;
 # 4. the SmolLM2 attention alone (bench/paged_kernel.py) against the positions a row reads (8-512),
 #    the SmolLM2 step as in 1 with XLA's programmatic dependent launch on (--xla_gpu_enable_pdl),
 #    and a long rollout's attention at the 1.5B shape (4,032 positions a slot);
 # 5. SmolLM2 shape under several choices (bench/decode_variants.py): our kernel with tensor-core
-#    dots (launch=writes=1+dot=1, what an H200 kept in sessions 48 and 51; profiled,
+#    dots (launch=writes=1+dot=1, the launch an H200 keeps; profiled,
 #    bench/trace_top.py), it with Triton's loop unpipelined (stages=1), reading two pages a step
 #    of its loop (block_pages=2), JAX's paged kernel (the default), the fused norms, top-k /
-#    top-p decided in every step by a conditional as before session 33 (branch), the dense read;
+#    top-p decided in every step by a conditional (branch), the dense read;
 #    then a layer's attention alone (bench/paged_kernel.py: JAX's Pallas kernel and ours under
 #    their launches, pages of 64 and 32), the RMSNorm + matmul pieces alone
 #    (bench/norm_matmul.py), the whole step with the fastest attention launch;
-# 6. the same at the 1.5B shape (pages of 64 and 128; warps=4 too, kept there in session 51);
+# 6. the same at the 1.5B shape (pages of 64 and 128; warps=4 too, which an H200 keeps there);
 # 7. bench/sampler.py --quick (the service's continuous batching over the paged default), the
 #    causal attention of whole rows (bench/causal_attention.py: JAX's flash kernel against the
 #    dense form, rows of 1k-16k).
@@ -58,11 +55,10 @@ trace() { local f; f=$(ls "$OUT"/trace/plugins/profile/*/perfetto_trace.json.gz 
     --top 22 2>&1 | head -60; rm -rf "$OUT/trace"; }
 log machine; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tail -2
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
-# the SmolLM2 step as shipped, the launch timed and kept by the engine (the 10x asked is per step;
-# 45-49 s on an H200 in session 48 with 7 launches timed, 10 since session 49), then the legacy
-# step: the best of 20 one-step calls and their median (host-bound, it moved 18% between two H200
-# machines in session 48: 10.92 / 9.25 ms, best of 5; its figure in the log only). smollm N: the
-# pair, its JSON numbered N; run twice, before and after the 1.5B shape (a session gets one call)
+# the SmolLM2 step as shipped, the launch timed and kept by the engine (10 launches timed), then the
+# legacy step: the best of 20 one-step calls and their median (it is host-bound and varies between
+# machines of one kind, so it is timed on the same device; its figure in the log only). smollm N:
+# the pair, its JSON numbered N; run twice, before and after the 1.5B shape
 smollm() {
   log sampler smollm2 as shipped, run "$1"; t=$(limit 110) && timeout "$t" python3 bench/sampler.py \
     --decode-only --model=smollm2-135m --json "$OUT/sampler_smollm2_$1.json" 2>&1 | keep
@@ -77,8 +73,8 @@ log sampler "$BIG" as shipped; t=$(limit 150) && timeout "$t" python3 bench/samp
   --decode-only --model="$BIG" --json "$OUT/sampler_big.json" 2>&1 | keep
 smollm 2
 # (its figures in the log only) the SmolLM2 attention alone against the positions each row reads,
-# under the launch kept there (session 51: 10.5 us a layer in the step at context 128, 4 pages a
-# row, bound by latency): a program's fixed cost against each page's
+# under the launch kept there (at context 128, 4 pages a row, it is bound by latency): a program's
+# fixed cost against each page's
 log smollm2-135m attention against the positions read; t=$(limit 45) && timeout "$t" bash -c '
   for c in 8 64 128 256 512; do python3 bench/paged_kernel.py --model=smollm2-135m --context $c \
     --no-dense --reps 10 --tunings "writes=1,dot=1;writes=1,dot=1,block_pages=2" 2>&1 \
@@ -86,20 +82,20 @@ log smollm2-135m attention against the positions read; t=$(limit 45) && timeout 
 # (its figures in the log only) the same SmolLM2 step with XLA's programmatic dependent launch
 # (--xla_gpu_enable_pdl, Hopper and later: a kernel XLA emits waits in its own prologue for the
 # one before it, launched before that one ends). The step is bound by ~8 kernels a layer each
-# waiting for the last (session 51); CUDA graphs did not shorten it there (1.000-1.028 against
-# 0.987-0.997 ms), so what is left is each kernel's start on the device, which PDL overlaps. Never
-# timed on a GPU here; a jax without the flag fails at start-up (its error in the log)
+# waiting for the last, and CUDA graphs did not shorten it (bench/results/h200-2026-11-30-s51), so
+# what is left is each kernel's start on the device, which PDL overlaps. Not yet timed on a GPU; a
+# jax without the flag fails at start-up (its error in the log)
 log smollm2 as shipped under XLA_FLAGS=--xla_gpu_enable_pdl=true; t=$(limit 70) && \
   XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_pdl=true" timeout "$t" python3 \
   bench/sampler.py --decode-only --model=smollm2-135m 2>&1 | keep
 # (its figures in the log only) a long rollout's attention: our kernel reading a row in one program
 # against in parts (auto_parts: 5 at this bound), with dots, and JAX's kernel; 4,032 positions
-# a slot (never yet reached on a GPU: after the must-shows since session 51)
+# a slot (not yet reached on a GPU within the deadline)
 log "$BIG" long context, Pallas kernel launches; t=$(limit 60) && timeout "$t" python3 bench/paged_kernel.py \
   --model="$BIG" --context 4032 --no-dense --reps 3 --tunings "default;writes=1,dot=1;writes=1,dot=1,warps=4;writes=1,dot=1,block_pages=2;writes=1,dot=1,parts=1" 2>&1 \
   | grep -v -E "Warning|warnings.warn" | cut -c1-200
-# the first variant (traced) is the launch an H200 kept at both shapes in session 48
-# (writes=1,dot=1), then it with Triton's loop unpipelined (stages=1)
+# the first variant (traced) is the launch an H200 keeps at both shapes (writes=1,dot=1), then it
+# with Triton's loop unpipelined (stages=1)
 log variants smollm2; t=$(limit 80) && timeout "$t" python3 bench/decode_variants.py --model=smollm2-135m --reps 5 \
   --variants pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+stages=1,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1+block_pages=2,pallas_gpu:unrolled:16:blas:paged,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1:norms,pallas_gpu:unrolled:16:blas:paged:launch=writes=1+dot=1:branch,dense:unrolled:16:xla \
   --floor-matmul blas --trace "$OUT/trace" --json "$OUT/variants_smollm2.json" 2>&1 | keep

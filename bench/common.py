@@ -137,8 +137,8 @@ class Hardware:
   throughput (2048^3 float32 on CPU; 8192^3 bfloat16 off CPU, the accelerators' decode dtype), best
   of the probes so far; ``probe()`` can be interleaved with other measurements."""
 
-  READS = 8  # off CPU: passes over the buffer in one call (a pass at 4 TB/s is ~0.27 ms; until
-  # session 48 one pass a call, whose launch and wait counted against it: 2.4-3.1 TB/s on an H200)
+  READS = 8  # off CPU: passes over the buffer in one call (a pass at 4 TB/s is ~0.27 ms; with one
+  # pass a call its launch and wait count against it and the figure reads low)
 
   def __init__(self):
     on_cpu = jax.default_backend() == "cpu"

@@ -12,14 +12,11 @@ whole conversation every turn. Each mode runs the workload twice and the second 
 is timed; the turns' tokens must be identical in both modes. Reported: seconds for turns 2 + 3 of
 all conversations, and how many prompts were continued or prefilled in full.
 
-Measured 2026-11-25 on 2 cores shared with other jobs (Intel Xeon; noisy): default sizes 32.9 s
-re-prefilling vs 11.6 s continuing (2.8x, load average 13); an earlier run at load 31 gave 55.3 s
-vs 13.5 s (4.1x), ``--quick`` 12.1 s vs 6.3 s (1.9x, load 24). The same tokens in both modes.
 ``--paged`` runs a paged cache (kept turns are pages of its pool), ``--max-len`` a larger engine
-than the conversations need: before/after a continuing turn's row became its prefill bucket's
-(2026-11-30, AMD EPYC 2 cores, ``bench/results/cpu-continuation-2026-11-30-s46``), at max_len 2048
-turns 2-3 continuing took 4.05-4.34 s before and 2.46-3.05 s after (rows), 5.92-6.78 s and
-3.27-3.74 s (paged).
+than the conversations need (a continuing turn's row is its prefill bucket's, not ``max_len``).
+Continuing is several times faster than re-prefilling on 2 CPU cores (2.8x at the default sizes,
+Intel Xeon, 2026-11-25); runs at max_len 2048, rows and paged:
+``bench/results/cpu-continuation-2026-11-30-s46``.
 """
 
 from __future__ import annotations

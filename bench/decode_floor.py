@@ -6,7 +6,7 @@ written at the step's position and read densely (masked past it), rotary embeddi
 ``steps`` decode steps per jitted call. Random weights; every slot at the same position.
 ``fused``: q/k/v as one weight and gate/up as one (the layout our GPU/TPU sampler holds), so the
 floor does not leave XLA's GPU compiler sibling matmuls to merge by concatenating their weights in
-every step (its DotMerger pass); the default keeps them separate, as the plain loop of issue #18.
+every step (its DotMerger pass); the default keeps them separate, as a plain decode loop would.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ only). Each variant is ``attention:layers:steps[:option...]`` (``choice.ATTENTIO
 ``launch=SPEC``: the Pallas GPU kernel's launch, ``$AREAL_JAX_PALLAS_GPU_PAGED`` with ``+`` for
 its commas, e.g. ``launch=bound=1+parts=4``; ``norms`` or ``norms=SPEC``: each RMSNorm in one
 kernel with the matmul after it, ``$AREAL_JAX_DECODE_NORM_MATMUL``, e.g. ``norms=block_n=32``;
-``branch``: top-k / top-p decided in every step by a conditional, as before session 33, not on
-the host, ``$AREAL_JAX_TRUNCATION_ON_HOST=0``),
+``branch``: top-k / top-p decided in every step by a conditional rather than once per call on the
+host, ``$AREAL_JAX_TRUNCATION_ON_HOST=0``),
 forced through ``$AREAL_JAX_DECODE_ATTENTION`` / ``_LAYERS`` / ``_PROJECTIONS`` / ``_MATMUL`` while
 its engine is built; the floor's matmuls are compiled as ``--floor-matmul`` says (default: the
 platform's choice for our engine, so both run the same GEMMs);

@@ -21,7 +21,7 @@ accelerator path, run on this backend):
   * ``planned``: what the sampler's memory plan (``sampler.memory.fit``) builds when asked for
     ``4 x rows`` slots of a paged cache whose pool follows the slots (``kv_pages=-1``, the GPU's
     choice, forced here) within the memory of that cache at ``rows`` slots: it keeps the slots
-    over the pages that fit (until session 39 it lowered the slots, to about ``rows``).
+    over the pages that fit (rather than lowering the slots to about ``rows``).
 Tokens/s counts generated tokens over wall time, prefill included; ``kv_positions`` is the KV
 memory in positions (x 2 x layers x kv heads x head dim x 4 bytes); ``preempted`` counts paged
 preemptions. SmolLM2-135M shape, random weights, float32.
@@ -120,7 +120,7 @@ def main():
           f"{r['decode_calls']:>6} {r['preempted']:>9}", flush=True)
   # the memory plan's choice within the KV memory of ``rows`` rows: the budget of a cache whose
   # pool follows ``rows`` slots (a page for each of their positions and one more each), asked
-  # for 4 x rows slots (before session 39 it lowered the slots; now it keeps them over the pool)
+  # for 4 x rows slots (it keeps them over the pool rather than lowering the slots)
   from areal_jax.sampler import memory
   budget = memory.plan(planned(model, rows, max_len, None)[0].engine, None).peak_bytes
   holder, plan = planned(model, 4 * rows, max_len, budget)

@@ -10,7 +10,7 @@ What one decode step's attention costs on a GPU, with nothing else in the progra
 the shape (each its own index into one pool, as the sampler's paged cache holds them) runs
 ``kernels.paged_attention.decode_step_paged`` (the layer's new keys and values written into their
 pages, then the attention; the pools donated and written in place, as in the engine's step) with
-``impl="pallas_gpu"`` (the GPU default since session 27: two scatters, our query reshape, the
+``impl="pallas_gpu"`` (the GPU default: two scatters, our query reshape, the
 kernel, JAX's combine of its parts), under each launch of ``--tunings``
 (``pallas_attention.PagedTuning``, in ``$AREAL_JAX_PALLAS_GPU_PAGED``'s syntax; ``default`` is the
 engine's; ``writes=1`` is ``kernels.pallas_paged_step``, the writes and the attention one kernel,
@@ -62,9 +62,8 @@ SWEEP = ("default;writes=1,dot=1;writes=1,dot=1,stages=1;writes=1,dot=1,block_pa
          "writes=1,dot=1,warps=4;writes=1;writes=1,parts=2;"
          "bound=1;bound=1,stages=1;bound=1,parts=1;bound=1,parts=4;bound=1,block_pages=2;"
          "bound=1,warps=4;bound=1,stages=1,warps=4;bound=1,stages=1,block_pages=2;warps=4")
-# (ours early: a sweep cut short by its limit keeps it; on an H200 in session 48 ours with dots
-# was the fastest at the 1.5B shape, JAX's with stages=1 at SmolLM2's, and writes=1,warps=2 took
-# 1.4 ms a layer at pages of 128: left out)
+# (ours early: a sweep cut short by its limit keeps it; writes=1,warps=2 is left out: 1.4 ms a
+# layer at pages of 128 on an H200, bench/results/h200-2026-11-30-s48)
 
 
 def tuning(spec: str) -> pallas_attention.PagedTuning:
@@ -106,8 +105,8 @@ def program(impl: str, how: pallas_attention.PagedTuning, n_layers: int, t: int,
           q.shape[-1] ** -0.5, interpret=interpret, tuning=how)
       # the next layer's writes after this layer's read, as in the engine, where the next
       # layer's queries come from this one's output (without it XLA may write every layer
-      # first and keep a copy of the pools for each read: the dense read held ~28 copies, 84
-      # GiB asked of an H200, session 48)
+      # first and keep a copy of the pools for each read: the dense read then asked an H200 for
+      # ~28 copies, 84 GiB)
       out, k_pool, v_pool = jax.lax.optimization_barrier((out, k_pool, v_pool))
       outs.append(out)
     return tuple(outs), k_pool, v_pool

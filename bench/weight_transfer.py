@@ -18,10 +18,10 @@ jax_transfer), and ``until_worker_s``, from the start of that call until the wor
 arrays on its device (both clocks are this machine's). The first version (connection set-up, first
 directory) is reported apart; medians are over the others. Memory is not measured.
 
-Each row runs per ``--dtypes`` entry: ``float32`` publishes the learner's weights as they are (what
-every cross-process transfer did until session 39); ``bfloat16`` casts them on the learner's device
-first (``weight_transfer.version_dtype`` of a bfloat16 sampler: what a run does now), and the worker
-restores into ``weight_transfer.cast_target``: half the bytes cross.
+Each row runs per ``--dtypes`` entry: ``float32`` publishes the learner's weights as they are;
+``bfloat16`` casts them on the learner's device first (``weight_transfer.version_dtype`` of a
+bfloat16 sampler: what a run does), and the worker restores into ``weight_transfer.cast_target``:
+half the bytes cross.
 """
 
 from __future__ import annotations
