@@ -1,9 +1,9 @@
 """The rollout controller: from prompts to accepted, scored groups.
 
 One background thread drives a ``RolloutEngine`` (the JAX sampler, vLLM, or a remote engine):
-  1. admits new groups while the staleness controller has capacity (REFERENCE section 2), taking
-     prompts first from the ``pending`` list (groups a resumed run must redo) and then the data
-     iterator;
+  1. admits new groups while the staleness controller has capacity (docs/concepts/staleness.md),
+     taking prompts first from the ``pending`` list (groups a resumed run must redo) and then the
+     data iterator;
   2. gathers the engine's finished samples per group;
   3. scores a complete group in the reward pool (time-limited, failures score 0 and are counted);
   4. accepts the group into the training queue, or rejects it (all rewards equal when filtering is

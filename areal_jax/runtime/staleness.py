@@ -1,6 +1,6 @@
 """Staleness control: admission on the sampler side, a deadline guard on the learner side.
 
-Notation (REFERENCE section 2): ``B`` groups per training batch, ``eta`` the staleness bound
+Notation (docs/concepts/staleness.md): ``B`` groups per training batch, ``eta`` the staleness bound
 (``max_head_offpolicyness``), ``C`` the maximum number of groups generating at once, ``p`` the policy
 version the sampler runs (announced with ``publish``), ``s`` the learner's version (the step that
 trains on the next batch produces ``s + 1``).
