@@ -1,4 +1,4 @@
-"""Advantages from per-sample rewards (REFERENCE section 4). Host-side NumPy.
+"""Advantages from per-sample rewards (GRPO and its variants). Host-side NumPy.
 
 Every generated token of a sequence gets that sequence's advantage. Rewards are first scaled and
 biased (``reward * reward_scaling + reward_bias``), then normalized within each group:

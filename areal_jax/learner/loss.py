@@ -1,4 +1,4 @@
-"""Token logprobs and the decoupled PPO / GRPO objective (REFERENCE section 3). Pure jnp.
+"""Token logprobs and the decoupled PPO / GRPO objective (docs/concepts/decoupled-ppo.md). Pure jnp.
 
 Alignment: position t of a row scores token t+1, so every per-token array of the learner (mask,
 advantage, behaviour / proximal logprobs) is indexed by the *scoring* position; the last position

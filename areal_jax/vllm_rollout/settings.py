@@ -13,7 +13,7 @@ are, the server engine as its command line, ``cli_args``), ``environment`` the v
   that share (``gpu_memory_utilization``) by default what is free on the device when the engine
   starts, less ``HEADROOM_GIB``: a JAX learner on the same GPU holds 75% of it by default
   (JAX's ``XLA_PYTHON_CLIENT_MEM_FRACTION``), and vLLM refuses to start when its share is more
-  than is free (measured nowhere yet: no GPU with vLLM was available to this project).
+  than is free (not yet tried with vLLM on a GPU).
 
 ``dtype`` ``"auto"`` is the platform's; any other value is passed to vLLM as it is.
 """
