@@ -5,7 +5,7 @@
 A decode step reduced to its cache traffic (28 layers, 128 rows, 2 K/V heads of 128, 768
 positions read to 577, bfloat16, 16 steps per call): each layer writes one position per row and
 runs the dense attention over its own cache, laid out positions-first ``[rows, T, kv_heads, D]``
-(``Transformer.extend``'s, the unrolled sampler's today) or heads-major ``[rows, kv_heads, T, D]``
+(``Transformer.extend``'s, the unrolled sampler's) or heads-major ``[rows, kv_heads, T, D]``
 (the scan's, per layer), the write a per-row ``dynamic_update_slice`` (``transformer._write_rows``)
 or one scatter. Prints the operations launched and the bytes copied per step, read off each
 compiled program (``aot_decode.launches``). What it shows: whether the compiler keeps the cache in
