@@ -75,7 +75,7 @@ def base_config() -> ConfigDict:
   # The task: its data, its prompts and its reward.
   c.task = ConfigDict()
   c.task.name = "gsm8k"  # The task, "gsm8k" | "arithmetic" (generated word problems).
-  # Training data; "": the shipped copy. Else a .jsonl / .parquet / .arrow file or a directory.
+  # Training data: a .jsonl / .parquet / .arrow file or a directory; "": the shipped copy.
   c.task.train_path = ""
   c.task.test_path = ""  # Held-out data for evaluation; "": the shipped copy (same formats).
   # True: count and skip bad data rows instead of failing on the first.
@@ -203,7 +203,7 @@ def base_config() -> ConfigDict:
   c.actor.eps_clip_high = 0.0  # Upper clip range; 0: eps_clip (larger: clip-higher).
   c.actor.dual_clip = 0.0  # Dual clip bound c > 1 on negative advantages; 0: off.
   # Decoupled PPO: the clipped ratio is taken against the proximal policy and weighted by the
-  # behaviour importance weight (proximal / behaviour policy). Needs recompute_logprobs.
+  # behaviour importance weight (proximal / behaviour policy). It needs recompute_logprobs=True.
   c.actor.use_decoupled_loss = True
   # The learner recomputes the sampled tokens' logprobs under its current weights before the
   # update (the old or proximal policy); False: the sampler's logprobs serve as the old policy.
@@ -280,8 +280,8 @@ def base_config() -> ConfigDict:
   c.weights.path = ""
   c.weights.keep = 2  # Published versions kept; older ones are deleted.
   # jax_transfer: a worker whose pull of a version has not finished in this many seconds ends.
-  # Ray restarts it, its groups are redone and it pulls the current version anew: jaxlib
-  # enforces no timeout of its own on a pull (one cut off by a killed worker can stall).
+  # Ray then restarts the worker, its groups are redone and it pulls the current version anew.
+  # jaxlib enforces no timeout of its own on a pull, and one cut off by a killed worker can stall.
   c.weights.pull_timeout_s = 120.0
 
   # Processes: "local" runs everything in this process; "ray" runs rollout.workers rollout
@@ -321,7 +321,8 @@ def base_config() -> ConfigDict:
   # Compile every decode bucket before accepting requests (no compile stalls).
   c.serve.warmup = True
   # Keep each chat turn's KV cache for the conversation's next request, which then runs only its
-  # new messages through the model (sampler/continuation.py). A row cache plans a row a slot.
+  # new messages through the model (sampler/continuation.py). Without paging, the sampler's memory
+  # plan reserves a kept row per slot for this; a paged cache keeps the turn's pages.
   c.serve.keep_turns = True
   c.serve.train = True  # Train on the judged turns; False: serve and record (and judge) only.
   # Run the trainer loop as its own process (python -m areal_jax.serve.trainer_process). The
