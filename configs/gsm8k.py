@@ -7,11 +7,8 @@ learner FSDP over 4, the sampler an engine per chip with 64 of the 256 slots
       --config.model.source=$HOME/models/Qwen2.5-1.5B-Instruct
 The model must be a local Hugging Face directory (download it once with
 `huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct --local-dir ...`; runs never use the network).
-Runtime: not run on an accelerator yet. Estimated (a calculation, not a measurement) at about an
-hour on a TPU v5e-8 for 10 epochs (292 steps): a step trains 1024 sequences of ~300 tokens
-(6 x 1.5e9 x 3e5 = 2.7 PFLOP over 4 chips at 197 TFLOP/s and 40% utilization, ~9 s) while the
-other 4 chips generate the next batch (memory-bound decode, ~3 s): the learner bounds a step at
-~10-12 s.
+Runtime: not measured (this recipe has not yet run on an accelerator). A step trains 1024
+sequences while the other 4 chips generate the next batch.
 Memory, planned by compiling the train step on abstract shapes (areal_jax/learner/memory.py;
 `XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan [--target
 v5e:2x4]`) for micro-batches of 4 rows x 3072 tokens, budget 0.9 x 16 GiB = 14.4 GiB a chip:
