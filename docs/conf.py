@@ -28,7 +28,6 @@ myst_enable_extensions = ["colon_fence", "deflist"]
 # autodoc: the public API only, in source order, signatures as written.
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_default_options = {"members": False}
 
 html_theme = "furo"
 html_title = "areal_jax"
