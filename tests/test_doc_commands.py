@@ -65,7 +65,19 @@ def repo_top_level() -> frozenset[str]:
   names = {p.split("/")[0] for p in tracked}
   names |= {"areal_jax", "bench", "colabs", "configs", "docs", "launch", "tests", "launch.py",
             "Makefile", "README.md", "pyproject.toml"}
-  return frozenset(n for n in names if not n.startswith("."))
+  return frozenset(n for n in names if n != ".git")
+
+
+@functools.cache
+def package_dirs() -> frozenset[str]:
+  """areal_jax's subpackages: ``runtime/engines.py`` on a page means ``areal_jax/runtime/engines.py``."""
+  return frozenset(p.name for p in (ROOT / "areal_jax").iterdir() if (p / "__init__.py").is_file())
+
+
+def is_repo_path(word: str) -> bool:
+  """A word that names a file of the repository (its first part is the repository's)."""
+  return ("/" in word and re.search(r"\.[A-Za-z]\w*$", word) is not None and not is_placeholder(word)
+          and word.removeprefix("./").split("/")[0] in repo_top_level())
 
 
 # --- reading the pages -------------------------------------------------------------------------
@@ -86,12 +98,14 @@ FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*(.*)$")
 
 
 def fence_lang(info: str) -> str:
+  """A fence's language: ``bash`` for ```bash and ```{code-block} bash; ``{name} arg`` for another
+  MyST directive (``{note}``, ``{image} x.png``, ``{toctree}``)."""
   info = info.strip()
   m = re.match(r"^\{(?:code-block|code|sourcecode)\}\s*(\S*)", info)
   if m:
     return m.group(1).lower()
-  if info.startswith("{"):  # another MyST directive ({note}, {eval-rst}, ...)
-    return "<directive>"
+  if info.startswith("{"):
+    return info
   return info.split()[0].lower() if info else ""
 
 
@@ -157,12 +171,42 @@ def is_command_start(words: list[str]) -> bool:
           and head.lstrip("./").split("/")[0] in repo_top_level())
 
 
+# MyST directives whose body is Markdown (read as the page is), and those whose argument is a file
+PROSE_DIRECTIVES = {"note", "warning", "tip", "important", "seealso", "caution", "attention", "danger",
+                    "error", "hint", "admonition", "dropdown", "topic", "sidebar", "margin"}
+FILE_DIRECTIVES = {"image", "figure", "include", "literalinclude"}
+
+
 def page_items(path: pathlib.Path):
   """(commands, inline code spans, links) of one page, each with its line."""
   rel = str(path.relative_to(ROOT))
-  text = path.read_text(encoding="utf-8")
   commands, spans, links = [], [], []
-  for kind, lang, start, body in split_blocks(text):
+  read_markdown(rel, path.read_text(encoding="utf-8").splitlines(), 0, commands, spans, links)
+  return commands, spans, links
+
+
+def read_markdown(rel, lines, offset, commands, spans, links):
+  """Collects what ``lines`` (the page's from line ``offset + 1`` on) hold."""
+  for kind, lang, start, body in split_blocks("\n".join(lines)):
+    start += offset
+    if kind == "fence" and lang.startswith("{"):
+      name, _, arg = lang[1:].partition("}")
+      name, arg = name.strip(), arg.strip()
+      if name in PROSE_DIRECTIVES:
+        read_markdown(rel, body, start - 1, commands, spans, links)
+      elif name in FILE_DIRECTIVES and arg:
+        links.append((start - 1, arg))
+      elif name == "toctree":  # entries are pages without their extension, or "Title <page>"
+        for n, entry in enumerate(body):
+          entry = entry.strip()
+          m = re.match(r"^.*<([^>]+)>$", entry)
+          entry = m.group(1) if m else entry
+          if entry and not entry.startswith(":") and entry != "self" and "*" not in entry and \
+              "://" not in entry:
+            base = (ROOT / rel).parent
+            ext = next((e for e in (".md", ".ipynb", ".rst") if (base / (entry + e)).is_file()), ".md")
+            links.append((start + n, entry + ext))
+      continue
     if kind == "fence":
       if lang in SHELL_LANGS:
         for line, cmd in logical_lines(body, start, console=lang in ("console", "shell-session")):
@@ -185,7 +229,6 @@ def page_items(path: pathlib.Path):
                          r"|^\s*\[[^\]]+\]:\s*(\S+)|\bsrc=\"([^\"]+)\"", prose_only, re.M):
       line = start + prose_only.count("\n", 0, m.start())
       links.append((line, next(g for g in m.groups() if g)))
-  return commands, spans, links
 
 
 @functools.cache
@@ -433,6 +476,12 @@ def command_kind(words: list[str]) -> str | None:
 
 def check_words(words: list[str]) -> list[str]:
   words = strip_prefix(words)
+  missing = [f"no such file {w}" for w in words[1:]
+             if not w.startswith("-") and is_repo_path(w) and not (ROOT / w).exists()]
+  return missing + [e for e in check_kind(words) if e not in missing]
+
+
+def check_kind(words: list[str]) -> list[str]:
   kind = command_kind(words)
   head, rest = words[0], words[1:]
   if kind == "make":
@@ -529,6 +578,8 @@ def repo_path_problem(page: str, target: str, is_link: bool) -> str | None:
       resolved = base / target
     elif target.split("/")[0] in repo_top_level():
       resolved = ROOT / target
+    elif target.split("/")[0] in package_dirs():
+      resolved = ROOT / "areal_jax" / target
     else:
       return None  # a run's path (runs/demo/curves.png), a package's, ...
   resolved = pathlib.Path(os.path.normpath(resolved))
@@ -584,6 +635,7 @@ BROKEN = [
     ("bash launch/nosuch.sh", "no such script"),
     ("cd /tmp && python launch.py --config=configs/gsm8k.py:tiny --config.train.total_stepz=2", "unknown"),
     ("python -m areal_jax.export --config=configs/gsm8k.py:tiny [--mergd=x]", "no flag --mergd"),
+    ("python -m pytest -q tests/test_nosuch.py", "no such file tests/test_nosuch.py"),
 ]
 VALID = [
     "python launch.py --config=configs/arithmetic.py:tiny --workdir=/tmp/x --config.actor.lr=1e-4 "
@@ -615,3 +667,5 @@ def test_the_check_finds_a_link_outside_the_repository():
   assert repo_path_problem("README.md", "areal_jax/nosuch.py:f", False) == "no such file or directory"
   assert repo_path_problem("README.md", "areal_jax/config.py:load", False) is None
   assert repo_path_problem("README.md", "runs/demo/curves.png", False) is None  # a run's output
+  assert repo_path_problem("README.md", "runtime/nosuch.py:X", False) == "no such file or directory"
+  assert repo_path_problem("README.md", "runtime/engines.py:MergingEngine", False) is None
