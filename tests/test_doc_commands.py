@@ -425,8 +425,16 @@ def split_shell(text: str) -> list[list[str]]:
     words = shlex.split(text, comments=True)
   except ValueError:
     words = text.split("#")[0].split()
-  parts, cur = [], []
+  parts, cur, redirect = [], [], False
   for w in words:
+    if redirect:  # the file of a redirection: a command's output, not its argument
+      redirect = False
+      continue
+    if re.match(r"^(?:\d?>>?|<|&>)(&\d)?$", w):
+      redirect = not w.endswith(("&1", "&2"))
+      continue
+    if re.match(r"^\d?>>?&?\S+$", w) and not w.startswith("-"):  # 2>/dev/null, >out.txt
+      continue
     if w in ("&&", "||", ";", "|", "&"):
       parts.append(cur)
       cur = []
@@ -644,6 +652,7 @@ VALID = [
     "--config=configs/gsm8k.py:tiny --checkpoint=<workdir> --config.train.eval_size=$N",
     "python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py[:thread] --workdir=...",
     "make install ACCEL=tpu && make demo",
+    "python -m areal_jax.generate --n=2 > docs/generated_page.md 2>&1",
 ]
 
 
