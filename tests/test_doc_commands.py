@@ -399,7 +399,7 @@ def check_program(source: pathlib.Path, args: list[str], own: bool) -> list[str]
       if problem:
         errors.append(f"{arg}: {problem}")
       elif not is_placeholder(value):
-        concrete.append(arg.replace(f"--{flag}.", "--config.", 1))
+        concrete.append(f"--config.{key}={value}")
     if concrete and not is_placeholder(spec) and not any("unknown config key" in e for e in errors):
       try:
         parse_overrides(spec, tuple(concrete))
@@ -644,6 +644,7 @@ BROKEN = [
     ("cd /tmp && python launch.py --config=configs/gsm8k.py:tiny --config.train.total_stepz=2", "unknown"),
     ("python -m areal_jax.export --config=configs/gsm8k.py:tiny [--mergd=x]", "no flag --mergd"),
     ("python -m pytest -q tests/test_nosuch.py", "no such file tests/test_nosuch.py"),
+    ("python launch.py --config=configs/gsm8k.py:tiny --config.train.total_steps three", "total_steps"),
 ]
 VALID = [
     "python launch.py --config=configs/arithmetic.py:tiny --workdir=/tmp/x --config.actor.lr=1e-4 "
@@ -652,6 +653,7 @@ VALID = [
     "--config=configs/gsm8k.py:tiny --checkpoint=<workdir> --config.train.eval_size=$N",
     "python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py[:thread] --workdir=...",
     "make install ACCEL=tpu && make demo",
+    "python launch.py --config=configs/gsm8k.py:tiny --config.train.total_steps 3 --workdir /tmp/x",
     "python -m areal_jax.generate --n=2 > docs/generated_page.md 2>&1",
 ]
 
