@@ -10,9 +10,8 @@ bfloat16 cache it equals a float64 reference to float32 rounding.
 
 On a CPU device it runs in Pallas TPU interpret mode (tests). Compiled for a TPU it needs a head
 size that is a multiple of 128 (Qwen2.5's and Qwen3's; not SmolLM2's 64: ``unusable``), which
-interpret mode does not check: tests also lower it for TPU (``choice.lowering_for``). Not run on a
-TPU by this project (no TPU was available to it): the TPU default stays the dense read
-(``choice``).
+interpret mode does not check: tests also lower it for TPU (``choice.lowering_for``). Not yet run
+on a TPU, so the TPU default stays the dense read (``choice``).
 """
 
 from __future__ import annotations
