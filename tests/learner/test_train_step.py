@@ -94,13 +94,20 @@ def test_config_errors():
     learner.train_step(groups, [[float("inf")] * 4] * 4)
 
 
+@pytest.fixture(scope="module")
+def plain_gradients():
+  """The default learner's gradients and metrics on ``batch(0)``, computed once for the module:
+  the reference every remat / scan / chunked-head variant below is compared with."""
+  groups, rewards = batch(0)
+  return Learner(model(), actor(), mesh()).gradients(groups, rewards)
+
+
 @pytest.mark.parametrize("remat,scan,chunk", [("full", True, 16), ("dots", False, 0),
                                               ("offload", True, 0), ("none", True, 7)])
-def test_remat_scan_and_chunked_head_change_no_gradient(remat, scan, chunk):
+def test_remat_scan_and_chunked_head_change_no_gradient(plain_gradients, remat, scan, chunk):
   """Rematerialisation, the scanned layers and the chunked LM head compute the same step."""
   groups, rewards = batch(0)
-  ref = Learner(model(), actor(), mesh())
-  g_ref, m_ref = ref.gradients(groups, rewards)
+  g_ref, m_ref = plain_gradients
   learner = Learner(model(), actor(remat=remat, scan_layers=scan, logits_chunk=chunk), mesh())
   g, m = learner.gradients(groups, rewards)
   assert_trees_close(g, g_ref)
