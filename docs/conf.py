@@ -23,7 +23,7 @@ exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
 
 # MyST: anchors for headings (links like page.md#section), fenced `{directive}` blocks, colon fences.
 myst_heading_anchors = 3
-myst_enable_extensions = ["colon_fence", "deflist"]
+myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]
 
 # autodoc: the public API only, in source order, signatures as written.
 autodoc_member_order = "bysource"
