@@ -178,11 +178,15 @@ def render(records: list[dict], t0: float, t1: float, config=None) -> str:
       "",
       "## Per module",
       "",
-      "| module | tests | wall s | compile s | compilations | cache hits | hit s | trace s |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|",
+      "Workers: how many xdist workers ran some of the module's tests (each one builds the "
+      "module's module-scoped fixtures).",
+      "",
+      "| module | tests | wall s | compile s | compilations | cache hits | hit s | trace s | "
+      "workers |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for module, rs in sorted(by_module.items(), key=lambda kv: -_sum(kv[1], "wall_s")):
-    lines.append(_row(f"`{module}`", rs))
+    lines.append(_row(f"`{module}`", rs) + f" {len({r['worker'] for r in rs})} |")
   lines += ["", "## Slowest tests", "",
             "| test | wall s | compile s | compilations | cache hits |",
             "|---|---:|---:|---:|---:|"]
