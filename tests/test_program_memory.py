@@ -7,7 +7,7 @@ import pytest
 
 from areal_jax import program_memory, sharding
 
-# libtpu's message compiling a 16k-token train step for a 16 GiB v5e chip (session 37)
+# libtpu's message compiling a 16k-token train step for a 16 GiB v5e chip
 REFUSAL = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
            "temporaries (23.91G) exceeds available HBM (15.75G).")
 

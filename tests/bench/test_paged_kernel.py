@@ -54,7 +54,7 @@ def test_a_launch_that_reads_too_few_pages_shows(tmp_path, monkeypatch):
 
 
 def test_a_launch_that_fails_is_noted_and_the_sweep_goes_on(tmp_path, monkeypatch):
-  """A launch the device cannot run (session 48: the dense read asked 84 GiB of an H200) is a row
+  """A launch the device cannot run (as when the dense read asked 84 GiB of an H200) is a row
   with its error, and the launches after it are still timed."""
   import jax
 

@@ -169,7 +169,7 @@ def test_choice_follows_the_active_mesh():
 
 def test_older_accelerators_keep_the_dense_form(monkeypatch):
   """TPUs before v4 (Mosaic refuses the kernel's bfloat16 matmuls there: compiled by libtpu for a
-  TPU v3, session 37) and GPUs before Ampere (no Triton) keep the dense attention under ``auto``,
+  TPU v3) and GPUs before Ampere (no Triton) keep the dense attention under ``auto``,
   and a request for the kernel there names why; newer chips get the kernel."""
   import types
   monkeypatch.delenv(choice.CAUSAL_ENV, raising=False)

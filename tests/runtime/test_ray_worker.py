@@ -26,8 +26,8 @@ def test_a_worker_plans_its_sampler_on_empty_devices_and_keeps_what_it_planned(t
   worker = ray_worker.RolloutWorker(c, str(tmp_path / "weights"))
   try:
     # The sampler plans against the whole budget: the model's weights must not already sit on a
-    # device (until session 40 models.load's float32 copy was on the first one while the engine
-    # was planned and built: 4 bytes a parameter, 5.8 GiB at 1.5B, that no plan counted).
+    # device (a float32 copy from models.load left on the first one while the engine is planned
+    # and built would be 4 bytes a parameter, 5.8 GiB at 1.5B, that no plan counts).
     assert {d: n - before.get(d, 0) for d, n in at_plan.items() if n > before.get(d, 0)} == {}
     plan = worker.engine.memory_plan
     now = device_bytes()
