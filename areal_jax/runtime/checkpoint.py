@@ -34,6 +34,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 import warnings
 from typing import Any
 
@@ -42,7 +43,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
+from areal_jax.runtime import orbax_reads
 from areal_jax.runtime.errors import RunDirError  # noqa: F401 (re-exported)
+
+orbax_reads.install()  # a damaged checkpoint's reads end before the next one is tried
 
 # What ``meta`` must hold for a resume to rewind the run consistently (written by trainer._save).
 REQUIRED_META = ("version", "data_state", "next_group_id", "pending", "staleness", "totals")
@@ -177,20 +181,22 @@ class Checkpointer:
     _agree_on_steps(candidates, self.directory)
     for step in reversed(candidates):
       step_dir = os.path.join(self.directory, str(step))
-      found, local = None, None
+      found, local, error = None, None, None
       for first, part in ((True, lambda: self._check_shapes(step, abstract_state)),
                           (False, lambda: self._read(step, abstract_state))):
         try:
           found = part()
         except Exception as e:  # pylint: disable=broad-except
-          local = _reason(e, step_dir)
+          local, error = _reason(e, step_dir), e
           _quiet_orphaned_reads()
         reason = _agree(local)
         if reason is not None:
           break
       else:
         return (step, *found)
-      changed = _agree(self._settings_changed(step)) if first else None
+      # Arrays of other shapes may come from a run of other settings; unreadable files are damage.
+      fits = not (first and isinstance(error, _DoesNotFit))
+      changed = _agree(None if fits else self._settings_changed(step)) if first else None
       if changed is not None:  # not damage: a run of other settings wrote it
         raise RunDirError(
             f"checkpoint {step} in {self.directory} does not fit this run: {reason}. It was saved "
@@ -203,6 +209,8 @@ class Checkpointer:
       if jax.process_index() == 0 or local is not None:
         print(f"warning: checkpoint {step} is unusable: {reason}; {where}, {then}",
               file=sys.stderr, flush=True)
+        if error is not None and orbax_reads.verbose():
+          traceback.print_exception(error, file=sys.stderr)
     earlier = sorted(n for n in os.listdir(self.directory) if _CORRUPT.match(n))
     if not tried and not earlier:
       return None
@@ -265,14 +273,18 @@ class Checkpointer:
       missing = sorted(set(want) - set(have), key=str)
       extra = sorted(set(have) - set(want), key=str)
       first = (missing or extra)[0]
-      raise ValueError(f"its arrays do not match the config's model ({len(missing)} missing, "
+      raise _DoesNotFit(f"its arrays do not match the config's model ({len(missing)} missing, "
                        f"{len(extra)} unexpected, e.g. state/{first})")
     for path, w in want.items():
       h = have[path]
       if tuple(h.shape) != tuple(w.shape) or jax.numpy.dtype(h.dtype) != jax.numpy.dtype(w.dtype):
-        raise ValueError(f"state/{path} is {h.dtype}{list(h.shape)} in the "
+        raise _DoesNotFit(f"state/{path} is {h.dtype}{list(h.shape)} in the "
                          f"checkpoint, the config's model needs {w.dtype}{list(w.shape)} "
                          "(a checkpoint of another model?)")
+
+
+class _DoesNotFit(ValueError):
+  """A checkpoint's stored arrays, read completely, are not the ones the config's model needs."""
 
 
 def committed(step_dir: str) -> bool:
@@ -397,6 +409,7 @@ def _reason(e: BaseException, directory: str) -> str:
   ts = re.search(r'Error reading "([^"/]+)/[^"]*" in OCDBT database at local file "([^"]*)": (.*)', text)
   if ts:  # TensorStore names the array and the item directory, not the data file inside it
     text = f"{ts.group(2)}{ts.group(1)} is unreadable: {ts.group(3)}"
+  text = orbax_reads.without_spec(text)
   if len(text) > 300:
     text = text[:297] + "..."
   return text

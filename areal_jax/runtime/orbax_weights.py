@@ -16,11 +16,13 @@ import os
 import re
 import sys
 import time
+import traceback
 import uuid
 
 import jax
 from etils import epath
 
+from areal_jax.runtime import orbax_reads
 from areal_jax.runtime.errors import RunDirError
 from areal_jax.runtime.weight_versions import cast_target, caster, check_version, pure_dict
 
@@ -132,6 +134,7 @@ class OrbaxPublisher:
     existing = list_versions(self.path)
     self._latest = existing[-1] if existing else None
     import orbax.checkpoint as ocp  # heavy import, only when Orbax is used
+    orbax_reads.install()
     self._ckptr = ocp.StandardCheckpointer()
 
   def latest_version(self) -> int | None:
@@ -160,6 +163,7 @@ class OrbaxReceiver:
     self.path = epath.Path(path)
     self.target = target
     import orbax.checkpoint as ocp
+    orbax_reads.install()  # a damaged version's reads end before the next one is tried
     self._ckptr = ocp.StandardCheckpointer()
     self.last_fetch_s = 0.0
     self.damaged: set[int] = set()  # published versions that failed to restore (skipped for good)
@@ -221,8 +225,11 @@ class OrbaxReceiver:
         cause = e.__cause__
         if cause is not None and str(cause).strip():  # TensorStore's useful line is the cause
           first = str(cause).strip().splitlines()[0]
+        first = orbax_reads.without_spec(first).replace(f"{self.path / str(v)}/", "")
         print(f"warning: weights version {v} under {self.path} is unreadable, skipped "
               f"({first[:240]}); the sampler keeps its current weights", file=sys.stderr, flush=True)
+        if orbax_reads.verbose():
+          traceback.print_exception(e, file=sys.stderr)
     return None
 
   def close(self) -> None:

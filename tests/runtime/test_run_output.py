@@ -1,0 +1,118 @@
+"""What a run prints when a checkpoint is damaged: one warning, the resume line and the step lines;
+no traceback of the reads still in flight, no asyncio message (``--verbosity=1``: the first
+traceback). The checkpoints come from one short tiny run per module, copied per test."""
+
+import asyncio
+import glob
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_trainer import ROOT, TINY, tiny_config  # noqa: E402
+
+from areal_jax.runtime import orbax_reads  # noqa: E402
+
+STEPS = 2
+RUN = {"train.total_steps": STEPS, "train.checkpoint_every": 1, "rollout.max_new_tokens": 16}
+NOISE = ("Traceback", "Event loop is closed", "Task exception was never retrieved",
+         "Task was destroyed", "tensorstore_spec", "never awaited")
+
+
+def test_a_failed_orbax_run_cancels_and_awaits_its_other_reads():
+  from orbax.checkpoint._src import asyncio_utils
+
+  assert orbax_reads.install() and orbax_reads.install()  # idempotent
+  ended = []
+
+  async def read(i):
+    try:
+      if i == 0:
+        raise OSError("a truncated file")
+      await asyncio.sleep(60)  # a read still in flight (a slow bucket)
+    finally:
+      ended.append(i)
+
+  async def restore():
+    return await asyncio.gather(*(read(i) for i in range(4)))
+
+  with pytest.raises(OSError, match="truncated"):
+    asyncio_utils.run_sync(restore())
+  assert sorted(ended) == [0, 1, 2, 3]  # each one ended (cancelled) before run_sync returned
+
+  async def fine():
+    return 7
+  assert asyncio_utils.run_sync(fine()) == 7
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  """A finished 2-step run with checkpoints 1 and 2."""
+  from areal_jax.runtime import trainer
+
+  workdir = tmp_path_factory.mktemp("tiny_run")
+  trainer.run(tiny_config(**RUN), str(workdir))
+  return workdir
+
+
+def damaged_copy(src, dst, which):
+  """``dst``: a copy of the run whose newest checkpoint has every data file (``all``) or the largest
+  one (``one``: some arrays) cut short."""
+  shutil.copytree(src, dst)
+  files = glob.glob(str(dst / "checkpoints" / str(STEPS) / "state" / "**" / "d" / "*"),
+                    recursive=True)
+  for path in files if which == "all" else [max(files, key=os.path.getsize)]:
+    os.truncate(path, os.path.getsize(path) // 2)
+  return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["all", "one"])
+def test_a_rerun_past_a_damaged_checkpoint_prints_its_progress_only(tiny_run, tmp_path, which):
+  """Rerun with more steps (other settings than the checkpoints were saved with: still damage)."""
+  workdir = damaged_copy(tiny_run, tmp_path / "run", which)
+  cmd = [sys.executable, str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={workdir}",
+         "--config.train.checkpoint_every=1", "--config.rollout.max_new_tokens=16",
+         f"--config.train.total_steps={STEPS + 1}"]
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  err, lines = out.stderr.splitlines(), out.stdout.splitlines()
+  assert len(err) == 1 and err[0].startswith(f"warning: checkpoint {STEPS} is unusable: state/"), err
+  assert "moved aside" in err[0] and "trying an older one" in err[0]
+  assert lines[0] == f"resumed from {workdir / 'checkpoints'} at version {STEPS - 1}", lines
+  assert [line.split()[:2] for line in lines[1:-1]] == [["step", f"{s}/{STEPS + 1}"]
+                                                        for s in (STEPS, STEPS + 1)], lines
+  assert lines[-1].startswith("curves: ") and len(lines) == 4
+  assert not [n for n in NOISE if n in out.stdout + out.stderr]
+
+
+@pytest.mark.slow
+def test_verbosity_shows_the_first_traceback_only(tiny_run, tmp_path, capsys):
+  from absl import logging
+
+  from areal_jax import learner as learner_lib
+  from areal_jax import models
+  from areal_jax.runtime import checkpoint as ckpt_lib
+  from areal_jax.runtime import meshes
+
+  workdir = damaged_copy(tiny_run, tmp_path / "run", "all")
+  c = tiny_config(**RUN)
+  model, _ = models.load(c.model.source, dtype=c.model.dtype, seed=c.seed)
+  learner = learner_lib.Learner(model, c.actor, meshes.build(c.mesh)[0],
+                                temperature=c.rollout.temperature, total_steps=STEPS,
+                                max_seq_len=c.rollout.max_prompt_len + 16)
+  before = logging.get_verbosity()
+  logging.set_verbosity(1)
+  try:
+    ckpt = ckpt_lib.Checkpointer(str(workdir), keep=3, config=c)
+    assert ckpt.restore_latest(learner.state)[0] == STEPS - 1
+    ckpt.close()
+  finally:
+    logging.set_verbosity(before)
+  err = capsys.readouterr().err
+  assert err.count("Traceback") == 1 and err.count(f"checkpoint {STEPS} is unusable") == 1, err
+  assert "Event loop is closed" not in err
