@@ -48,10 +48,10 @@ from areal_jax.sampler import slot_cache
 MIN_CHUNK = 16
 # the most new tokens one extend call runs: its attention holds float32 scores of heads x tokens x
 # the row's positions, where a prefill's causal kernel holds a block at a time. Compiled for an
-# H100 (Qwen2.5-1.5B shape, bench/results/cpu-aot-h100-continuation-2026-11-30-s46) a chunk of 256
-# over a row of 4096 or 8191 positions held 0.89x / 0.64x the prefill of that row, one of 1024
-# 1.73x / 1.37x and one of 2048 2.74x / 2.40x (for a TPU v5e chip: 0.60x / 0.58x, 1.05x / 1.07x,
-# 1.66x / 1.68x): longer chunks run as pieces of this many.
+# H100 or a TPU v5e at the Qwen2.5-1.5B shape, a chunk of 256 over a long row held less than the
+# prefill of that row and chunks of 1024 or more held more
+# (bench/results/cpu-aot-h100-continuation-2026-11-30-s46): longer chunks run as pieces of this
+# many.
 MAX_PIECE = 256
 
 
