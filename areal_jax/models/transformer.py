@@ -156,8 +156,9 @@ def _dense(x_NxI, w, transpose_w, out_dtype):
   tokens x vocabulary) and fuses that transpose into the elementwise work producing it (the SiLU
   gradient, the softmax gradient), which ran several times slower than the matmuls themselves.
   Here the weight gradient is always ``x^T g`` (only the input, d_model or d_ff wide, is
-  transposed); for ``transpose_w`` its weight-sized result is transposed afterwards. On the
-  learner's step (SmolLM2 shapes, 2 x 768 tokens, CPU) a layer went from 0.35 to 0.20 s."""
+  transposed); for ``transpose_w`` its weight-sized result is transposed afterwards (a learner's
+  step at SmolLM2 shapes on CPU, 2 x 768 tokens: 0.20 s a layer against 0.35 s in autodiff's
+  form)."""
   return _dense_fwd(x_NxI, w, transpose_w, out_dtype)[0]
 
 
