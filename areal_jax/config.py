@@ -334,6 +334,8 @@ def base_config() -> ConfigDict:
   c.serve.trainer_cores = 0
   # How often the server looks for a newer published version, in seconds.
   c.serve.weights_poll_s = 0.5
+  # How often the server (and the serve demo) prints a status line, in seconds; 0: never.
+  c.serve.status_every_s = 30.0
   # Decay of the score EMA that is the baseline of single-candidate turns.
   c.serve.baseline_decay = 0.9
   # The judge that scores turns, "rule" | "model" | "none". "rule": the user's next message says
