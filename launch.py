@@ -24,7 +24,7 @@ import sys
 # an accelerator host (ignored by TPU/GPU backends). Set XLA_FLAGS yourself to override.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from areal_jax import config as config_lib  # noqa: E402
@@ -49,9 +49,10 @@ def _compile_cache(config) -> None:
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:  # Orbax logs every save and restore at INFO
-    logging.set_verbosity(logging.WARNING)
+  from areal_jax import cli  # no JAX import
   from areal_jax.runtime import supervisor  # no JAX import
+
+  cli.set_up_logging()  # the run's own lines are prints; Orbax logs every save at INFO
 
   config = _CONFIG.value
   _compile_cache(config)  # before JAX is imported
@@ -59,7 +60,6 @@ def main(argv):
     # A learner group: a supervisor reruns the training process (which resumes from its last
     # checkpoint) when a learner process dies, up to runtime.max_learner_restarts times.
     sys.exit(supervisor.supervise([sys.executable, *sys.argv], config.runtime.max_learner_restarts))
-  from areal_jax import cli
   from areal_jax.runtime import trainer  # imports JAX after flags are parsed
   from areal_jax.runtime.errors import RESTART_EXIT_CODE, LearnerProcessDied
 

@@ -319,8 +319,7 @@ def write_results(results: dict, path: str) -> None:
 def main(argv) -> None:
   if len(argv) > 1:
     raise SystemExit(f"error: unexpected arguments {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO
-    logging.set_verbosity(logging.WARNING)
+  cli.set_up_logging()  # the results are printed; Orbax logs every restore at INFO
   name = config_flags.get_config_filename(flags.FLAGS["config"])  # path[:preset] as given
   with cli.reported_faults(quiet_exit=True):  # what to fix, in one line
     evaluate(_CONFIG.value, _CHECKPOINT.value, config_name=name,
@@ -331,7 +330,7 @@ if __name__ == "__main__":
   # On a CPU-only host, expose 8 virtual devices as launch.py does, so the config's meshes fit
   # (read when JAX first touches a backend, which none of the imports above does).
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  from absl import app, flags, logging
+  from absl import app, flags
   from ml_collections import config_flags
 
   # Flags are defined here, not at import, so importing this module never defines --config.

@@ -12,6 +12,7 @@ adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) load
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -44,6 +45,7 @@ def export(config, checkpoint: str, output: str, merged: str = "") -> dict:
 def main(argv) -> None:
   if len(argv) > 1:
     raise SystemExit(f"error: unexpected arguments {argv[1:]}")
+  cli.set_up_logging(logging.INFO)
   with cli.reported_faults(quiet_exit=True):  # what to fix, in one line
     paths = export(_CONFIG.value, _CHECKPOINT.value, _OUTPUT.value, _MERGED.value)
   for kind, path in paths.items():

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -58,6 +59,7 @@ def main(argv):
   from areal_jax.rollout_api import GroupRequest, SamplingParams
   from areal_jax.sampler.service import JaxRolloutEngine
 
+  cli.set_up_logging(logging.INFO)  # the sampler's compile lines
   t0 = time.time()
   with cli.reported_faults():  # a model that is not there: one line naming it
     model, tokenizer = load(_MODEL.value, dtype=_DTYPE.value)

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 
+from areal_jax import cli
 from areal_jax.runtime import ray_worker
 
 
@@ -46,13 +47,14 @@ def session(runtime):
   affinity = os.sched_getaffinity(0)
   started = not ray.is_initialized()
   tmp = None
-  if started:
+  if started:  # Ray's own INFO lines (starting, connecting) only when --verbosity asks
     if runtime.ray_address:
-      ray.init(address=runtime.ray_address, log_to_driver=True)
+      ray.init(address=runtime.ray_address, log_to_driver=True, logging_level=cli.library_level())
     else:
       tmp = tempfile.mkdtemp(prefix="ray_")
       ray.init(num_cpus=len(affinity), include_dashboard=False, _temp_dir=tmp,
-               object_store_memory=256 * 2**20, log_to_driver=True)
+               object_store_memory=256 * 2**20, log_to_driver=True,
+               logging_level=cli.library_level())
   try:
     yield
   finally:

@@ -10,11 +10,12 @@ same workdir resumes: turns from ``<workdir>/turns.sqlite``, the policy from its
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from areal_jax import config as config_lib
@@ -40,8 +41,7 @@ def main(argv) -> None:
   from areal_jax import cli  # pylint: disable=import-outside-toplevel
   from areal_jax.serve.runtime import ServeRuntime  # pylint: disable=import-outside-toplevel
 
-  if not flags.FLAGS["verbosity"].present:  # the engine's warm-up and the plan at INFO
-    logging.set_verbosity(logging.INFO)
+  cli.set_up_logging(logging.INFO)  # the engine's warm-up, the plan and the trainer's versions
   # a memory plan that cannot fit, a model that is not there, settings that contradict each
   # other: one line naming what to change (areal_jax.cli)
   # SIGTERM while starting (warm-up, the trainer process restoring) interrupts like Ctrl-C: what

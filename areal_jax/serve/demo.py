@@ -15,6 +15,9 @@ r"""``make serve-demo``: the policy learns arithmetic from simulated users' conv
      (``eval_v<version>.json``; ``eval_after.json`` is the last);
   6. ``serve_curve.png``: held-out pass@1 against policy version and against time, with the users'
      own success rate (a rolling mean over their conversations).
+While the users talk, a status line every ``serve.status_every_s`` (``--status_every_s``): time
+left, the users' conversations and success rate over the last window, then the server's numbers
+from ``/health`` (``areal_jax.serve.status``); the server's own lines go to ``server.log``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -37,6 +41,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/serve_demo", "the server's workd
 _DURATION = flags.DEFINE_float("duration_s", None, "simulated users' time (serve.sim_duration_s)")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "held-out problems (train.eval_size)")
 _POINTS = flags.DEFINE_integer("curve_points", 4, "checkpoints evaluated for the curve")
+_STATUS_EVERY = flags.DEFINE_float("status_every_s", None,
+                                   "seconds between status lines (serve.status_every_s)")
 
 
 def _free_port() -> int:
@@ -68,10 +74,38 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
   raise SystemExit(f"the server did not answer {url} within {timeout:.0f} s")
 
 
+def _clock(seconds: float) -> str:
+  return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+def _report(users, health_url: str, every_s: float, duration: float, stop: threading.Event) -> None:
+  """Prints a status line every ``every_s`` seconds until ``stop`` (the module docstring)."""
+  from areal_jax.serve import status  # pylint: disable=import-outside-toplevel
+
+  t0, seen = time.time(), 0
+  while not stop.wait(every_s):
+    done = users.finished()
+    window, seen = done[seen:], len(done)
+    right = f"{100 * sum(r['right'] for r in window) / len(window):.0f}% right" if window else "none"
+    try:
+      with urllib.request.urlopen(health_url, timeout=10) as r:
+        server = status.describe(json.load(r)["serving"])
+    except (OSError, KeyError, ValueError) as e:
+      server = f"the server did not answer /health ({e})"
+    elapsed = time.time() - t0
+    print(f"status {_clock(elapsed)} of {_clock(duration)} ({_clock(max(duration - elapsed, 0))} "
+          f"left): users {len(window)} conversations, {right} over the last {every_s:.0f} s; "
+          f"{server}", flush=True)
+
+
 def main(argv) -> None:
   del argv
+  from areal_jax import cli  # pylint: disable=import-outside-toplevel
+
+  cli.set_up_logging()  # no line per HTTP request of the users' client
   spec, workdir = _CONFIG.value, os.path.abspath(_WORKDIR.value)
   config = config_lib.load(spec)
+  every = config.serve.status_every_s if _STATUS_EVERY.value is None else _STATUS_EVERY.value
   os.makedirs(workdir, exist_ok=True)
   extra = [] if _EVAL_SIZE.value is None else [f"--config.train.eval_size={_EVAL_SIZE.value}"]
   before_path = os.path.join(workdir, "eval_before.json")
@@ -81,7 +115,8 @@ def main(argv) -> None:
   port = _free_port()
   log = open(os.path.join(workdir, "server.log"), "a", encoding="utf-8")
   server = subprocess.Popen([sys.executable, "-m", "areal_jax.serve", f"--config={spec}",
-                             f"--workdir={workdir}", f"--config.serve.port={port}"],
+                             f"--workdir={workdir}", f"--config.serve.port={port}",
+                             f"--config.serve.status_every_s={every}"],
                             stdout=log, stderr=subprocess.STDOUT)
   t_start = time.time()
   try:
@@ -92,7 +127,15 @@ def main(argv) -> None:
                            os.path.join(workdir, "conversations.jsonl"))
     duration = _DURATION.value or config.serve.sim_duration_s
     print(f"simulated users talking to the server for {duration:.0f} s", flush=True)
-    results = users.run(duration)
+    stop = threading.Event()
+    reporter = threading.Thread(target=_report, daemon=True, args=(
+        users, f"http://127.0.0.1:{port}/health", every, duration, stop))
+    if every > 0:
+      reporter.start()
+    try:
+      results = users.run(duration)
+    finally:
+      stop.set()
     try:
       with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
         health = json.load(r)

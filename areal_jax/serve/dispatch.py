@@ -41,6 +41,7 @@ class Dispatcher:
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self.finished = collections.Counter()  # samples out of the engine, by finish reason
+    self.requests = self.tokens = 0  # requests submitted, tokens generated (the status line)
     self.streams_tokens = tap_tokens(engine, self._on_tokens)
 
   def start(self) -> None:
@@ -83,6 +84,7 @@ class Dispatcher:
     group_id = next(self._ids)
     with self._lock:
       self._routes[group_id] = put
+      self.requests += 1
     self.engine.submit(GroupRequest(group_id, list(prompt_tokens), n, params, dict(metadata or {})))
     return group_id
 
@@ -114,4 +116,5 @@ class Dispatcher:
     while not self._stop.is_set():
       for sample in self.engine.poll(0.05):
         self.finished[sample.finish_reason] += 1
+        self.tokens += len(sample.tokens)
         self._route(sample.group_id, ("done", sample))

@@ -32,6 +32,7 @@ from areal_jax.runtime.ray_worker import pin_process
 from areal_jax.serve import judge as judge_lib
 from areal_jax.serve.app import ServeContext, build_app
 from areal_jax.serve.dispatch import Dispatcher
+from areal_jax.serve.status import ServeStatus
 from areal_jax.serve.store import TurnStore
 from areal_jax.serve import trainer_process, trainer_supervisor
 
@@ -112,6 +113,7 @@ class ServeRuntime:
       self.trainer.restore()
       self.trainer.publish()  # serve the restored version from the first request
     self.judge = self._build_judge()
+    self.status_line = ServeStatus(self._counters, s.status_every_s)
     c_roll = config.rollout
     chat_kwargs = {} if config.task.enable_thinking else {"enable_thinking": False}
     self.context = ServeContext(
@@ -207,9 +209,11 @@ class ServeRuntime:
       self.trainer.start()
     print(f"serving {self.config.serve.model_name} (policy version {self.engine.version}) at "
           f"{self.url}; turns in {self.store.path}", flush=True)
+    self.status_line.start()
 
   def stop(self) -> None:
     """Judge and trainer first (the trainer checkpoints), then HTTP, then the engine."""
+    self.status_line.stop()
     if self.judge is not None:
       self.judge.stop()
     if self.trainer is not None:
@@ -247,8 +251,16 @@ class ServeRuntime:
       self.trainer.publish()
     self.trainer.start()
 
+  def _counters(self) -> dict:
+    """What the status line counts its windows over."""
+    steps = None
+    if self.trainer is not None:
+      steps = self.trainer.stats.get("steps")
+    return dict(version=self.engine.version, requests=self.dispatcher.requests,
+                tokens=self.dispatcher.tokens, turns=self.store.counts(), train_steps=steps)
+
   def status(self) -> dict:
-    out = {"turns": self.store.counts()}
+    out = {"turns": self.store.counts(), "serving": self.status_line.numbers()}
     for name in ("judge", "trainer"):
       loop = getattr(self, name, None)
       if loop is not None:

@@ -70,6 +70,11 @@ class SimulatedUsers:
         self._log.flush()
     return out
 
+  def finished(self) -> list[dict]:
+    """The conversations so far (a copy, in the order they ended)."""
+    with self._lock:
+      return list(self.results)
+
   def _worker(self, deadline: float) -> None:
     while time.time() < deadline:
       try:
@@ -103,6 +108,9 @@ def _define_flags():  # only when run as a program (the demo imports this module
 
 def main(argv) -> None:
   del argv
+  from areal_jax import cli  # pylint: disable=import-outside-toplevel
+
+  cli.set_up_logging()  # no line per HTTP request
   f = flags.FLAGS
   config = f.config
   users = SimulatedUsers(config, f.base_url, f.log)

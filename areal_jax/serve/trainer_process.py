@@ -23,6 +23,7 @@ same turns after the restart, nothing trained twice).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import signal
@@ -140,13 +141,12 @@ def _main(workdir: str) -> None:
   with open(path, "rb") as f:
     config = pickle.load(f)
 
-  from absl import logging  # pylint: disable=import-outside-toplevel
-
+  from areal_jax import cli  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel  (imports JAX)
   from areal_jax.runtime import meshes, model_source, weight_transfer
   from areal_jax.serve.store import TurnStore  # pylint: disable=import-outside-toplevel
 
-  logging.set_verbosity(logging.INFO)
+  cli.set_up_logging(logging.INFO)  # its versions trained; the libraries at WARNING
   stop = threading.Event()
   store = TurnStore(config.serve.db_path or os.path.join(workdir, "turns.sqlite"))
   learner_mesh, _ = meshes.build(config.mesh)
