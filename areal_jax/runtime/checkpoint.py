@@ -367,10 +367,11 @@ def _quiet_orphaned_reads() -> None:
   """Drops the tracebacks of Orbax's orphaned reads and writes after a failure (kept with
   ``--verbosity=1``).
 
-  When one array of a restore (or save) fails, TensorStore operations still in flight complete
-  later into Orbax's closed event loop, and each prints "Event loop is closed" or "Exception
-  ignored in <coroutine ...>" through ``sys.unraisablehook``: hundreds of lines that bury the one
-  line that matters. Other unraisable exceptions still reach the previous hook.
+  :mod:`orbax_reads` ends the other reads of a failed Orbax call before its event loop closes; what
+  it cannot reach (writes a failed save leaves in Orbax's background threads, an Orbax without its
+  hook) would complete later into a closed loop, each printing "Event loop is closed" or "Exception
+  ignored in <coroutine ...>" through ``sys.unraisablehook``. Other unraisable exceptions still
+  reach the previous hook.
   Process-wide from the first failure on (checkpoint faults end or rewind the run anyway).
   """
   previous = sys.unraisablehook
