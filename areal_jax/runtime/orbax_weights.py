@@ -225,7 +225,7 @@ class OrbaxReceiver:
         cause = e.__cause__
         if cause is not None and str(cause).strip():  # TensorStore's useful line is the cause
           first = str(cause).strip().splitlines()[0]
-        first = orbax_reads.without_spec(first).replace(f"{self.path / str(v)}/", "")
+        first = orbax_reads.without_spec(first).replace(f"{self.path}/", "")  # (named below)
         print(f"warning: weights version {v} under {self.path} is unreadable, skipped "
               f"({first[:240]}); the sampler keeps its current weights", file=sys.stderr, flush=True)
         if orbax_reads.verbose():

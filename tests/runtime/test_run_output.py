@@ -49,6 +49,36 @@ def test_a_failed_orbax_run_cancels_and_awaits_its_other_reads():
   assert asyncio_utils.run_sync(fine()) == 7
 
 
+def test_a_damaged_weights_version_is_one_warning(tmp_path, capfd):
+  """Every data file of the newest version cut short: a rollout worker (or the server's watcher)
+  warns in one line, without TensorStore's spec, and loads the version before it."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from areal_jax.runtime import weight_transfer as wt
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  sharded = NamedSharding(mesh, P("data"))
+  params = {f"layer{i}": {"w": jax.device_put(np.full((8, 64), i, np.float32), sharded)}
+            for i in range(8)}
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded), params)
+  pub, receiver = wt.OrbaxPublisher(tmp_path, keep=3), wt.OrbaxReceiver(tmp_path, target)
+  for v in (1, 2):
+    pub.publish(params, v)
+  for path in glob.glob(str(tmp_path / "2" / "**" / "d" / "*"), recursive=True):
+    os.truncate(path, os.path.getsize(path) // 2)
+  capfd.readouterr()
+  version, _ = receiver.fetch_newer(None)
+  pub.close()
+  receiver.close()
+  assert version == 1
+  out, err = capfd.readouterr()
+  lines = (out + err).strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("warning: weights version 2 under "), lines
+  assert not [n for n in NOISE if n in out + err]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   """A finished 2-step run with checkpoints 1 and 2."""
