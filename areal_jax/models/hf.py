@@ -418,12 +418,23 @@ def save_hf(model: Transformer, tokenizer: Tokenizer | None, path: str | os.Path
   is complete. Returns ``path``.
   """
   _save_dtype(dtype)  # (checked before anything is written)
+  return write_dir_atomically(
+      path, lambda tmp: _write_dir(model, tokenizer, tmp, max_shard_bytes, dtype))
+
+
+def write_dir_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> str:
+  """Calls ``write(tmp)`` on a fresh temporary directory next to ``path``, then renames it to
+  ``path`` (an existing ``path`` is replaced only then); on failure nothing is left. Returns
+  ``path`` (absolute)."""
   path = os.path.abspath(os.fspath(path))
   parent, name = os.path.split(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
   try:
-    _write_dir(model, tokenizer, tmp, max_shard_bytes, dtype)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # as a plain mkdir would (mkdtemp's is private to its user)
+    write(tmp)
     if os.path.exists(path):
       old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
       os.rename(path, os.path.join(old, name))
@@ -437,9 +448,9 @@ def save_hf(model: Transformer, tokenizer: Tokenizer | None, path: str | os.Path
   return path
 
 
-def _write_dir(model: Transformer, tokenizer: Tokenizer | None, out: str, max_bytes: int,
-               dtype: str) -> None:
-  cfg = model.cfg
+def write_configs(cfg: ModelConfig, tokenizer: Tokenizer | None, out: str, dtype: str) -> None:
+  """Writes the tokenizer files, ``config.json`` (weights of ``dtype``) and
+  ``generation_config.json`` of ``cfg`` into the directory ``out``."""
   if tokenizer is not None:
     tokenizer.save(out)
     if tokenizer.eos_token_ids and not cfg.eos_token_ids:
@@ -453,6 +464,11 @@ def _write_dir(model: Transformer, tokenizer: Tokenizer | None, out: str, max_by
     gen = {**tokenizer.generation_config(), **{k: v for k, v in gen.items() if v not in (None, [])}}
   with open(os.path.join(out, "generation_config.json"), "w") as f:
     json.dump(gen, f, indent=2)
+
+
+def _write_dir(model: Transformer, tokenizer: Tokenizer | None, out: str, max_bytes: int,
+               dtype: str) -> None:
+  write_configs(model.cfg, tokenizer, out, dtype)
   groups = _shards(list(model_tensors(model, dtype)), max_bytes)
   if len(groups) == 1:
     write_safetensors(os.path.join(out, "model.safetensors"), dict(groups[0]))
