@@ -17,7 +17,7 @@ from areal_jax import config as config_lib
 from areal_jax import export, models
 from areal_jax.evaluate import restore_adapters, restore_params
 from areal_jax.learner import Learner
-from areal_jax.models import lora
+from areal_jax.models import hf_export, lora
 from areal_jax.runtime.checkpoint import Checkpointer
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "learner"))
@@ -117,6 +117,9 @@ def test_steps_shards_and_dtypes(full_run, tmp_path):
       tmp_path / "one" / "model.safetensors")
   half = models.load(str(tmp_path / "bf16"))[0]
   np.testing.assert_allclose(half.embed[...], policy.embed[...], rtol=1e-2, atol=1e-6)
+  # the default dtype is the model source's: a Hugging Face source declaring bfloat16 exports it
+  assert hf_export.source_dtype("tiny") == "float32"
+  assert hf_export.source_dtype(str(tmp_path / "bf16")) == "bfloat16"
 
 
 def test_lora_run_exports_adapters_and_a_merged_model(tmp_path):
