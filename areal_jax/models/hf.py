@@ -20,6 +20,7 @@ import os
 import shutil
 import struct
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -429,11 +430,9 @@ def write_dir_atomically(path: str | os.PathLike, write: Callable[[str], None]) 
   path = os.path.abspath(os.fspath(path))
   parent, name = os.path.split(path)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+  tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+  os.mkdir(tmp)  # the umask's mode, as the directory will have (mkdtemp's is private to its user)
   try:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # as a plain mkdir would (mkdtemp's is private to its user)
     write(tmp)
     if os.path.exists(path):
       old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
