@@ -102,7 +102,7 @@ def test_evaluate_and_export_name_a_checkpoint_or_setting_they_cannot_use(tmp_pa
   assert f"error: --checkpoint={tmp_path / 'nope'}: no such file or directory" in proc.stderr
   proc = run(["-m", "areal_jax.export", f"--config={TINY}", f"--checkpoint={tmp_path}",
               f"--output={tmp_path / 'peft'}"], tmp_path)
-  assert "error: actor.lora.rank=0: this config trains every weight" in proc.stderr
+  assert f"error: --checkpoint={tmp_path} is neither a run workdir" in proc.stderr  # full-weight
   proc = run(["-m", "areal_jax.export", f"--config={TINY}", "--config.actor.lora.rank=4",
               f"--checkpoint={tmp_path}", f"--output={tmp_path / 'peft'}"], tmp_path)
   assert f"error: --checkpoint={tmp_path} is neither a run workdir" in proc.stderr
