@@ -42,7 +42,8 @@ test: install
 	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 	$(MAKE) test-vllm
 
-# Skip the slow end-to-end tests for a quick local loop.
+# Every test module's fast tests, the slow end-to-end ones skipped, for a quick local loop
+# (tests/test_imports.py imports every module of areal_jax, so each one is touched).
 test-fast: install
 	$(PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
 
