@@ -78,7 +78,7 @@ test-vllm: install-vllm
 
 # The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO, evaluated on held-out problems
 # before and after by the standalone evaluator (about 10 minutes in all on 2 cores:
-# bench/results/demo-2026-11-30-s44).
+# bench/results/demo-2026-11-30-cb08755).
 DEMO := runs/demo
 demo: install
 	test -f $(DEMO)/eval_before.json || \

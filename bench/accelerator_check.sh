@@ -8,9 +8,9 @@
 # is skipped (its log line says so), so one that hangs or fails leaves the others' results.
 # At most 8 files land in $OUT (what one device call brings back; 7 here and the caller's log).
 # JAX_LOG_COMPILES is on and the decode programs' compile times are kept in the log (every program
-# compiled in 1-9 s and the whole script ran in 204 s on an H100: bench/results/h100-2026-11-27-s27).
+# compiled in 1-9 s and the whole script ran in 204 s on an H100: bench/results/h100-2026-11-27-8a1f9a5).
 # In order, most telling first (a step that does not fit the deadline is skipped; the last full run,
-# on an H200: bench/results/h200-2026-11-30-s51):
+# on an H200: bench/results/h200-2026-11-30-c75e3df):
 # 1. SmolLM2-135M shape (64 slots, context 128): bench/sampler.py --decode-only as shipped (on a
 #    GPU: a paged cache, the layers unrolled, decode_matmul 'blas', and the kernel launch the
 #    engine keeps after timing its stages, rollout.decode_tuning: our paged step kernel
@@ -82,7 +82,7 @@ log smollm2-135m attention against the positions read; t=$(limit 45) && timeout 
 # (its figures in the log only) the same SmolLM2 step with XLA's programmatic dependent launch
 # (--xla_gpu_enable_pdl, Hopper and later: a kernel XLA emits waits in its own prologue for the
 # one before it, launched before that one ends). The step is bound by ~8 kernels a layer each
-# waiting for the last, and CUDA graphs did not shorten it (bench/results/h200-2026-11-30-s51), so
+# waiting for the last, and CUDA graphs did not shorten it (bench/results/h200-2026-11-30-c75e3df), so
 # what is left is each kernel's start on the device, which PDL overlaps. Not yet timed on a GPU; a
 # jax without the flag fails at start-up (its error in the log)
 log smollm2 as shipped under XLA_FLAGS=--xla_gpu_enable_pdl=true; t=$(limit 70) && \

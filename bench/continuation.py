@@ -16,7 +16,7 @@ all conversations, and how many prompts were continued or prefilled in full.
 than the conversations need (a continuing turn's row is its prefill bucket's, not ``max_len``).
 Continuing is several times faster than re-prefilling on 2 CPU cores (2.8x at the default sizes,
 Intel Xeon, 2026-11-25); runs at max_len 2048, rows and paged:
-``bench/results/cpu-continuation-2026-11-30-s46``.
+``bench/results/cpu-continuation-2026-11-30-2524015``.
 """
 
 from __future__ import annotations

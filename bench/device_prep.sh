@@ -4,7 +4,7 @@
 #   bash bench/device_prep.sh          (from the repository root; then the command it prints)
 # - .whl/: flax 0.12.12 for Python 3.12. The lock's flax (0.12.8) does not import under jax 0.11.2
 #   (jax.experimental.hijax has no HiPrimitive); 0.12.12 does, and the suite passed under it
-#   (bench/results/cpu-aot-h100-jax0112-2026-11-29-s34).
+#   (bench/results/cpu-aot-h100-jax0112-2026-11-29-4409721).
 # - .old/areal_jax: the code before the decode work (955fbb8^), whose SmolLM2 step is the baseline
 #   the shipped step is compared with.
 # Both are kept out of git (.git/info/exclude) and travel with the device call (its `carry`).

@@ -63,7 +63,7 @@ SWEEP = ("default;writes=1,dot=1;writes=1,dot=1,stages=1;writes=1,dot=1,block_pa
          "bound=1;bound=1,stages=1;bound=1,parts=1;bound=1,parts=4;bound=1,block_pages=2;"
          "bound=1,warps=4;bound=1,stages=1,warps=4;bound=1,stages=1,block_pages=2;warps=4")
 # (ours early: a sweep cut short by its limit keeps it; writes=1,warps=2 is left out: 1.4 ms a
-# layer at pages of 128 on an H200, bench/results/h200-2026-11-30-s48)
+# layer at pages of 128 on an H200, bench/results/h200-2026-11-30-2b4ab86)
 
 
 def tuning(spec: str) -> pallas_attention.PagedTuning:

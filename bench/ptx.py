@@ -6,11 +6,11 @@ launch (``summary``): how many of each memory instruction, barrier and tensor-co
 holds, and their order. Without a GPU this is how a launch's memory behaviour shows: strided reads
 become scalar 16-bit loads (``ld.global.b16``) instead of vector loads or asynchronous copies
 (``cp.async``, Triton's pipelined loops), and whether a loop's loads are issued together or each
-behind a barrier after the product before it (e.g. ``bench/results/cpu-aot-h100-2026-11-30-s49``).
+behind a barrier after the product before it (e.g. ``bench/results/cpu-aot-h100-2026-11-30-762b89e``).
 Also from the dump, XLA's thunk sequence: how the kernel is launched (``geometry``: its grid, a
 block's threads and shared memory) and so, for the target GPU's figures (``gpu``), how many of its
 blocks an SM holds at once and the waves its grid takes (``residency``; e.g.
-``bench/results/cpu-aot-h100-2026-11-30-s50``).
+``bench/results/cpu-aot-h100-2026-11-30-6a4f00c``).
 """
 
 from __future__ import annotations

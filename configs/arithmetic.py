@@ -18,7 +18,7 @@ seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in 
 the same reward applies.
 
 Result of ``make demo`` on a fresh clone (0a5f66c; AMD EPYC, 2 CPU cores, no accelerator;
-2026-11-30; bench/results/demo-2026-11-30-s44): held-out greedy pass@1 on 100 test problems 0.26
+2026-11-30; bench/results/demo-2026-11-30-cb08755): held-out greedy pass@1 on 100 test problems 0.26
 before -> 0.55 at step 8 -> 0.62 after 16 steps; training 470 s, the whole command (install and both
 evaluations included) 10 min 4 s, peak resident memory 15.4 GiB. RL outcomes vary from run to run:
 earlier runs with older code on 2-core machines ended between 0.45 and 0.63.

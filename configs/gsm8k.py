@@ -13,13 +13,13 @@ Memory, planned by compiling the train step on abstract shapes (areal_jax/learne
 `XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/learner.py --plan [--target
 v5e:2x4]`) for micro-batches of 4 rows x 3072 tokens, budget 0.9 x 16 GiB = 14.4 GiB a chip:
   learner  9.37 GiB per v5e chip with the flash attention kernel the train step runs on TPU and
-           GPU (libtpu on a CPU machine: bench/results/plan-flash-2026-11-29-s37; 8k-token
+           GPU (libtpu on a CPU machine: bench/results/plan-flash-2026-11-29-df89801; 8k-token
            sequences, rollout.max_new_tokens=8192, fit at 12.79 GiB). XLA:CPU's plan is higher,
            11.31 GiB (it keeps float32 copies of bfloat16 weights), 49.91 GiB with
            actor.remat="none" and no logits chunking.
   sampler  11.78 of 14.40 GiB at its peak per v5e chip, 64 slots (weights 2.88, KV cache 2.63,
            and a weight swap's bfloat16 copy plus its conversion beside a decode call:
-           bench/results/plan-swap-2026-11-29-s38).
+           bench/results/plan-swap-2026-11-29-fa2fcd9).
 
 Presets:
   :tiny    random tiny model with a byte tokenizer: the full asynchronous loop on CPU (6 steps);
@@ -34,7 +34,7 @@ Presets:
              python launch.py --config=configs/gsm8k.py:qwen7b --workdir=$HOME/runs/gsm8k_7b \
                  --config.model.source=$HOME/models/Qwen2.5-7B-Instruct
            Memory per GPU, by XLA's GPU compiler for 8 H100s on a CPU machine (bench/learner.py
-           --plan --target h100 --devices 8; bench/results/plan-targets-2026-11-29-s35): the
+           --plan --target h100 --devices 8; bench/results/plan-targets-2026-11-29-ba47e60): the
            learner 23.49 GiB for micro-batches of 8 x 3072 tokens (params 3.55, AdamW state 7.09,
            gradient sums 3.55) beside the sampler's 15.50 GiB (bf16 weights 14.19, KV cache of 16
            slots x 1536 positions), within 0.9 of the ~60 GiB JAX's allocator takes of an 80 GB
@@ -49,9 +49,9 @@ Presets:
            rollout.max_new_tokens: traces often exceed 1024 tokens and would be cut, scoring 0).
            At 16k (rollout.max_new_tokens=16384) add actor.scan_layers=False: planned for v5e
            chips, the learner then needs 12.46 GiB per chip (the scan keeps more;
-           bench/results/plan-flash-2026-11-29-s37) and the sampler keeps 4 slots a chip (a group;
+           bench/results/plan-flash-2026-11-29-df89801) and the sampler keeps 4 slots a chip (a group;
            1.8 GiB of KV cache each), 14.14 of 14.40 GiB with its weight swaps paused
-           (rollout.weight_swap "auto"; bench/results/plan-swap-2026-11-29-s38). Not run.
+           (rollout.weight_swap "auto"; bench/results/plan-swap-2026-11-29-fa2fcd9). Not run.
   :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
              and MLP projection, thinking off as in :qwen3.
@@ -65,9 +65,9 @@ Presets:
            16 GiB TPU v5e chip (bench/learner.py --plan --target v5e:2x4 | h100 --devices 1): the
            learner needs 4.49 GiB with flash attention for its micro-batch of 1 x 3072 tokens,
            layers unrolled (9.57 GiB under one scan, which copies the stacked weights;
-           bench/results/plan-colocated-2026-11-29-s36, plan-flash-2026-11-29-s37); the sampler
+           bench/results/plan-colocated-2026-11-29-9363e34, plan-flash-2026-11-29-df89801); the sampler
            peaks at 6.93 GiB during a weight swap (it lets go of its old version first; the adapters
-           are merged into the new copy in one program: bench/results/plan-swap-2026-11-29-s38).
+           are merged into the new copy in one program: bench/results/plan-swap-2026-11-29-fa2fcd9).
            Not run on an accelerator.
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
 """

@@ -33,7 +33,7 @@ autotunes its Triton GEMMs against the vendor library's per program at compile t
 heuristics pick each GEMM's algorithm). ``"blas"`` is the GPU default, for compile time: XLA's
 autotuning of one decode program at the Qwen2.5-1.5B shape takes minutes (on an H200, jax 0.11.2),
 ``"blas"`` compiles it in seconds and ran that shape's step as fast (5.08 against 5.10 ms on an
-H100, ``bench/results/h100-2026-11-27-s27``; XLA's GEMMs were faster at the SmolLM2 shape). So
+H100, ``bench/results/h100-2026-11-27-8a1f9a5``; XLA's GEMMs were faster at the SmolLM2 shape). So
 where ``"blas"`` is the default, a GPU engine also times XLA's GEMMs for its decode program before
 its first decode (``launch_stages``, ``Launch.matmul``).
 
@@ -47,7 +47,7 @@ copies each layer's slice of the stacked weights and its keys and values into bu
 every layer of every step (5.4 GB a step at the Qwen2.5-1.5B shape, compiled for an H100, against
 0.6 MB unrolled: ``bench/results/cpu-aot-h100-2026-11-27``), and XLA:TPU relays them out the same
 way (5.2 GB against 0.3 GB for a TPU v5e: ``bench/results/cpu-aot-tpu-v5e-2026-11-27``); the
-unrolled step also ran faster on an H100 (``bench/results/h100-2026-11-27-s27``). A TPU's
+unrolled step also ran faster on an H100 (``bench/results/h100-2026-11-27-8a1f9a5``). A TPU's
 per-layer cache is held positions first and written by one scatter a layer
 (``heads_major_per_layer``, ``scatter_cache_writes``). The price of unrolling: the decode
 program's compile time grows with depth (~0.1 s a layer for an H100, ~0.25 s for a TPU v5e, where
@@ -64,7 +64,7 @@ compiler merges sibling matmuls that share an input (its ``DotMerger`` pass, ope
 ``--xla_gpu_dot_merger_threshold_mb``, 32 MB by default) into one against a concatenation of
 their weights made inside the program, so each execution copies those weights (~1.7 GB a step at
 the Qwen2.5-1.5B shape next to the 5 GB it must read; separate 6.47 against fused 5.05 ms a step
-on an H100, ``bench/results/h100-2026-11-27-s27``). Weights fused once per version leave nothing
+on an H100, ``bench/results/h100-2026-11-27-8a1f9a5``). Weights fused once per version leave nothing
 to merge. XLA:CPU does not merge them and the two layouts measured the same there, so the CPU
 keeps the model's.
 
@@ -95,7 +95,7 @@ cannot run Pallas's Triton kernels, ``triton_unusable``: rows and ``"dense"``); 
 ``"dense"``, ``"xla"`` matmuls and the layers unrolled. The Pallas kernel reads the pages in place
 at any kv bound and each row only up to its own length, where the dense read reads every row up to
 the bucket above the furthest slot, and at some bounds XLA pads each layer's cache for cuBLAS by a
-copy every step (``bench/results/h100-2026-11-27-s27``).
+copy every step (``bench/results/h100-2026-11-27-8a1f9a5``).
 
 Causal attention of whole rows (``CAUSAL``, ``causal_attention``): a training step's over packed
 rows and a prefill's. ``"auto"``: on GPU and TPU the flash kernels JAX ships (``"pallas_gpu"``,
@@ -103,7 +103,7 @@ rows and a prefill's. ``"auto"``: on GPU and TPU the flash kernels JAX ships (``
 TPUs before v4, or head sizes Mosaic refuses: ``mosaic_unusable``) ``"dense"``, the model's masked
 form. Chosen for memory, not speed: compiled for TPU v5e chips, the default recipe's train step
 with 16k new tokens needs 29.66 GiB a chip with the dense form against 16.85 GiB with the kernel
-(``bench/results/plan-flash-2026-11-29-s37``); their run time on an accelerator is not measured
+(``bench/results/plan-flash-2026-11-29-df89801``); their run time on an accelerator is not measured
 yet. ``actor.attention`` and ``rollout.prefill_attention`` request one
 (``$AREAL_JAX_CAUSAL_ATTENTION`` where they say auto); the platform is that of the program being
 traced (``platform_here``: the mesh in use).
@@ -254,7 +254,7 @@ def kv_pages(platform: str, requested: int, attention_requested: str, slots_spli
   kernel, ``attention``) or is that kernel, the slots are not split over devices (a paged cache
   is not: ``sampler.pages.check``) and a page is a multiple of 16 positions (the kernel's block):
   the kernel over pages ran a Qwen2.5-1.5B-shape step in 3.99 ms on an H100 against the dense
-  read over rows' 4.97 ms (``bench/results/h100-2026-11-27-s27``; over rows the kernel ran as the
+  read over rows' 4.97 ms (``bench/results/h100-2026-11-27-8a1f9a5``; over rows the kernel ran as the
   dense read, and the dense read over pages slower). The pool is a row's memory per slot and a
   page more: with that page a slot never waits for pages (``sampler.paging``'s page of headroom
   per live sample, at most a row's pages each), so the service admits whenever a cache of rows
@@ -428,25 +428,25 @@ def launch_stages(platform: str, requested: str, *, paged_pallas: bool, one_devi
   1. our paged step kernel (``writes``, where the engine's decode attention is ``pallas_gpu`` over
      pages, ``paged_pallas``, at a shape it takes), and it with its scores and output as
      tensor-core dots (``dot``, where ``pallas_paged_step.dot_usable``; on an H200 the engine kept
-     ``writes=1,dot=1`` at both decode shapes, ``bench/results/h200-2026-11-30-s48``), then the
+     ``writes=1,dot=1`` at both decode shapes, ``bench/results/h200-2026-11-30-2b4ab86``), then the
      last of those with Triton's loop unpipelined (``stages=1``, which made JAX's kernel faster
      there), reading two pages a step of its loop (``block_pages``: their loads issued together,
      for rows of a few pages whose attention is bound by the latency of one page's loads after
      another), and in 4 warps a program (``warps``: kept at the Qwen2.5-1.5B shape on an H200,
-     ``bench/results/h200-2026-11-30-s51``);
+     ``bench/results/h200-2026-11-30-c75e3df``);
   2. the fused norms (``norms``: an engine over one device, ``norm_dims`` the ``(inputs,
      outputs)`` of the matmuls after its norms, one of which the kernel takes), with programs of
      16 output columns and with its default's (slower than the launch before them on an H200, never
-     kept there: ``bench/results/h200-2026-11-30-s51``);
+     kept there: ``bench/results/h200-2026-11-30-c75e3df``);
   3. the decode call's loop in CUDA graphs (``graphs_to_time``);
   4. where the engine's decode matmuls are the vendor library's (``blas``), the same with XLA's
      autotuning picking each GEMM's algorithm (``autotune``: with ``blas`` XLA takes the
      library's heuristics' first, which read some of the 1.5B shape's weights well below the
-     device's bandwidth on an H200, ``bench/results/h200-2026-11-30-s51``), and XLA's own GEMMs,
+     device's bandwidth on an H200, ``bench/results/h200-2026-11-30-c75e3df``), and XLA's own GEMMs,
      autotuned, for the decode program (``matmul="xla"``), where the engine's are ``"blas"`` by
      default (``matmul_open``: neither ``rollout.decode_matmul`` nor ``$AREAL_JAX_DECODE_MATMUL``
      names them; faster than ``"blas"`` at the SmolLM2 shape on an H100,
-     ``bench/results/h100-2026-11-27-s27``). Last, as their compiles autotune (minutes a program
+     ``bench/results/h100-2026-11-27-8a1f9a5``). Last, as their compiles autotune (minutes a program
      at the 1.5B shape): the stages before them are timed whatever it costs.
 
   1 and 2 need Triton (``no_triton``: why not). ``"off"``, CPU and TPU: none."""
@@ -500,9 +500,9 @@ def graphs_to_time(kept: Launch) -> list[Launch]:
   step's outputs at a slice that depends on the step, which XLA takes in a graph only unrolled
   (``"unrolled"``; and CUDA 12.9+ for that slice's child commands); ``"while"`` is timed too, as
   other XLA versions may differ. On an H200 neither changed the step
-  (``bench/results/h200-2026-11-30-s48``: its kernels were already in XLA's command buffers, one
+  (``bench/results/h200-2026-11-30-2b4ab86``: its kernels were already in XLA's command buffers, one
   graph launch a step); a compile without a GPU cannot show it (XLA sees no driver and drops these
-  command types: ``bench/results/cpu-aot-h100-graphs-2026-11-30-s42``)."""
+  command types: ``bench/results/cpu-aot-h100-graphs-2026-11-30-d291485``)."""
   if kept.graphs:
     return [kept]
   return [kept] + [dataclasses.replace(kept, graphs=g) for g in GRAPHS[1:]]
@@ -516,7 +516,7 @@ def truncation_on_host(platform: str) -> bool:
   it, so every step of a multi-step call the host waited for the device to finish the step's
   forward before it launched the rest and the next step, the device idle meanwhile (the only such
   wait in the step: the loop over the steps has a known trip count; in an H100's profile the
-  device sat idle at each step's start, ``bench/results/cpu-aot-h100-2026-11-29-s33``). A TPU
+  device sat idle at each step's start, ``bench/results/cpu-aot-h100-2026-11-29-220bbd8``). A TPU
   runs its conditionals on the device and a CPU's are the host's anyway: both keep one program
   (the second would cost its compile time). ``$AREAL_JAX_TRUNCATION_ON_HOST`` (``1`` / ``0``) forces
   it; read when an engine is built."""

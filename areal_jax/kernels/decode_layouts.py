@@ -99,7 +99,7 @@ def query_rows(cache_dtype) -> int:
   padding rows, is smaller than the copy it replaces. Not with XLA's own (Triton) GEMMs, which
   take the group as it is (there the padding adds launches), nor on TPU (compiled for a v5e chip
   it copied more a step than unpadded) or CPU. On an H100 the padded step ran within the noise of
-  the unpadded one (``bench/results/h100-2026-11-27-s27``).
+  the unpadded one (``bench/results/h100-2026-11-27-8a1f9a5``).
   ``$AREAL_JAX_DECODE_QUERY_ROWS`` forces the multiple (1: no padding), read when a program is
   traced (set it before the process builds its engines: compiled programs are shared by engines of
   one configuration)."""

@@ -88,7 +88,7 @@ class PagedTuning:
   pages a step of its loop reads); ``dot``: that kernel
   computes a page's scores and output with tensor-core dots over its queries padded to 16 rows
   in registers, where ``pallas_paged_step.dot_usable`` (else products summed per query). The
-  defaults are what ``bench/results/h100-2026-11-27-s27`` measured; ``bench/paged_kernel.py``
+  defaults are what ``bench/results/h100-2026-11-27-8a1f9a5`` measured; ``bench/paged_kernel.py``
   times the others."""
 
   block_pages: int = 1

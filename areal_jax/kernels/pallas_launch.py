@@ -23,7 +23,7 @@ NORM_MATMUL_ENV = "AREAL_JAX_DECODE_NORM_MATMUL"
 def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
   """How the Pallas GPU paged-attention kernel is launched (``pallas_attention.PagedTuning``): its
   defaults (1 page a block; on an H100 the kernel read a layer's keys and values at the
-  Qwen2.5-1.5B shape at ~55% of the read probe's bandwidth, ``bench/results/h100-2026-11-27-s27``),
+  Qwen2.5-1.5B shape at ~55% of the read probe's bandwidth, ``bench/results/h100-2026-11-27-8a1f9a5``),
   or the fields asked for (``bench/paged_kernel.py`` times them). ``writes=1`` runs a paged decode
   step's cache writes and attention as one kernel of our own instead (``pallas_paged_step``: 8
   kernels a layer against 13 at the SmolLM2 shape); not the default: an engine times it against
@@ -90,7 +90,7 @@ def norm_matmuls(platform: str, one_device: bool, spec: str | None = None,
   SwiGLU as another; 3 kernels a layer fewer), or None: as written (a norm kernel, a GEMM, a
   SwiGLU kernel). Off unless asked: an engine times it before it decodes
   (``choice.launch_stages``; slower than cuBLAS's GEMMs on an H200,
-  ``bench/results/h200-2026-11-30-s48``). ``$AREAL_JAX_DECODE_NORM_MATMUL`` (``spec``: the same
+  ``bench/results/h200-2026-11-30-2b4ab86``). ``$AREAL_JAX_DECODE_NORM_MATMUL`` (``spec``: the same
   syntax instead): ``1``, or the launch's fields (``block_n=32,warps=8,stages=3``); ``0`` or
   unset: off. Taken on a GPU, and on a CPU in Pallas interpret mode (tests), by an engine over one
   device (the kernel is not split over a mesh); read when an engine is built. Asked on GPUs that

@@ -2,10 +2,10 @@
 for a decode step's few rows.
 
 Why: a decode step of a small model is bound by its kernel count, not by memory (the SmolLM2
-shape on an H100, ``bench/results/h100-2026-11-27-s27``). Compiled for an H100, a layer of the
+shape on an H100, ``bench/results/h100-2026-11-27-8a1f9a5``). Compiled for an H100, a layer of the
 GPU's decode step runs each RMSNorm as a kernel of its own before a vendor GEMM (cuBLAS takes no
 fused prologue), and ``silu(gate) * up`` as one more after the gate/up GEMM
-(``bench/results/cpu-aot-h100-2026-11-28-s29``). Here the norm before the q/k/v projection is one
+(``bench/results/cpu-aot-h100-2026-11-28-9cfc94d``). Here the norm before the q/k/v projection is one
 kernel with it, and the norm, the gate/up projection and SwiGLU are one: 3 kernels a layer fewer.
 
 The kernel (grid: one program per block of ``block_n`` output columns and of up to ``BLOCK_ROWS``

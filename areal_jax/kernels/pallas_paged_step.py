@@ -5,7 +5,7 @@ Why a kernel of our own: JAX's paged kernel (``pallas_attention.paged``) needs i
 padded to 16 rows (an XLA fusion before it) and splits each sequence into parts combined after it
 (a fusion after it), and the cache's two writes are scatters of their own; at the SmolLM2 shape
 on an H100 a layer was 13 kernels, 5 of them these, and the step was bound by its kernel count,
-not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
+not by memory (``bench/results/h100-2026-11-27-8a1f9a5``). Here they are one kernel:
 
   * the query heads of a K/V head are read one by one (``G`` rows of ``D``): no padding, since the
     scores are elementwise products summed over ``D`` (no ``tl.dot``, whose rows must be >= 16);
@@ -23,12 +23,12 @@ not by memory (``bench/results/h100-2026-11-27-s27``). Here they are one kernel:
     (``combine``); the automatic choice (``auto_parts``) keeps one part up to 16 pages of the
     kv bound (every shape ``bench`` times so far), then parts of at most 16 pages, at most 16;
     on an H200 one part was the fastest at both decode shapes ``bench`` times (2 and 4 parts
-    13-30% slower with dots: ``bench/results/h200-2026-11-30-s48``); long rows: not measured on
+    13-30% slower with dots: ``bench/results/h200-2026-11-30-2b4ab86``); long rows: not measured on
     a GPU yet;
   * a program's loop reads ``block_pages`` pages a step (1 by default): a block's loads are
     independent of its scores, so Triton's pipelined loop issues them together (a row of up to
     that many pages in one round trip; the PTX of an H100 compile,
-    ``bench/results/cpu-aot-h100-2026-11-30-s49``); a block's pages past the row's (or the
+    ``bench/results/cpu-aot-h100-2026-11-30-762b89e``); a block's pages past the row's (or the
     part's) last are its first again, every position masked;
   * the new key and value are stored into the pool (aliased in place) and counted into the softmax
     from registers: the program uses no position it writes (its page is read whole, that position

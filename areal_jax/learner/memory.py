@@ -206,7 +206,7 @@ def _layers_advice(mesh) -> str:
   """Which ``actor.scan_layers`` keeps less on ``mesh``'s platform: XLA:CPU rematerialises only
   under the scan; libtpu, compiling for a v5e chip, kept less with the layers unrolled (the
   default recipe at rows of 24576: 11.36 GiB unrolled, 16.85 scanned;
-  bench/results/plan-flash-2026-11-29-s37)."""
+  bench/results/plan-flash-2026-11-29-df89801)."""
   if mesh.devices.flat[0].platform == "cpu":
     return "actor.scan_layers=True (XLA:CPU rematerialises only under the scan)"
   return "actor.scan_layers=False (the scan keeps more: a stacked copy of the weights)"

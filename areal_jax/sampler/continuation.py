@@ -50,7 +50,7 @@ MIN_CHUNK = 16
 # the row's positions, where a prefill's causal kernel holds a block at a time. Compiled for an
 # H100 or a TPU v5e at the Qwen2.5-1.5B shape, a chunk of 256 over a long row held less than the
 # prefill of that row and chunks of 1024 or more held more
-# (bench/results/cpu-aot-h100-continuation-2026-11-30-s46): longer chunks run as pieces of this
+# (bench/results/cpu-aot-h100-continuation-2026-11-30-8d1472a): longer chunks run as pieces of this
 # many.
 MAX_PIECE = 256
 

@@ -6,7 +6,7 @@ matmul after it, ``norms``) or the host's launches off each call (the call's loo
 CUDA graphs, ``graphs``), or run its matmuls otherwise (XLA's own autotuned GEMMs instead of the
 vendor library's, ``matmul``; ``kernels.choice.launch_stages``), but whether a step runs faster
 with them turns on the GPU, the model's shape and the library versions (on one H200 a launch was
-kept at one decode shape and not at the other, ``bench/results/h200-2026-11-30-s51``). So the
+kept at one decode shape and not at the other, ``bench/results/h200-2026-11-30-c75e3df``). So the
 engine measures them where it runs, once, before its first decode call, stage by stage (the paged
 step kernel, the norms, the graphs, the matmuls, each on what the stages before it kept): ``tune``
 compiles the widest decode program (every slot, the kv bucket of half the positions) under each
