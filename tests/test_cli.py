@@ -79,6 +79,7 @@ def run(args, cwd):
   return proc
 
 
+@pytest.mark.slow
 def test_launch_names_task_data_or_a_workdir_it_cannot_use(tmp_path):
   """A train path that is not there, then a file with a broken line: the path (and line) in one
   message, before anything is trained; a --workdir that is a file."""
@@ -96,6 +97,7 @@ def test_launch_names_task_data_or_a_workdir_it_cannot_use(tmp_path):
   assert f"error: --workdir={bad} is a file, not a directory" in proc.stderr
 
 
+@pytest.mark.slow
 def test_evaluate_and_export_name_a_checkpoint_or_setting_they_cannot_use(tmp_path):
   proc = run(["-m", "areal_jax.evaluate", f"--config={TINY}",
               f"--checkpoint={tmp_path / 'nope'}"], tmp_path)

@@ -116,6 +116,7 @@ def test_hf_dir_and_bad_paths(tmp_path):
 
 # ---- restoring parameters --------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_restore_params_reads_the_learner_state_params(tmp_path):
   saved = save_run_checkpoint(tmp_path, 4, shift=0.5)
   model, _ = models.load("tiny", seed=123)  # different initial weights: all must be replaced
@@ -183,6 +184,7 @@ def test_records_agree_with_the_accuracies():
 
 # ---- whole evaluations -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_evaluates_a_hugging_face_dir(tmp_path):
   model, tokenizer = models.load("tiny", seed=7)
   models.save_hf(model, tokenizer, str(tmp_path / "hf"))
@@ -207,6 +209,7 @@ def test_cli_rejects_a_misspelt_key(tmp_path):
   assert proc.returncode != 0 and "eval_size" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_says_a_model_that_is_not_there_in_one_line(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "areal_jax.evaluate", f"--config={TINY}",
@@ -217,6 +220,7 @@ def test_cli_says_a_model_that_is_not_there_in_one_line(tmp_path):
   assert f"error: model source '{tmp_path / 'missing'}': no such directory" in proc.stderr
 
 
+@pytest.mark.slow
 def test_run_checkpoint_through_the_python_api(tmp_path):
   save_run_checkpoint(tmp_path / "run", 2)
   c = tiny_config(**{"train.eval_samples": 2})
@@ -230,6 +234,7 @@ def test_run_checkpoint_through_the_python_api(tmp_path):
   assert json.loads(out.read_text()) == results
 
 
+@pytest.mark.slow
 def test_no_checkpoint_evaluates_the_config_model(tmp_path, capsys):
   c = tiny_config(**{"train.eval_size": 2})
   results = ev.evaluate(c, "", config_name="tiny", output=str(tmp_path / "r.json"))

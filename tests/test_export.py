@@ -71,6 +71,7 @@ def full_run(tmp_path_factory):
   return base / "fsdp", base / "single"
 
 
+@pytest.mark.slow
 def test_full_weight_run_exports_a_model_transformers_and_model_source_load(full_run, tmp_path):
   workdir, single = full_run
   paths = export.export(run_config(), str(workdir), str(tmp_path / "hf"))
@@ -122,6 +123,7 @@ def test_steps_shards_and_dtypes(full_run, tmp_path):
   assert hf_export.source_dtype(str(tmp_path / "bf16")) == "bfloat16"
 
 
+@pytest.mark.slow
 def test_lora_run_exports_adapters_and_a_merged_model(tmp_path):
   opts = actor(lr=1e-2)
   opts.lora.rank, opts.lora.alpha, opts.lora.targets = 4, 8.0, LORA["actor.lora.targets"]
@@ -160,6 +162,7 @@ def test_what_cannot_be_exported_is_named(full_run, tmp_path):
   assert export.parse_size("5GB") == 5 * 10**9 and export.parse_size("2GiB") == 2 << 30
 
 
+@pytest.mark.slow
 def test_the_command_line_exports_and_names_a_missing_step(full_run, tmp_path):
   workdir, _ = full_run
   cmd = [sys.executable, "-m", "areal_jax.export", f"--config={TINY}", f"--checkpoint={workdir}",

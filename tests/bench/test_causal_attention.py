@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import causal_attention  # noqa: E402
@@ -23,6 +24,7 @@ def _run(tmp_path, monkeypatch, *extra):
   return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_the_kernel_matches_the_dense_form_in_both_passes(tmp_path, monkeypatch):
   rows = _run(tmp_path, monkeypatch)["rows"]
   assert [(r["length"], r["rows"], r["pass"], r["impl"]) for r in rows] == [

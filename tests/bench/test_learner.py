@@ -7,6 +7,7 @@ import sys
 import types
 
 import jax
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import learner as bench_learner  # noqa: E402
@@ -19,6 +20,7 @@ from areal_jax.runtime import engines  # noqa: E402
 from areal_jax.sampler import memory  # noqa: E402
 
 
+@pytest.mark.slow
 def test_sampler_resident_is_what_the_engine_plans_per_device():
   from flax import nnx
   cfg = ModelConfig(vocab_size=384, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import paged_kernel  # noqa: E402
@@ -22,6 +23,7 @@ def _run(tmp_path, monkeypatch, tunings):
   return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_every_launch_reads_the_defaults_attention(tmp_path, monkeypatch):
   result = _run(tmp_path, monkeypatch,
                 "default;bound=1,parts=3,block_pages=2;warps=4,stages=1;writes=1,warps=2")

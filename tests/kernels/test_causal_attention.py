@@ -68,6 +68,7 @@ def test_kernels_match_the_reference_on_packed_and_plain_rows(impl):
 
 
 @pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.slow
 def test_kernel_gradients_match_the_dense_form(impl):
   """The kernels' backward passes (JAX's own, the TPU one in interpret mode too) give the dense
   form's gradients of a loss over the real positions, for queries, keys and values."""

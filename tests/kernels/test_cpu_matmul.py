@@ -84,6 +84,7 @@ def _greedy_and_logprobs(eng, prompt, steps=12):
 
 
 @pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.slow
 def test_engine_packs_on_one_cpu_device_with_the_same_samples(tie):
   model = Transformer(dataclasses.replace(TINY, tie_embeddings=tie), nnx.Rngs(1))
   config = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,))

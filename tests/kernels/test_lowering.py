@@ -97,6 +97,7 @@ def test_interpret_mode_outside_lowering_for():
 @pytest.mark.parametrize("mesh", [{}, {"data": 2, "tensor": 2}])
 @pytest.mark.parametrize("paged,layers", [(False, "scan"), (True, "scan"), (True, "unrolled")])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.slow
 def test_an_engine_decode_program_lowers_with_the_compiled_kernel(platform, paged, layers, mesh):
   """A sampler engine configured as on the platform (bfloat16, fused projections, 16 steps per
   call, its Pallas kernel; a row cache with the layers in a scan, or a paged one with them in a

@@ -44,6 +44,7 @@ def _reference(q, k_new, v_new, pools, layer, table, page, offset, pos, dtype):
     (3, jnp.float32, 1, 0, 1), (1, jnp.float32, 0, 0, 1), (4, jnp.bfloat16, 1, 0, 1),
     (3, jnp.float32, 1, 2, 1), (3, jnp.float32, 0, 3, 1), (4, jnp.bfloat16, 1, 4, 1),
     (3, jnp.float32, 1, 0, 3), (2, jnp.float32, 0, 0, 4), (3, jnp.float32, 1, 2, 2)])
+@pytest.mark.slow
 def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer, parts, block):
   """Positions 0 (the new one alone), inside a page, at a page's start and end, the last page; the
   last row writes nothing (its key and value go to the trash page, which no read uses). Read in
@@ -74,6 +75,7 @@ def test_the_step_writes_then_attends_as_numpy_does(g, dtype, layer, parts, bloc
                                                       (4, jnp.bfloat16, 0, True, 1),
                                                       (3, jnp.float32, 0, True, 3),
                                                       (4, jnp.bfloat16, 2, False, 2)])
+@pytest.mark.slow
 def test_the_dot_form_attends_as_numpy_does(g, dtype, parts, rope, block):
   """``dot=1``: a page's scores and output as dots over the queries padded to 16 rows (pages of
   16, heads of 32: the least it takes), in one part or in parts, the rope the kernel's or not,

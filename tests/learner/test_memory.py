@@ -60,6 +60,7 @@ def test_the_planned_shape_holds_every_micro_batch_the_packer_makes():
       assert layout.row_len <= row_len, (mbt, lengths)
 
 
+@pytest.mark.slow
 def test_planner_keeps_lowers_or_stops():
   learner = small_learner()
   roomy = memory.plan(learner, None)
@@ -85,6 +86,7 @@ def test_planner_keeps_lowers_or_stops():
     assert key in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_micro_batch_the_compiler_refuses_is_halved(monkeypatch):
   """A TPU's compiler refuses a train step that does not fit the chip (libtpu raises
   RESOURCE_EXHAUSTED at compile time): the plan takes it as not fitting and tries the next
@@ -107,6 +109,7 @@ def test_a_micro_batch_the_compiler_refuses_is_halved(monkeypatch):
   assert refused and p.fits and p.micro_rows * p.row_len <= 1024 < 4096
 
 
+@pytest.mark.slow
 def test_lora_plan_counts_the_frozen_base_and_adapter_state_only():
   full = memory.plan(small_learner(), None).parts
   # the same shapes with rank-4 adapters on every projection
@@ -121,6 +124,7 @@ def test_lora_plan_counts_the_frozen_base_and_adapter_state_only():
   assert lora["peak"] >= lora["frozen"] + lora["params"] + lora["opt"] + lora["grads"]
 
 
+@pytest.mark.slow
 def test_a_published_versions_cast_is_planned_beside_what_the_learner_keeps():
   """A run casts each published version to the sampler's compute dtype on the learner's devices
   (runtime.weight_transfer.version_caster) between steps: the gradients are gone then, the cast

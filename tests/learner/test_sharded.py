@@ -15,6 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from learner_helpers import actor, assert_trees_close, batch, mesh, model  # noqa: E402
 
 
+@pytest.mark.slow
 def test_sharded_8_devices_equals_1_and_non_finite_guard():
   groups, rewards = batch(1, groups=4, n=4)
   opts = actor(ppo_n_minibatches=2, seq_level_ratio=True, behav_imp_weight_level="sequence")
@@ -45,6 +46,7 @@ def test_sharded_8_devices_equals_1_and_non_finite_guard():
   assert eight.version == 2
 
 
+@pytest.mark.slow
 def test_flash_attention_on_8_devices_trains_as_the_dense_attention(monkeypatch):
   """``actor.attention``: the Pallas GPU flash kernel (interpret mode on these CPU devices, under
   ``shard_map`` over data, FSDP and tensor axes, the layers rematerialised) trains a step as the

@@ -38,6 +38,7 @@ def test_advantage_sign_moves_logprob():
   assert learner.version == 1
 
 
+@pytest.mark.slow
 def test_packed_equals_padded_and_accumulated_equals_full():
   """Same gradient and metrics whether packed or one sequence per row, one micro-batch or many.
 
@@ -104,6 +105,7 @@ def plain_gradients():
 
 @pytest.mark.parametrize("remat,scan,chunk", [("full", True, 16), ("dots", False, 0),
                                               ("offload", True, 0), ("none", True, 7)])
+@pytest.mark.slow
 def test_remat_scan_and_chunked_head_change_no_gradient(plain_gradients, remat, scan, chunk):
   """Rematerialisation, the scanned layers and the chunked LM head compute the same step."""
   groups, rewards = batch(0)

@@ -22,6 +22,7 @@ def _params(model):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("impl", ["xla", "dense", "pallas_gpu"])
+@pytest.mark.slow
 def test_scanned_extend_equals_unrolled(arch, impl):
   """Prefill then three decode steps (slots at different positions, a cache with spare rows):
   logits and every cache entry equal the unrolled model's."""

@@ -113,6 +113,7 @@ def test_tokenizer_matches_transformers_gguf_conversion(smollm2_file, smollm2_to
     assert theirs.encode(text, add_special_tokens=False) == smollm2_tokenizer.encode(text), text
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_answers_capital_of_france(smollm2_file):
   model, tok = models.load("smollm2")
   cfg = model.cfg

@@ -90,6 +90,7 @@ def test_side_path_equals_merged_forward_and_fresh_adapters_change_nothing():
   assert not np.allclose(run(lora.wrap(params, ad, drop, jax.random.key(3))), side, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_peft_loads_our_adapters_with_the_same_logits(hf_checkpoint, torch_logits, tmp_path):
   peft = pytest.importorskip("peft")
   arch, path, torch_model = hf_checkpoint

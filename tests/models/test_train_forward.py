@@ -17,6 +17,7 @@ def _tokens(b, l, seed=0):
 
 @pytest.mark.parametrize("remat,scan", [("none", True), ("full", True), ("dots", False),
                                         ("offload", True)])
+@pytest.mark.slow
 def test_hidden_with_remat_and_scan_equals_the_forward(remat, scan):
   """``hidden`` + the LM head is ``model(...)``, values and parameter gradients, whatever the
   rematerialisation policy and whether the layers run under a scan; the parameters stay a list
@@ -51,6 +52,7 @@ def test_hidden_with_remat_and_scan_equals_the_forward(remat, scan):
 
 @pytest.mark.parametrize("impl,scan", [("pallas_gpu", False), ("pallas_gpu", True),
                                        ("pallas_tpu", False)])
+@pytest.mark.slow
 def test_flash_attention_trains_what_the_dense_attention_trains(impl, scan):
   """``attention``: the flash kernels (Pallas interpret mode on CPU) over packed rows give the
   dense form's loss and parameter gradients (the loss over real tokens: padding's outputs differ

@@ -36,6 +36,7 @@ def _tokens(b, l, seed=0):
 
 
 @pytest.mark.parametrize("causal_block", [64, 4], ids=["dense", "blocked"])
+@pytest.mark.slow
 def test_full_forward_matches_transformers(hf_checkpoint, torch_logits, causal_block, monkeypatch):
   monkeypatch.setattr(transformer, "CAUSAL_BLOCK", causal_block)
   jax.clear_caches()  # the block size is fixed at trace time
@@ -51,6 +52,7 @@ def test_full_forward_matches_transformers(hf_checkpoint, torch_logits, causal_b
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.slow
 def test_prefill_and_decode_match_transformers(hf_checkpoint, torch_logits, layout):
   _, path, torch_model = hf_checkpoint
   model, _ = hf.load_hf(path)
@@ -69,6 +71,7 @@ def test_prefill_and_decode_match_transformers(hf_checkpoint, torch_logits, layo
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.slow
 def test_extend_rows_at_different_positions(hf_checkpoint, torch_logits, layout):
   _, path, torch_model = hf_checkpoint
   model, _ = hf.load_hf(path)
@@ -86,6 +89,7 @@ def test_extend_rows_at_different_positions(hf_checkpoint, torch_logits, layout)
                              atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_heads_major_cache_holds_the_same_keys_and_values(hf_checkpoint):
   """Extending the first rows of a bigger cache (a decode call narrower than the slots: a scatter)
   and all of it (a per-row update), the heads-major cache ends up the positions-first one with
@@ -139,6 +143,7 @@ def test_rope_tables_are_the_exact_cosines_and_sines():
 
 
 @pytest.mark.parametrize("max_blocks", [16, 2], ids=["blocks-of-4", "at-most-2-blocks"])
+@pytest.mark.slow
 def test_causal_attention_equals_dense_attention(max_blocks, monkeypatch):
   """Blocked causal attention (blocks of 4, a ragged last block; or capped at 2 blocks, of 8) =
   the dense form, values and gradients, on every position that attends to something (packed
@@ -212,6 +217,7 @@ def test_packed_segments_equal_separate_forwards(hf_checkpoint):
 
 
 @pytest.mark.parametrize("layout", [{"fsdp": 8}, {"fsdp": 2, "tensor": 4}], ids=["fsdp", "tensor"])
+@pytest.mark.slow
 def test_sharded_forward_matches_single_device(hf_checkpoint, layout):
   arch, path, torch_model = hf_checkpoint
   if arch == "llama" or torch_model.config.tie_word_embeddings:
@@ -251,6 +257,7 @@ def test_linear_gradients_equal_autodiff(transpose_w):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_model_gradient_equals_plain_autodiff(monkeypatch):
   """A whole model's parameter gradient with ``linear``'s backward equals plain autodiff's."""
   cfg = transformer.ModelConfig(vocab_size=VOCAB, qkv_bias=True)
@@ -301,6 +308,7 @@ def test_vocab_major_logits_are_the_same_logits(tied):
 
 @pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen2", {"qkv_bias": True}),
                                         ("qwen3", {"qk_norm": True})])
+@pytest.mark.slow
 def test_fused_projections_are_the_same_model(arch, extra):
   """``fuse_projections``' layout in a model built with ``fused_projections``: the full forward and
   prefill + decode give the separate model's logits (GQA, q/k/v biases, Qwen3's q/k norms)."""

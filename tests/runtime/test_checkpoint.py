@@ -66,6 +66,7 @@ def corrupt_dirs(ckpt_dir, step):
   return sorted(p for p in os.listdir(ckpt_dir) if p.startswith(f"{step}.corrupt-"))
 
 
+@pytest.mark.slow
 def test_truncated_arrays_fall_back_to_the_previous_checkpoint(run, capsys):
   workdir, state = run
   ckpt_dir = workdir / "checkpoints"
@@ -173,6 +174,7 @@ def _fail_json_write(monkeypatch, err):
 @pytest.mark.parametrize("err", [OSError(errno.ENOSPC, "No space left on device"),
                                  PermissionError(errno.EACCES, "Permission denied"),
                                  OSError(errno.EIO, "Input/output error")], ids=str)
+@pytest.mark.slow
 def test_failed_save_leaves_the_previous_checkpoint(run, monkeypatch, err):
   workdir, state = run
   ckpt = ckpt_lib.Checkpointer(str(workdir), keep=3)
@@ -217,6 +219,7 @@ def test_save_failing_after_its_commit_keeps_the_checkpoint(run, monkeypatch):
   assert step == 4 and meta4["version"] == 4
 
 
+@pytest.mark.slow
 def test_learner_processes_agree_on_each_checkpoint(tmp_path):
   """Two processes restore one run directory: a checkpoint one process cannot use is unusable for
   both, they fall back to the same older one, and only process 0 moves it aside."""

@@ -62,6 +62,7 @@ def _colocated(slots=16, micro_batch_tokens=2048):
   return c, model, tok_lib.byte_tokenizer(), mesh, learner
 
 
+@pytest.mark.slow
 def test_colocated_the_sampler_keeps_its_slots_and_the_learner_plans_beside_them(capsys):
   """Colocated, the two take turns on one device and each keeps its resident part while the other
   runs: the learner's micro-batch is planned beside what the sampler keeps, not the sampler

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import reward_fns  # noqa: E402
 
@@ -14,6 +16,7 @@ from areal_jax.runtime.rewards import RewardPool  # noqa: E402
 from areal_jax.tasks import get_task  # noqa: E402
 
 
+@pytest.mark.slow
 def test_scores_crashes_and_timeouts():
   pools = [RewardPool(fn, workers=1, timeout_s=3.0)
            for fn in (reward_fns.ok, reward_fns.crash, reward_fns.hang)]

@@ -190,6 +190,7 @@ def test_colocated_mesh_larger_than_the_host_is_rejected():
     config_lib.validate(c, 8)
 
 
+@pytest.mark.slow
 def test_a_learner_that_cannot_fit_stops_before_the_first_step(tmp_path):
   """The memory plan runs before anything trains: on an impossible budget the run stops naming
   the keys to change, and nothing is written to metrics.jsonl."""
@@ -295,6 +296,7 @@ def device_bytes() -> dict[int, int]:
 
 
 @pytest.mark.parametrize("data_parallel", ["replicas", "sharded"])
+@pytest.mark.slow
 def test_weight_versions_leave_one_copy_per_device(data_parallel):
   """Set up as a run does (learner on 2 devices, sampler on 2), then publish versions: each
   sampler device holds one version of the weights it decodes with (the memory plan's resident

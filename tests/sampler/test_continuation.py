@@ -25,6 +25,7 @@ def _one(engine, request, timeout=120.0):
 
 
 @pytest.mark.parametrize("layers", ["unrolled", "scan", "paged", "paged-unrolled"])
+@pytest.mark.slow
 def test_continued_turn_equals_full_reprefill(model, other_model, layers):
   kw = dict(decode_layers="scan", decode_matmul="xla", decode_projections="fused") \
       if layers in ("scan", "paged") else {}
@@ -177,6 +178,7 @@ def test_a_long_chunk_runs_in_pieces_to_the_same_sample(model, monkeypatch, page
 
 
 @pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.slow
 def test_warmup_compiles_every_program_a_conversation_runs(model, paged):
   import jax
 

@@ -91,6 +91,7 @@ def test_logprobs_exact_with_slots_at_very_different_positions(model):
                                  atol=1e-4)
 
 
+@pytest.mark.slow
 def test_no_recompilation_in_steady_state(model):
   eng = DecodeEngine(model, EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8, 32),
                                          kv_buckets=(16, 32, 64)))
@@ -171,6 +172,7 @@ def test_a_token_budget_caps_prefill_rows_at_long_buckets_and_changes_no_prefix(
 
 @pytest.mark.parametrize("impl,layers", [("pallas_gpu", "unrolled"), ("pallas_gpu", "scan"),
                                          ("pallas_gpu", "paged"), ("pallas_tpu", "unrolled")])
+@pytest.mark.slow
 def test_a_flash_prefill_gives_the_dense_prefill_s_cache_and_tokens(model, impl, layers):
   """``prefill_attention``: the flash kernel (Pallas interpret mode here) over a prompt's own keys
   and values fills the cache the dense prefill fills (every position of the bucket, padding
@@ -199,6 +201,7 @@ def test_a_flash_prefill_gives_the_dense_prefill_s_cache_and_tokens(model, impl,
 
 
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
+@pytest.mark.slow
 def test_moved_sequences_continue_exactly_at_a_narrower_width(model, layers):
   """Sequences moved down mid-decode and advanced at a smaller width draw the same tokens with the
   same logprobs as if they had stayed; a live slot beyond the width is left untouched."""
@@ -251,6 +254,7 @@ def test_four_device_mesh_slots_over_data(model):
   assert toks == [_naive_greedy(model, prompt, 12)] * 3
 
 
+@pytest.mark.slow
 def test_discarded_engine_frees_its_params(model):
   """Compiled functions are shared between engines but must not pin an engine's weights."""
   config = EngineConfig(num_slots=2, max_len=32, prefill_buckets=(8,))
@@ -266,6 +270,7 @@ def test_discarded_engine_frees_its_params(model):
 
 
 @pytest.mark.parametrize("impl", ["xla", "dense", "pallas_gpu"])
+@pytest.mark.slow
 def test_accelerator_paths_forced_on_cpu_match_the_reference(model, impl):
   """The GPU/TPU path run on CPU: a forced decode attention (Pallas in interpret mode), XLA's
   matmuls and 16 steps per call give the naive greedy tokens and the full forward's logprobs."""
@@ -282,6 +287,7 @@ def test_accelerator_paths_forced_on_cpu_match_the_reference(model, impl):
 
 
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
+@pytest.mark.slow
 def test_the_gpu_library_gemms_path_forced_on_cpu_decodes_the_same(model, monkeypatch, layers):
   """The GPU default's decode (the dense read, the vendor library's GEMMs: ``"blas"``, forced here
   without its GPU compiler options) pads each K/V head's queries (2 here) to 8 rows over its
@@ -379,6 +385,7 @@ def test_weights_are_held_in_the_compute_dtype():
 
 @pytest.mark.parametrize("impl,steps", [("dense", 1), ("dense", 3), ("dense", 16), ("xla", 4),
                                         ("pallas_gpu", 16)])
+@pytest.mark.slow
 def test_layers_in_a_scan_match_the_reference(model, impl, steps):
   """The layers in a scan (stacked weights and cache, forced on CPU): the naive greedy tokens and
   the full forward's logprobs, over several steps per call."""
@@ -413,6 +420,7 @@ def test_layers_in_a_scan_on_a_four_device_mesh(model):
 
 
 @pytest.mark.parametrize("split,steps", [(False, 8), (True, 4)])
+@pytest.mark.slow
 def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, other_model, split,
                                                                       steps):
   """The TPU kernel path forced on CPU (Pallas TPU interpret mode; the layers in a scan, a bfloat16
@@ -463,6 +471,7 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
                                          ("pallas_gpu:writes:fused", "scan"),
                                          ("pallas_gpu:writes:fused:norms", "unrolled"),
                                          ("pallas_gpu:fused:norms", "scan")])
+@pytest.mark.slow
 def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, monkeypatch):
   """A group of three over a paged cache (its prompt's full page shared, the partial one copied,
   pages taken as the slots grow): the same tokens and logprobs as an engine with a cache row per
@@ -611,6 +620,7 @@ def test_pallas_tpu_refuses_what_its_kernel_cannot_read(model):
 
 
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
+@pytest.mark.slow
 def test_lora_adapters_are_merged_once_per_version(layers):
   """``put_params(adapters)`` decodes exactly like the merged model (a Qwen3-shaped one here), also
   with the layers in a scan and fused projections (merged, then fused and stacked)."""
@@ -639,6 +649,7 @@ def test_lora_adapters_are_merged_once_per_version(layers):
 
 
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
+@pytest.mark.slow
 def test_fused_projections_decode_like_the_separate_ones(layers):
   """q/k/v and gate/up fused once per version (the GPU/TPU default) on a mesh whose tensor axis
   splits the KV heads: the fused weights are split over it in whole KV heads, and prefill, decode
@@ -731,6 +742,7 @@ def test_a_device_too_small_for_the_widest_decode_program_still_builds_the_engin
 
 
 @pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.slow
 def test_weights_and_state_stay_in_the_layouts_the_compiler_picked(model, monkeypatch, paged):
   """With the compiler's layouts held (``choice.held_layouts``, a TPU's default; forced here on
   CPU, and the layouts the compiler "picked" forced to every array's axes reversed, which XLA:CPU
@@ -797,6 +809,7 @@ def test_weights_and_state_stay_in_the_layouts_the_compiler_picked(model, monkey
 
 
 @pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.slow
 def test_the_program_compiled_to_find_the_layouts_is_the_widest_variant(model, monkeypatch, paged):
   """With the compiler's layouts held (a TPU's default; forced here on CPU, found by the compiler
   itself), the widest decode program is compiled once, when the engine is built: its first call
@@ -847,6 +860,7 @@ def test_the_program_compiled_to_find_the_layouts_is_the_widest_variant(model, m
       np.testing.assert_allclose(y, x, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_host_picks_the_program_that_sorts_for_top_k_and_top_p(model, monkeypatch):
   """Where the engine decides on the host whether a call's slots truncate (a GPU's default,
   ``choice.truncation_on_host``; forced here): a call whose slots in its width all keep every

@@ -206,6 +206,7 @@ def test_the_engine_keeps_its_own_launch_unless_another_is_clearly_faster(model)
   assert eng.launch == WRITES and report["launch"] == "writes=1"
 
 
+@pytest.mark.slow
 def test_then_the_kept_launch_s_loop_in_cuda_graphs_is_timed(model, monkeypatch):
   """The second stage: the launch kept, with its decode call's loop in XLA's command buffers
   (``graphs``: compiler options of the decode program; XLA:CPU takes and ignores them, so here
@@ -296,6 +297,7 @@ def _decode_call(eng, launch) -> int:
     eng.use_launch(kept)
 
 
+@pytest.mark.slow
 def test_a_launch_kept_instead_of_the_engine_s_own_must_fit_its_memory_plan(model):
   """The memory plan counted the engine's own launch's decode call; a faster launch whose decode
   call needs more than the plan leaves is not kept, and the stage keeps the fastest that fits
@@ -453,6 +455,7 @@ def test_the_service_s_launch_must_fit_the_memory_plan_it_was_sized_by(model, mo
   assert "failed: writes=1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):
   """Over two replicas the first times the launches; the second runs the one it kept, untimed."""
   from areal_jax import sharding
@@ -474,6 +477,7 @@ def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):
   assert len(timed) == 2 * (1 + launch_tuning.ROUNDS)
 
 
+@pytest.mark.slow
 def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   """The stages a GPU engine times (``choice.launch_stages`` for a GPU: our paged step kernel,
   with dots, unpipelined, 2 pages a step, 4 warps, the fused norms, the loop in graphs, the

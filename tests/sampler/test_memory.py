@@ -45,6 +45,7 @@ def test_plan_counts_weights_cache_and_programs():
       p.incoming + p.weights, p.generate_temp, p.prefill)
 
 
+@pytest.mark.slow
 def test_a_version_arriving_in_the_compute_dtype_is_planned_at_its_size():
   """A bfloat16 engine: a transfer that casts before its copy delivers half the float32 bytes
   (norm scales stay float32); the plan counts what arrives, as told."""
@@ -95,6 +96,7 @@ def test_a_plan_that_does_not_fit_names_the_keys_and_the_slots_that_would():
                       resident_budget=tight.resident_budget).fits
 
 
+@pytest.mark.slow
 def test_engines_build_checks_the_budget(capsys):
   from areal_jax import config as config_lib
   from areal_jax.models import tokenizer as tok_lib
@@ -243,6 +245,7 @@ def _paged(slots, kv_pages=-1):
       decode_layers="scan", decode_matmul="xla"))
 
 
+@pytest.mark.slow
 def test_a_pool_sized_by_the_slots_keeps_them_over_the_pages_that_fit(monkeypatch, capsys):
   """kv_pages -1 where the platform pages (the GPU's choice, forced on CPU): the pool is a page
   for every position the slots could hold. Where that does not fit, the slots stay and the pool
@@ -363,6 +366,7 @@ def test_a_row_cache_plans_the_turns_multi_turn_episodes_keep(capsys):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+@pytest.mark.slow
 def test_a_continuing_turn_holds_no_more_than_the_planned_prefill(paged):
   """A multi-turn continuation (``sampler.continuation``) is not planned on its own: it works on
   a row of a prefill bucket, so its read of the kept row (or pages) and its extend over the new

@@ -68,6 +68,7 @@ def _reference(model):
 
 
 @pytest.mark.parametrize("data,pages", [(2, 0), (4, 12)])
+@pytest.mark.slow
 def test_replicas_draw_what_one_engine_draws(model, data, pages):
   """Replicas of 4 slots (a paged cache each: one engine over a data axis cannot hold one) give
   every sample one 16-slot engine gives: same tokens, logprobs, versions; the groups spread over
@@ -125,6 +126,7 @@ def test_groups_wait_for_a_replica_with_room_and_go_to_the_least_loaded(model):
   assert not {s.finish_reason for s in done} & {"abort", "error"}
 
 
+@pytest.mark.slow
 def test_a_conversation_continues_on_the_replica_that_kept_its_turn(model):
   """The next turn goes where the last turn's KV is kept (not to the least loaded replica), so
   that replica continues it instead of prefilling the history."""
@@ -146,6 +148,7 @@ def test_a_conversation_continues_on_the_replica_that_kept_its_turn(model):
   assert eng.replicas[1].stats["continued"] == 1 and eng.replicas[0].stats["continued"] == 0
 
 
+@pytest.mark.slow
 def test_a_weight_version_reaches_every_replica(model, other_model):
   from flax import nnx
 
@@ -176,6 +179,7 @@ def test_a_weight_version_reaches_every_replica(model, other_model):
     assert s.versions == sorted(s.versions) and set(s.versions) <= {3, 4}
 
 
+@pytest.mark.slow
 def test_warmup_compiles_every_replica_at_once(model):
   eng = _replicated(model, data=2, slots=1, prefill_buckets=(16,), kv_buckets=(64,))
   ticks = []
@@ -274,6 +278,7 @@ def test_config_checks_that_a_group_fits_one_replica():
     config_lib.validate(c, n_devices=8)
 
 
+@pytest.mark.slow
 def test_replicas_share_the_pool_their_first_plan_sized_to_memory(monkeypatch, capsys):
   """A paged cache whose slots' pool does not fit: the first replica's plan keeps the slots over
   the pages that fit, every replica takes that pool, and the run's groups all finish on it."""

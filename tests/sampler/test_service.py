@@ -163,6 +163,7 @@ _extend = nnx.jit(lambda model, tokens, pos, cache: model.extend(tokens, pos, ca
                           ("reprefill", 4, "scan"), ("keep_cache", 3, "scan"),
                           ("reprefill", 4, "paged"), ("keep_cache", 3, "paged"),
                           ("reprefill", 4, "pause"), ("keep_cache", 3, "pause")])
+@pytest.mark.slow
 def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call, variant):
   """Exact continuation across a swap, also with several decode steps per call (the swap lands
   between two calls: every token of a call comes from one version), with the layers in a scan
@@ -312,6 +313,7 @@ def test_token_listener_hears_every_token_in_order_and_cannot_stop_decoding(mode
     assert heard[(s.group_id, s.index)] == s.tokens
 
 
+@pytest.mark.slow
 def test_a_paged_cache_preempts_and_resumes_to_the_same_samples(model):
   """A pool of 16 pages of 8 positions (an eighth of 8 slots x 64): sequences admitted last are
   preempted when it runs out and resumed by re-prefill; every sample (tokens, logprobs, versions,
@@ -345,6 +347,7 @@ def test_a_paged_cache_preempts_and_resumes_to_the_same_samples(model):
     np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_platforms_paged_cache_admits_as_rows_do_and_never_preempts(model, monkeypatch):
   """kv_pages -1 where the platform pages (the GPU's choice, forced on CPU, through the Pallas GPU
   kernel in interpret mode): a pool of every slot's row of pages and one more. Groups fill every

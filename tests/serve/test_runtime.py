@@ -21,6 +21,7 @@ def _config(**overrides):
   return config
 
 
+@pytest.mark.slow
 def test_the_sampler_is_planned_against_its_devices(tmp_path, capsys):
   rt = ServeRuntime(_config(**{"mesh.device_memory_gib": 64.0}), str(tmp_path / "a"))
   try:
@@ -32,6 +33,7 @@ def test_the_sampler_is_planned_against_its_devices(tmp_path, capsys):
     ServeRuntime(_config(**{"mesh.device_memory_gib": 1e-4}), str(tmp_path / "b"))
 
 
+@pytest.mark.slow
 def test_the_cli_prints_a_plan_that_cannot_fit_without_a_traceback(tmp_path):
   import subprocess
   import sys
@@ -45,6 +47,7 @@ def test_the_cli_prints_a_plan_that_cannot_fit_without_a_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("verbosity", [None, 1])
+@pytest.mark.slow
 def test_the_cli_says_a_model_that_is_not_there_with_a_traceback_only_if_asked(tmp_path,
                                                                                  verbosity):
   import subprocess

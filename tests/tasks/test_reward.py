@@ -146,6 +146,7 @@ PATHOLOGICAL = {
 
 
 @pytest.mark.parametrize("kind", sorted(PATHOLOGICAL))
+@pytest.mark.slow
 def test_megabyte_inputs_are_fast_and_total(kind):
   # CPU seconds of this thread: the reward's own work (no regex blow-up), not the time the thread
   # waited for a core on a loaded machine (another pytest-xdist worker, another process), nor a
