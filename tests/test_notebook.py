@@ -14,22 +14,28 @@ def outputs(nb, kind):
           if o.get("output_type") == kind]
 
 
-@pytest.mark.slow
-def test_quickstart_notebook_executes(monkeypatch):
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
-
-  nb = nbformat.read(NOTEBOOK, as_version=4)
-  # The kernel inherits this environment: one CPU device (the colocated Colab set-up), and the
-  # checkout importable without an install, so the install cell is skipped.
-  monkeypatch.setenv("XLA_FLAGS", " ".join(  # (the tests' other compile flags kept)
+def execute(nb, nbclient, monkeypatch):
+  """Runs ``nb`` top to bottom in a fresh kernel, which inherits this environment: one CPU device
+  (a one-device Colab runtime; the tests' other compile flags kept), and the checkout importable
+  without an install, so the install cell is skipped. Raises CellExecutionError, with the cell and
+  its traceback, on any failure."""
+  monkeypatch.setenv("XLA_FLAGS", " ".join(
       [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
       + ["--xla_force_host_platform_device_count=1"]))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": str(ROOT)}})
-  client.execute()  # raises CellExecutionError, with the cell and its traceback, on any failure
+  client.execute()
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_executes(monkeypatch):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  execute(nb, nbclient, monkeypatch)
 
   text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
   assert "configs from" in text and "git clone" not in text
@@ -104,15 +110,7 @@ def test_learning_notebook_executes_with_a_short_config(tmp_path, monkeypatch):
 
   nb = nbformat.read(LEARNING, as_version=4)
   settings_cell(nb).source = SHORT_SETTINGS.format(workdir=str(tmp_path / "run"))
-  # One CPU device, as on a one-device runtime; the checkout importable, so the install cell is skipped.
-  monkeypatch.setenv("XLA_FLAGS", " ".join(
-      [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-      + ["--xla_force_host_platform_device_count=1"]))
-  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                   resources={"metadata": {"path": str(ROOT)}})
-  client.execute()  # raises CellExecutionError, with the cell and its traceback, on any failure
+  execute(nb, nbclient, monkeypatch)
 
   text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
   assert f"repository at {ROOT}" in text and "git clone" not in text

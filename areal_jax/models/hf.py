@@ -227,6 +227,15 @@ class SafetensorsFile:
     return raw.view(dtype).reshape(shape)
 
 
+def write_safetensors_header(f, header: Mapping[str, Any]) -> None:
+  """Writes a safetensors header (its length, then the JSON padded so the data is 8-byte aligned);
+  the tensors' bytes follow in the order of their ``data_offsets``."""
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  f.write(struct.pack("<Q", len(blob)))
+  f.write(blob)
+
+
 def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
   """Writes ``tensors`` (any dtype of the table above) as one safetensors file."""
   names = {v: k for k, v in _ST_DTYPES.items()}
@@ -239,11 +248,8 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
                     "data_offsets": [offset, offset + arr.nbytes]}
     offset += arr.nbytes
     arrays.append(arr)
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # keeps the data 8-byte aligned
   with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
+    write_safetensors_header(f, header)
     for arr in arrays:
       f.write(arr.tobytes())
     f.flush()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from flax import nnx
 
 from areal_jax.models.hf import (SAVE_DTYPES, CheckpointError, Path, _ST_DTYPES, _get, _save_dtype,
                                  abstract_model, load_hf_config, param_names, write_configs,
-                                 write_dir_atomically)
+                                 write_dir_atomically, write_safetensors_header)
 from areal_jax.models.tokenizer import Tokenizer, byte_tokenizer
 from areal_jax.models.transformer import ModelConfig
 
@@ -78,11 +77,8 @@ def _write_shard(path: str, plans: list[TensorPlan], read: Callable[[Path], Any]
     header[plan.name] = {"dtype": st_name, "shape": list(plan.shape),
                          "data_offsets": [offset, offset + nbytes]}
     offset += nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # keeps the data 8-byte aligned
   with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
+    write_safetensors_header(f, header)
     for plan in plans:
       value = np.asarray(read(plan.path))
       want = plan.shape[::-1] if plan.transpose else plan.shape
