@@ -155,7 +155,11 @@ def test_lora_with_a_trainer_process_serves_the_merged_policy_of_each_version(tm
   # and so every advantage: nothing would train)
   for key, value in {"serve.port": 0, "serve.judge": "none", "serve.trainer_process": True,
                      "serve.weights_poll_s": 0.2, "actor.lora.rank": 4, "actor.lora.alpha": 8.0,
-                     "weights.keep": 100}.items():
+                     "weights.keep": 100,
+                     # a swap re-prefills the live sequences: a prompt prefilled at version v and
+                     # decoded after a swap to v+1 would otherwise attend over v's cache, and its
+                     # first tokens (tagged v+1) would be no forward of v+1 alone
+                     "rollout.continuation": "reprefill"}.items():
     config_lib.override(config, key, value)
   rt = ServeRuntime(config, str(tmp_path))
 
