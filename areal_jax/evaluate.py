@@ -89,7 +89,8 @@ def resolve_checkpoint(checkpoint: str, model_source: str) -> ModelSpec:
       "(config.json and *.safetensors)")
 
 
-def _key_name(path) -> str:
+def key_name(path) -> str:
+  """A pytree path as a dotted name (``layers.0.attn.q``), as checkpoint metadata is compared."""
   return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -113,9 +114,9 @@ def restore_params(step_dir: str, model, mesh=None) -> None:
     raise KeyError(f"{state_dir}: the checkpointed state has no 'params' (keys: {sorted(tree)}); "
                    "expected the learner's state layout")
   params = nnx.state(model, nnx.Param)
-  expected = {_key_name(p): x.shape
+  expected = {key_name(p): x.shape
               for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
-  found = {_key_name(p): tuple(m.shape)
+  found = {key_name(p): tuple(m.shape)
            for p, m in jax.tree_util.tree_flatten_with_path(tree["params"])[0]}
   problems = sorted(set(expected) ^ set(found))
   problems += [f"{k}: checkpoint {found[k]} vs model {expected[k]}"

@@ -40,7 +40,7 @@ from etils import epath
 from areal_jax import cli
 from areal_jax import config as config_lib
 from areal_jax import models
-from areal_jax.evaluate import resolve_checkpoint, restore_adapters
+from areal_jax.evaluate import key_name, resolve_checkpoint, restore_adapters
 from areal_jax.models import hf, hf_export
 from areal_jax.models import lora as lora_lib
 from areal_jax.runtime import weight_transfer
@@ -79,10 +79,6 @@ def step_dir(checkpoint: str, model_source: str, step: int | None = None) -> tup
   return os.path.join(ckpt_dir, str(step)), step
 
 
-def _key(path) -> str:
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 class CheckpointParams:
   """Reads the parameters of a run checkpoint (``Learner.state["params"]``) one array at a time,
   as host NumPy arrays, whatever shardings the run saved them with."""
@@ -99,7 +95,7 @@ class CheckpointParams:
     if "params" not in tree:
       raise models.CheckpointError(f"{self.state_dir}: the checkpointed state has no 'params' "
                                    f"(keys: {sorted(tree)}); expected the learner's state layout")
-    found = {_key(p): tuple(m.shape)
+    found = {key_name(p): tuple(m.shape)
              for p, m in jax.tree_util.tree_flatten_with_path(tree["params"])[0]}
     expected = {".".join(map(str, p.path)): p.shape[::-1] if p.transpose else p.shape
                 for p in hf_export.tensor_plans(cfg)}
