@@ -166,11 +166,26 @@ def base_config() -> ConfigDict:
   c.rollout.reward_workers = 2  # Processes that compute rewards.
   c.rollout.workers = 1  # Rollout worker processes (Ray actors) with runtime.mode="ray".
   # The episode each prompt group runs (areal_jax/workflows/), "single_turn" | "multi_turn" |
-  # "tool". "single_turn": one completion (GRPO); "multi_turn": "wrong, try again" feedback up
-  # to max_turns; "tool": the model may call a calculator tool.
+  # "tool" | "python_tool". "single_turn": one completion (GRPO); "multi_turn": "wrong, try
+  # again" feedback up to max_turns; "tool": the model may call a calculator tool;
+  # "python_tool": the model may run Python programs in a sandbox (rollout.python_tool).
   c.rollout.workflow = "single_turn"
   c.rollout.max_turns = 1  # Most model turns in one multi-turn or tool episode.
   c.rollout.turn_discount = 1.0  # A multi-turn episode's reward is reward x discount^(turns - 1).
+  # Limits of each program of rollout.workflow="python_tool" (areal_jax/envs/python_sandbox.py).
+  c.rollout.python_tool = ConfigDict()
+  c.rollout.python_tool.wall_s = 10.0  # Wall-clock seconds, then its whole process group is killed.
+  c.rollout.python_tool.cpu_s = 5  # CPU seconds of each of its processes (RLIMIT_CPU).
+  c.rollout.python_tool.memory_mib = 512  # Address space of each of its processes (RLIMIT_AS).
+  c.rollout.python_tool.max_processes = 16  # Processes it may run at once (RLIMIT_NPROC).
+  # Largest file it may write (RLIMIT_FSIZE), and the size of its scratch /tmp.
+  c.rollout.python_tool.max_file_mib = 16
+  # Bytes of stdout + stderr kept and shown to the model; more ends the program.
+  c.rollout.python_tool.max_output_bytes = 1024
+  c.rollout.python_tool.max_code_bytes = 16384  # A longer program is not run (an error result).
+  # Run programs even where no namespace can be made (no network or file isolation then, only
+  # the resource limits); False: such a machine refuses the workflow at start.
+  c.rollout.python_tool.allow_unisolated = False
   # The vLLM engine, with rollout.backend="vllm" only (areal_jax/vllm_rollout/factory.py).
   c.rollout.vllm = ConfigDict()
   # How vLLM runs, "inprocess" | "server". "server": an OpenAI-compatible server on 127.0.0.1.

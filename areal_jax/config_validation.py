@@ -50,7 +50,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "actor.dtype": (a.dtype, ("float32", "bfloat16")),
       "rollout.backend": (r.backend, ("jax", "vllm")),
       "rollout.continuation": (r.continuation, ("keep_cache", "reprefill")),
-      "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool")),
+      "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool", "python_tool")),
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
       "serve.judge": (config.serve.judge, ("rule", "model", "none")),
       "runtime.worker_devices": (config.runtime.worker_devices, ("cpu", "gpu", "tpu")),

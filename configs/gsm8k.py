@@ -70,9 +70,17 @@ Presets:
            are merged into the new copy in one program: bench/results/plan-swap-2026-11-29-fa2fcd9).
            Not run on an accelerator.
            lr 1e-4 is ~6x the full fine-tuning recipe's, the usual larger LoRA rate; not tuned.
+  :python_tool  the default recipe with the sandboxed Python tool (rollout.workflow="python_tool",
+           areal_jax/envs/python_sandbox.py): the model may run up to 3 programs (```python
+           blocks, their output back in ```output blocks) before its answer; 512 new tokens a
+           turn, conversations up to 2048 tokens. Needs Linux namespaces (util-linux unshare) on
+           the rollout hosts. Not run; memory not planned.
+             python launch.py --config=configs/gsm8k.py:python_tool --workdir=$HOME/runs/gsm8k_py \
+                 --config.model.source=$HOME/models/Qwen2.5-1.5B-Instruct
 """
 
 from areal_jax.config import base_config, lock
+from areal_jax.envs import python_env
 
 
 def get_config(preset: str = "default"):
@@ -205,7 +213,15 @@ def get_config(preset: str = "default"):
     c.train.checkpoint_every = 20
     c.train.eval_every = 50
     c.train.eval_size = 256
+  elif preset == "python_tool":
+    c.rollout.workflow = "python_tool"
+    c.task.instruction = python_env.INSTRUCTION
+    c.rollout.max_turns = 4  # up to 3 programs, then the answer
+    # Every turn's prompt is the whole conversation so far.
+    c.rollout.max_new_tokens = 512
+    c.rollout.max_prompt_len = 2048
+    c.rollout.prefill_buckets = (256, 512, 1024, 2048)
   elif preset != "default":
     raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py: default, tiny, smollm, "
-                     "qwen7b, qwen3, qwen3_lora")
+                     "qwen7b, qwen3, qwen3_lora, python_tool")
   return lock(c)

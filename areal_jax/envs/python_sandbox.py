@@ -181,8 +181,7 @@ class Sandbox:
       t0 = time.monotonic()
       proc = subprocess.Popen(self._argv(spec_path), stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp,
-                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                   "LANG": "C.UTF-8"},
+                              env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
                               start_new_session=True, close_fds=True)
       pipes = _Pipes(proc, lim.max_output_bytes)
       try:

@@ -1,20 +1,22 @@
 """Episodes the rollout controller runs per example (``rollout.workflow``); see ``base.py``.
 
 ``get(name, config)`` builds one from the run's config (``rollout.max_turns``,
-``rollout.turn_discount``). Workflows know nothing of the runtime.
+``rollout.turn_discount``, ``rollout.python_tool``). Workflows know nothing of the runtime.
 """
 
 from __future__ import annotations
 
+from areal_jax.envs.python_sandbox import Limits, Sandbox
 from areal_jax.workflows.base import Client, Context, Episode, Trajectory, Workflow
 from areal_jax.workflows.multi_turn import MultiTurn
+from areal_jax.workflows.python_tool import PythonTool
 from areal_jax.workflows.single_turn import SingleTurn
 from areal_jax.workflows.tool import ToolUse
 
-NAMES = ("single_turn", "multi_turn", "tool")
+NAMES = ("single_turn", "multi_turn", "tool", "python_tool")
 
-__all__ = ["NAMES", "Client", "Context", "Episode", "MultiTurn", "SingleTurn", "ToolUse",
-           "Trajectory", "Workflow", "get"]
+__all__ = ["NAMES", "Client", "Context", "Episode", "MultiTurn", "PythonTool", "SingleTurn",
+           "ToolUse", "Trajectory", "Workflow", "get", "sandbox"]
 
 
 def get(name: str, config=None) -> Workflow:
@@ -27,4 +29,20 @@ def get(name: str, config=None) -> Workflow:
     return MultiTurn(max_turns, 1.0 if r is None else float(r.turn_discount))
   if name == "tool":
     return ToolUse(max_turns)
+  if name == "python_tool":
+    return PythonTool(max_turns, sandbox(config))
   raise ValueError(f"rollout.workflow={name!r} is not one of {NAMES}")
+
+
+def sandbox(config=None) -> Sandbox:
+  """The Python sandbox with the limits of ``rollout.python_tool`` (None: the defaults)."""
+  if config is None:
+    return Sandbox()
+  p = config.rollout.python_tool
+  try:
+    limits = Limits(wall_s=float(p.wall_s), cpu_s=int(p.cpu_s), memory_mib=int(p.memory_mib),
+                    max_processes=int(p.max_processes), max_file_mib=int(p.max_file_mib),
+                    max_output_bytes=int(p.max_output_bytes), max_code_bytes=int(p.max_code_bytes))
+  except ValueError as e:
+    raise ValueError(f"rollout.python_tool: {e}") from None
+  return Sandbox(limits, allow_unisolated=bool(p.allow_unisolated))

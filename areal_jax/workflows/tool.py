@@ -41,14 +41,15 @@ def tool_result(expression: str) -> str:
   return f"<result>{value}</result>"
 
 
-def cut_after_call(tokenizer, tokens: list[int]) -> int | None:
-  """The number of leading tokens whose text first contains a complete call, or None."""
-  if first_call(tokenizer.decode(tokens)) is None:
+def cut_after_call(tokenizer, tokens: list[int], find=first_call) -> int | None:
+  """The number of leading tokens whose text first contains a complete call, or None.
+  ``find(text)`` is the call in a text or None (default: a calculator call)."""
+  if find(tokenizer.decode(tokens)) is None:
     return None
   lo, hi = 1, len(tokens)  # the smallest prefix containing a call (a call stays once it appears)
   while lo < hi:
     mid = (lo + hi) // 2
-    if first_call(tokenizer.decode(tokens[:mid])) is None:
+    if find(tokenizer.decode(tokens[:mid])) is None:
       lo = mid + 1
     else:
       hi = mid
