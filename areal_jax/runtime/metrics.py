@@ -7,6 +7,8 @@ import math
 import os
 import time
 
+from areal_jax import host_memory
+
 # The fields every line of metrics.jsonl carries (a stable interface; more may follow them).
 REQUIRED_FIELDS = (
     "step", "version", "reward_mean", "groups_accepted", "groups_rejected", "staleness_mean",
@@ -44,7 +46,11 @@ class MetricsWriter:
       self._tb = None
 
   def write(self, metrics: dict) -> None:
+    """Writes one step's row; adds this process's resident memory (``host_rss_gib``, now, and
+    ``host_rss_peak_gib``, the most so far: ``host_memory.metrics``) unless the row has them."""
     row = {k: _plain(v) for k, v in metrics.items()}
+    for k, v in host_memory.metrics().items():
+      row.setdefault(k, v)
     missing = [k for k in REQUIRED_FIELDS if k not in row]
     if missing:
       raise KeyError(f"metrics for step {row.get('step')} lack required fields {missing}")
@@ -68,7 +74,8 @@ class MetricsWriter:
     line = (f"step {step}/{self._total}  v{row['version']}  reward {fmt('reward_mean', '.3f')}"
             f"  stale {fmt('staleness_mean', '.2f')}/{fmt('staleness_max', 'd')}"
             f"  gen {fmt('gen_tokens_per_s', '.0f')} tok/s  train {fmt('train_tokens_per_s', '.0f')} tok/s"
-            f"  wait {fmt('learner_wait_s', '.1f')}s  {rate * 60:.1f} steps/min  ETA {_hms(eta_s)}")
+            f"  wait {fmt('learner_wait_s', '.1f')}s  rss {fmt('host_rss_gib', '.1f')} GiB"
+            f"  {rate * 60:.1f} steps/min  ETA {_hms(eta_s)}")
     if row.get("eval_accuracy") is not None:
       line += f"  eval {row['eval_accuracy']:.3f}"
     print(line, file=self._stream, flush=True)

@@ -1,0 +1,78 @@
+"""This process's host memory: its resident set now and at its peak, and what the machine has free.
+
+On CPU the "devices" are the host: their buffers, XLA's executables and compilations, Python and
+the data all take resident memory of one process. ``metrics.jsonl`` reports ``host_rss_gib`` and
+``host_rss_peak_gib`` from here, and the memory plans take ``available_bytes`` as a CPU run's
+budget (``learner.memory.device_budget``). Linux's ``/proc`` is read where it exists; elsewhere
+``resource.getrusage`` gives the peak and ``os.sysconf`` the machine's physical memory.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+GIB = 1024**3
+
+
+def _status_kib(field: str, path: str = "/proc/self/status") -> int | None:
+  """A ``kB`` field of a ``/proc`` status-like file (``VmRSS``, ``MemAvailable``...), or None."""
+  try:
+    with open(path, encoding="ascii") as f:
+      for line in f:
+        if line.startswith(field + ":"):
+          return int(line.split()[1])
+  except OSError:
+    return None
+  return None
+
+
+def rss_bytes() -> int | None:
+  """The resident set of this process now (None where the system does not say)."""
+  kib = _status_kib("VmRSS")
+  return None if kib is None else kib * 1024
+
+
+def peak_rss_bytes() -> int:
+  """The largest resident set this process has had so far."""
+  kib = _status_kib("VmHWM")
+  if kib is not None:
+    return kib * 1024
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+  return peak if sys.platform == "darwin" else peak * 1024
+
+
+def available_bytes() -> int | None:
+  """Memory the machine can give a process without swapping: ``MemAvailable`` of
+  ``/proc/meminfo`` (free memory and the caches the kernel can drop), else the physical memory
+  ``os.sysconf`` reports; None where neither is known."""
+  kib = _status_kib("MemAvailable", "/proc/meminfo")
+  if kib is not None:
+    return kib * 1024
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def live_array_bytes() -> int:
+  """Bytes of this process's live JAX arrays (every addressable shard; on CPU, host memory)."""
+  import jax  # pylint: disable=import-outside-toplevel (the rest of this module needs none)
+
+  total = 0
+  for a in jax.live_arrays():
+    if a.is_deleted():
+      continue
+    try:
+      total += sum(s.data.nbytes for s in a.addressable_shards)
+    except RuntimeError:  # deleted (donated) between the listing and the read
+      continue
+  return total
+
+
+def metrics() -> dict:
+  """``host_rss_gib`` and ``host_rss_peak_gib`` for a ``metrics.jsonl`` row."""
+  rss = rss_bytes()
+  return {"host_rss_gib": None if rss is None else round(rss / GIB, 3),
+          "host_rss_peak_gib": round(peak_rss_bytes() / GIB, 3)}
