@@ -14,7 +14,8 @@ program gets:
   program starts in ``/tmp/work``;
 - a PID namespace: it sees only its own processes and cannot signal any other; when its main
   process ends, the kernel kills every process it started;
-- as root, its own unprivileged uid (drawn from ``UID_RANGE``) and no new privileges;
+- started by root, its own unprivileged uid (drawn from ``UID_RANGE``); started by another user,
+  uid 1000 of a user namespace of its own; either way no capabilities and no new privileges;
 - resource limits of the kernel: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), processes
   (RLIMIT_NPROC), file size (RLIMIT_FSIZE), 64 open files; a wall-clock limit enforced here;
   stdout and stderr read up to ``max_output_bytes`` together, beyond which the run is killed.
@@ -269,8 +270,10 @@ def _reason(killed, exit_code, cpu_s, lim: Limits, stderr: str) -> str:
     return "ok"
   if exit_code == SETUP_FAILED and stderr.startswith("sandbox setup failed"):
     return "sandbox_error"
-  if exit_code in (-signal.SIGKILL, -signal.SIGXCPU) and cpu_s >= lim.cpu_s - 0.1:
-    return "cpu_limit"  # RLIMIT_CPU: SIGKILL at the limit
+  # RLIMIT_CPU: SIGKILL at the limit (the CPU time the kernel reports for a killed child runs
+  # a little below the limit's own count: up to 13% below it on a loaded machine).
+  if exit_code in (-signal.SIGKILL, -signal.SIGXCPU) and cpu_s >= 0.75 * lim.cpu_s:
+    return "cpu_limit"
   last = (stderr.strip().splitlines() or [""])[-1]
   if last.startswith("MemoryError"):
     return "memory_limit"

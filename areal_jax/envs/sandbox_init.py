@@ -12,7 +12,8 @@ those namespaces:
 3. mounts fresh, size-limited tmpfs on ``/tmp`` and ``/dev/shm``, the only writable places; the
    program runs in ``/tmp/work`` with ``main.py`` in it;
 4. (in the program's process) if started as real root, switches to the run's own unprivileged
-   uid and gid (so that RLIMIT_NPROC counts, and file permissions hold, for that uid alone).
+   uid and gid (so that RLIMIT_NPROC counts, and file permissions hold, for that uid alone); if
+   not, moves into a nested user namespace as a non-root uid, without capabilities.
 
 Then it forks: it stays as the supervisor (the PID namespace's init), waits for the program and
 exits with its status (killed by signal ``s``: ``128 + s``). The child, in every mode: no new
@@ -36,6 +37,8 @@ AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x8000, 1, 2
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new syscall table)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 AT_FDCWD = -100
+CLONE_NEWUSER = 0x10000000
+INNER_UID = 1000  # the program's uid and gid when not started as root (in its own user namespace)
 # Top-level directories the program sees (read-only); every other one is an empty tmpfs to it.
 KEEP = ("bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr")
 
@@ -59,11 +62,18 @@ class _MountAttr(ctypes.Structure):
               ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
+def _mount_setattr(path, flags, attr_set, attr_clr):
+  attr = _MountAttr(attr_set, attr_clr, 0, 0)
+  _check(_libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path.encode(),
+                       ctypes.c_uint(flags), ctypes.byref(attr),
+                       ctypes.c_size_t(ctypes.sizeof(attr))), f"mount_setattr {path}")
+
+
 def _read_only_everywhere():
-  attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
-  _check(_libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), b"/",
-                       ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr),
-                       ctypes.c_size_t(ctypes.sizeof(attr))), "mount_setattr / read-only")
+  """Every mount read-only and nosuid, but the namespace's own /proc (the program's process
+  writes its user namespace's maps there; what /proc lets a process write is its own)."""
+  _mount_setattr("/", AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
+  _mount_setattr("/proc", 0, 0, MOUNT_ATTR_RDONLY)
 
 
 def _hide_all_but_system(python_home):
@@ -106,6 +116,19 @@ def _drop_privileges(uid):
   os.setgroups([])
   os.setgid(uid)
   os.setuid(uid)
+
+
+def _leave_the_user_namespace():
+  """Started by a non-root user, this process is root of the user namespace that owns its mount
+  namespace, and could undo the mounts. It moves into a user namespace of its own as uid
+  ``INNER_UID``: the program then has no capability (it is not root there), and none over the
+  mount namespace (owned by the parent user namespace), whose mounts it can neither change nor
+  unmount."""
+  _check(_libc.unshare(ctypes.c_int(CLONE_NEWUSER)), "unshare user namespace")
+  for name, text in (("setgroups", "deny"), ("uid_map", f"{INNER_UID} 0 1"),
+                     ("gid_map", f"{INNER_UID} 0 1")):
+    with open(f"/proc/self/{name}", "w", encoding="ascii") as f:
+      f.write(text)
 
 
 def _limit(spec):
@@ -157,6 +180,8 @@ def main():
     os.chdir(work)
     if spec["uid"] is not None:
       _drop_privileges(spec["uid"])
+    elif spec["namespaces"]:
+      _leave_the_user_namespace()
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl no_new_privs")
     _check(_libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0), "prctl pdeathsig")
     _limit(spec)
