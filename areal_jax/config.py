@@ -333,6 +333,13 @@ def base_config() -> ConfigDict:
   c.serve.model_name = "areal-jax-policy"
   c.serve.db_path = ""  # The turn store (SQLite); "": <workdir>/turns.sqlite.
   c.serve.max_candidates = 8  # The largest n one request may ask for.
+  # API keys for /v1/...: "file:PATH" (one key a line) or "env:NAME" (keys separated by commas or
+  # spaces); "": none, and then the server listens on loopback addresses only.
+  c.serve.api_keys = ""
+  c.serve.rate_limit_per_min = 0  # Chat requests per minute per API key (429 beyond); 0: no limit.
+  c.serve.max_body_bytes = 1 << 20  # The largest request body, in bytes (413 beyond).
+  # The largest share of a train batch one API key's turns may take (at least one turn); 1: no cap.
+  c.serve.max_key_share = 1.0
   # Compile every decode bucket before accepting requests (no compile stalls).
   c.serve.warmup = True
   # Keep each chat turn's KV cache for the conversation's next request, which then runs only its

@@ -8,11 +8,19 @@ runs only its new messages through the model instead of the whole history. Its c
 written to the turn store (committed) before the last byte of the response: the body of a plain
 response, the finish chunks and ``[DONE]`` of a stream. A conversation's turns are tied by the
 session id: the ``X-Session-Id`` header, else the ``user`` field, else a new session per request
-(returned in the ``X-Session-Id`` response header either way).
+(returned in the ``X-Session-Id`` response header either way). The session protocol's other
+headers: ``X-Turn-Type: main | side`` (a side turn is served and recorded, never trained) and
+``X-Session-Done: true`` (this request ends the session: its turn is the last).
 
-Errors are OpenAI error objects: 400 for malformed JSON, bad fields and a prompt over the context
-length (code ``context_length_exceeded``), 404 for an unknown model (``model_not_found``), 503 when
-the engine stopped mid-request, 500 when generation failed; 404 / 405 for a path or method not
+Access (``serve/access.py``): with ``serve.api_keys`` a ``/v1/...`` request needs a valid Bearer
+key (401 ``invalid_api_key``); then each chat request passes the key's rate limit (429
+``rate_limit_exceeded``, with ``Retry-After``) and the body limit (413 ``request_too_large``,
+before the body is read when its Content-Length says so).
+
+Errors are OpenAI error objects: 400 for malformed JSON (also nested too deep to parse), bad fields
+and headers and a prompt over the context length (code ``context_length_exceeded``), 404 for an
+unknown model (``model_not_found``), 503 when the engine stopped mid-request, 500 when generation
+failed (or anything else did); 404 / 405 for a path or method not
 served, naming those that are. A client that disconnects mid-stream has
 its request aborted in the engine (its slots free at the next decode step) and nothing recorded.
 """
@@ -29,12 +37,14 @@ from collections.abc import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from areal_jax.rollout_api import Sample, SamplingParams
-from areal_jax.serve import protocol
+from areal_jax.serve import access, protocol
 from areal_jax.serve.dispatch import Dispatcher
 from areal_jax.serve.protocol import ApiError
 from areal_jax.serve.store import TurnStore
@@ -53,17 +63,43 @@ class ServeContext:
   chat_kwargs: dict = dataclasses.field(default_factory=dict)
   keep_turns: bool = False  # the sampler keeps each turn's KV for the conversation's next request
   status: Callable[[], dict] = dict  # extra fields for /health (loop liveness)
+  keys: dict[bytes, str] | None = None  # API key -> key id (access.load_keys); None: no keys
+  rate_limit_per_min: int = 0  # chat requests per minute per key (per client address without keys)
+  max_body_bytes: int = 1 << 20
 
-  def encode(self, messages: list[dict]) -> list[int]:
+  def __post_init__(self):
+    self.limiter = access.RateLimiter(self.rate_limit_per_min)
+    self.token_bound = access.TokenBound(self.tokenizer)
+
+  def encode(self, messages: list[dict], limit: int | None = None) -> list[int]:
+    """The prompt's token ids; with ``limit``, a 400 ``context_length_exceeded`` for more tokens
+    (before tokenizing when the text alone shows it)."""
     try:
       text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **self.chat_kwargs)
+      least = 0 if limit is None else self.token_bound.at_least(text)
+      prompt = [] if limit is not None and least > limit else list(self.tokenizer.encode(text))
     except Exception as e:  # pylint: disable=broad-except  (the template rejects the conversation)
       raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from e
-    return list(self.tokenizer.encode(text))
+    if limit is not None and max(least, len(prompt)) > limit:
+      what = f"at least {least}" if least > limit else f"{len(prompt)}"
+      raise ApiError(400, f"this model's maximum context length for prompts is {limit} tokens; the "
+                     f"messages take {what} tokens", "messages", "context_length_exceeded")
+    return prompt
 
 
 def _error(e: ApiError) -> JSONResponse:
-  return JSONResponse(e.body(), status_code=e.status)
+  return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _unauthorized(_: HTTPConnection, exc: Exception) -> JSONResponse:
+  return _error(ApiError(401, str(exc), None, "invalid_api_key",
+                         headers={"WWW-Authenticate": "Bearer"}))
+
+
+async def _failed(_: Request, exc: Exception) -> JSONResponse:
+  # anything unforeseen: still an OpenAI error object (Starlette logs the traceback)
+  return _error(ApiError(500, f"internal error: {type(exc).__name__}", None, "internal_error",
+                         "server_error"))
 
 
 def build_app(ctx: ServeContext) -> Starlette:
@@ -97,25 +133,28 @@ def build_app(ctx: ServeContext) -> Starlette:
     response.headers.update(exc.headers or {})  # (a 405's Allow)
     return response
 
-  return Starlette(routes=routes, exception_handlers={HTTPException: not_served})
+  return Starlette(routes=routes, exception_handlers={HTTPException: not_served, Exception: _failed},
+                   middleware=[Middleware(AuthenticationMiddleware, backend=access.KeyAuth(ctx.keys),
+                                          on_error=_unauthorized)])
 
 
 async def _chat(ctx: ServeContext, request: Request):
-  raw = await request.body()
+  key_id = access.request_key_id(request)
+  ctx.limiter.check(key_id or (request.client.host if request.client else ""))
+  raw = await access.read_body(request, ctx.max_body_bytes)
+  turn_type, done = protocol.session_headers(request.headers)
   try:
     body = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+  except RecursionError as e:
+    raise ApiError(400, "malformed JSON in the request body: nested too deeply") from e
+  except ValueError as e:  # (also invalid UTF-8 and integers too long to convert)
     raise ApiError(400, f"malformed JSON in the request body: {e}") from e
   req = protocol.parse_chat_request(body, ctx.max_candidates)
   if req.model != ctx.model_name:
     raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
                    f"{ctx.model_name!r} (GET /v1/models)", "model", "model_not_found")
   session = request.headers.get("x-session-id") or req.user or f"s-{uuid.uuid4().hex}"
-  prompt = ctx.encode(req.messages)
-  if len(prompt) > ctx.max_prompt_len:
-    raise ApiError(400, f"this model's maximum context length for prompts is {ctx.max_prompt_len} "
-                   f"tokens; the messages take {len(prompt)} tokens", "messages",
-                   "context_length_exceeded")
+  prompt = ctx.encode(req.messages, ctx.max_prompt_len)
   max_tokens = ctx.max_new_tokens if req.max_tokens is None else req.max_tokens
   if max_tokens > ctx.max_new_tokens:
     raise ApiError(400, f"max_tokens={max_tokens} exceeds this server's limit of "
@@ -128,7 +167,7 @@ async def _chat(ctx: ServeContext, request: Request):
   group_id, queue = ctx.dispatcher.submit(prompt, req.n, params,
                                           {"continue": True} if ctx.keep_turns else None)
   rid = f"chatcmpl-{uuid.uuid4().hex}"
-  turn = _Turn(ctx, req, session, rid, prompt, temperature)
+  turn = _Turn(ctx, req, session, rid, prompt, temperature, key_id, turn_type, done)
   headers = {"x-session-id": session}
   if req.stream:
     return StreamingResponse(_stream(ctx, turn, group_id, queue), media_type="text/event-stream",
@@ -177,6 +216,9 @@ class _Turn:
   rid: str
   prompt: list[int]
   temperature: float
+  key_id: str | None = None
+  turn_type: str = "main"
+  done: bool = False
 
   async def record(self, samples: list[Sample]) -> tuple[list[int], int]:
     """Commits the candidates to the store; returns their row ids and the turn index."""
@@ -186,7 +228,8 @@ class _Turn:
                  completion_text=self.ctx.tokenizer.decode(s.tokens),
                  finish_reason=s.finish_reason, temperature=self.temperature) for s in samples]
     try:
-      return await asyncio.to_thread(self.ctx.store.add_turns, self.session, rows)
+      return await asyncio.to_thread(self.ctx.store.add_turns, self.session, rows, self.key_id,
+                                     self.turn_type, self.done)
     except Exception as e:  # pylint: disable=broad-except  (never acknowledge an unrecorded turn)
       raise ApiError(500, f"could not record the turn: {type(e).__name__}: {e}", None,
                      "store_failed", "server_error") from e

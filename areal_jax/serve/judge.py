@@ -1,7 +1,11 @@
 """The judge loop: scores recorded turns from what came next, never blocking serving.
 
-A turn's *next state* is the session's following turn: its request carries the user's reply (or a
-tool's result) to the answer. Two judges:
+A turn's *next state* is the session's next main turn: its request carries the user's reply (or a
+tool's result) to the answer (side turns are never judged and are not next states). A turn without
+one is its session's last turn once the session is done (a request said ``X-Session-Done``) or
+``serve.judge_timeout_s`` has passed; a last turn has no next state and is not trained, unless it
+is the session's only turn: then a judge that needs no next state (the model judge) judges it
+alone. Two judges:
   * ``RuleJudge`` (the arithmetic demo): the user's next message says whether the answer was right
     ("right", "correct", "yes" -> 1; "wrong", "incorrect", "not right" -> 0; anything else: no
     verdict, the turn is not trained);
@@ -159,12 +163,15 @@ class JudgeLoop:
       if not turn["completion_tokens"] or turn["finish_reason"] in ("error", "abort"):
         results.append((turn["id"], "unjudgeable", None))
         continue
-      nxt = self.store.next_turn(turn["session_id"], turn["turn_index"])
-      if nxt is None and self.judge.needs_next:
-        if now - turn["created_s"] > self.timeout_s:
+      nxt = self.store.next_turn(turn["session_id"], turn["turn_index"], turn["key_id"])
+      if nxt is None:  # the session's last turn so far
+        session = self.store.session_state(turn["session_id"], turn["key_id"])
+        if not session["done"] and now - turn["created_s"] <= self.timeout_s:
+          continue  # its next state may still come
+        if self.judge.needs_next or session["main_turns"] > 1:
           results.append((turn["id"], "unjudgeable", None))
-        continue
-      if self.judge.needs_next and not _continued_with(turn, nxt):
+          continue
+      elif self.judge.needs_next and not _continued_with(turn, nxt):
         results.append((turn["id"], "unjudgeable", None))
         continue
       try:

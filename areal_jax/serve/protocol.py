@@ -2,7 +2,7 @@
 
 ``parse_chat_request`` turns a decoded JSON body into a ``ChatRequest`` or raises ``ApiError`` with
 the HTTP status and the OpenAI error object (``{"error": {"message", "type", "param", "code"}}``)
-the client libraries expect.
+the client libraries expect; ``session_headers`` reads the session protocol's headers.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ ROLES = ("system", "user", "assistant", "tool")
 class ApiError(Exception):
 
   def __init__(self, status: int, message: str, param: str | None = None,
-               code: str | None = None, kind: str = "invalid_request_error"):
+               code: str | None = None, kind: str = "invalid_request_error",
+               headers: dict[str, str] | None = None):
     super().__init__(message)
     self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+    self.headers = headers or {}
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -106,6 +108,24 @@ def parse_chat_request(body: Any, max_candidates: int) -> ChatRequest:
       temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
       top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)),
       max_tokens=max_tokens, seed=_number(body, "seed", None, 0, 2**31 - 1, integer=True))
+
+
+TURN_TYPES = ("main", "side")
+_FLAGS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def session_headers(headers) -> tuple[str, bool]:
+  """The session protocol's ``X-Turn-Type`` (``main`` | ``side``, default ``main``) and
+  ``X-Session-Done`` (``true`` | ``false``, default ``false``) of a request."""
+  turn_type = headers.get("x-turn-type", "main").strip().lower()
+  if turn_type not in TURN_TYPES:
+    raise ApiError(400, f"X-Turn-Type must be one of {TURN_TYPES}, got {turn_type[:40]!r}",
+                   "X-Turn-Type")
+  done = headers.get("x-session-done", "false").strip().lower()
+  if done not in _FLAGS:
+    raise ApiError(400, f"X-Session-Done must be 'true' or 'false', got {done[:40]!r}",
+                   "X-Session-Done")
+  return turn_type, _FLAGS[done]
 
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cache_full": "length"}

@@ -29,7 +29,7 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import engines, errors, meshes, model_source, weight_transfer
 from areal_jax.runtime.ray_worker import pin_process
-from areal_jax.serve import judge as judge_lib
+from areal_jax.serve import access, judge as judge_lib
 from areal_jax.serve.app import ServeContext, build_app
 from areal_jax.serve.dispatch import Dispatcher
 from areal_jax.serve.status import ServeStatus
@@ -76,7 +76,10 @@ class ServeRuntime:
     config_lib.validate(config, jax.device_count())
     self.config, self.workdir = config, os.path.abspath(workdir)
     errors.make_run_dir(self.workdir)
-    check_listen(s.host, s.port if port is None else port)  # before the model loads and warms up
+    # who may use it, before the model loads and warms up: keys, or loopback only
+    self.keys = access.load_keys(s.api_keys)
+    access.check_bind(s.host, self.keys)
+    check_listen(s.host, s.port if port is None else port)
     self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
     model, self.tokenizer = model_source.load(config)
@@ -121,7 +124,8 @@ class ServeRuntime:
         model_name=s.model_name, max_prompt_len=c_roll.max_prompt_len,
         max_new_tokens=c_roll.max_new_tokens, temperature=c_roll.temperature,
         max_candidates=min(s.max_candidates, c_roll.num_slots), chat_kwargs=chat_kwargs,
-        keep_turns=s.keep_turns, status=self.status)
+        keep_turns=s.keep_turns, status=self.status, keys=self.keys,
+        rate_limit_per_min=s.rate_limit_per_min, max_body_bytes=s.max_body_bytes)
     self.app = build_app(self.context)
     self._port = s.port if port is None else port
     self._server: uvicorn.Server | None = None
@@ -209,6 +213,13 @@ class ServeRuntime:
       self.trainer.start()
     print(f"serving {self.config.serve.model_name} (policy version {self.engine.version}) at "
           f"{self.url}; turns in {self.store.path}", flush=True)
+    if self.keys is None:
+      trains = " and trains the policy" if self.config.serve.train else ""
+      print(f"no serve.api_keys: listening on loopback only; every local client is served{trains}",
+            flush=True)
+    else:
+      print(f"access: {len(self.keys)} API keys (serve.api_keys), requests without one get 401",
+            flush=True)
     self.status_line.start()
 
   def stop(self) -> None:

@@ -8,6 +8,10 @@ survives a crash. Three loops share the file, each on its own connection:
   * the trainer sets ``train_status`` ("new" -> "trained" | "stale") with the policy version
     whose train step consumed the row (``trained_version``), so a restart from checkpoint V
     rolls back the marks of steps after V (``rollback_after``) and trains nothing twice.
+A turn also records the session protocol: ``key_id`` (the API key's id, never the key; NULL
+without keys), ``turn_type`` ("main" | "side": side turns are recorded with both statuses "side",
+never judged nor trained) and ``session_done`` (the request said the session ended: its turn is
+the last). A session is its id within one key id: another key's requests cannot join it.
 """
 
 from __future__ import annotations
@@ -39,17 +43,23 @@ CREATE TABLE IF NOT EXISTS turns (
   score REAL,
   judged_s REAL,
   train_status TEXT NOT NULL DEFAULT 'new',
-  trained_version INTEGER
+  trained_version INTEGER,
+  key_id TEXT,                       -- the API key's id (access.key_id), NULL without keys
+  turn_type TEXT NOT NULL DEFAULT 'main',  -- "main" | "side" (served and recorded, never trained)
+  session_done INTEGER NOT NULL DEFAULT 0  -- 1: the request ended its session (X-Session-Done)
 );
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session_id, turn_index);
 CREATE INDEX IF NOT EXISTS turns_judge ON turns (judge_status);
 CREATE INDEX IF NOT EXISTS turns_train ON turns (judge_status, train_status);
 """
+# Columns added after the first stores were written: a store from before gets them on open.
+_ADDED = {"key_id": "TEXT", "turn_type": "TEXT NOT NULL DEFAULT 'main'",
+          "session_done": "INTEGER NOT NULL DEFAULT 0"}
 
 TURN_COLUMNS = ("id", "session_id", "turn_index", "request_id", "candidate", "messages",
                 "prompt_tokens", "completion_tokens", "logprobs", "versions", "completion_text",
                 "finish_reason", "temperature", "created_s", "judge_status", "score", "judged_s",
-                "train_status", "trained_version")
+                "train_status", "trained_version", "key_id", "turn_type", "session_done")
 _JSON = ("messages", "prompt_tokens", "completion_tokens", "logprobs", "versions")
 
 
@@ -60,7 +70,12 @@ class TurnStore:
     self.path = path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     self._local = threading.local()
-    self._raw().executescript(SCHEMA)
+    conn = self._raw()
+    conn.executescript(SCHEMA)
+    have = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
+    for column, kind in _ADDED.items():
+      if column not in have:
+        conn.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
 
   def _conn(self) -> "_Tx":
     return _Tx(self._raw())
@@ -83,24 +98,31 @@ class TurnStore:
 
   # ---- serving ---------------------------------------------------------------------------------
 
-  def add_turns(self, session_id: str, rows: list[dict]) -> tuple[list[int], int]:
+  def add_turns(self, session_id: str, rows: list[dict], key_id: str | None = None,
+                turn_type: str = "main", done: bool = False) -> tuple[list[int], int]:
     """Inserts and commits the candidates of one request as the session's next turn (all or none);
-    returns their row ids and the turn index."""
+    returns their row ids and the turn index. A ``side`` turn is never judged nor trained."""
+    if turn_type not in ("main", "side"):
+      raise ValueError(f"turn_type must be 'main' or 'side', got {turn_type!r}")
+    status = "side" if turn_type == "side" else None
     ids = []
     with self._conn() as conn:
-      last = conn.execute("SELECT MAX(turn_index) FROM turns WHERE session_id = ?",
-                          (session_id,)).fetchone()[0]
+      last = conn.execute("SELECT MAX(turn_index) FROM turns WHERE session_id = ? AND key_id IS ?",
+                          (session_id, key_id)).fetchone()[0]
       index = 0 if last is None else last + 1
       for r in rows:
         cur = conn.execute(
             "INSERT INTO turns (session_id, turn_index, request_id, candidate, messages, "
             "prompt_tokens, completion_tokens, logprobs, versions, completion_text, finish_reason, "
-            "temperature, created_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "temperature, created_s, key_id, turn_type, session_done, judge_status, train_status) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+            "COALESCE(?, 'pending'), COALESCE(?, 'new'))",
             (session_id, index, r["request_id"], r.get("candidate", 0),
              json.dumps(r["messages"]), json.dumps(r["prompt_tokens"]),
              json.dumps(r["completion_tokens"]), json.dumps(r["logprobs"]),
              json.dumps(r["versions"]), r["completion_text"], r["finish_reason"],
-             float(r["temperature"]), r.get("created_s", time.time())))
+             float(r["temperature"]), r.get("created_s", time.time()), key_id, turn_type,
+             int(done), status, status))
         ids.append(cur.lastrowid)
     return ids, index
 
@@ -136,16 +158,34 @@ class TurnStore:
     return self._rows("SELECT * FROM turns WHERE judge_status = 'pending' ORDER BY id LIMIT ?",
                       (limit,))
 
-  def next_turn(self, session_id: str, turn_index: int) -> dict | None:
-    """The first candidate of the session's following turn (carrying the user's reply)."""
-    rows = self._rows("SELECT * FROM turns WHERE session_id = ? AND turn_index = ? "
-                      "ORDER BY candidate LIMIT 1", (session_id, turn_index + 1))
+  def next_turn(self, session_id: str, turn_index: int, key_id: str | None = None) -> dict | None:
+    """The first candidate of the session's next main turn (carrying the user's reply; side turns
+    between are skipped)."""
+    rows = self._rows("SELECT * FROM turns WHERE session_id = ? AND key_id IS ? AND turn_index > ? "
+                      "AND turn_type = 'main' ORDER BY turn_index, candidate LIMIT 1",
+                      (session_id, key_id, turn_index))
     return rows[0] if rows else None
 
-  def trainable(self, limit: int) -> list[dict]:
-    """Judged, untrained rows, oldest first."""
-    return self._rows("SELECT * FROM turns WHERE judge_status = 'judged' AND train_status = 'new' "
-                      "ORDER BY id LIMIT ?", (limit,))
+  def session_state(self, session_id: str, key_id: str | None = None) -> dict:
+    """``done`` (a request ended the session) and ``main_turns`` (how many main turns it has)."""
+    done, main = self._raw().execute(
+        "SELECT MAX(session_done), COUNT(DISTINCT CASE WHEN turn_type = 'main' THEN turn_index END) "
+        "FROM turns WHERE session_id = ? AND key_id IS ?", (session_id, key_id)).fetchone()
+    return {"done": bool(done), "main_turns": main}
+
+  def trainable(self, limit: int, per_key: int | None = None) -> list[dict]:
+    """Judged, untrained main turns, oldest first; with ``per_key``, at most that many of each key
+    id (so that one key's backlog cannot hide the others' turns)."""
+    where = "judge_status = 'judged' AND train_status = 'new' AND turn_type = 'main'"
+    if per_key is None:
+      return self._rows(f"SELECT * FROM turns WHERE {where} ORDER BY id LIMIT ?", (limit,))
+    rows = self._rows(
+        f"SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY key_id ORDER BY id) AS key_rank "
+        f"FROM turns WHERE {where}) WHERE key_id IS NULL OR key_rank <= ? ORDER BY id LIMIT ?",
+        (per_key, limit))
+    for r in rows:
+      del r["key_rank"]
+    return rows
 
   def counts(self) -> dict[str, int]:
     conn = self._raw()

@@ -1,6 +1,9 @@
 """The trainer loop: judged turns in, new policy versions out to the serving engine.
 
 Each step takes the oldest ``actor.batch_size`` judged, untrained turns from the store:
+  * only main turns (never side turns, never a last turn: the judge leaves those unjudgeable), and
+    at most ``serve.max_key_share`` of the batch from any one API key (at least one turn), so that
+    one user cannot steer the policy alone; a key's turns over its share wait for later batches;
   * a turn whose oldest token is more than ``serve.max_staleness`` versions behind is marked
     ``stale`` (counted, never trained); so is one sampled at another temperature than the learner's
     (``rollout.temperature``: its behaviour logprobs follow another distribution) or greedily;
@@ -19,6 +22,7 @@ trained twice. Killing the loop mid-step never touches serving.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -66,6 +70,11 @@ class TrainerLoop:
       raise ValueError(f"serving trains with actor.adv_norm='none' (the trainer loop computes the "
                        f"advantages), got {config.actor.adv_norm!r}")
     self.batch_size = config.actor.batch_size
+    share = config.serve.max_key_share
+    if not 0.0 < share <= 1.0:
+      raise ValueError(f"serve.max_key_share must lie in (0, 1], got {share!r}")
+    # the most turns one key id may have in a batch (turns recorded without keys are not capped)
+    self.per_key = max(1, int(share * self.batch_size + 1e-9))
     self.baseline: float | None = None
     self.stats = dict(trained=0, stale=0, off_policy_temperature=0, steps=0)
     self.error: str | None = None
@@ -148,13 +157,17 @@ class TrainerLoop:
   def step(self) -> bool:
     """One train step if a batch of judged turns is ready; False when there is none yet."""
     version = self.learner.version
-    rows, skip = [], {}
-    for row in self.store.trainable(4 * self.batch_size + 64):
+    rows, skip, per_key = [], {}, collections.Counter()
+    capped = self.per_key < self.batch_size
+    for row in self.store.trainable(4 * self.batch_size + 64,
+                                    4 * self.per_key + 16 if capped else None):
       reason = self._skip_reason(row, version)
       if reason:
         skip.setdefault(reason, []).append(row["id"])
-      elif len(rows) < self.batch_size:
+      elif len(rows) < self.batch_size and (row["key_id"] is None
+                                            or per_key[row["key_id"]] < self.per_key):
         rows.append(row)
+        per_key[row["key_id"]] += 1
     for reason, ids in skip.items():
       self.store.mark(ids, "stale", version + 1)
       self.stats["stale" if reason == "stale" else "off_policy_temperature"] += len(ids)
