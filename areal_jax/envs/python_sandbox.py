@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 
 INIT = pathlib.Path(__file__).with_name("sandbox_init.py")
 SETUP_FAILED = 125  # sandbox_init.SETUP_FAILED
-UID_RANGE = (1 << 20, 1 << 21)  # as root, each run's uid and gid: unused ids from this range
+# As root, each run's uid and gid, drawn at random (not checked against the system's users).
+UID_RANGE = (1 << 20, 1 << 21)
 # Why a run ended.
 REASONS = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "sandbox_error")
 
@@ -113,6 +114,10 @@ class Sandbox:
     self.limits = limits or Limits()
     self.allow_unisolated = bool(allow_unisolated)
     self.python = os.path.realpath(python or sys.executable)
+    # The interpreter's installation (bound back into the namespace where its directory is hidden).
+    home = os.path.realpath(sysconfig.get_config_var("prefix") or sys.prefix)
+    self._home = (home if self.python.startswith(home + os.sep)
+                  else os.path.dirname(os.path.dirname(self.python)))
     self._unshare = shutil.which(unshare)
     self._root = os.geteuid() == 0
     self.isolated, self.unavailable = False, ""
@@ -126,7 +131,7 @@ class Sandbox:
     else:
       self.isolated = True
       r = self._run("print(sorted(l.split(':')[0].strip() for l in open('/proc/net/dev')"
-                    ".readlines()[2:]))", probe=True)
+                    ".readlines()[2:]))")
       if not (r.ok and r.stdout.strip() == "['lo']"):
         self.isolated = False
         why = (r.stderr.strip().splitlines() or [r.reason])[-1]
@@ -165,14 +170,11 @@ class Sandbox:
       ns.insert(1, "--map-root-user")
     return ns + ["--"] + init
 
-  def _run(self, code: str, probe: bool = False) -> Result:
+  def _run(self, code: str) -> Result:
     lim = self.limits
     uid = random.SystemRandom().randrange(*UID_RANGE) if self.isolated and self._root else None
     spec = dict(limits=dataclasses.asdict(lim), namespaces=self.isolated, uid=uid,
-                python=self.python, python_home=sysconfig.get_config_var("prefix") or sys.prefix)
-    spec["python_home"] = os.path.realpath(spec["python_home"])
-    if not self.python.startswith(spec["python_home"] + os.sep):
-      spec["python_home"] = os.path.dirname(os.path.dirname(self.python))
+                python=self.python, python_home=self._home)
     with tempfile.TemporaryDirectory(prefix="areal_sandbox_") as tmp:
       spec_path = os.path.join(tmp, "spec.json")
       with open(spec_path, "w", encoding="utf-8") as f:
@@ -184,7 +186,7 @@ class Sandbox:
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp,
                               env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
                               start_new_session=True, close_fds=True)
-      pipes = _Pipes(proc, lim.max_output_bytes)
+      pipes, status, cpu = _Pipes(proc, lim.max_output_bytes), None, 0.0
       try:
         killed = pipes.read(t0 + lim.wall_s)
         # The pipes closed: the process ends, or runs on after closing them itself.
@@ -201,6 +203,7 @@ class Sandbox:
       wall = time.monotonic() - t0
     stdout, stderr = (bytes(b).decode("utf-8", "replace") for b in pipes.kept)
     code_ = None if status is None else os.waitstatus_to_exitcode(status)
+    proc.returncode = code_  # reaped here (os.wait4, for the CPU time), not by Popen
     if code_ is not None and 128 < code_ < 128 + signal.NSIG:  # the supervisor's report
       code_ = 128 - code_
     return Result(stdout, stderr, _reason(killed, code_, cpu, lim, stderr), code_,
