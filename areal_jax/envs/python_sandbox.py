@@ -179,7 +179,7 @@ class Sandbox:
       spec_path = os.path.join(tmp, "spec.json")
       with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
-      with open(os.path.join(tmp, "main.py"), "w", encoding="utf-8") as f:
+      with open(os.path.join(tmp, "main.py"), "w", encoding="utf-8", errors="replace") as f:
         f.write(code)
       t0 = time.monotonic()
       proc = subprocess.Popen(self._argv(spec_path), stdin=subprocess.DEVNULL,

@@ -60,6 +60,17 @@ def test_a_program_runs_and_its_output_comes_back(box):
   assert r.reason == "error" and r.exit_code == 1 and r.stderr.strip().endswith("ValueError: bad")
 
 
+def test_runs_from_many_threads_at_once_stay_apart(box):
+  """Episodes run the tool from threads of their own: each run gets its own output (and a text
+  that is no valid UTF-8, here a lone surrogate in a comment, still makes a program)."""
+  from concurrent.futures import ThreadPoolExecutor
+  code = "import os\nprint({i}, os.getpid(), sorted(os.listdir('.')))  # \ud800"
+  with ThreadPoolExecutor(8) as pool:
+    results = list(pool.map(lambda i: box.run(code.format(i=i)), range(8)))
+  for i, r in enumerate(results):
+    assert r.ok and r.stdout == f"{i} 2 ['main.py']\n", r
+
+
 def test_an_endless_loop_is_stopped_by_the_cpu_limit(box):
   r = box.run("while True:\n  pass")
   assert r.reason == "cpu_limit" and r.exit_code == -9 and r.cpu_s > 0.5
