@@ -162,11 +162,14 @@ def test_causal_attention_equals_dense_attention(max_blocks, monkeypatch):
 
   dense = lambda q, k, v: transformer.attention(q, k, v, mask)
   blocked = lambda q, k, v: transformer.causal_attention(q, k, v, mask, block=4)
+  # values and gradients of each form as one program (op by op, each op would compile alone)
+  both = jax.jit(lambda fn, q, k, v: (fn(q, k, v), jax.grad(loss, (1, 2, 3))(fn, q, k, v)),
+                 static_argnums=0)
+  (out_blocked, grads_blocked), (out_dense, grads_dense) = (both(blocked, q, k, v),
+                                                            both(dense, q, k, v))
   real = np.asarray(seg > 0)
-  np.testing.assert_allclose(np.asarray(blocked(q, k, v))[real], np.asarray(dense(q, k, v))[real],
-                             atol=1e-6)
-  for g_blocked, g_dense in zip(jax.grad(loss, (1, 2, 3))(blocked, q, k, v),
-                                jax.grad(loss, (1, 2, 3))(dense, q, k, v)):
+  np.testing.assert_allclose(np.asarray(out_blocked)[real], np.asarray(out_dense)[real], atol=1e-6)
+  for g_blocked, g_dense in zip(grads_blocked, grads_dense):
     np.testing.assert_allclose(g_blocked, g_dense, atol=1e-5)
 
 
@@ -183,13 +186,16 @@ def test_decode_attention_equals_dense_attention(group):
                                                                   group=group))
   # spread positions (the groups skip chunks), then alike ones (one loop is as good)
   positions = ([22, 0, 3, 17, 9, 1, 22, 4, 12, 6], [20, 21, 19, 22, 20, 21, 22, 20, 19, 21])
+  @jax.jit
+  def dense(q, k, v, pos):
+    mask = (jnp.arange(t)[None, :] <= pos[:, None])[:, None]  # [B, 1, T]
+    return transformer.attention(q, k[:b], v[:b], mask)
+
   with cpu_attention.disabled():  # traced here: XLA's form
     assert cpu_attention.TARGET not in fn.lower(q, k, v, jnp.zeros(b, jnp.int32)).as_text()
     for pos in positions:
       pos = jnp.asarray(pos, jnp.int32)
-      mask = (jnp.arange(t)[None, :] <= pos[:, None])[:, None]  # [B, 1, T]
-      dense = transformer.attention(q, k[:b], v[:b], mask)
-      np.testing.assert_allclose(fn(q, k, v, pos), dense, atol=1e-5)
+      np.testing.assert_allclose(fn(q, k, v, pos), dense(q, k, v, pos), atol=1e-5)
 
 
 def test_packed_segments_equal_separate_forwards(hf_checkpoint):
@@ -252,8 +258,9 @@ def test_linear_gradients_equal_autodiff(transpose_w):
   g = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
   plain = lambda x, w: jnp.sum(g * (x @ (w.T if transpose_w else w)))
   ours = lambda x, w: jnp.sum(g * transformer.linear(x, w, transpose_w))
-  np.testing.assert_allclose(ours(x, w), plain(x, w), rtol=1e-6)
-  for got, want in zip(jax.grad(ours, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)):
+  np.testing.assert_allclose(jax.jit(ours)(x, w), jax.jit(plain)(x, w), rtol=1e-6)
+  for got, want in zip(jax.jit(jax.grad(ours, (0, 1)))(x, w),
+                       jax.jit(jax.grad(plain, (0, 1)))(x, w)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
@@ -269,10 +276,10 @@ def test_model_gradient_equals_plain_autodiff(monkeypatch):
     logits = nnx.merge(graphdef, p)(tokens)
     return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * jnp.arange(9))
 
-  ours = jax.grad(loss)(params)
+  ours = jax.jit(jax.grad(loss))(params)  # (one program: op by op, each op compiles alone)
   monkeypatch.setattr(transformer, "linear", lambda x, w, transpose_w=False, out_dtype=None: (
       x @ (w.T if transpose_w else w)).astype(out_dtype or x.dtype))
-  plain = jax.grad(loss)(params)
+  plain = jax.jit(jax.grad(loss))(params)  # (a fresh trace: the patched ``linear``)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(plain)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
                                err_msg=jax.tree_util.keystr(path))
