@@ -8,7 +8,8 @@ runs only its new messages through the model instead of the whole history. Its c
 written to the turn store (committed) before the last byte of the response: the body of a plain
 response, the finish chunks and ``[DONE]`` of a stream. A conversation's turns are tied by the
 session id: the ``X-Session-Id`` header, else the ``user`` field, else a new session per request
-(returned in the ``X-Session-Id`` response header either way). The session protocol's other
+(returned in the ``X-Session-Id`` response header either way; such a one-turn session is done at
+once). The session protocol's other
 headers: ``X-Turn-Type: main | side`` (a side turn is served and recorded, never trained) and
 ``X-Session-Done: true`` (this request ends the session: its turn is the last).
 
@@ -153,7 +154,9 @@ async def _chat(ctx: ServeContext, request: Request):
   if req.model != ctx.model_name:
     raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
                    f"{ctx.model_name!r} (GET /v1/models)", "model", "model_not_found")
-  session = request.headers.get("x-session-id") or req.user or f"s-{uuid.uuid4().hex}"
+  session = request.headers.get("x-session-id") or req.user
+  if not session:  # a session of one turn: nothing can follow it, it is done
+    session, done = f"s-{uuid.uuid4().hex}", True
   prompt = ctx.encode(req.messages, ctx.max_prompt_len)
   max_tokens = ctx.max_new_tokens if req.max_tokens is None else req.max_tokens
   if max_tokens > ctx.max_new_tokens:

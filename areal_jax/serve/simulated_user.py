@@ -8,7 +8,8 @@ Each conversation is one session (its id in the ``X-Session-Id`` header and the 
 the user asks a question drawn from the task's *train* split (the held-out test split is never
 sent) in the task's prompt format, checks the answer with the task's reward, and replies "right" or
 "that's wrong" in the same session (a short turn, ``serve.sim_feedback_tokens``); that reply is
-the next state the judge scores the answer from. ``serve.sim_users`` conversations run at once.
+the next state the judge scores the answer from, and it ends the session (``X-Session-Done``: the
+reply turn is the last, never trained). ``serve.sim_users`` conversations run at once.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class SimulatedUsers:
     right = self.task.reward(text, example) > 0.5
     reply = self.rng.choice(POSITIVE if right else NEGATIVE)
     self.client.chat.completions.create(
-        model=model, user=session, extra_headers={"X-Session-Id": session},
+        model=model, user=session, extra_headers={"X-Session-Id": session, "X-Session-Done": "true"},
         messages=messages + [{"role": "assistant", "content": text}, {"role": "user", "content": reply}],
         max_tokens=self.config.serve.sim_feedback_tokens)
     out = dict(time_s=time.time(), session=session, example_id=example.get("id"), right=right,

@@ -229,5 +229,7 @@ def test_the_openai_client_speaks_the_session_protocol(rt):
   assert status["side"]["judge_status"] == "side"
   assert status["last"]["judge_status"] == "unjudgeable"  # done: judged as last, not timed out
   assert [r["id"] for r in rt.store.trainable(100)] == first.turn_ids
+  alone = ask(Q)  # no session id: a session of one turn, done at once
+  assert rt.store.get(alone.turn_ids[0])["session_done"] == 1
   with pytest.raises(openai.BadRequestError, match="X-Turn-Type"):
     ask(Q, **{"X-Turn-Type": "aside"})
