@@ -9,9 +9,9 @@ written to the turn store (committed) before the last byte of the response: the 
 response, the finish chunks and ``[DONE]`` of a stream. A conversation's turns are tied by the
 session id: the ``X-Session-Id`` header, else the ``user`` field, else a new session per request
 (returned in the ``X-Session-Id`` response header either way; such a one-turn session is done at
-once). The session protocol's other
-headers: ``X-Turn-Type: main | side`` (a side turn is served and recorded, never trained) and
-``X-Session-Done: true`` (this request ends the session: its turn is the last).
+once). The session protocol's other headers: ``X-Turn-Type: main | side`` (a side turn is served
+and recorded, never trained) and ``X-Session-Done: true`` (this request ends the session: its
+turn is the last).
 
 Access (``serve/access.py``): with ``serve.api_keys`` a ``/v1/...`` request needs a valid Bearer
 key (401 ``invalid_api_key``); then each chat request passes the key's rate limit (429
@@ -21,9 +21,9 @@ before the body is read when its Content-Length says so).
 Errors are OpenAI error objects: 400 for malformed JSON (also nested too deep to parse), bad fields
 and headers and a prompt over the context length (code ``context_length_exceeded``), 404 for an
 unknown model (``model_not_found``), 503 when the engine stopped mid-request, 500 when generation
-failed (or anything else did); 404 / 405 for a path or method not
-served, naming those that are. A client that disconnects mid-stream has
-its request aborted in the engine (its slots free at the next decode step) and nothing recorded.
+failed (or anything else did); 404 / 405 for a path or method not served, naming those that are.
+A client that disconnects mid-stream has its request aborted in the engine (its slots free at the
+next decode step) and nothing recorded.
 """
 
 from __future__ import annotations
