@@ -64,9 +64,9 @@ def load_keys(spec: str) -> dict[bytes, str] | None:
                                    "is not set")
     keys = value.replace(",", " ").split()
   else:
-    raise config_lib.ConfigError(f"serve.api_keys={spec!r}: expected 'file:PATH' (one key a line) "
-                                 "or 'env:NAME' (keys separated by commas or spaces), or '' for "
-                                 "none (loopback only)")
+    raise config_lib.ConfigError("serve.api_keys must be 'file:PATH' (one key a line) or "
+                                 "'env:NAME' (keys separated by commas or spaces), or '' for none "
+                                 "(loopback only); the value given is not shown: it may be a key")
   if not keys:
     raise config_lib.ConfigError(f"serve.api_keys={spec!r} holds no keys")
   if any(any(ch.isspace() for ch in k) or not k.isprintable() for k in keys):

@@ -196,7 +196,10 @@ def test_key_specs(tmp_path, monkeypatch):
   assert sorted(access.load_keys("env:AREAL_TEST_SERVE_KEYS")) == [b"sk-a", b"sk-b", b"sk-c"]
   assert access.load_keys("") is None
   (tmp_path / "empty").write_text("# none yet\n")
-  for spec, problem in [("sk-a", "expected 'file:PATH'"), ("env:AREAL_TEST_UNSET_KEYS", "not set"),
+  with pytest.raises(config_lib.ConfigError, match="must be 'file:PATH'") as e:
+    access.load_keys("sk-pasted-key-itself")
+  assert "sk-pasted" not in str(e.value)
+  for spec, problem in [("env:AREAL_TEST_UNSET_KEYS", "not set"),
                         (f"file:{tmp_path / 'missing'}", "cannot read"),
                         (f"file:{tmp_path / 'empty'}", "holds no keys")]:
     with pytest.raises(config_lib.ConfigError, match=problem):
