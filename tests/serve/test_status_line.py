@@ -41,9 +41,11 @@ def test_status_line_counts_windows_and_totals():
 
 @pytest.mark.slow
 def test_serve_demo_prints_status_lines_not_requests(tmp_path):
+  """15 s of simulated users, a status line every 5 s (was 30 and 8: the same two windows at
+  least): two or more lines from the demo and in the server's log, none per HTTP request."""
   workdir = tmp_path / "demo"
   cmd = [sys.executable, "-m", "areal_jax.serve.demo", "--config=configs/serve_arithmetic.py:tiny",
-         f"--workdir={workdir}", "--duration_s=30", "--status_every_s=8", "--eval_size=2",
+         f"--workdir={workdir}", "--duration_s=15", "--status_every_s=5", "--eval_size=2",
          "--curve_points=0"]
   out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
                        timeout=600)
@@ -53,7 +55,7 @@ def test_serve_demo_prints_status_lines_not_requests(tmp_path):
   lines = [line for line in out.stdout.splitlines() if line.startswith("status ")]
   assert len(lines) >= 2, out.stdout
   assert all("left): users " in line and "; serving version " in line and " tokens/s over the "
-             "last 8 s; turns " in line for line in lines), lines
+             "last 5 s; turns " in line for line in lines), lines
   server = (workdir / "server.log").read_text()
   assert "HTTP Request" not in server and server.count("status: serving version ") >= 2, server
   assert len(out.stdout.splitlines()) + len(out.stderr.splitlines()) <= 30, text
