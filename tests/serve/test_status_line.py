@@ -41,8 +41,8 @@ def test_status_line_counts_windows_and_totals():
 
 @pytest.mark.slow
 def test_serve_demo_prints_status_lines_not_requests(tmp_path):
-  """15 s of simulated users, a status line every 5 s (was 30 and 8: the same two windows at
-  least): two or more lines from the demo and in the server's log, none per HTTP request."""
+  """15 s of simulated users, a status line every 5 s: two or more lines from the demo and in the
+  server's log, none per HTTP request."""
   workdir = tmp_path / "demo"
   cmd = [sys.executable, "-m", "areal_jax.serve.demo", "--config=configs/serve_arithmetic.py:tiny",
          f"--workdir={workdir}", "--duration_s=15", "--status_every_s=5", "--eval_size=2",
