@@ -426,7 +426,9 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
   """The TPU kernel path forced on CPU (Pallas TPU interpret mode; the layers in a scan, a bfloat16
   cache, float32 compute, several steps per call), on one device and on a data x tensor mesh: the same
   tokens and logprobs (1e-4) as XLA's chunked read of the same cache, through a weight swap that
-  keeps the cache and a continuation re-prefilled under the new weights."""
+  keeps the cache and a continuation re-prefilled under the new weights. With 8 steps a call, a
+  15-token prompt and two calls (the second after the swap) put the re-prefilled slot where its
+  call crosses the end of the cache (position 30 of 32); with 4, a 7-token prompt and three."""
   mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:8]) if split else None
   config = EngineConfig(num_slots=4, max_len=32, prefill_buckets=(8, 32), steps_per_call=steps,
                         decode_matmul="xla", decode_layers="scan", cache_dtype="bfloat16")
@@ -434,15 +436,16 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
              for impl in ("pallas_tpu", "xla")]
   assert engines[0].attention_impl == "pallas_tpu" and engines[0].kv_buckets == (32,)
   new = nnx.to_pure_dict(nnx.state(other_model, nnx.Param))
-  prompt, runs = [5, 7, 9, 11, 3, 1, 2], []
+  calls, length = (2, 15) if steps == 8 else (3, 7)
+  prompt, runs = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12, 13, 14, 15][:length], []
   for eng in engines:
     params, state, outs = eng.params, eng.init_state(), []
     keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
     state = eng.insert(state, eng.prefill(params, prompt[:-1]), [0, 1, 3], token=[prompt[-1]] * 3,
                        pos=[len(prompt) - 1] * 3, end=[32] * 3, keys=keys, temperature=0.7,
                        top_k=0, top_p=1.0, greedy=False, stop_ids=[])
-    for call in range(3):
-      if call == 2:  # the swap: the cache written under the old weights is kept
+    for call in range(calls):
+      if call == calls - 1:  # the swap: the cache written under the old weights is kept
         params = eng.put_params(new)
       state, out = eng.generate(params, state, 32)
       outs.append(jax.device_get(out))
@@ -459,7 +462,10 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
     np.testing.assert_array_equal(np.where(valid, tok, -1), np.where(valid_ref, tok_ref, -1))
     np.testing.assert_allclose(np.where(valid, lp, 0), np.where(valid_ref, lp_ref, 0), atol=1e-4)
   # the re-prefilled slot's steps (to the end of the cache when the call is longer)
-  assert runs[0][-1][2][:, 2].sum() == min(steps, 32 - len(prompt) - 3 * steps)
+  assert runs[0][-1][2][:, 2].sum() == min(steps, 32 - len(prompt) - calls * steps)
+
+
+_ROWS_RUNS = {}  # impl -> the rows engine's calls in the paged-cache test (its layers: a scan)
 
 
 @pytest.mark.parametrize("impl,layers", [("dense", "scan"), ("pallas_gpu", "scan"),
@@ -482,8 +488,12 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, mo
   pages read by it in 3 parts combined after it, ``:fused`` with the projections fused, so the
   kernel takes them before rope and rotates them itself; ``:norms``: the
   paged engine's norms each in one kernel with the matmul after it, ``kernels.pallas_norm_matmul``,
-  the rows engine's as written)."""
+  the rows engine's as written). A 15-token prompt and 3 calls of 4 steps (positions 14..25)
+  still cross every page boundary of the row: page 1 copied partial, pages 2 and 3 taken at 16
+  and 24, and with ``:parts`` a part left empty (rows of 2 and of 4 pages). The rows engine's run
+  is the same for both layers of an impl, so it runs once (``_ROWS_RUNS``)."""
   from areal_jax.kernels import choice
+  key = impl
   impl, *how = impl.split(":")
   monkeypatch.setenv(choice.PAGED_TUNING_ENV, ("writes=1" if "writes" in how else "")
                      + (",parts=3" if "parts" in how else ""))
@@ -497,9 +507,12 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, mo
   if impl == "cpu":
     base = dataclasses.replace(base, decode_attention="dense")
     paged.update(decode_attention="auto", decode_matmul="auto")
-  prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12], [0, 2, 3], []
+  prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12, 13, 14, 15], [0, 2, 3], []
   keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
   for kv_pages in (0, 20):
+    if not kv_pages and key in _ROWS_RUNS:
+      runs.append(_ROWS_RUNS[key])
+      continue
     if kv_pages and "norms" in how:  # (read when an engine is built)
       monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
     eng = DecodeEngine(model, dataclasses.replace(base, **(paged if kv_pages else {})))
@@ -513,13 +526,15 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, mo
                        temperature=0.7, top_k=0, top_p=1.0, greedy=False, stop_ids=[],
                        pages=None if table is None else table.table[slots])
     outs = []
-    for call in range(5):  # positions 11..30: pages 1 (partial, copied), 2, 3 taken on the way
+    for call in range(3):  # positions 14..25: pages 1 (partial, copied), 2, 3 taken on the way
       if table is not None:
         assert all(table.grow(s, min(len(prompt) - 1 + 4 * (call + 1), 64)) for s in slots)
       state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * call),
                                 pages=None if table is None else table.table)
       outs.append(jax.device_get(out))
     runs.append(outs)
+    if not kv_pages:
+      _ROWS_RUNS[key] = outs
   assert eng.init_state()["cache"]["k"].shape == (2, 2, 21, 8, 16)  # the pool, not slot rows
   for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(*runs):
     np.testing.assert_array_equal(valid, valid_ref)
