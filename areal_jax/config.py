@@ -360,9 +360,10 @@ def base_config() -> ConfigDict:
   c.serve.status_every_s = 30.0
   # Decay of the score EMA that is the baseline of single-candidate turns.
   c.serve.baseline_decay = 0.9
-  # The judge that scores turns, "rule" | "model" | "none". "rule": the user's next message says
-  # right or wrong; "model": serve.judge_prompt sent to serve.judge_url (to this server's own
-  # policy, in process, when that is "").
+  # The judge that scores turns, "rule" | "model" | "votes" | "none". "rule": the user's next
+  # message says right or wrong; "model": serve.judge_prompt sent to serve.judge_url (to this
+  # server's own policy, in process, when that is ""); "votes": serve.judge_votes votes on the turn
+  # and its next state (same models), the majority (+1 / -1) trained as the advantage itself.
   c.serve.judge = "rule"
   # The model judge's prompt, with {question}, {answer} and {reply} filled in.
   c.serve.judge_prompt = ("Question: {question}\nAnswer: {answer}\nThe user replied: {reply}\n"
@@ -374,6 +375,16 @@ def base_config() -> ConfigDict:
   c.serve.judge_interval_s = 0.5  # How often the judge loop looks for turns to score, in seconds.
   # A turn with no next state after this many seconds is not trained.
   c.serve.judge_timeout_s = 300.0
+  c.serve.judge_votes = 3  # Votes (judge samples, one request of n) per turn for serve.judge=votes.
+  # The votes judge's prompt, with {question}, {answer} and {reply} (the next state) filled in; a
+  # vote is the reply's last line, exactly "Score: +1", "Score: -1" or "Score: 0" (else abstains).
+  c.serve.judge_vote_prompt = (
+      "A user asked an assistant: {question}\nThe assistant answered: {answer}\nWhat came next "
+      "(the user's reply or a tool's output):\n{reply}\nJudge from what came next whether the "
+      "answer was good. Think briefly, then end with one line: Score: +1 (good), Score: -1 (bad) "
+      "or Score: 0 (cannot tell).")
+  c.serve.judge_vote_temperature = 1.0  # Sampling temperature of the votes (0: m equal votes).
+  c.serve.judge_vote_max_tokens = 128  # The longest vote reply, in tokens (a cut-off one abstains).
   # Simulated users: concurrent conversations (serve/simulated_user.py, make serve-demo).
   c.serve.sim_users = 4
   c.serve.sim_duration_s = 1200.0  # How long the simulated users run, in seconds.

@@ -52,7 +52,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "rollout.continuation": (r.continuation, ("keep_cache", "reprefill")),
       "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool", "python_tool")),
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
-      "serve.judge": (config.serve.judge, ("rule", "model", "none")),
+      "serve.judge": (config.serve.judge, ("rule", "model", "votes", "none")),
       "runtime.worker_devices": (config.runtime.worker_devices, ("cpu", "gpu", "tpu")),
       "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
       "actor.behav_imp_weight_level": (a.behav_imp_weight_level, ("token", "sequence")),
@@ -92,6 +92,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"serve.baseline_decay={config.serve.baseline_decay} must be in [0, 1)")
   if config.serve.trainer_cores < 0:
     errors.append(f"serve.trainer_cores={config.serve.trainer_cores} must be >= 0 (0: half)")
+  if config.serve.judge_votes < 1:
+    errors.append(f"serve.judge_votes={config.serve.judge_votes} must be >= 1")
   if config.serve.max_staleness < 0:
     errors.append(f"serve.max_staleness={config.serve.max_staleness} must be >= 0")
   if a.logits_chunk < 0:

@@ -70,15 +70,22 @@ class Dispatcher:
 
   def generate(self, prompt_tokens: list[int], params: SamplingParams, timeout: float = 600.0):
     """Blocking, from any thread but the event loop's: one sample (not recorded anywhere)."""
+    return self.generate_many(prompt_tokens, 1, params, timeout)[0]
+
+  def generate_many(self, prompt_tokens: list[int], n: int, params: SamplingParams,
+                    timeout: float = 600.0) -> list:
+    """Blocking, like ``generate``: ``n`` samples of one prompt, one group on the engine."""
     out: queue_lib.Queue = queue_lib.Queue()
-    group_id = self._submit(out.put, prompt_tokens, 1, params, None)
+    group_id = self._submit(out.put, prompt_tokens, n, params, None)
+    samples = []
     try:
-      while True:
+      while len(samples) < n:
         item = out.get(timeout=timeout)
         if item[0] == "done":
-          return item[1]
+          samples.append(item[1])
+      return samples
     finally:
-      self.release(group_id)
+      self.release(group_id, abort=len(samples) < n)
 
   def _submit(self, put, prompt_tokens, n, params, metadata) -> int:
     group_id = next(self._ids)

@@ -4,16 +4,24 @@ A turn's *next state* is the session's next main turn: its request carries the u
 tool's result) to the answer (side turns are never judged and are not next states). A turn without
 one is its session's last turn once the session is done (a request said ``X-Session-Done``) or
 ``serve.judge_timeout_s`` has passed; a last turn has no next state and is not trained, unless it
-is the session's only turn: then a judge that needs no next state (the model judge) judges it
-alone. Two judges:
+is the session's only turn: then a judge that needs no next state (model, votes) judges it
+alone. Three judges:
   * ``RuleJudge`` (the arithmetic demo): the user's next message says whether the answer was right
     ("right", "correct", "yes" -> 1; "wrong", "incorrect", "not right" -> 0; anything else: no
     verdict, the turn is not trained);
   * ``ModelJudge``: a configurable prompt (``serve.judge_prompt``, with ``{question}``, ``{answer}``
     and ``{reply}``) sent to a served model; the score is parsed robustly from its reply
-    (``parse_score``: "Score: 0.8", "7/10", "8 out of 10", "yes"/"no").
+    (``parse_score``: "Score: 0.8", "7/10", "8 out of 10", "yes"/"no");
+  * ``VotesJudge`` (binary RL from next states): ``serve.judge_vote_prompt`` with the turn and its
+    next state (``next_state``: every message of the next request after this turn's answer, the
+    user's reply or a tool's output) is sampled ``serve.judge_votes`` times in one request (n = m);
+    each reply votes through its last line (``parse_vote``: exactly ``Score: +1``, ``Score: -1`` or
+    ``Score: 0``, else it abstains) and the majority (``majority``) is the turn's score, +1 or -1,
+    trained as the advantage itself (no baseline). No verdict (0 wins, two values tie, or every
+    vote abstains) leaves the turn unjudgeable: untrained, as a zero advantage would train nothing.
 With ``n > 1`` candidates only the one the user continued with (its text is the next request's last
-assistant message) is judged from the reply; the model judge scores every candidate.
+assistant message) is judged from the reply (rule and votes judges); the model judge scores every
+candidate.
 
 ``JudgeLoop`` runs in its own thread over the store: judged rows get ``judge_status = 'judged'``;
 rows that cannot be judged (no reply within ``serve.judge_timeout_s``, no verdict in the reply, a
@@ -23,7 +31,9 @@ pending in the database until a judge runs again.
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import re
 import threading
 import time
@@ -82,7 +92,8 @@ def last_message(messages: list[dict], role: str) -> str | None:
 class RuleJudge:
   """Scores a turn from the user's next message."""
 
-  needs_next = True
+  needs_next = True  # a turn without a next state is not judged
+  reads_next = True  # only the candidate the next request continued from is judged
 
   def __call__(self, turn: dict, next_turn: dict) -> float | None:
     reply = last_message(next_turn["messages"], "user")
@@ -92,7 +103,7 @@ class RuleJudge:
 class ModelJudge:
   """Asks a model (``complete(messages) -> text``) to score a turn, with or without a next state."""
 
-  needs_next = False
+  needs_next = reads_next = False
 
   def __init__(self, complete: Callable[[list[dict]], str], prompt: str, scale: float = 10.0):
     self.complete, self.prompt, self.scale = complete, prompt, scale
@@ -102,6 +113,86 @@ class ModelJudge:
     text = self.prompt.format(question=last_message(turn["messages"], "user") or "",
                               answer=turn["completion_text"], reply=reply)
     return parse_score(self.complete([{"role": "user", "content": text}]), self.scale)
+
+
+_VOTE = re.compile(r"score:\s*(\+1|1|-1|0)\.?", re.I)
+
+
+def parse_vote(text: str) -> int | None:
+  """+1 / -1 / 0 from a judge's reply whose last non-empty line is exactly ``Score: +1``,
+  ``Score: -1`` or ``Score: 0`` ("score" in any case, ``1`` for ``+1``, one final period allowed);
+  None (an abstention) for anything else, so that a rambling or cut-off reply casts no vote."""
+  lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+  m = _VOTE.fullmatch(lines[-1]) if lines else None
+  return None if m is None else int(m.group(1))
+
+
+def majority(votes: list[int | None]) -> int:
+  """The verdict of votes +1 / -1 / 0 (None: abstained): the value cast most often; 0 when there is
+  no verdict (two values tie for most, or every vote abstained)."""
+  counts = collections.Counter(v for v in votes if v is not None)
+  ranked = counts.most_common(2)
+  if not ranked or (len(ranked) == 2 and ranked[0][1] == ranked[1][1]):
+    return 0
+  return ranked[0][0]
+
+
+def next_state(turn: dict, next_turn: dict | None) -> str:
+  """What came after the turn's answer, as ``role: content`` lines: the messages of the next
+  request after its last assistant message (the user's reply, a tool's or environment's output);
+  the next request's last message when it carries no assistant message."""
+  if next_turn is None:
+    return "(nothing: the conversation ended)"
+  messages = next_turn["messages"]
+  said = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+  after = messages[said[-1] + 1:] if said else messages[-1:]
+  return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in after)
+
+
+class VotesJudge:
+  """A PRM-style judge: ``complete(messages, n) -> list of n texts`` samples ``votes`` judge replies
+  to the turn and its next state; their majority is the score (+1 / -1), None without a verdict."""
+
+  needs_next = False  # a session's only turn is judged alone
+  reads_next = True
+
+  def __init__(self, complete: Callable[[list[dict], int], list[str]], prompt: str, votes: int):
+    if votes < 1:
+      raise ValueError(f"serve.judge_votes must be at least 1, got {votes!r}")
+    self.complete, self.prompt, self.votes = complete, prompt, int(votes)
+    self.stats = collections.Counter()  # votes cast (+1 / -1 / 0), abstained, verdicts
+
+  def __call__(self, turn: dict, next_turn: dict | None) -> float | None:
+    text = self.prompt.format(question=last_message(turn["messages"], "user") or "",
+                              answer=turn["completion_text"], reply=next_state(turn, next_turn))
+    replies = self.complete([{"role": "user", "content": text}], self.votes)[:self.votes]
+    votes = [parse_vote(r) for r in replies] + [None] * (self.votes - len(replies))
+    for v in votes:
+      self.stats["abstained" if v is None else f"vote{v:+d}"] += 1
+    verdict = majority(votes)
+    self.stats[f"verdict{verdict:+d}"] += 1
+    return None if verdict == 0 else float(verdict)
+
+
+def openai_sampler(base_url: str, model: str, temperature: float, max_tokens: int,
+                   timeout_s: float = 120.0) -> Callable[[list[dict], int], list[str]]:
+  """``sample(messages, n) -> n texts`` from an OpenAI-compatible server: one request with ``n``;
+  a backend that returns fewer choices (it ignores ``n``) is asked again for the rest."""
+  import openai  # pylint: disable=import-outside-toplevel
+
+  client = openai.OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"),
+                         timeout=timeout_s, max_retries=0)
+
+  def sample(messages: list[dict], n: int) -> list[str]:
+    texts: list[str] = []
+    while len(texts) < n:
+      out = client.chat.completions.create(model=model, messages=messages, n=n - len(texts),
+                                           temperature=temperature, max_tokens=max_tokens)
+      if not out.choices:
+        break
+      texts += [c.message.content or "" for c in out.choices]
+    return texts[:n]
+  return sample
 
 
 def _continued_with(turn: dict, next_turn: dict) -> bool:
@@ -171,7 +262,7 @@ class JudgeLoop:
         if self.judge.needs_next or session["main_turns"] > 1:
           results.append((turn["id"], "unjudgeable", None))
           continue
-      elif self.judge.needs_next and not _continued_with(turn, nxt):
+      elif self.judge.reads_next and not _continued_with(turn, nxt):
         results.append((turn["id"], "unjudgeable", None))
         continue
       try:

@@ -32,6 +32,7 @@ from areal_jax.runtime.ray_worker import pin_process
 from areal_jax.serve import access, judge as judge_lib
 from areal_jax.serve.app import ServeContext, build_app
 from areal_jax.serve.dispatch import Dispatcher
+from areal_jax.serve.protocol import ApiError
 from areal_jax.serve.status import ServeStatus
 from areal_jax.serve.store import TurnStore
 from areal_jax.serve import trainer_process, trainer_supervisor
@@ -137,9 +138,36 @@ class ServeRuntime:
       return None
     if s.judge == "rule":
       judge = judge_lib.RuleJudge()
+    elif s.judge == "votes":
+      judge = judge_lib.VotesJudge(self._vote_sampler(), s.judge_vote_prompt, s.judge_votes)
     else:
       judge = judge_lib.ModelJudge(self._judge_completer(), s.judge_prompt, s.judge_scale)
     return judge_lib.JudgeLoop(self.store, judge, s.judge_interval_s, s.judge_timeout_s)
+
+  def _vote_sampler(self):
+    """``sample(messages, n) -> n texts`` for the votes judge: one request of ``n`` samples at
+    ``serve.judge_url`` (topped up one request at a time where the backend ignores ``n``), or ``n``
+    samples of this server's own policy, in one group on the engine (not recorded)."""
+    s = self.config.serve
+    if s.judge_url:
+      return judge_lib.openai_sampler(s.judge_url, s.judge_model, s.judge_vote_temperature,
+                                      s.judge_vote_max_tokens)
+    most = min(s.max_candidates, self.config.rollout.num_slots)
+    if s.judge_votes > most:
+      raise ValueError(f"serve.judge_votes={s.judge_votes} is more samples than one request may "
+                       f"take here ({most}: serve.max_candidates, rollout.num_slots)")
+    params = SamplingParams(temperature=s.judge_vote_temperature,  # within the engine's plan
+                            max_new_tokens=min(s.judge_vote_max_tokens,
+                                               self.config.rollout.max_new_tokens))
+
+    def sample_here(messages, n):
+      try:
+        prompt = self.context.encode(messages, limit=self.config.rollout.max_prompt_len)
+      except ApiError:  # a judge prompt over the context length: every vote abstains
+        return []
+      samples = self.dispatcher.generate_many(prompt, n, params)
+      return [self.tokenizer.decode(x.tokens) for x in samples]
+    return sample_here
 
   def _judge_completer(self):
     s = self.config.serve

@@ -10,8 +10,11 @@ Each step takes the oldest ``actor.batch_size`` judged, untrained turns from the
   * advantages: candidates of one request judged together (the server sampled ``n > 1``) use their
     mean score as the baseline (GRPO-style, ``score - mean``); a single candidate (users send each
     prompt once) uses a running baseline, the exponential moving average of past scores
-    (``serve.baseline_decay``). Each turn goes to ``Learner.train_step`` as a group of one with its
-    advantage as the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is unchanged;
+    (``serve.baseline_decay``). With ``serve.judge = "votes"`` the score (+1 / -1, the judges'
+    majority) is the advantage itself: no baseline, no group normalisation (the running baseline
+    is still tracked, as a metric). Each turn goes to ``Learner.train_step`` as a group of one
+    with its advantage as the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is
+    unchanged;
   * the rows are marked ``trained`` with the new version, the version is published to the engine
     (applied between decode steps) and, every ``train.checkpoint_every`` steps, checkpointed
     (learner state + the baseline; the store position is the version itself).
@@ -75,6 +78,8 @@ class TrainerLoop:
       raise ValueError(f"serve.max_key_share must lie in (0, 1], got {share!r}")
     # the most turns one key id may have in a batch (turns recorded without keys are not capped)
     self.per_key = max(1, int(share * self.batch_size + 1e-9))
+    # the votes judge's +1 / -1 is the advantage as it stands (see the module docstring)
+    self.raw_scores = config.serve.judge == "votes"
     self.baseline: float | None = None
     self.stats = dict(trained=0, stale=0, off_policy_temperature=0, steps=0)
     self.error: str | None = None
@@ -175,6 +180,8 @@ class TrainerLoop:
       return False
     t0 = time.time()
     adv, baseline = advantages(rows, self.baseline, self.config.serve.baseline_decay)
+    if self.raw_scores:
+      adv = [float(r["score"]) for r in rows]
     samples = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
                        r["versions"], r["finish_reason"])] for r in rows]
     metrics = self.learner.train_step(samples, [[a] for a in adv])
