@@ -304,6 +304,8 @@ class ServeRuntime:
       loop = getattr(self, name, None)
       if loop is not None:
         out[name] = {"alive": loop.alive, "error": loop.error, **loop.stats}
+    if self.judge is not None and isinstance(self.judge.judge, judge_lib.VotesJudge):
+      out["judge"]["votes"] = dict(self.judge.judge.stats)  # cast, abstained, verdicts
     if self.trainer_in_process:
       out["trainer"].update(process=True, weights_swaps=self.watcher.swaps,
                             weights_error=self.watcher.error)

@@ -6,13 +6,14 @@ import collections
 import json
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from areal_jax import config as config_lib
 from areal_jax.rollout_api import Sample, SamplingParams
-from areal_jax.serve import judge as judge_lib, trainer_loop
+from areal_jax.serve import judge as judge_lib, runtime, trainer_loop
 from areal_jax.serve.dispatch import Dispatcher
 from areal_jax.serve.store import TurnStore
 
@@ -262,3 +263,17 @@ def test_in_process_votes_are_one_group_of_m_samples():
     dispatcher.stop()
   assert [(r.n, r.prompt_tokens) for r in engine.requests] == [(3, [7, 8])]
   assert sorted(s.tokens[-1] for s in samples) == [0, 1, 2]
+
+
+def test_health_counts_the_votes(tmp_path):
+  store = TurnStore(str(tmp_path / "t.sqlite"))
+  (first, _) = _session(store, "s", "a", "right")
+  judge = judge_lib.VotesJudge(lambda messages, n: ["Score: +1", "Score: 0", "no idea"],
+                               "{reply}", 3)
+  loop = judge_lib.JudgeLoop(store, judge)
+  loop.run_once(now=1001.0)
+  rt = types.SimpleNamespace(store=store, status_line=types.SimpleNamespace(numbers=dict),
+                             judge=loop, trainer=None, trainer_in_process=False)
+  health = runtime.ServeRuntime.status(rt)
+  assert health["judge"]["votes"] == {"vote+1": 1, "vote+0": 1, "abstained": 1, "verdict+0": 1}
+  assert store.get(first)["judge_status"] == "unjudgeable"
