@@ -19,6 +19,9 @@ from common import QWEN3_1P7B, QWEN25_1P5B, SMOLLM2  # noqa: E402
 
 KERNELS = ("pallas_gpu", "pallas_tpu")
 
+# jitted: one program a call, not the wrapper's ops (and their gradients) compiled one by one
+_attend = jax.jit(causal_attention.attend, static_argnames=("impl", "interpret"))
+
 
 def _inputs(b, length, h, kv, d, seed=0):
   ks = jax.random.split(jax.random.key(seed), 3)
@@ -60,10 +63,10 @@ def test_kernels_match_the_reference_on_packed_and_plain_rows(impl):
   q, k, v = _inputs(b, length, h, kv, d)
   ids = _segments(b, length)
   real = np.asarray(ids > 0)
-  out = causal_attention.attend(q, k, v, ids, impl, interpret=True)
+  out = _attend(q, k, v, ids, impl, interpret=True)
   assert out.shape == (b, length, h, d) and out.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out)[real], _reference(q, k, v, ids)[real], atol=2e-5)
-  plain = causal_attention.attend(q, k, v, None, impl, interpret=True)
+  plain = _attend(q, k, v, None, impl, interpret=True)
   np.testing.assert_allclose(np.asarray(plain), _reference(q, k, v, None), atol=2e-5)
 
 
@@ -82,8 +85,8 @@ def test_kernel_gradients_match_the_dense_form(impl):
     return lambda q, k, v: jnp.sum(jnp.where(real, attend(q, k, v), 0.0) * w)
   dense = lambda q, k, v: dense_causal(q, k, v, packed_mask(ids, b, length))  # noqa: E731
   kernel = lambda q, k, v: causal_attention.attend(q, k, v, ids, impl, True)  # noqa: E731
-  got = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
-  want = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(loss(dense), argnums=(0, 1, 2)))(q, k, v)
   for name, a, e in zip("qkv", got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=5e-5, err_msg=name)
 
