@@ -72,9 +72,13 @@ install-vllm: $(VLLM_STAMP)
 # The vLLM backend tests (real vLLM on CPU, no mocks); under the main venv they skip. Two workers
 # as for the main suite: most of their time is waiting on vLLM servers starting, a Ray worker
 # killed and a run's loops, which the other worker's tests overlap (2026-12-01 on 2 cores: 2:45 and
-# 2:54 against 3:30 in one process, though each worker starts its own module-scoped server).
+# 2:54 against 3:30 in one process). --dist loadfile: a module's tests run on one worker, so a
+# module-scoped engine or server starts once (worksteal split test_server.py's over both workers,
+# each starting its own server; xdist 3.8's loadgroup marks do nothing under pytest 9). loadfile
+# hands out the modules with the fewest tests last: the two end-to-end runs, in modules of their
+# own (test_e2e.py, test_e2e_ray.py), then run side by side.
 test-vllm: install-vllm
-	$(VLLM_PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests/vllm_backend
+	$(VLLM_PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/vllm_backend
 
 # The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO, evaluated on held-out problems
 # before and after by the standalone evaluator (about 10 minutes in all on 2 cores:
