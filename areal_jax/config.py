@@ -67,8 +67,8 @@ def base_config() -> ConfigDict:
   # Memory of one device in GiB for the memory plans; 0: what the device reports. The plans
   # (areal_jax/learner/memory.py, areal_jax/sampler/memory.py) check the train step and the sampler
   # against memory_fraction x this before the first step (colocated: one budget for both, the
-  # sampler's slots planned first); never more than the device reports, no check where it
-  # reports none (CPU).
+  # sampler's slots planned first); never more than the device reports. CPU devices report none:
+  # 0 then takes each device's share of the host memory available (learner.memory.host_budget).
   c.mesh.device_memory_gib = 0.0
   c.mesh.memory_fraction = 0.9  # Share of device_memory_gib the memory plans may fill, in (0, 1].
 

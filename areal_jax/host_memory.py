@@ -9,6 +9,9 @@ budget (``learner.memory.device_budget``). Linux's ``/proc`` is read where it ex
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import resource
 import sys
@@ -69,6 +72,28 @@ def live_array_bytes() -> int:
     except RuntimeError:  # deleted (donated) between the listing and the read
       continue
   return total
+
+
+@functools.cache
+def _libc():
+  name = ctypes.util.find_library("c")
+  try:
+    libc = ctypes.CDLL(name) if name else None
+  except OSError:
+    return None
+  return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+def release() -> bool:
+  """Hands the memory the C allocator holds free back to the system (glibc's ``malloc_trim``;
+  False where there is none). XLA:CPU's buffers below glibc's mmap threshold (up to 32 MiB once
+  larger ones were freed) come from malloc's heaps, and what a program frees stays resident there
+  until trimmed: a train step's temporaries, mapped anew above it, then add to that slack."""
+  libc = _libc()
+  if libc is None:
+    return False
+  libc.malloc_trim(0)
+  return True
 
 
 def metrics() -> dict:

@@ -18,8 +18,8 @@ cast to the sampler's compute dtype: ``runtime.weight_transfer.caster``): the gr
 by then, and its copy lives until the version has left the devices.
 
 The budget is ``mesh.memory_fraction`` x ``mesh.device_memory_gib`` (default: the memory the
-device reports, and never more than it reports; none on CPU, where nothing is checked unless
-``device_memory_gib`` is set), less what a colocated sampler keeps on the same devices
+device reports, and never more than it reports; on CPU, where devices report none, each device's
+share of the host memory available: ``host_budget``), less what a colocated sampler keeps on the same devices
 (``reserved``: ``runtime.engines.build_planned``). The configured ``actor.micro_batch_tokens``
 either fits, or the largest halving of it that fits is used, or the plan stops with a message
 naming what to change (``DoesNotFit``, with the smallest micro-batch's plan). Figures are those of the backend the
@@ -34,7 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from areal_jax import program_memory, sharding
+from areal_jax import host_memory, program_memory, sharding
 from areal_jax.learner import packing
 
 GIB = 1024**3
@@ -151,14 +151,34 @@ def device_budget(mesh_config, devices) -> int | None:
   """Bytes per device a process may use: ``memory_fraction`` of ``device_memory_gib``, or of the
   smallest memory the devices report when that is less or ``device_memory_gib`` is 0 (a GPU
   reports the pool JAX's allocator took: by default 75% of its memory, see JAX's
-  XLA_PYTHON_CLIENT_MEM_FRACTION); None when no size is known (no check)."""
+  XLA_PYTHON_CLIENT_MEM_FRACTION). CPU devices report none: their memory is the host's, and with
+  ``device_memory_gib`` 0 the budget is ``host_budget``'s share of each device. None when no size
+  is known (no check)."""
   gib = float(mesh_config.device_memory_gib)
   limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
   if limits and all(limits):
     gib = min(limits) / GIB if gib <= 0 else min(gib, min(limits) / GIB)
   elif gib <= 0:
-    return None
+    host = host_budget(mesh_config) if devices and all(
+        d.platform == "cpu" for d in devices) else None
+    return None if host is None else int(mesh_config.memory_fraction * host)
   return int(mesh_config.memory_fraction * gib * GIB)
+
+
+def host_budget(mesh_config) -> int | None:
+  """Bytes per CPU device of the host's memory: what the machine has available now
+  (``host_memory.available_bytes``) and what this process's JAX arrays already hold (the plans
+  count those themselves: a learner built before its plan), shared evenly by the devices of this
+  process the run's meshes use (``mesh.learner_devices``, and ``mesh.sampler_devices`` unless
+  colocated): on CPU every device's buffers are this host's memory. What no plan counts (Python,
+  XLA's executables and compilations) takes the rest, ``1 - mesh.memory_fraction``. None where
+  the system says nothing of its memory."""
+  available = host_memory.available_bytes()
+  if available is None:
+    return None
+  n = mesh_config.learner_devices + (0 if mesh_config.colocated else mesh_config.sampler_devices)
+  n = max(1, min(n, jax.local_device_count()))
+  return (available + host_memory.live_array_bytes()) // n
 
 
 def plan(learner, budget_bytes: int | None, beside: str = "", publish=None) -> Plan:

@@ -50,8 +50,9 @@ def sampler_budget(config, sampler_mesh, learner=None, learner_peak: int | None 
   ``learner`` of this process: the sampler's peak beside what the learner keeps between steps
   (``learner.memory.kept_bytes``), and with ``learner_peak`` (bytes per device of its smallest
   train step) its resident part beside that. Without a learner (the serve runtime, a learner
-  group) the sampler alone is checked against the devices. None where no device size is known
-  (CPU without mesh.device_memory_gib): no check. A weight swap is planned as ``swap_plan``."""
+  group) the sampler alone is checked against the devices (on CPU, the host's memory:
+  ``learner.memory.host_budget``). None where no size is known: no check. A weight swap is
+  planned as ``swap_plan``."""
   budget = learner_memory.device_budget(config.mesh, [
       d for d in sampler_mesh.devices.flat if d.process_index == jax.process_index()])
   if budget is None:
