@@ -15,13 +15,11 @@ def _tokens(b, l, seed=0):
   return np.random.RandomState(seed).randint(0, VOCAB, (b, l)).astype(np.int32)
 
 
-@pytest.mark.parametrize("remat,scan", [("none", True), ("full", True), ("dots", False),
-                                        ("offload", True)])
-@pytest.mark.slow
-def test_hidden_with_remat_and_scan_equals_the_forward(remat, scan):
-  """``hidden`` + the LM head is ``model(...)``, values and parameter gradients, whatever the
-  rematerialisation policy and whether the layers run under a scan; the parameters stay a list
-  of Blocks."""
+@pytest.fixture(scope="module")
+def forward_and_loss():
+  """(model, its parameters, ``value_and_grad(params, remat, scan)`` of a loss over the logits
+  (``remat=None``: through ``model(...)``), the model forward's value and gradients), computed
+  once for the tests below."""
   cfg = transformer.ModelConfig(vocab_size=VOCAB, n_layers=3, qkv_bias=True, tie_embeddings=False)
   model = transformer.Transformer(cfg, nnx.Rngs(5))
   graphdef, params = nnx.split(model)
@@ -30,9 +28,9 @@ def test_hidden_with_remat_and_scan_equals_the_forward(remat, scan):
   positions = jnp.asarray([list(range(7)) + list(range(5))] * 2, jnp.int32)
   weights = jax.random.normal(jax.random.key(0), (2, 12, VOCAB))
 
-  def loss(p, new):
+  def loss(p, remat, scan):
     m = nnx.merge(graphdef, p)
-    if new:
+    if remat is not None:
       w, transpose_w = train_forward.head_weight(m)
       h = train_forward.hidden(m, tokens, positions, segments, remat=remat, scan=scan)
       logits = transformer.linear(h, w, transpose_w, jnp.float32)
@@ -40,7 +38,19 @@ def test_hidden_with_remat_and_scan_equals_the_forward(remat, scan):
       logits = m(tokens, positions, segments)
     return jnp.sum(jnp.tanh(logits) * weights)
 
-  want, got = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, new) for new in (0, 1))
+  value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=(1, 2))
+  return model, params, value_and_grad, value_and_grad(params, None, None)
+
+
+@pytest.mark.parametrize("remat,scan", [("none", True), ("full", True), ("dots", False),
+                                        ("offload", True)])
+@pytest.mark.slow
+def test_hidden_with_remat_and_scan_equals_the_forward(forward_and_loss, remat, scan):
+  """``hidden`` + the LM head is ``model(...)``, values and parameter gradients, whatever the
+  rematerialisation policy and whether the layers run under a scan; the parameters stay a list
+  of Blocks. (The model forward's side is computed once, by the module's fixture.)"""
+  model, params, value_and_grad, want = forward_and_loss
+  got = value_and_grad(params, remat, scan)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
