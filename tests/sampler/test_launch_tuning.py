@@ -483,12 +483,14 @@ def test_every_launch_a_gpu_would_time_decodes_as_the_default(monkeypatch):
   with dots, unpipelined, 2 pages a step, 4 warps, the fused norms, the loop in graphs, the
   library's GEMMs autotuned, XLA's GEMMs), walked to the last of each on CPU (Pallas in
   interpret mode; XLA:CPU takes the graphs' options and ignores them): each compiles and runs,
-  and the launch kept decodes as the engine's default does."""
+  and the launch kept decodes as the engine's default does. The model has one layer: a launch
+  changes each layer's kernels alike, and each of the twelve decode programs compiles and runs
+  one layer's kernels instead of two."""
   from .conftest import tiny_model
   monkeypatch.setattr(engine_lib, "_COMPILED", {})
   monkeypatch.setenv("XLA_FLAGS", " ".join(  # (no command buffers forced; the 8 devices kept)
       f for f in os.environ.get("XLA_FLAGS", "").split() if "command_buffer" not in f))
-  model = tiny_model(3, head_dim=32)  # (dots: half a head of at least 16)
+  model = tiny_model(3, head_dim=32, n_layers=1)  # (dots: half a head of at least 16)
   config = dataclasses.replace(CONFIG, page_size=16, kv_pages=20)
   eng, ref = DecodeEngine(model, config), DecodeEngine(model, config)
   m = model.cfg
