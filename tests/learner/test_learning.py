@@ -50,9 +50,10 @@ def rollout(learner, rng, key, groups, n):
                                                jnp.asarray(rep, jnp.int32), key,
                                                learner.temperature))
   batch, rewards = [], []
+  version = learner.version  # (read once: each read waits for the device's step counter)
   for g in range(groups):
     samples = [Sample(g, i, rep[g * n + i].tolist(), [int(tokens[g * n + i])],
-                      [float(logp[g * n + i])], [learner.version], "length") for i in range(n)]
+                      [float(logp[g * n + i])], [version], "length") for i in range(n)]
     batch.append(samples)
     rewards.append([float(s.tokens[0] == a[g] + b[g]) for s in samples])
   return batch, rewards
