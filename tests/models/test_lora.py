@@ -21,18 +21,12 @@ def _params(model):
 
 
 def _random_adapters(params, lcfg, seed=0):
-  """Adapters with nonzero ``b`` (fresh ones are the identity), made by one jitted program (op by
-  op, each random draw and sum would compile alone)."""
-
-  @jax.jit
-  def make(params, seed):
-    ad = lora.init_adapters(params, lcfg, jax.random.key(seed))
-    leaves, tree = jax.tree.flatten(ad)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape)
-                                     for x, k in zip(leaves, keys)])
-
-  return make(params, seed)
+  """Adapters with nonzero ``b`` (fresh ones are the identity)."""
+  ad = lora.init_adapters(params, lcfg, jax.random.key(seed))
+  leaves, tree = jax.tree.flatten(ad)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape)
+                                   for x, k in zip(leaves, keys)])
 
 
 @nnx.jit
@@ -87,8 +81,7 @@ def test_side_path_equals_merged_forward_and_fresh_adapters_change_nothing():
   fresh = lora.init_adapters(params, lcfg, jax.random.key(0))
   np.testing.assert_array_equal(run(lora.wrap(params, fresh, lcfg)), run(params))
   ad = _random_adapters(params, lcfg)
-  merge = jax.jit(lambda p, a: lora.merge(p, a, lcfg))
-  side, merged = run(lora.wrap(params, ad, lcfg)), run(merge(params, ad))
+  side, merged = run(lora.wrap(params, ad, lcfg)), run(lora.merge(params, ad, lcfg))
   assert np.abs(np.asarray(merged) - np.asarray(run(params))).max() > 1e-2  # adapters matter
   np.testing.assert_allclose(side, merged, atol=1e-5, rtol=0)
   # dropout: only the adapters' input is dropped, so with b = 0 nothing changes
