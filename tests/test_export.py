@@ -48,12 +48,6 @@ def files(path):
   return {p.name: p.read_bytes() for p in sorted(pathlib.Path(path).iterdir())}
 
 
-@nnx.jit
-def logits(model, tokens):
-  """``model(tokens)`` as one program (called eagerly, each of its ops would compile alone)."""
-  return model(tokens)
-
-
 def torch_logits(path, tokens=TOKENS):
   model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
   with torch.no_grad():
@@ -87,7 +81,7 @@ def test_full_weight_run_exports_a_model_transformers_and_model_source_load(full
           "generation_config.json", "chat_template.jinja"} <= names
   policy = models.load("tiny")[0]
   restore_params(str(workdir / "checkpoints" / "2"), policy)  # the latest step
-  ours = np.asarray(logits(policy, TOKENS))
+  ours = np.asarray(policy(TOKENS))
   np.testing.assert_allclose(torch_logits(tmp_path / "hf"), ours, rtol=0, atol=1e-4)
   loaded, tokenizer = models.load(str(tmp_path / "hf"))  # model.source=<dir>
   assert tokenizer.vocab_size == policy.cfg.vocab_size
@@ -144,7 +138,7 @@ def test_lora_run_exports_adapters_and_a_merged_model(tmp_path):
   lcfg = lora.LoraConfig.from_config(config.actor.lora)
   adapters = restore_adapters(str(tmp_path / "run" / "checkpoints" / "1"), base, lcfg)
   assert np.abs(np.asarray(adapters["layers"][0]["attn"]["q"]["b"])).max() > 0
-  ours = np.asarray(logits(lora.merged_model(base, adapters, lcfg), TOKENS))
+  ours = np.asarray(lora.merged_model(base, adapters, lcfg)(TOKENS))
   np.testing.assert_allclose(torch_logits(tmp_path / "merged"), ours, rtol=0, atol=1e-4)
   back, _ = lora.load_peft(paths["adapter"], nnx.to_pure_dict(nnx.state(base, nnx.Param)))
   for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(adapters)):
