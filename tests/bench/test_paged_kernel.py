@@ -15,9 +15,10 @@ import paged_kernel  # noqa: E402
 from areal_jax.kernels import pallas_attention  # noqa: E402
 
 
-def _run(tmp_path, monkeypatch, tunings):
+def _run(tmp_path, monkeypatch, tunings, page_sizes="16,32"):
   out = tmp_path / "pk.json"
-  monkeypatch.setattr(sys, "argv", ["paged_kernel.py", "--model", "tiny", "--page-sizes", "16,32",
+  monkeypatch.setattr(sys, "argv", ["paged_kernel.py", "--model", "tiny",
+                                    "--page-sizes", page_sizes,
                                     "--tunings", tunings, "--reps", "1", "--json", str(out)])
   paged_kernel.main()
   return json.loads(out.read_text())
@@ -41,6 +42,7 @@ def test_every_launch_reads_the_defaults_attention(tmp_path, monkeypatch):
 
 
 def test_a_launch_that_reads_too_few_pages_shows(tmp_path, monkeypatch):
+  """Pages of 16 only, where the short launch reads a row's first page alone."""
   real = pallas_attention.paged
 
   def short(q, k, v, lengths, pages, page, interpret=False, tuning=None, bound=None):
@@ -50,14 +52,15 @@ def test_a_launch_that_reads_too_few_pages_shows(tmp_path, monkeypatch):
     return real(q, k, v, lengths, pages, page, interpret=interpret, tuning=tuning)
 
   monkeypatch.setattr(pallas_attention, "paged", short)
-  rows = _run(tmp_path, monkeypatch, "default;bound=1")["rows"]
+  rows = _run(tmp_path, monkeypatch, "default;bound=1", "16")["rows"]
   diffs = {(r["page_size"], r["tuning"]): r["max_abs_diff"] for r in rows}
   assert diffs[(16, "bound=1")] > 1e-2 and np.isclose(diffs[(16, "default")], 0)
 
 
 def test_a_launch_that_fails_is_noted_and_the_sweep_goes_on(tmp_path, monkeypatch):
   """A launch the device cannot run (as when the dense read asked 84 GiB of an H200) is a row
-  with its error, and the launches after it are still timed."""
+  with its error, and the launches after it are still timed (pages of 16 only: the sweep over
+  page sizes is the first test's)."""
   import jax
 
   real = paged_kernel.program
@@ -71,7 +74,7 @@ def test_a_launch_that_fails_is_noted_and_the_sweep_goes_on(tmp_path, monkeypatc
     return fn
 
   monkeypatch.setattr(paged_kernel, "program", program)
-  rows = _run(tmp_path, monkeypatch, "default;writes=1,warps=2;bound=1")["rows"]
+  rows = _run(tmp_path, monkeypatch, "default;writes=1,warps=2;bound=1", "16")["rows"]
   assert [(r["tuning"], "error" in r) for r in rows[:4]] == [
       ("default", False), ("writes=1,warps=2", True), ("bound=1", False),
       ("dense read of the gathered pages", False)]
