@@ -21,6 +21,7 @@ def _inputs(b, rows, t, kv, g, d, seed=0):
   return q, k, v
 
 
+@jax.jit(static_argnames="kv_len")  # (one program, not the reference's ops one by one)
 def _dense(q, k, v, pos, kv_len):
   """Each row attends to positions 0..min(pos, kv_len - 1) of its own cache row."""
   b = q.shape[0]
