@@ -126,8 +126,7 @@ def test_restore_params_reads_the_learner_state_params(tmp_path):
   assert jax.tree.structure(got) == jax.tree.structure(saved)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(a, b)
-  # the updated model still runs (one jitted program: called eagerly, each op compiles alone)
-  logits = nnx.jit(lambda m, t: m(t))(model, np.array([[1, 2, 3]], np.int32))
+  logits = model(np.array([[1, 2, 3]], np.int32))  # the updated model still runs
   assert np.isfinite(np.asarray(logits)).all()
 
   wrong = models.Transformer(models.ModelConfig(
@@ -185,6 +184,24 @@ def test_records_agree_with_the_accuracies():
 
 # ---- whole evaluations -------------------------------------------------------------------------
 
+@pytest.mark.slow
+def test_cli_evaluates_a_hugging_face_dir(tmp_path):
+  model, tokenizer = models.load("tiny", seed=7)
+  models.save_hf(model, tokenizer, str(tmp_path / "hf"))
+  out = tmp_path / "results.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "areal_jax.evaluate", f"--config={TINY}",
+       f"--checkpoint={tmp_path / 'hf'}", "--config.train.eval_size=3",
+       "--config.rollout.max_new_tokens=12", f"--output={out}"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "greedy pass@1 =" in proc.stdout and "greedy: 3/3 examples" in proc.stdout
+  results = json.loads(out.read_text())
+  check_results(results, n=3, k=1)
+  assert results["config"] == TINY
+  assert results["model"]["kind"] == "hf" and results["model"]["path"] == str(tmp_path / "hf")
+
+
 def test_cli_rejects_a_misspelt_key(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "areal_jax.evaluate", f"--config={TINY}", "--config.train.eval_sise=3"],
@@ -215,26 +232,6 @@ def test_run_checkpoint_through_the_python_api(tmp_path):
                                   step=2, model_source="tiny", dtype="float32")
   assert results["eval_temperature"] == c.train.eval_temperature
   assert json.loads(out.read_text()) == results
-
-
-# (after an in-process evaluation of the same shapes: the subprocess, which inherits the session's
-# persistent compilation cache, loads those programs instead of compiling them)
-@pytest.mark.slow
-def test_cli_evaluates_a_hugging_face_dir(tmp_path):
-  model, tokenizer = models.load("tiny", seed=7)
-  models.save_hf(model, tokenizer, str(tmp_path / "hf"))
-  out = tmp_path / "results.json"
-  proc = subprocess.run(
-      [sys.executable, "-m", "areal_jax.evaluate", f"--config={TINY}",
-       f"--checkpoint={tmp_path / 'hf'}", "--config.train.eval_size=3",
-       "--config.rollout.max_new_tokens=12", f"--output={out}"],
-      cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "greedy pass@1 =" in proc.stdout and "greedy: 3/3 examples" in proc.stdout
-  results = json.loads(out.read_text())
-  check_results(results, n=3, k=1)
-  assert results["config"] == TINY
-  assert results["model"]["kind"] == "hf" and results["model"]["path"] == str(tmp_path / "hf")
 
 
 @pytest.mark.slow
