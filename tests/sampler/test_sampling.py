@@ -7,16 +7,19 @@ import numpy as np
 from areal_jax.sampler import sampling
 
 
+_sample = jax.jit(sampling.sample, static_argnames=("select_by_mask", "truncate"))
+
+
 def _run(logits_SxV, temperature=1.0, top_k=0, top_p=1.0, greedy=False, seed=0, pos=0,
          select_by_mask=False, truncate=None):
-  """``sampling.sample`` compiled; each parameter a scalar for every slot or a per-slot list."""
+  """``sampling.sample`` compiled; each parameter a scalar for every slot or a per-slot list
+  (made on the host: no op compiled for them)."""
   s = logits_SxV.shape[0]
   keys = sampling.slot_keys(seed, s)
-  full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (s,))
-  return jax.jit(sampling.sample, static_argnames=("select_by_mask", "truncate"))(
-      logits_SxV, keys, full(pos, jnp.int32), full(temperature, jnp.float32),
-      full(top_k, jnp.int32), full(top_p, jnp.float32), full(greedy, jnp.bool_),
-      select_by_mask=select_by_mask, truncate=truncate)
+  full = lambda x, dt: np.broadcast_to(np.asarray(x, dt), (s,))  # noqa: E731
+  return _sample(logits_SxV, keys, full(pos, np.int32), full(temperature, np.float32),
+                 full(top_k, np.int32), full(top_p, np.float32), full(greedy, np.bool_),
+                 select_by_mask=select_by_mask, truncate=truncate)
 
 
 def test_logprob_is_temperature_scaled_softmax_before_truncation():
