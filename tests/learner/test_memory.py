@@ -152,7 +152,13 @@ def test_a_published_versions_cast_is_planned_beside_what_the_learner_keeps():
     memory.plan(learner, step_only, publish=copies)
 
 
-def test_no_budget_no_check_on_cpu():
+def test_no_budget_no_check_on_cpu(monkeypatch):
+  """CPU devices report no memory: with ``mesh.device_memory_gib`` unset the budget is the host's
+  (tests/runtime/test_host_memory.py), and none (no check) where the system does not say either;
+  a configured size is planned against as configured."""
+  from areal_jax import host_memory
+
+  monkeypatch.setattr(host_memory, "available_bytes", lambda: None)
   assert memory.device_budget(config_lib.base_config().mesh, jax.devices()[:1]) is None
   mesh_cfg = config_lib.base_config().mesh
   mesh_cfg.device_memory_gib = 16.0
