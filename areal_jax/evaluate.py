@@ -247,6 +247,7 @@ def evaluate(config, checkpoint: str = "", *, config_name: str = "", output: str
   load_s = time.time() - t_start
 
   engine = engines.build(config, model, tokenizer, sampler_mesh)
+  del model  # (the engine holds its own copy of the weights, in the layout its programs read)
   rewards = RewardPool(task.reward_fn, c_roll.reward_workers, c_roll.reward_timeout_s)
   controller = RolloutController(
       engine, task, tokenizer, StalenessController(1, 0), iter(()), rewards, n_samples=1,

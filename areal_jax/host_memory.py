@@ -96,6 +96,41 @@ def release() -> bool:
   return True
 
 
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # (jax/_src/dispatch.py)
+_trimming = False
+
+
+def release_after_compiles() -> None:
+  """From now on ``release`` after every XLA compilation (or load from the persistent cache) of
+  this process: what the compiler and the loading freed is handed back before the program runs,
+  instead of staying beside its first call's buffers (registered once)."""
+  global _trimming
+  if _trimming or _libc() is None:
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def listener(event: str, duration_secs: float, **_) -> None:
+    del duration_secs
+    if event == _COMPILE_EVENT:
+      release()
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  _trimming = True
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter: the most malloc arenas (heaps) threads may create
+
+
+def limit_arenas(arenas: int = 2) -> bool:
+  """Caps the heaps glibc's malloc gives threads (``mallopt(M_ARENA_MAX)``; False where there is
+  none). By default a process may get eight per core, each keeping what its threads freed: XLA's
+  threads allocate a program's buffers in theirs, and memory one arena holds free is not reused by
+  another's allocations, so a CPU train step grew the resident set from step to step."""
+  libc = _libc()
+  if libc is None or not hasattr(libc, "mallopt"):
+    return False
+  return bool(libc.mallopt(M_ARENA_MAX, int(arenas)))
+
+
 def metrics() -> dict:
   """``host_rss_gib`` and ``host_rss_peak_gib`` for a ``metrics.jsonl`` row."""
   rss = rss_bytes()

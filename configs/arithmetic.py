@@ -97,6 +97,14 @@ def get_config(preset: str = "default"):
     c.train.eval_every = 3
     c.train.eval_size = 8
 
+  if workflow == "single_turn" and size != "tiny":
+    # Two packed rows of 384 a micro-batch (the demo's ~110-token sequences, two or three to a
+    # row; three micro-batches a minibatch): the train step keeps every layer's activations for
+    # its backward (actor.remat "none", the fastest on CPU), so the micro-batch sets the host
+    # memory's peak. At 4096 tokens (all six rows at once) the process went from 6.3 GiB between
+    # steps to 11.9 GiB in one; at 768, from 5.0-5.3 to 7.1-7.6 (bench/host_memory.py, 2026-12-05).
+    c.actor.micro_batch_tokens = 768
+
   # Multi-turn conversations grow: every turn's prompt is the whole conversation so far, which
   # must fit rollout.max_prompt_len (an episode whose next prompt would not fit ends there).
   c.rollout.workflow = workflow

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import config as config_lib
-from areal_jax import tasks, workflows
+from areal_jax import host_memory, tasks, workflows
 from areal_jax import learner as learner_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import (checkpoint, engines, errors, learner_group, meshes, model_source,
@@ -59,6 +59,12 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
   _write_config(config, workdir)
   c_roll, c_act, c_train = config.rollout, config.actor, config.train
   learner_mesh, sampler_mesh = meshes.build(config.mesh, remote_sampler=config.runtime.mode == "ray")
+  # On CPU the devices' buffers are malloc's: fewer heaps, and what a phase frees handed back
+  # (host_memory.release) before the next one allocates
+  host_cpu = all(d.platform == "cpu" for d in learner_mesh.devices.flat)
+  if host_cpu:
+    host_memory.limit_arenas()
+    host_memory.release_after_compiles()
 
   model, tokenizer = model_source.load(config)
   task = tasks.get_task(config.task)
@@ -70,6 +76,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
     transfer = _build_transfer(config, workdir, learner, model, learner_mesh, sampler_mesh, group)
   elif group:  # the group's processes publish; the workers read its versions directly
     transfer = engine.announcer = learner.announcer()
+  del model  # (its host copy of the weights: the learner and the sampler hold their own)
   if wrap_engine is not None:
     engine = wrap_engine(engine)
   if not c_train.resume:  # a fresh start keeps the previous run's records aside, never deletes them
@@ -137,6 +144,8 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
       # 2. Train: recompute proximal logprobs, advantages, ppo_n_minibatches updates.
       if config.mesh.colocated:
         engine.pause()
+      if host_cpu:  # what generating freed goes back before the step's temporaries are mapped
+        host_memory.release()
       t1 = time.time()
       metrics = learner.train_step([g.samples for g in batch], [g.rewards for g in batch])
       train_s = time.time() - t1
@@ -152,6 +161,8 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
       controller.resume_admission()
       if config.mesh.colocated:
         engine.resume()
+      if host_cpu:  # the step's freed buffers and the previous version, back to the system
+        host_memory.release()
       publish_s = time.time() - t2
 
       # 4. Report.
