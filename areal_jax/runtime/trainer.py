@@ -66,8 +66,13 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
     host_memory.limit_arenas()
     host_memory.release_after_compiles()
 
-  model, tokenizer = model_source.load(config)
+  # The task's data first: a missing or malformed train (or eval) file is named before the model
+  # loads and the memory plans compile
   task = tasks.get_task(config.task)
+  task.examples("train")
+  if c_train.eval_every:
+    task.examples("test")
+  model, tokenizer = model_source.load(config)
   learner, group = _build_learner(config, workdir, model, learner_mesh)
   if config.runtime.mode == "local":  # (in ray mode the workers hold the engines, built above)
     # memory plans (colocated: the sampler's slots first, the learner's micro-batch beside them)
