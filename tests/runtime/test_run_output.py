@@ -111,6 +111,10 @@ def test_a_rerun_past_a_damaged_checkpoint_prints_its_progress_only(tiny_run, tm
   out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   err, lines = out.stderr.splitlines(), out.stdout.splitlines()
+  # the memory plans' one line each (on CPU too: the host's memory is their budget), then progress
+  plans = [line.split(":")[0] for line in lines[:2]]
+  assert plans == ["learner memory plan", "sampler memory plan"], lines
+  lines = lines[2:]
   assert len(err) == 1 and err[0].startswith(f"warning: checkpoint {STEPS} is unusable: state/"), err
   assert "moved aside" in err[0] and "trying an older one" in err[0]
   assert lines[0] == f"resumed from {workdir / 'checkpoints'} at version {STEPS - 1}", lines
