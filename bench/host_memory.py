@@ -33,9 +33,9 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ctypes  # noqa: E402
-
 import jax  # noqa: E402
+
+from areal_jax import host_memory  # noqa: E402
 
 GIB = 1024**3
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -58,7 +58,7 @@ class Timeline:
 
   def _sample(self, interval_s: float) -> None:
     while not self._stop.is_set():
-      self.samples.append((self.now(), rss()))
+      self.samples.append((self.now(), host_memory.rss_bytes()))
       time.sleep(interval_s)
 
   def stop(self) -> None:
@@ -76,7 +76,8 @@ class Timeline:
     try:
       yield
     finally:
-      self.phases.append(dict(name=name, start=start, end=self.now(), live=live_bytes()))
+      self.phases.append(dict(name=name, start=start, end=self.now(),
+                              live=host_memory.live_array_bytes()))
 
   def wrap(self, owner, attr: str, name: str) -> None:
     """Marks every call of ``owner.attr`` as phase ``name``."""
@@ -94,12 +95,6 @@ class Timeline:
     inside = [r for t, r in self.samples if start <= t <= end] or before
     after = [r for t, r in self.samples if t >= end][:1] or inside[-1:]
     return dict(before=before[0], peak=max(inside), after=after[0])
-
-
-def rss() -> int:
-  """This process's resident set (bytes), from /proc (the bench runs on Linux)."""
-  with open("/proc/self/status", encoding="ascii") as f:
-    return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def mappings() -> dict:
@@ -120,24 +115,6 @@ def mappings() -> dict:
                 "arenas" if start % (64 << 20) == 0 else "mapped")
         out[kind] += kib
   return out
-
-
-def trim() -> bool:
-  """glibc's ``malloc_trim(0)``: the memory malloc holds free goes back to the system."""
-  try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return True
-  except (OSError, AttributeError):
-    return False
-
-
-def live_bytes() -> int:
-  """Bytes of every live JAX array's shards in this process (on CPU: host memory)."""
-  total = 0
-  for a in jax.live_arrays():
-    with contextlib.suppress(Exception):  # (deleted between the listing and the read)
-      total += sum(s.data.nbytes for s in a.addressable_shards)
-  return total
 
 
 def planned(config, learner, engine) -> dict:
@@ -221,8 +198,8 @@ def main() -> None:
     trainer.run(config, args.workdir or tmp)
   tl.stop()
   cache.cleanup()
-  end = dict(rss=rss(), live=live_bytes(), **mappings())
-  end["after_trim"] = rss() if trim() else None
+  end = dict(rss=host_memory.rss_bytes(), live=host_memory.live_array_bytes(), **mappings())
+  end["after_trim"] = host_memory.rss_bytes() if host_memory.release() else None
 
   phases = collections.OrderedDict()
   for p in tl.phases:  # the same phase's calls merged: the first's before, the most, the last's live
