@@ -131,6 +131,22 @@ def limit_arenas(arenas: int = 2) -> bool:
   return bool(libc.mallopt(M_ARENA_MAX, int(arenas)))
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter: allocations this large get their own mapping
+
+
+def map_large_buffers(threshold_bytes: int = 256 << 10) -> bool:
+  """Gives every allocation of at least ``threshold_bytes`` a mapping of its own, unmapped when it
+  is freed (``mallopt(M_MMAP_THRESHOLD)``; False where there is none). glibc's default threshold
+  rises, up to 32 MiB, each time such a buffer is freed, after which a program's buffers (a
+  135M model's per-layer weights are 0.4-3.5 MiB each) come from the heaps, where what is freed
+  between live ones stays resident. Fixed low, a train step's temporaries, gradients and a swap's
+  incoming weights leave nothing behind when freed."""
+  libc = _libc()
+  if libc is None or not hasattr(libc, "mallopt"):
+    return False
+  return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
+
+
 def metrics() -> dict:
   """``host_rss_gib`` and ``host_rss_peak_gib`` for a ``metrics.jsonl`` row."""
   rss = rss_bytes()

@@ -70,3 +70,36 @@ def test_a_run_that_cannot_fit_a_small_machine_stops_before_the_first_step(tmp_p
   with pytest.raises(MemoryError, match="memory plan"):
     trainer.run(c, str(tmp_path))
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+
+
+_FRAGMENT = r"""
+import ctypes, sys
+from areal_jax import host_memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "fixed":
+  assert host_memory.map_large_buffers()
+MIB = 2**20
+libc.free(libc.malloc(16 * MIB))  # glibc's default threshold now rises to 16 MiB
+blocks = [libc.malloc(MIB) for _ in range(200)]
+for b in blocks:
+  ctypes.memset(b, 1, MIB)
+full = host_memory.rss_bytes()
+for b in blocks[::2]:  # every other one: holes between live blocks
+  libc.free(b)
+print((full - host_memory.rss_bytes()) // MIB)
+"""
+
+
+@pytest.mark.skipif(host_memory._libc() is None, reason="needs glibc's malloc")
+def test_with_a_fixed_mmap_threshold_freed_buffers_leave_the_resident_set():
+  import subprocess
+  import sys
+
+  def freed_mib(mode):
+    out = subprocess.run([sys.executable, "-c", _FRAGMENT, mode], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return int(out.stdout.split()[-1])
+  assert freed_mib("default") < 20  # the holes stay resident in the heap
+  assert freed_mib("fixed") >= 90  # each block had its own mapping: 100 MiB given back
