@@ -27,11 +27,10 @@ before -> 0.55 at step 8 -> 0.62 after 16 steps; training 470 s, the whole comma
 evaluations included) 10 min 4 s, peak resident memory 15.4 GiB. RL outcomes vary from run to run:
 earlier runs with older code on 2-core machines ended between 0.45 and 0.63.
 
-Host memory (``/usr/bin/time -v`` of each command; 2026-12-05, the same 2-core AMD EPYC, 24 GiB,
-shared with other jobs; bench/results/host-memory-2026-12-05-5f643bf): at 5f643bf the training
-command peaked at 7.82 GiB resident and each evaluation at 2.3-2.4 GiB (pass@1 0.26 -> 0.61,
-training 702 s at a load average of ~5.5); at 1a2e027, before the cut, 15.99 GiB and 2.4-2.6 GiB
-(pass@1 0.26 -> 0.62, training 707 s at the same load).
+Host memory (``/usr/bin/time -v`` of each command; 2026-12-05, the same 2-core AMD EPYC, 24 GiB;
+bench/results/host-memory-2026-12-05-d5676fb): at d5676fb the training command peaked at 7.45 GiB
+resident and each evaluation at 2.3-2.4 GiB (pass@1 0.26 -> 0.60, training 743 s); at 1a2e027,
+before the cut, 15.82 GiB and 2.5 GiB (pass@1 0.26 -> 0.62, training 799 s).
 
 ``:tiny`` (the random tiny model, 6 steps and 2 evaluations; plumbing only) took 92 s from an empty
 workdir (AMD EPYC, 2 cores shared with other jobs, 2026-12-05, at 684c4b6). The multi-turn and tool
@@ -108,8 +107,8 @@ def get_config(preset: str = "default"):
     # row; three micro-batches a minibatch): the train step keeps every layer's activations for
     # its backward (actor.remat "none", the fastest on CPU), so the micro-batch sets the host
     # memory's peak. At 4096 tokens (all six rows at once) the process went from 6.3 GiB between
-    # steps to 10.8 GiB in the first and 16.0 GiB by step 12; at 768, from 4.7-5.4 GiB to 7.8 at
-    # most (2026-12-05, bench/results/host-memory-2026-12-05-5f643bf).
+    # steps to 10.8 GiB in the first and 16.0 GiB by step 12; at 768, from 4.7-5.2 GiB to 7.45 at
+    # most (2026-12-05, bench/results/host-memory-2026-12-05-d5676fb).
     c.actor.micro_batch_tokens = 768
 
   # Multi-turn conversations grow: every turn's prompt is the whole conversation so far, which
