@@ -166,9 +166,10 @@ def base_config() -> ConfigDict:
   c.rollout.reward_workers = 2  # Processes that compute rewards.
   c.rollout.workers = 1  # Rollout worker processes (Ray actors) with runtime.mode="ray".
   # The episode each prompt group runs (areal_jax/workflows/), "single_turn" | "multi_turn" |
-  # "tool" | "python_tool". "single_turn": one completion (GRPO); "multi_turn": "wrong, try
+  # "tool" | "python_tool" | "env". "single_turn": one completion (GRPO); "multi_turn": "wrong, try
   # again" feedback up to max_turns; "tool": the model may call a calculator tool;
-  # "python_tool": the model may run Python programs in a sandbox (rollout.python_tool).
+  # "python_tool": the model may run Python programs in a sandbox (rollout.python_tool);
+  # "env": the model acts in the environment of rollout.env (areal_jax/workflows/env_episode.py).
   c.rollout.workflow = "single_turn"
   c.rollout.max_turns = 1  # Most model turns in one multi-turn or tool episode.
   c.rollout.turn_discount = 1.0  # A multi-turn episode's reward is reward x discount^(turns - 1).
@@ -186,6 +187,20 @@ def base_config() -> ConfigDict:
   # Run programs even where no namespace can be made (no network or file isolation then, only
   # the resource limits); False: such a machine refuses the workflow at start.
   c.rollout.python_tool.allow_unisolated = False
+  # The environment of rollout.workflow="env" (areal_jax/envs/, docs/guides/environments.md).
+  c.rollout.env = ConfigDict()
+  # Where it runs, "inprocess" | "pool" (worker processes on this host) | "remote" (HTTP, env.url).
+  c.rollout.env.kind = "inprocess"
+  c.rollout.env.class_path = ""  # The environment class, "package.module:Class" (not for remote).
+  c.rollout.env.args = ""  # Its constructor's keyword arguments, a JSON object ("": none).
+  c.rollout.env.workers = 2  # Threads (inprocess) or worker processes (pool) running environments.
+  # Episodes one pool worker holds at once; a worker killed for a fault ends all of them.
+  c.rollout.env.episodes_per_worker = 1
+  c.rollout.env.url = ""  # The environment server (kind="remote"), e.g. http://127.0.0.1:8900.
+  # Time limit of each reset / step; a call past it ends the episode (a pool worker is restarted).
+  c.rollout.env.step_timeout_s = 30.0
+  # Largest answer of a reset / step in bytes; a larger one ends the episode ("too_large").
+  c.rollout.env.max_response_bytes = 1048576
   # The vLLM engine, with rollout.backend="vllm" only (areal_jax/vllm_rollout/factory.py).
   c.rollout.vllm = ConfigDict()
   # How vLLM runs, "inprocess" | "server". "server": an OpenAI-compatible server on 127.0.0.1.
