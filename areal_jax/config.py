@@ -172,6 +172,9 @@ def base_config() -> ConfigDict:
   # "env": the model acts in the environment of rollout.env (areal_jax/workflows/env_episode.py).
   c.rollout.workflow = "single_turn"
   c.rollout.max_turns = 1  # Most model turns in one multi-turn or tool episode.
+  # Most episodes running at once (an async workflow's on one event loop, a blocking one's a
+  # thread each); 0: every episode of the groups in flight (n_samples x max_concurrent_rollouts).
+  c.rollout.max_concurrent_episodes = 0
   c.rollout.turn_discount = 1.0  # A multi-turn episode's reward is reward x discount^(turns - 1).
   # Limits of each program of rollout.workflow="python_tool" (areal_jax/envs/python_sandbox.py).
   c.rollout.python_tool = ConfigDict()

@@ -50,7 +50,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "actor.dtype": (a.dtype, ("float32", "bfloat16")),
       "rollout.backend": (r.backend, ("jax", "vllm")),
       "rollout.continuation": (r.continuation, ("keep_cache", "reprefill")),
-      "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool", "python_tool")),
+      "rollout.workflow": (r.workflow, ("single_turn", "multi_turn", "tool", "python_tool",
+                                        "env")),
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
       "serve.judge": (config.serve.judge, ("rule", "model", "votes", "none")),
       "runtime.worker_devices": (config.runtime.worker_devices, ("cpu", "gpu", "tpu")),
@@ -129,6 +130,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
   if r.max_turns < 1:
     errors.append(f"rollout.max_turns={r.max_turns} must be >= 1")
+  if r.max_concurrent_episodes < 0:
+    errors.append(f"rollout.max_concurrent_episodes={r.max_concurrent_episodes} must be >= 0")
   if not 0 < r.turn_discount <= 1:
     errors.append(f"rollout.turn_discount={r.turn_discount} must be in (0, 1]")
   if a.batch_size % a.ppo_n_minibatches:

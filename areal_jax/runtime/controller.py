@@ -12,10 +12,13 @@ Evaluation groups go through the same engine but not through the staleness bound
 
 Workflows (``rollout.workflow``, ``areal_jax.workflows``): "single_turn" keeps the grouped path
 above (one request of ``n`` samples per prompt). Any other workflow runs, per admitted group,
-``n`` episodes at once on worker threads; each turn of an episode is a one-sample engine request
-(``episodes.TurnClient``), the episode scores itself (through the reward pool) and the group is
-accepted or rejected when all ``n`` episodes have ended: one trajectory and one reward per episode,
-so GRPO advantages compare whole episodes.
+``n`` episodes: a blocking workflow's on worker threads (``episodes.EpisodeRunner``), an async
+one's on one event loop (``async_episodes.AsyncEpisodeRunner``), at most
+``max_concurrent_episodes`` at once either way (the others of the admitted groups wait for a place).
+Each turn of an episode is a one-sample engine request (``episodes.TurnClient``), the episode scores
+itself (through the reward pool) and the group is accepted or rejected when all ``n`` episodes
+have ended: one trajectory and one reward per episode, so GRPO advantages compare whole episodes.
+``step_metrics()`` gives the episodes' and the sampler's figures for each step's metrics row.
 All state that a checkpoint needs (pending examples, the data iterator, the next group id) is plain
 data: ``snapshot()``.
 """
@@ -23,6 +26,7 @@ data: ``snapshot()``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +34,8 @@ from typing import Any
 
 from areal_jax import workflows as workflows_lib
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, SamplingParams
-from areal_jax.runtime import episodes
+from areal_jax.runtime import async_episodes, episodes
+from areal_jax.runtime.episode_stats import EpisodeStats
 from areal_jax.runtime.rewards import RewardPool
 
 
@@ -60,7 +65,7 @@ class RolloutController:
                *, n_samples: int, params: SamplingParams, max_prompt_len: int,
                filter_uniform_groups: bool, seed: int, next_group_id: int = 0,
                pending: list[dict] | None = None,
-               workflow: workflows_lib.Workflow | None = None):
+               workflow: workflows_lib.Workflow | None = None, max_concurrent_episodes: int = 0):
     self.engine, self.task, self.tokenizer, self.staleness = engine, task, tokenizer, staleness
     self.data_iter, self.rewards = data_iter, rewards
     self.n, self.params, self.max_prompt_len = n_samples, params, max_prompt_len
@@ -81,13 +86,23 @@ class RolloutController:
     self._thread = threading.Thread(target=self._loop, name="rollout-controller", daemon=True)
     # Episodic workflows (None: the grouped single-turn path).
     self.workflow = None if isinstance(workflow, (workflows_lib.SingleTurn, type(None))) else workflow
-    if self.workflow is not None:  # a thread per episode of every group that may run at once
-      ctx = workflows_lib.Context(task, tokenizer, self._episode_reward, max_prompt_len)
-      workers = n_samples * max(1, getattr(staleness, "max_concurrent", 1))
-      self._episodes = episodes.EpisodeRunner(self.workflow, ctx, engine, self._stop, workers,
-                                              on_error=self._fail)
+    self.episode_stats = EpisodeStats()
+    if self.workflow is not None:  # every episode of every group that may run at once, or the cap
+      ctx = workflows_lib.Context(task, tokenizer, self._episode_reward, max_prompt_len,
+                                  self.episode_stats.env_call)
+      places = (int(max_concurrent_episodes) or
+                n_samples * max(1, getattr(staleness, "max_concurrent", 1)))
+      if workflows_lib.is_async(self.workflow):
+        self._episodes = async_episodes.AsyncEpisodeRunner(
+            self.workflow, ctx, engine, self._stop, places, on_error=self._fail,
+            stats=self.episode_stats)
+      else:
+        self._episodes = episodes.EpisodeRunner(self.workflow, ctx, engine, self._stop, places,
+                                                on_error=self._fail, stats=self.episode_stats)
+    # idle_s / busy_s: time without / with a request at the engine
     self.stats = dict(gen_tokens=0, groups_accepted=0, groups_rejected=0, reward_failures=0,
-                      prompts_too_long=0, engine_errors=0, idle_s=0.0)
+                      prompts_too_long=0, engine_errors=0, idle_s=0.0, busy_s=0.0)
+    self._reported = dict(idle_s=0.0, busy_s=0.0)
     self._data_exhausted = False
 
   # ---- lifecycle -------------------------------------------------------------------------------
@@ -100,6 +115,9 @@ class RolloutController:
     self._scorer.shutdown(wait=False, cancel_futures=True)
     if self.workflow is not None:
       self._episodes.shutdown()
+      close = getattr(self.workflow, "close", None)
+      if close is not None:  # what the workflow holds for its episodes (an environment pool)
+        close()
 
   def check(self) -> None:
     """Re-raises an error of the controller thread in the caller's thread."""
@@ -143,7 +161,7 @@ class RolloutController:
   # ---- the loop --------------------------------------------------------------------------------
   def _loop(self) -> None:
     try:
-      last = time.time()
+      last, last_busy = time.time(), 0.0
       while not self._stop.is_set():
         if self._admit_open.is_set():
           self._admit()
@@ -151,12 +169,30 @@ class RolloutController:
           self._on_sample(sample)
         self._collect_scores()
         now = time.time()
+        if self.workflow is None:  # a group holds the engine from admission to its last sample
+          with self._lock:
+            busy = (now - last) if (self._running or self._evals) else 0.0
+        else:  # turns come and go within one loop turn: the client times them
+          busy_total = self._episodes.turns.busy_s()
+          busy, last_busy = min(busy_total - last_busy, now - last), busy_total
         with self._lock:
-          if not self._running and not self._evals:
-            self.stats["idle_s"] += now - last
+          self.stats["busy_s"] += busy
+          self.stats["idle_s"] += now - last - busy
         last = now
     except BaseException as e:  # surfaced to the trainer by check()
       self._error = e
+
+  def step_metrics(self) -> dict[str, Any]:
+    """The figures of a step's metrics row over the time since the previous call:
+    ``sampler_busy_frac`` (the share of it with a request at the engine; None before any loop
+    turn) and the episodes' (``EpisodeStats.report``: in flight, environment calls, failures)."""
+    with self._lock:
+      now = {k: self.stats[k] for k in ("idle_s", "busy_s")}
+    delta = {k: now[k] - self._reported[k] for k in now}
+    self._reported = now
+    total = delta["idle_s"] + delta["busy_s"]
+    busy = delta["busy_s"] / total if total > 0 else None
+    return dict(sampler_busy_frac=busy, **self.episode_stats.report())
 
   def _next_example(self) -> dict | None:
     if self._pending:
@@ -185,7 +221,8 @@ class RolloutController:
       if self.workflow is not None:
         for i in range(self.n):
           params = dataclasses.replace(self.params, seed=episodes.episode_seed(self.seed, gid, i))
-          self._episodes.submit(self._train_episode, gid, i, example, params)
+          self._episodes.launch(gid, i, example, params, "train").add_done_callback(
+              functools.partial(self._episode_done, gid))
         continue
       params = dataclasses.replace(self.params, seed=self.seed * 1_000_003 + gid)
       self.engine.submit(GroupRequest(gid, tokens, self.n, params, {"kind": "train"}))
@@ -245,9 +282,10 @@ class RolloutController:
   def _fail(self, error: BaseException) -> None:
     self._error = self._error or error
 
-  def _train_episode(self, gid: int, index: int, example: dict, params: SamplingParams) -> None:
-    ep = self._episodes.play(gid, index, example, params, "train")
-    if ep is None:
+  def _episode_done(self, gid: int, future: Future) -> None:
+    """A training episode ended (on its thread or the event loop): its group takes it."""
+    ep = None if future.cancelled() else future.result()
+    if ep is None:  # stopped, or failed (the run stops)
       return
     with self._lock:
       run = self._running.get(gid)

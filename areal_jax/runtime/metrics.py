@@ -76,6 +76,13 @@ class MetricsWriter:
             f"  gen {fmt('gen_tokens_per_s', '.0f')} tok/s  train {fmt('train_tokens_per_s', '.0f')} tok/s"
             f"  wait {fmt('learner_wait_s', '.1f')}s  rss {fmt('host_rss_gib', '.1f')} GiB"
             f"  {rate * 60:.1f} steps/min  ETA {_hms(eta_s)}")
+    if row.get("episodes_in_flight_mean"):  # episodic workflows: episodes, the sampler's share
+      line += (f"  episodes {row['episodes_in_flight_mean']:.0f}"
+               f"  sampler busy {fmt('sampler_busy_frac', '.2f')}")
+    if row.get("env_steps"):
+      line += f"  env p50/p99 {fmt('env_step_p50_s', '.2f')}/{fmt('env_step_p99_s', '.2f')}s"
+    if row.get("env_failures"):
+      line += f"  env failures {row['env_failures']}"
     if row.get("eval_accuracy") is not None:
       line += f"  eval {row['eval_accuracy']:.3f}"
     print(line, file=self._stream, flush=True)

@@ -1,22 +1,24 @@
 """Episodes the rollout controller runs per example (``rollout.workflow``); see ``base.py``.
 
 ``get(name, config)`` builds one from the run's config (``rollout.max_turns``,
-``rollout.turn_discount``, ``rollout.python_tool``). Workflows know nothing of the runtime.
+``rollout.turn_discount``, ``rollout.python_tool``, ``rollout.env``). Workflows know nothing of
+the runtime.
 """
 
 from __future__ import annotations
 
 from areal_jax.envs.python_sandbox import Limits, Sandbox
-from areal_jax.workflows.base import Client, Context, Episode, Trajectory, Workflow
+from areal_jax.workflows.base import (AsyncClient, Client, Context, Episode, Trajectory, Workflow,
+                                      is_async)
 from areal_jax.workflows.multi_turn import MultiTurn
 from areal_jax.workflows.python_tool import PythonTool
 from areal_jax.workflows.single_turn import SingleTurn
 from areal_jax.workflows.tool import ToolUse
 
-NAMES = ("single_turn", "multi_turn", "tool", "python_tool")
+NAMES = ("single_turn", "multi_turn", "tool", "python_tool", "env")
 
-__all__ = ["NAMES", "Client", "Context", "Episode", "MultiTurn", "PythonTool", "SingleTurn",
-           "ToolUse", "Trajectory", "Workflow", "get", "sandbox"]
+__all__ = ["NAMES", "AsyncClient", "Client", "Context", "Episode", "MultiTurn", "PythonTool",
+           "SingleTurn", "ToolUse", "Trajectory", "Workflow", "get", "is_async", "sandbox"]
 
 
 def get(name: str, config=None) -> Workflow:
@@ -31,6 +33,9 @@ def get(name: str, config=None) -> Workflow:
     return ToolUse(max_turns)
   if name == "python_tool":
     return PythonTool(max_turns, sandbox(config))
+  if name == "env":  # async: an environment of rollout.env per episode (imported when chosen)
+    from areal_jax.workflows import env_episode  # pylint: disable=import-outside-toplevel
+    return env_episode.EnvEpisode.from_config(config)
   raise ValueError(f"rollout.workflow={name!r} is not one of {NAMES}")
 
 

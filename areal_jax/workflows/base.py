@@ -1,8 +1,12 @@
 """The workflow interface: one episode of one example, as many engine turns as it needs.
 
-A workflow talks to the rollout engine through a small blocking ``Client`` (``generate(prompt,
-params) -> Sample``, one sequence per call) and returns an ``Episode``: a single ``Sample`` holding
-the whole trajectory and its reward.
+A workflow talks to the rollout engine through a small ``Client`` (``generate(prompt, params) ->
+Sample``, one sequence per call) and returns an ``Episode``: a single ``Sample`` holding the whole
+trajectory and its reward. Its ``run`` is either blocking (``def run``: the runtime gives each
+running episode a thread of its own and a blocking ``Client``) or a coroutine (``async def run``:
+every episode runs on one event loop and gets an ``AsyncClient``, so thousands can wait on their
+environments at once; ``is_async``). An async episode never blocks: it awaits the engine
+(``client.generate``), its environment and its reward (``Context.areward``).
 
 Trajectory layout. ``sample.prompt_tokens`` is the example's first prompt; ``sample.tokens`` is
 everything after it, in order: the policy's tokens of every turn and the tokens the environment
@@ -17,7 +21,9 @@ Workflows know nothing of the runtime: the controller supplies the client and th
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -34,19 +40,40 @@ class Client(Protocol):
     """One sequence continuing ``prompt_tokens`` (blocking); errors come back as finish 'error'."""
 
 
+class AsyncClient(Protocol):
+  """What an async episode sees of the rollout engine."""
+
+  async def generate(self, prompt_tokens: list[int], params: SamplingParams) -> Sample:
+    """One sequence continuing ``prompt_tokens``; errors come back as finish 'error'. When the run
+    stops, the wait raises (and any other await of the episode may be cancelled)."""
+
+
+def _no_report(seconds: float, failure: str | None = None) -> None:
+  del seconds, failure
+
+
 @dataclasses.dataclass
 class Context:
   """What an episode needs besides the engine: the task (prompts), the tokenizer, a reward.
 
   ``reward(completion_text, example) -> float`` never raises (the controller's is time-limited in
-  the reward pool; tests pass ``task.reward``). ``max_prompt_len``: no turn's prompt (the whole
-  conversation so far) may be longer; an episode that would need one ends there.
+  the reward pool; tests pass ``task.reward``); it blocks, so an async episode awaits
+  ``areward`` instead. ``max_prompt_len``: no turn's prompt (the whole conversation so far) may be
+  longer; an episode that would need one ends there. ``report_env(seconds, failure)``: an episode
+  reports each call of its environment (``reset`` or ``step``): the wall seconds it took, and
+  ``failure`` None, or the kind of failure ("timeout", "crash", ...); the run's metrics count them
+  (thread-safe, never blocks; a no-op outside a run).
   """
 
   task: Any
   tokenizer: Any
   reward: Callable[[str, dict], float]
   max_prompt_len: int
+  report_env: Callable[[float, str | None], None] = _no_report
+
+  async def areward(self, text: str, example: dict) -> float:
+    """``reward(text, example)`` on a worker thread, so the event loop goes on meanwhile."""
+    return await asyncio.to_thread(self.reward, text, example)
 
 
 @dataclasses.dataclass
@@ -118,13 +145,21 @@ class Trajectory:
 
 
 class Workflow(abc.ABC):
-  """Runs one episode of an example. Thread-safe: many episodes run at once on one instance."""
+  """Runs one episode of an example. Thread-safe: many episodes run at once on one instance.
+
+  A subclass defines ``run`` either blocking or as ``async def run(example, ctx, client, params)
+  -> Episode`` with an ``AsyncClient`` (``is_async``)."""
 
   name = "workflow"
 
   @abc.abstractmethod
   def run(self, example: dict, ctx: Context, client: Client, params: SamplingParams) -> Episode:
     """Plays one episode; ``params.seed`` is the episode's seed (each turn derives its own)."""
+
+
+def is_async(workflow: Workflow) -> bool:
+  """Whether ``workflow.run`` is a coroutine function (its episodes run on the event loop)."""
+  return inspect.iscoroutinefunction(workflow.run)
 
 
 def turn_params(params: SamplingParams, turn: int) -> SamplingParams:

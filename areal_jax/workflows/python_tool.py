@@ -16,6 +16,8 @@ The episode's ``sample.metadata`` counts the programs run (``calls``) and those 
 
 from __future__ import annotations
 
+import time
+
 from areal_jax.envs.python_env import PythonEnv, find_block
 from areal_jax.envs.python_sandbox import Sandbox
 from areal_jax.rollout_api import SamplingParams
@@ -48,7 +50,10 @@ class PythonTool(Workflow):
         traj.add_turn(sample, keep=cut)
         text = ctx.tokenizer.decode(sample.tokens if cut is None else sample.tokens[:cut])
         finish = sample.finish_reason if cut is None else "stop"
+        t0 = time.monotonic()
         obs, reward, done, info = env.step(text)
+        if not done:  # a program ran (how it ended is the model's doing, not an env failure)
+          ctx.report_env(time.monotonic() - t0, None)
         if done:
           end = info["end"]
           break
