@@ -55,6 +55,11 @@ class Env(abc.ABC):
   async def step(self, action: str) -> StepResult:
     """The environment's answer to the policy's text ``action``."""
 
+  async def acquire(self) -> None:
+    """Waits for what the episode needs before its first call (a place in a pool); ``reset``
+    does it when not done before. Not an environment call: callers timing ``reset`` await it
+    first, so the wait for a place is not counted as the environment's latency."""
+
   async def close(self) -> None:
     """Releases what the episode holds; never raises."""
 

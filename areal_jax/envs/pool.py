@@ -328,9 +328,12 @@ class PooledEnv(Env):
     self._worker: _Worker | None = None
     self._generation: int | None = None
 
-  async def reset(self, example: dict) -> str:
+  async def acquire(self) -> None:
     if self._worker is None:
       self._worker = await self.pool._acquire()
+
+  async def reset(self, example: dict) -> str:
+    await self.acquire()
     request = {"op": "reset", "episode": self.id, "example": example}
     try:
       for attempt in range(self.pool.reset_retries + 1):

@@ -13,7 +13,8 @@ environment says done (``end`` is its ``info["end"]`` if a string, else "done"),
 Reward: the sum of the environment's rewards. An environment call that fails (``EnvError``) ends
 the episode with reward 0 and ``end="env_<kind>"`` (kind: timeout, crashed, garbage, too_large),
 the trajectory so far kept as the sample; the run goes on. Every ``reset`` and ``step`` is timed
-and reported with its failure kind (``Context.report_env``); the environment is always closed.
+and reported with its failure kind (``Context.report_env``), the wait for a pool's place
+(``Env.acquire``) not included; the environment is always closed.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class EnvEpisode(Workflow):
     env = None
     try:
       env = self.envs.env()
+      await env.acquire()  # a pool's place: back-pressure, not the environment's latency
       obs = await _timed(ctx, env.reset(example))
       while True:
         if obs:

@@ -105,6 +105,14 @@ def test_a_failing_environment_ends_only_its_episode(pooled, fault, kind):
   assert pooled.envs.stats()["episodes"] == 0  # every environment was closed
 
 
+def test_episodes_beyond_the_pool_places_wait_their_turn(pooled):
+  async def both():
+    runs = [pooled.run({}, context([]), Client(["a", "b", "c"]), SamplingParams()) for _ in "xy"]
+    return await asyncio.gather(*runs)
+  eps = asyncio.run(asyncio.wait_for(both(), GUARD_S))  # one place, two episodes
+  assert [(ep.end, ep.reward) for ep in eps] == [("done", 1.0)] * 2
+
+
 def test_a_failed_reset_ends_the_episode_before_any_turn(pooled):
   reports = []
   ep, client = play(pooled, [], reports, example={"fault": "raise"})
