@@ -9,7 +9,8 @@ reset) misbehaves on purpose:
 - ``exit``: ends its process at once (``os._exit``; only where it runs in a worker process);
 - ``raise``: raises ``RuntimeError``;
 - ``garbage``: returns values of the wrong types;
-- ``huge``: returns an observation of ``huge_bytes`` bytes (10 MB by default).
+- ``huge``: returns an observation of ``huge_bytes`` bytes (10 MB by default);
+- ``print``: prints 64 KiB to standard output, then answers as usual.
 
 ``AsyncSyntheticEnv`` is the same with coroutine methods (``asyncio.sleep`` for the latency and
 the hang of ``step``).
@@ -43,6 +44,8 @@ class SyntheticEnv:
       return {"not": "text"}, "high", "yes", ["no"]
     elif kind == "huge":
       return "x" * self.huge_bytes, 0.0, False, {}
+    elif kind == "print":  # chatter on standard output, then a normal answer
+      print("chatter " * 8192, flush=True)
     return None
 
   def reset(self, example: dict) -> str:

@@ -99,6 +99,12 @@ def test_a_fault_ends_its_episode_and_the_pool_goes_on(make_pool, fault, kind, r
     assert not alive(pid)
 
 
+def test_what_an_environment_prints_does_not_reach_the_protocol(make_pool, capfd):
+  pool = make_pool(workers=1)
+  assert run(play(pool, ["fault:print", "b"]))[-1] == ("obs 2", 1.0, True, {"t": 2})
+  assert "chatter" in capfd.readouterr().err  # the worker's standard output is its stderr
+
+
 def test_a_restart_loses_the_state_of_every_episode_on_that_worker(make_pool):
   pool = make_pool(workers=1, episodes_per_worker=2)
 
