@@ -42,8 +42,7 @@ import collections
 import jax
 import numpy as np
 
-from areal_jax import sharding
-from areal_jax.sampler import slot_cache
+from areal_jax.sampler import row_programs, slot_cache
 
 MIN_CHUNK = 16
 # the most new tokens one extend call runs: its attention holds float32 scores of heads x tokens x
@@ -209,13 +208,11 @@ class Continuations:
       row = self._take_fn(length)(kept)
     self.stats["continued"] += 1
     self.stats["tokens_saved"] += shared
-    if calls and ("extend", length) not in self._fns:
-      self._fns["extend", length] = self._make_extend(length)
     for start, n, padded in calls:  # (each call donates the row to the next)
       chunk = np.zeros((1, padded), np.int32)
       chunk[0, :n] = rest[start:start + n]
-      row = self._fns["extend", length](params, row, chunk,
-                                        np.full((1,), shared + start, np.int32))
+      row = row_programs.extend(self.engine, length)(params, row, chunk,
+                                                     np.full((1,), shared + start, np.int32))
     return row
 
   def row_length(self, positions: int) -> int | None:
@@ -274,11 +271,9 @@ class Continuations:
       elif what == "take":
         read_pages(length)
       else:
-        if ("extend", length) not in self._fns:
-          self._fns["extend", length] = self._make_extend(length)
         row = rows.pop(length, None)
         row = read_pages(length) if row is None else row
-        rows[length] = self._fns["extend", length](
+        rows[length] = row_programs.extend(self.engine, length)(
             params, row, np.zeros((1, size), np.int32), np.zeros((1,), np.int32))
       if progress is not None:
         progress(done, len(steps),
@@ -293,10 +288,6 @@ class Continuations:
       self._fns["take", length] = self._make_take(length)
     return self._fns["take", length]
 
-  def _row_shardings(self, length: int):
-    e = self.engine
-    return slot_cache.shardings(e._named, e.model_cfg, 1, length, e.cache_layout, prefix=True)
-
   def _make_take(self, length: int):
     paged, layout = self.engine.paged, self.engine.cache_layout
     axis = 1 if layout == slot_cache.STACKED else 0
@@ -309,17 +300,4 @@ class Continuations:
                               source)
       return slot_cache.prefix_head(source, length, layout)
 
-    return jax.jit(fn, out_shardings=self._row_shardings(length))
-
-  def _make_extend(self, length: int):
-    e = self.engine
-    layers, mesh = e.layers, e.mesh
-
-    def fn(params, row, tokens_1xL, start_1):
-      with sharding.use(mesh):
-        _, row = layers.extend(params)(tokens_1xL, start_1, row, kv_len=length)
-      return row
-
-    rows = self._row_shardings(length)  # (compiled once per chunk bucket: the tokens' shape)
-    return jax.jit(fn, in_shardings=(e.held_formats, rows, None, None), out_shardings=rows,
-                   donate_argnums=1, compiler_options=e.compiler_options)
+    return jax.jit(fn, out_shardings=row_programs.shardings(self.engine, length))

@@ -1,6 +1,8 @@
 """Shared tiny models for the sampler tests (d_model 64, 2 layers), and the full forward's
 logprobs they compare the sampler's against."""
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -32,6 +34,22 @@ def full_forward_logprobs(model, prompt, tokens, temperature: float = 1.0) -> np
   tokens_1xL[0, :len(seq)] = seq
   logp_LxV = np.asarray(_log_softmax(model, tokens_1xL, np.float32(temperature)))
   return logp_LxV[np.arange(len(prompt) - 1, len(seq) - 1), np.asarray(tokens, np.int64)]
+
+
+@contextlib.contextmanager
+def compiles():
+  """The list of the XLA compilations that run inside the block (one entry each)."""
+  seen = []
+
+  def listener(event, secs, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module")

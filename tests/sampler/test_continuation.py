@@ -12,6 +12,8 @@ from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import continuation, slot_cache
 from areal_jax.sampler.service import JaxRolloutEngine
 
+from .conftest import compiles
+
 
 def _one(engine, request, timeout=120.0):
   engine.submit(request)
@@ -180,8 +182,6 @@ def test_a_long_chunk_runs_in_pieces_to_the_same_sample(model, monkeypatch, page
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.slow
 def test_warmup_compiles_every_program_a_conversation_runs(model, paged):
-  import jax
-
   kw = dict(kv_pages=24, page_size=16, decode_attention="dense") if paged else {}
   engine = JaxRolloutEngine(model, num_slots=4, max_len=96, prefill_buckets=(32,), **kw)
   ticks = []
@@ -189,29 +189,22 @@ def test_warmup_compiles_every_program_a_conversation_runs(model, paged):
   assert [d for d, _, _ in ticks] == list(range(1, engine.warmup_count(True) + 1))
   assert {t for _, t, _ in ticks} == {engine.warmup_count(True)}
   assert engine.warmup_count(True) > engine.warmup_count()
-  compiles = []
-
-  def listener(event, secs, **kw):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
   engine.start()
   try:
-    rng = np.random.default_rng(3)
-    for gid, (length, answer, inserted) in enumerate([(20, 9, 5), (30, 8, 30), (60, 4, 3)]):
-      prompt = [int(t) for t in rng.integers(1, 128, length)]  # short turns, then longer ones
-      for turn in range(3):
-        params = SamplingParams(greedy=True, max_new_tokens=answer)
-        out = _one(engine, GroupRequest(10 * gid + turn, prompt, 1, params, {"continue": True}))
-        prompt = prompt + out.tokens + [int(t) for t in rng.integers(1, 128, inserted)]
-        if len(prompt) + answer > 90:
-          break
-    assert engine.stats["continued"] >= 4, engine.stats
-    assert compiles == [], f"{len(compiles)} programs compiled after the warm-up"
+    with compiles() as compiled:
+      rng = np.random.default_rng(3)
+      for gid, (length, answer, inserted) in enumerate([(20, 9, 5), (30, 8, 30), (60, 4, 3)]):
+        prompt = [int(t) for t in rng.integers(1, 128, length)]  # short turns, then longer ones
+        for turn in range(3):
+          params = SamplingParams(greedy=True, max_new_tokens=answer)
+          out = _one(engine, GroupRequest(10 * gid + turn, prompt, 1, params, {"continue": True}))
+          prompt = prompt + out.tokens + [int(t) for t in rng.integers(1, 128, inserted)]
+          if len(prompt) + answer > 90:
+            break
+      assert engine.stats["continued"] >= 4, engine.stats
+      assert compiled == [], f"{len(compiled)} programs compiled after the warm-up"
   finally:
     engine.stop()
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -371,7 +371,7 @@ def test_a_continuing_turn_holds_no_more_than_the_planned_prefill(paged):
   """A multi-turn continuation (``sampler.continuation``) is not planned on its own: it works on
   a row of a prefill bucket, so its read of the kept row (or pages) and its extend over the new
   tokens hold no more than the prefill call the plan counts, at every bucket and chunk."""
-  from areal_jax.sampler import continuation, pages, slot_cache
+  from areal_jax.sampler import continuation, pages, row_programs, slot_cache
   kw = dict(kv_pages=16, page_size=8) if paged else {}
   eng = DecodeEngine(tiny_model(0), EngineConfig(num_slots=4, max_len=96, max_prefill_tokens=64,
                                                  prefill_buckets=(16, 32, 64), **kw))
@@ -385,7 +385,7 @@ def test_a_continuing_turn_holds_no_more_than_the_planned_prefill(paged):
               if paged else (row,))
     read = kept._make_take(length).lower(*source).compile().memory_analysis()
     for chunk in (continuation.MIN_CHUNK, length // 2):
-      m = kept._make_extend(length).lower(
+      m = row_programs.extend(eng, length).lower(
           eng.params, row, jax.ShapeDtypeStruct((1, chunk), "int32"),
           jax.ShapeDtypeStruct((1,), "int32")).compile().memory_analysis()
       held = read.output_size_in_bytes + read.temp_size_in_bytes + m.temp_size_in_bytes
