@@ -4,7 +4,8 @@ groups admitted in one round are prefilled together (``DecodeEngine.prefill_batc
 at a time (``windows``). Least recently used first out: a fill keeps the prefixes it was asked
 for until ``trim`` (once they are inserted), which keeps at most ``SIZE`` prefixes of at most
 ``max_positions`` positions in all (the engine's largest planned prefill call's: what the
-sampler's memory plan counts for the memo, ``sampler.memory``); cleared by a weight swap."""
+sampler's memory plan counts for the memo, ``sampler.memory``), less those a row held beside it
+takes (``held_beside``: a chunked prefill's, ``chunked_prefill``); cleared by a weight swap."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ class PrefixMemo:
     self.engine, self.stats = engine, stats  # counts "prefills" and "prefix_hits"
     self.max_positions = engine.prefill_positions_to_plan()
     self._prefixes: collections.OrderedDict = collections.OrderedDict()  # tokens -> KV prefix
+    self.held_beside = lambda: 0  # positions of a row held beside the memo, in its budget
+
+  def __contains__(self, tokens) -> bool:
+    return (tokens if isinstance(tokens, tuple) else tuple(int(t) for t in tokens)) in \
+        self._prefixes
 
   def __len__(self) -> int:
     return len(self._prefixes)
@@ -37,7 +43,7 @@ class PrefixMemo:
     """Drops the least recently used prefixes (but those of ``keep``'s tokens) until at most
     ``SIZE`` of at most ``max_positions`` positions are left."""
     keep = {tuple(int(t) for t in ts) for ts in keep}
-    positions, layout = self.positions(), self.engine.cache_layout
+    positions, layout = self.positions() + self.held_beside(), self.engine.cache_layout
     for key in [k for k in self._prefixes if k not in keep]:
       if len(self._prefixes) <= self.SIZE and positions <= self.max_positions:
         break
@@ -50,6 +56,13 @@ class PrefixMemo:
       self.fill(params, [tokens])
     self._prefixes.move_to_end(key)
     return self._prefixes[key]
+
+  def put(self, tokens: list[int], prefix) -> None:
+    """Keeps ``prefix``, the KV prefix of ``tokens`` under the weights in use, prefilled
+    elsewhere (in chunks), as the most recently used (``trim`` bounds the memo later)."""
+    key = tuple(int(t) for t in tokens)
+    self._prefixes[key] = prefix
+    self._prefixes.move_to_end(key)
 
   def fill(self, params, token_lists: list[list[int]]) -> None:
     """Puts the prefixes of ``token_lists`` in the memo, prefilling those not there yet in batched

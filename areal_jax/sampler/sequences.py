@@ -4,6 +4,7 @@ sequences (slot, tokens so far, their logprobs and versions), and the samples it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from areal_jax.rollout_api import GroupRequest, Sample
@@ -16,6 +17,12 @@ class Group:
   stop_ids: tuple[int, ...]
   seqs: list["Seq"] = dataclasses.field(default_factory=list)
   bypassed: int = 0  # later groups admitted while this one waited at the head of the queue
+
+  @functools.cached_property
+  def prefill_key(self) -> tuple[int, ...]:
+    """The tokens its prefill covers (the prompt but its last token, which the first decode step
+    feeds), as the prefix memo keys them."""
+    return tuple(int(t) for t in self.request.prompt_tokens[:-1])
 
 
 @dataclasses.dataclass
@@ -31,6 +38,8 @@ class Seq:
   kv_version: int = -1  # the weights that computed the prompt's KV
   end: int = 0  # the length it stops at (max_new_tokens or the cache)
   admitted: int = 0  # admission order (a paged cache preempts the latest first)
+  # its re-prefill runs in chunks (``chunked_prefill``): its slot, inactive, waits for the row
+  prefilling: bool = False
 
   @property
   def length(self) -> int:

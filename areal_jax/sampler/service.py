@@ -15,7 +15,10 @@ most the one call already queued behind it.
 
 Prefills are memoised per token sequence (``prefix_memo``); requests are checked on submission
 (``requests``); waiting groups are admitted first in, first out, with bounded overtaking
-(``admission``).
+(``admission``). A prefill of more than ``prefill_chunk`` positions (a long prompt; a long
+sequence re-prefilled after a weight swap or a preemption) runs a chunk before each decode call
+instead of all at once (``chunked_prefill``): its group waits (later ones may be admitted), or
+its sequence sits out, until the last chunk; no decode step waits longer than one chunk.
 
 Multi-turn continuation (``continuation.py``): a request with ``metadata["continue"]`` keeps its
 finished sequences' KV rows; a later request whose prompt shares most of its start with one (the
@@ -60,12 +63,13 @@ from jax.sharding import Mesh
 
 from areal_jax.models.transformer import Transformer
 from areal_jax.rollout_api import GroupRequest, RolloutEngine, Sample, drain
-from areal_jax.sampler import (admission, launch_tuning, paging, prefix_memo, requests, sampling,
-                               sequences)
+from areal_jax.sampler import (chunked_prefill, launch_tuning, paging, prefix_memo, requests,
+                               sampling, sequences)
 from areal_jax.sampler import continuation as continuation_lib
 from areal_jax.sampler import warmup as warmup_lib
 from areal_jax.sampler.engine import DecodeEngine, EngineConfig
 from areal_jax.sampler.pages import PageTable
+from areal_jax.sampler.prefilling import Prefilling
 from areal_jax.sampler.sequences import Group, Seq
 
 log = logging.getLogger(__name__)
@@ -74,7 +78,7 @@ CONTINUATION_MODES = ("keep_cache", "reprefill")
 WEIGHT_SWAPS = ("overlap", "pause")
 
 
-class JaxRolloutEngine(RolloutEngine):
+class JaxRolloutEngine(Prefilling, RolloutEngine):
   """Continuous-batching rollout engine on a JAX mesh; see the module docstring."""
 
   def __init__(self, model: Transformer, *, mesh: Mesh | None = None, num_slots: int = 8,
@@ -86,7 +90,7 @@ class JaxRolloutEngine(RolloutEngine):
                decode_layers: str = "auto", decode_projections: str = "auto", lora=None,
                kv_pages: int = -1, page_size: int = 64, max_prefill_tokens: int = 0,
                prefill_attention: str = "auto", output=None, weight_swap: str = "overlap",
-               decode_tuning: str = "auto"):
+               decode_tuning: str = "auto", prefill_chunk: int = -1):
     """``kv_pages``: the paged cache's pool (0: rows; -1: the platform's choice,
     ``kernels.choice.kv_pages``: paged on GPU). ``max_prefill_tokens``: tokens per prefill call
     (``EngineConfig``; 0: no bound). ``prefill_attention``: a prefill's causal attention
@@ -94,7 +98,9 @@ class JaxRolloutEngine(RolloutEngine):
     finished samples go (anything with ``put``; default: this engine's own queue, drained by
     ``poll``): ``replicas`` routes several engines' samples to one queue. ``decode_tuning``:
     whether the decode programs' kernel launches are timed on the device before the first decode
-    call, the fastest kept (``tune_launch``; ``kernels.choice.DECODE_TUNING``)."""
+    call, the fastest kept (``tune_launch``; ``kernels.choice.DECODE_TUNING``).
+    ``prefill_chunk``: positions per chunk of a long prefill (``chunked_prefill``; 0: prefills
+    run whole; -1: per platform)."""
     if continuation not in CONTINUATION_MODES:
       raise ValueError(f"continuation={continuation!r}; expected one of {CONTINUATION_MODES}")
     if weight_swap not in WEIGHT_SWAPS:
@@ -135,6 +141,9 @@ class JaxRolloutEngine(RolloutEngine):
         self.engine, capacity=num_slots, table=None if self._paging is None else self._paging.table)
     self.stats = collections.Counter()
     self._prefixes = prefix_memo.PrefixMemo(self.engine, self.stats)  # tokens -> KV prefix
+    self._chunks = chunked_prefill.ChunkedPrefill(  # a long prefill's row, a chunk a decode call
+        self.engine, chunked_prefill.chunk_size(prefill_chunk, self.engine.platform), self.stats)
+    self._prefixes.held_beside = self._chunks.positions  # (the memo leaves room for the row)
     self._token_listener = None
     self._tuned = False
     self.launch_report: dict | None = None  # what tune_launch timed (None: nothing)
@@ -177,8 +186,10 @@ class JaxRolloutEngine(RolloutEngine):
         progress(before + done, total, what)
 
     self._state = self.engine.warmup(self._state or self.engine.init_state(), report)
+    before = warmup_lib.count(self.engine)
+    self._chunks.warmup(self.engine.params, progress, before, total)
     if continuations:
-      before = warmup_lib.count(self.engine)
+      before += self._chunks.warmup_count()
       self._continued.warmup(self.engine.params, self._state, report)
     n = 1
     while n <= 2 * self.num_slots:  # the per-request sampling keys (padded to powers of two)
@@ -187,7 +198,8 @@ class JaxRolloutEngine(RolloutEngine):
 
   def warmup_count(self, continuations: bool = False) -> int:
     """Programs ``warmup`` compiles."""
-    return warmup_lib.count(self.engine) + (self._continued.warmup_count() if continuations else 0)
+    return warmup_lib.count(self.engine) + self._chunks.warmup_count() + \
+        (self._continued.warmup_count() if continuations else 0)
 
   def tune_launch(self, launch=None) -> dict | None:
     """Before the first decode call, once: times the decode programs' kernel launches on this
@@ -233,6 +245,7 @@ class JaxRolloutEngine(RolloutEngine):
       if seq is not None and not seq.done:
         self._finish(seq, "abort")
     self._slots = [None] * self.num_slots
+    self._chunks.clear()
     if self._paging is not None:
       self._continued.clear()  # (kept pages: before the pool's pages all go back)
       self._paging.reset()
@@ -317,7 +330,8 @@ class JaxRolloutEngine(RolloutEngine):
           self._drain_inflight()
           continue
         self._admit()
-        if any(s is not None and not s.done for s in self._slots):
+        self._prefill_chunk()
+        if any(s is not None and not s.done and not s.prefilling for s in self._slots):
           self._dispatch()
           if len(self._inflight) > 1:
             self._process(self._inflight.popleft())
@@ -329,6 +343,7 @@ class JaxRolloutEngine(RolloutEngine):
 
   def _fail_all(self, message: str):
     self._inflight.clear()
+    self._chunks.clear()
     preempted = self._preempted()
     if self._paging is not None:
       self._continued.clear()  # (kept pages: before the pool's pages all go back)
@@ -431,160 +446,6 @@ class JaxRolloutEngine(RolloutEngine):
       self._continued.keep(self._state, seq.slot, seq.fed(),
                            len(seq.group.request.prompt_tokens))
 
-  def _admit(self):
-    """Admits waiting groups into free slots (``admission.pick``; a paged cache's preempted
-    sequences first); the prompts of all groups admitted at once are prefilled together."""
-    free = [i for i, s in enumerate(self._slots) if s is None]
-    if self._paging is not None:
-      free = self._resume(free)
-      if self._paging.preempted:  # (still waiting for pages: new groups wait behind them)
-        return
-    pages, live, cost = 0, 0, self._pages_needed
-    if self._paging is not None:  # a page of headroom per live sample (its next), new ones too
-      live = sum(s is not None and not s.done for s in self._slots)
-      pages = self._paging.table.free_pages - live
-      cost = lambda g: self._pages_needed(g) + g.request.n  # noqa: E731
-    with self._lock:
-      groups = admission.pick(self._waiting, len(free), pages, self.num_slots, cost)
-      if not groups and self._paging is not None and not live and self._waiting:
-        # nothing runs: one group without headroom (any group the pool holds gets to run)
-        groups = admission.pick(self._waiting, min(len(free), self._waiting[0].request.n), pages,
-                                self.num_slots, self._pages_needed)
-    admitted = []
-    for group in groups:
-      admitted.append((group, free[:group.request.n]))
-      free = free[group.request.n:]
-    if not admitted:
-      return
-    # prompts that continue a kept sequence extend it instead (in _start_group); the others are
-    # prefilled a window at a time, its groups started before the next window's prefill, so that
-    # no more prefixes are held at once than the memory plan counts (``prefix_memo.windows``)
-    prompts = [list(g.request.prompt_tokens[:-1]) for g, _ in admitted]
-    fresh = [i for i, p in enumerate(prompts) if self._continued.match(p)[0] is None]
-    started = 0  # groups start in admission order, continuations among them
-    for window in prefix_memo.windows(self.engine, [prompts[i] for i in fresh]):
-      try:
-        self._prefixes.fill(self.engine.params, [prompts[fresh[j]] for j in window])
-      except Exception:  # let each group fail (or not) on its own below
-        log.exception("batched prefill failed")
-      for i in range(started, fresh[window[-1]] + 1):
-        self._start_or_fail(*admitted[i])
-      started = fresh[window[-1]] + 1
-      self._prefixes.trim()
-    for i in range(started, len(admitted)):
-      self._start_or_fail(*admitted[i])
-    self._prefixes.trim()  # (a continuation that found no kept row was prefilled alone)
-
-  def _start_or_fail(self, group: Group, slots: list[int]):
-    try:
-      self._start_group(group, slots)
-    except Exception as e:  # this request only
-      log.exception("admitting group %s failed", group.request.group_id)
-      self._emit_group(group, "error", f"{type(e).__name__}: {e}")
-
-  def _start_group(self, group: Group, slots: list[int]):
-    r, p = group.request, group.request.params
-    prompt = [int(t) for t in r.prompt_tokens]
-    params = self.engine.params
-    prefix = (self._continued.take(params, prompt[:-1], self._state) if len(self._continued)
-              else None)
-    if prefix is None:
-      prefix = self._prefixes.get(params, prompt[:-1])
-    else:
-      self.stats["continued"] += 1
-    keys = np.asarray(sampling.slot_keys(p.seed, r.n))
-    end = min(len(prompt) + p.max_new_tokens, self.max_len)
-    pages = None
-    if self._paging is not None:  # admission checked there are enough
-      if not self._paging.table.share(slots, len(prompt) - 1):
-        raise RuntimeError("paged cache: admitted a group its free pages cannot hold")
-      pages = self._paging.table.table[slots]
-    try:
-      self._state = self.engine.insert(
-          self._state, prefix, slots, token=[prompt[-1]] * r.n, pos=[len(prompt) - 1] * r.n,
-          end=[end] * r.n, keys=keys, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-          greedy=p.greedy, stop_ids=list(group.stop_ids), pages=pages)
-    except Exception:  # the group fails alone: its pages go back
-      self._release(slots)
-      raise
-    now = time.time()
-    for i, slot in enumerate(slots):
-      self._admissions += 1
-      seq = Seq(group, i, slot, now, kv_version=self._version, end=end,
-                 admitted=self._admissions)
-      group.seqs.append(seq)
-      self._slots[slot] = seq
-
-  # ---- paged cache (``paging``) -------------------------------------------------------------
-
-  def _grow(self):
-    """Gives every live sequence the pages the next call writes; when the pool runs out, syncs
-    and preempts the sequences admitted last until the others' pages fit."""
-    live = [s for s in self._slots if s is not None and not s.done]
-    if self._paging.grow(live, len(self._inflight) + 1):
-      return
-    self._drain_inflight()  # exact lengths, nothing in flight
-    self._preempt(self._paging.preempt_until_fit(
-        [s for s in self._slots if s is not None and not s.done]))
-
-  def _preempt(self, seqs: list[Seq]) -> None:
-    """Empties the slots of ``seqs`` (their pages already back, ``paging`` holds them)."""
-    for seq in seqs:
-      self._state = self.engine.deactivate(self._state, [seq.slot])
-      self._slots[seq.slot] = None
-      self.stats["preempted"] += 1
-
-  def _resume(self, free: list[int]) -> list[int]:
-    """Re-prefills preempted sequences into free slots while their pages fit; returns the slots
-    still free."""
-    while free and (seq := self._paging.resumable()) is not None:
-      if not self._reinsert(seq, free[0]):  # (resumable checked its pages)
-        raise RuntimeError("paged cache: no pages for a resumable sequence")
-      self._paging.preempted.remove(seq)
-      self._slots[free.pop(0)] = seq
-      self.stats["resumed"] += 1
-    self._prefixes.trim()  # (a resumed sequence's prefix is its own: nothing shares it)
-    return free
-
-  def _preempted(self) -> list[Seq]:
-    return [] if self._paging is None else list(self._paging.preempted)
-
-  def _pages_needed(self, group: Group) -> int:
-    if self._paging is None:
-      return 0
-    r = group.request
-    end = min(len(r.prompt_tokens) + r.params.max_new_tokens, self.max_len)
-    return self._paging.admission_cost(r.n, len(r.prompt_tokens), end)
-
-  def _reinsert(self, seq: Seq, slot: int) -> bool:
-    """Re-prefills ``seq`` (prompt + generated so far) under the weights in use into ``slot``;
-    False (nothing done) when a paged cache has not the pages for it."""
-    r, p = seq.group.request, seq.group.request.params
-    tokens = [int(t) for t in r.prompt_tokens] + seq.tokens
-    pages = None
-    if self._paging is not None:
-      if not self._paging.table.share([slot], len(tokens) - 1):
-        return False
-      pages = self._paging.table.table[[slot]]
-    try:
-      prefix = self._prefixes.get(self.engine.params, tokens[:-1])
-      key = np.asarray(sampling.slot_key(p.seed, seq.index))[None]
-      self._state = self.engine.insert(
-          self._state, prefix, [slot], token=[tokens[-1]], pos=[len(tokens) - 1],
-          end=[seq.end], keys=key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-          greedy=p.greedy, stop_ids=list(seq.group.stop_ids), pages=pages)
-    except Exception:
-      self._release([slot])
-      raise
-    seq.slot, seq.kv_version = slot, self._version
-    return True
-
-  def _release(self, slots: list[int]) -> None:
-    """A paged cache's pages of ``slots`` go back."""
-    if self._paging is not None:
-      for slot in slots:
-        self._paging.table.release(slot)
-
   def _handle_aborts(self):
     with self._lock:
       ids, self._aborts = set(self._aborts), []
@@ -618,6 +479,7 @@ class JaxRolloutEngine(RolloutEngine):
       return
     placed, given, version = pending
     self._prefixes.clear()
+    self._chunks.clear()
     self._continued.clear()
     if placed is None:  # "pause": no call reads the current version once drained; then let it go
       self._drain_inflight()
@@ -630,17 +492,4 @@ class JaxRolloutEngine(RolloutEngine):
     if self.continuation != "reprefill" or self._state is None:
       return
     self._drain_inflight()
-    live = sorted((seq for seq in self._slots if seq is not None and not seq.done),
-                  key=lambda s: s.admitted)
-    self._release([seq.slot for seq in live])  # (a paged cache: each takes its own pages again)
-    prompts = [[int(t) for t in seq.group.request.prompt_tokens] + seq.tokens[:-1]
-               for seq in live]
-    for window in prefix_memo.windows(self.engine, prompts):  # (as admission: bounded prefixes)
-      self._prefixes.fill(self.engine.params, [prompts[i] for i in window])
-      for i in window:
-        seq = live[i]
-        if self._reinsert(seq, seq.slot):
-          self.stats["reprefills"] += 1
-        else:  # a group's shared prompt pages are now one copy each: the pool may not hold all
-          self._preempt([self._paging.wait(seq)])
-      self._prefixes.trim()
+    self._reprefill()
