@@ -1,8 +1,9 @@
 """Device meshes and logical-axis sharding.
 
 Parameters and activations are annotated with *logical* axis names ("embed", "heads", "batch", ...).
-A rule table maps each logical name to mesh axes ("data", "fsdp", "tensor"), so the same model runs
-replicated, FSDP-sharded or tensor-parallel by changing the config, not the code.
+A rule table maps each logical name to mesh axes ("data", "fsdp", "context", "tensor"), so the same
+model runs replicated, FSDP-sharded, context-parallel (a row's positions split over ``context``) or
+tensor-parallel by changing the config, not the code.
 
 A dimension that a mesh axis does not divide evenly is replicated instead of sharded.
 """
@@ -18,20 +19,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 # Logical name -> mesh axis (or tuple of axes, or None to replicate).
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
     "batch": ("data", "fsdp"),
-    "length": None,
+    "length": "context",  # a row's positions (the learner's context parallelism)
     "act_embed": None,
     "act_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
     # parameters
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),  # context devices hold parts of the weights too, as fsdp's
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
@@ -46,16 +47,19 @@ _CONTEXT: contextvars.ContextVar[tuple[Mesh, Mapping] | None] = contextvars.Cont
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A mesh with axes ``("data", "fsdp", "tensor")``; ``shape`` gives each size (missing = 1)."""
+  """A mesh with axes ``MESH_AXES``; ``shape`` gives each size (missing = 1). The ``"context"``
+  axis is left out where its size is 1 (only a context-parallel learner's mesh has it; the rules
+  skip axes a mesh does not have)."""
   unknown = set(shape) - set(MESH_AXES)
   if unknown:
     raise ValueError(f"unknown mesh axes {sorted(unknown)}; valid axes: {MESH_AXES}")
-  sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
+  names = tuple(a for a in MESH_AXES if a != "context" or int(shape.get(a, 1)) != 1)
+  sizes = tuple(int(shape.get(a, 1)) for a in names)
   devices = list(jax.devices() if devices is None else devices)
   need = int(np.prod(sizes))
   if need != len(devices):
-    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {need} devices, got {len(devices)}")
-  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    raise ValueError(f"mesh {dict(zip(names, sizes))} needs {need} devices, got {len(devices)}")
+  return Mesh(np.asarray(devices).reshape(sizes), names)
 
 
 def split_mesh(mesh: Mesh, axis: str) -> list[Mesh]:
@@ -75,7 +79,7 @@ def spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
   for name, dim in zip(logical, shape):
     axes = rules.get(name) if name is not None else None
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+    axes = tuple(a for a in axes if a not in used and mesh.shape.get(a, 1) > 1)
     size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     if not axes or dim % size:
       out.append(None)

@@ -108,6 +108,18 @@ yet. ``actor.attention`` and ``rollout.prefill_attention`` request one
 (``$AREAL_JAX_CAUSAL_ATTENTION`` where they say auto); the platform is that of the program being
 traced (``platform_here``: the mesh in use).
 
+Attention across a context-parallel mesh (``CONTEXT``, ``context_attention``): when the learner
+mesh's ``context`` axis splits each row's positions (``kernels.context_attention``). ``"auto"``:
+on every platform ``"ulysses"`` (positions exchanged for heads by an all-to-all, then the whole-row
+attention above: the flash kernel on GPU and TPU) where the query heads divide over tensor x
+context, else ``"ring"`` (keys and values passed around the context axis, each block merged by
+online softmax in XLA ops). Ulysses is preferred because it keeps the platform's flash kernel and
+moves each layer's queries, keys and values once, where the ring moves the keys and values
+``context - 1`` times; the ring is the fallback for head counts Ulysses cannot split. Both are
+exact; on CPU both are run by the tests (``tests/learner/test_context_parallel.py``); their speed on
+accelerators is not measured (no multi-chip accelerator has run them yet). ``actor.context_attention``
+requests one.
+
 Platforms and lowering for another one: ``kernels.platforms``; how the decode state is held per
 platform: ``kernels.decode_layouts``; the Pallas GPU kernels' launch settings:
 ``kernels.pallas_launch``. Every name of those modules is importable from here.
@@ -123,9 +135,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from areal_jax import sharding
-from areal_jax.kernels import (causal_attention as causal_kernels, cpu_attention, cpu_matmul,
-                               pallas_attention, pallas_norm_matmul, pallas_paged_step,
-                               pallas_tpu_attention)
+from areal_jax.kernels import (causal_attention as causal_kernels, context_attention as
+                               context_kernels, cpu_attention, cpu_matmul, pallas_attention,
+                               pallas_norm_matmul, pallas_paged_step, pallas_tpu_attention)
 # re-exported: callers import these from here
 from areal_jax.kernels.decode_layouts import (  # noqa: F401
     _MATMULS, HELD_LAYOUTS, HELD_LAYOUTS_ENV, QUERY_ROWS_ENV, heads_major_per_layer, held_layouts,
@@ -148,6 +160,7 @@ LAYERS_ENV = "AREAL_JAX_DECODE_LAYERS"
 PROJECTIONS_ENV = "AREAL_JAX_DECODE_PROJECTIONS"
 CAUSAL = causal_kernels.IMPLS
 CAUSAL_ENV = "AREAL_JAX_CAUSAL_ATTENTION"
+CONTEXT = context_kernels.IMPLS
 PAGED_ENV = "AREAL_JAX_PAGED_CACHE"
 TRUNCATION_ENV = "AREAL_JAX_TRUNCATION_ON_HOST"
 PALLAS_GPU_PAGE = 16  # positions a page of the Pallas GPU kernel is a multiple of (its blocks)
@@ -237,6 +250,24 @@ def causal_attention(requested: str = "auto", head_dim: int = 128) -> tuple[str,
   if why:
     raise ValueError(f"causal attention {value!r} cannot run here: {why} (use 'dense')")
   return value, interpret
+
+
+def context_attention(requested: str, n_heads: int, length: int) -> str:
+  """The attention across a context-parallel mesh (``CONTEXT``) for rows of ``length`` positions
+  and ``n_heads`` query heads under the active ``sharding.use`` mesh: ``"ulysses"`` where the heads
+  divide over tensor x context, else ``"ring"`` (see the module docstring; the same rule on every
+  platform). A requested ``"ulysses"`` the heads cannot take is refused, naming why."""
+  fits = context_kernels.ulysses_fits(n_heads, length)
+  if requested == "auto":
+    return "ulysses" if fits else "ring"
+  if requested not in CONTEXT:
+    raise ValueError(f"actor.context_attention={requested!r} is not one of {('auto',) + CONTEXT}")
+  if requested == "ulysses" and not fits:
+    mesh = sharding.current()[0]
+    raise ValueError(f"actor.context_attention='ulysses' needs the {n_heads} query heads divisible "
+                     f"by mesh.learner.tensor x mesh.learner.context (mesh {dict(mesh.shape)}); "
+                     "use 'ring' or 'auto'")
+  return requested
 
 
 def pallas_gpu_reads(page_size: int) -> bool:

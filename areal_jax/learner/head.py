@@ -5,7 +5,9 @@ of Qwen2.5's 151,936-entry vocabulary are 9.3 GiB, before their gradient). ``tok
 each row into chunks of positions and runs the head over them in a ``lax.scan``: one chunk's logits
 exist at a time, forward and backward (``jax.checkpoint`` per chunk: the backward recomputes a
 chunk's logits from its hidden states instead of keeping them). The gradient is exact, the same
-sums in another order; the weight's gradient accumulates over the chunks.
+sums in another order; the weight's gradient accumulates over the chunks. Where the rows' positions
+are split over devices (the mesh's ``context`` axis), each chunk takes the same positions from every
+device's block, so no chunk moves positions between devices.
 """
 
 from __future__ import annotations
@@ -29,29 +31,43 @@ def chunk_len(row_len: int, rows: int, chunk_tokens: int) -> int:
 
 
 def token_logprobs(hidden_BxLxE, w, transpose_w: bool, tokens_BxL, temperature: float,
-                   chunk_tokens: int = 0):
+                   chunk_tokens: int = 0, ids_BxLxK=None):
   """``(logp_BxL, entropy_BxL)`` of ``softmax(linear(hidden, w) / T)``, as
   ``loss.token_logprobs`` of the full logits (position t scores token t+1; the last position
-  gets 0), with at most ``chunk_tokens`` tokens' logits at once (0: all)."""
+  gets 0), with at most ``chunk_tokens`` tokens' logits at once (0: all). With ``ids_BxLxK``,
+  a third output: the logprobs of those tokens at each position (``[B, L, K]``, distill.py)."""
   b, l, e = hidden_BxLxE.shape
-  c = chunk_len(l, b, chunk_tokens)
+  s = sharding.num_shards("length", l)  # blocks of each row on devices of their own
+  c = chunk_len(l // s, b * s, chunk_tokens)
 
-  def head(h_BxCxE, next_BxC, w):
+  def head(h_BxCxE, next_BxC, w, *ids_BxCxK):
+    h_BxCxE = sharding.constrain(h_BxCxE, ("batch", "length", "act_embed"))
     logits = linear(h_BxCxE, w, transpose_w, out_dtype=jnp.float32)
     logits = sharding.constrain(logits, ("batch", "length", "act_vocab"))
-    return loss_lib.logprob_entropy(logits, next_BxC, temperature)
+    out = loss_lib.logprob_entropy(logits, next_BxC, temperature)
+    if ids_BxCxK:  # given tokens' logprobs too (one more pass over the vocabulary)
+      z = logits / temperature
+      lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+      out = (*out, jnp.take_along_axis(z, ids_BxCxK[0], axis=-1) - lse)
+    return out
 
   next_BxL = jnp.roll(tokens_BxL, -1, axis=1)
-  if c == l:
-    logp_BxL, entropy_BxL = head(hidden_BxLxE, next_BxL, w)
+  ids = () if ids_BxLxK is None else (ids_BxLxK,)
+  if c * s == l:
+    logp_BxL, entropy_BxL, *ids_logp = head(hidden_BxLxE, next_BxL, w, *ids)
   else:
-    n = l // c
-    h_NxBxCxE = hidden_BxLxE.reshape(b, n, c, e).swapaxes(0, 1)
-    next_NxBxC = next_BxL.reshape(b, n, c).swapaxes(0, 1)
+    # chunk k holds positions [k c, (k + 1) c) of each of the row's s blocks
+    n = l // s // c
+    split = lambda x: jnp.moveaxis(x.reshape((b, s, n, c) + x.shape[2:]), 2, 0).reshape(
+        (n, b, s * c) + x.shape[2:])  # noqa: E731
+    merge = lambda x: jnp.moveaxis(x.reshape(n, b, s, c), 0, 2).reshape(b, l)  # noqa: E731
     step = jax.checkpoint(head)
-    _, (logp_NxBxC, ent_NxBxC) = jax.lax.scan(lambda _, xs: (None, step(*xs, w)), None,
-                                              (h_NxBxCxE, next_NxBxC))
-    logp_BxL = logp_NxBxC.swapaxes(0, 1).reshape(b, l)
-    entropy_BxL = ent_NxBxC.swapaxes(0, 1).reshape(b, l)
+    _, (logp_NxBxC, ent_NxBxC, *ids_logp) = jax.lax.scan(
+        lambda _, xs: (None, step(xs[0], xs[1], w, *xs[2:])), None,
+        (split(hidden_BxLxE), split(next_BxL), *map(split, ids)))
+    logp_BxL, entropy_BxL = merge(logp_NxBxC), merge(ent_NxBxC)
+    ids_logp = [jnp.moveaxis(x.reshape((n, b, s, c) + x.shape[3:]), 0, 2).reshape(
+        (b, l) + x.shape[3:]) for x in ids_logp]
   last = jnp.arange(l) == l - 1
-  return jnp.where(last, 0.0, logp_BxL), jnp.where(last, 0.0, entropy_BxL)
+  return (jnp.where(last, 0.0, logp_BxL), jnp.where(last, 0.0, entropy_BxL),
+          *(jnp.where(last[:, None], 0.0, x) for x in ids_logp))

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from areal_jax import sharding
 from areal_jax.learner import advantages as adv_lib
-from areal_jax.learner import compiles, head
+from areal_jax.learner import compiles, distill, head
 from areal_jax.learner import loss as loss_lib
 from areal_jax.learner import packing
 from areal_jax.models import Transformer, train_forward
@@ -84,8 +84,10 @@ class Learner:
     model: the initial policy (its parameters are copied onto the learner mesh; with
       ``kl_coef > 0`` they are also kept, frozen, as the reference model).
     opts: the ``actor`` config.
-    mesh: the learner mesh (axes data, fsdp, tensor); rows are split over data x fsdp,
-      parameters by their logical axes (``rules``, default ``sharding.DEFAULT_RULES``).
+    mesh: the learner mesh (axes data, fsdp, context, tensor); rows are split over data x fsdp,
+      each row's positions over context (context parallelism: attention across the devices,
+      ``kernels.context_attention``), parameters by their logical axes (``rules``, default
+      ``sharding.DEFAULT_RULES``).
     temperature: the sampling temperature (logprobs are those of ``softmax(logits / T)``).
     total_steps: train steps of the run (for decaying learning-rate schedules).
     max_seq_len: prompt + completion budget; fixes the packed row length (capped by
@@ -94,8 +96,10 @@ class Learner:
   """
 
   def __init__(self, model: Transformer, opts, mesh, temperature: float = 1.0, rules=None,
-               total_steps: int = 0, max_seq_len: int = 0):
+               total_steps: int = 0, max_seq_len: int = 0, distill_topk: int | None = None):
     state = nnx.state(model, nnx.Param)
+    # None: no teacher; 0: per-token teacher logprobs; k: the teacher's top k (distill.py)
+    self.distill_topk = distill_topk
     self._setup(model.cfg, state, opts, mesh, temperature, rules, total_steps, max_seq_len)
     if self.lora is None:
       params = sharding.put(nnx.to_pure_dict(state), self.param_shardings)
@@ -115,6 +119,7 @@ class Learner:
     """A learner without parameters, for planning (``memory.py``): its device functions can be
     lowered and compiled on ``abstract_state()`` shapes, no weights allocated."""
     self = cls.__new__(cls)
+    self.distill_topk = None
     state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
     self._setup(cfg, state, opts, mesh, temperature, rules, 0, max_seq_len)
     self._state = self.ref_params = None
@@ -146,8 +151,10 @@ class Learner:
       self.param_shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), shapes)
     self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    self.context = mesh.shape.get("context", 1)  # devices each row's positions are split over
     self.replicated = NamedSharding(mesh, P())
-    self.row_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
+    self.row_sharding = NamedSharding(mesh, P(("data", "fsdp"),
+                                              "context" if self.context > 1 else None))
     self.schedule = make_schedule(opts, total_steps)
     self.tx = make_optimizer(opts, total_steps)
     opt_shapes = jax.eval_shape(self.tx.init, shapes)
@@ -228,7 +235,8 @@ class Learner:
     else:
       self._logp_fn = jax.jit(lambda p, b, *frozen: self._logprobs(p, b, None, *frozen),
                               in_shardings=(ps, batch_sh, *fs), out_shardings=(rs, rs))
-    train_sh = dict(batch_sh, old_logp=rs, **({"ref_logp": rs} if kl else {}))
+    train_sh = dict(batch_sh, old_logp=rs, **({"ref_logp": rs} if kl else {}),
+                    **{f: rs for f in distill.fields(self.distill_topk)})
     self._zeros_fn = jax.jit(self._zeros, out_shardings=self._acc_shardings)
     acc_jit = lambda self_prox, sh: jax.jit(
         functools.partial(self._accumulate, self_prox=self_prox), donate_argnums=(1,),
@@ -239,9 +247,10 @@ class Learner:
                              in_shardings=(self.state_shardings, ps, rep),
                              out_shardings=(self.state_shardings, dict(grad_norm=rep, finite=rep)))
 
-  def _forward(self, params, b, frozen=None, dropout_key=None):
+  def _forward(self, params, b, frozen=None, dropout_key=None, topk=False):
     """``(logp_RxL, entropy_RxL)`` of the tokens of packed rows ``b`` under ``params`` (with LoRA:
-    the adapters on the ``frozen`` base; ``dropout_key`` draws the adapters' dropout masks)."""
+    the adapters on the ``frozen`` base; ``dropout_key`` draws the adapters' dropout masks);
+    ``topk``: also the logprobs of ``b["topk_ids"]`` when the batch has them (distill.py)."""
     opts = self.opts
     with sharding.use(self.mesh, self.rules):
       if frozen is not None:
@@ -249,10 +258,11 @@ class Learner:
       model = nnx.merge(self.graphdef, params)
       h_RxLxE = train_forward.hidden(model, b["tokens"], b["positions"], b["segment_ids"],
                                      remat=opts.remat, scan=opts.scan_layers,
-                                     attention=opts.get("attention", "auto"))
+                                     attention=opts.get("attention", "auto"),
+                                     context_attention=opts.get("context_attention", "auto"))
       w, transpose_w = train_forward.head_weight(model)
       return head.token_logprobs(h_RxLxE, w, transpose_w, b["tokens"], self.temperature,
-                                 opts.logits_chunk)
+                                 opts.logits_chunk, b.get("topk_ids") if topk else None)
 
   def _logprobs(self, params, batch, ref_params=None, frozen=None):
     """Proximal logprobs and entropy of one micro-batch, or proximal and reference logprobs."""
@@ -280,10 +290,12 @@ class Learner:
                                jnp.sum(b["tokens"] * (b["positions"] + 1)).astype(jnp.uint32))
 
     def loss_fn(p):
-      logp, entropy = self._forward(p, b, frozen, key)
+      logp, entropy, *topk = self._forward(p, b, frozen, key, topk=True)
       old = jax.lax.stop_gradient(logp) if self_prox else b["old_logp"]
-      loss, m = loss_lib.ppo_loss(logp, old, b["behav_logp"], b["adv"], b["mask"],
+      adv, distill_loss = distill.terms(b, old, *topk, n_tokens=n_tokens)  # (teacher: distill.py)
+      loss, m = loss_lib.ppo_loss(logp, old, b["behav_logp"], adv, b["mask"],
                                   b["segment_ids"], n_tokens, self.opts, ref_logp=b.get("ref_logp"))
+      loss = m["loss"] = loss + distill_loss
       m["entropy"] = jnp.sum(b["mask"] * entropy) / jnp.maximum(n_tokens, 1.0)
       return loss, m
 
@@ -336,9 +348,15 @@ class Learner:
                  uniform_groups=adv_lib.uniform_groups(r_GxN), sequences=len(seqs))
     return seqs, stats
 
-  def _prepare(self, groups, rewards):
-    """Sequences -> packed micro-batches per minibatch, with proximal/reference logprobs attached."""
+  def _prepare(self, groups, rewards, teachers=None):
+    """Sequences -> packed micro-batches per minibatch, with proximal/reference logprobs attached
+    (and the teachers' arrays, ``distill.pack``, when the learner takes them)."""
     seqs, stats = self.build_sequences(groups, rewards)
+    if teachers is not None and self.distill_topk is None:
+      raise ValueError("teachers given to a learner built without distill_topk")
+    if self.distill_topk is not None:  # aligned with seqs: the samples with tokens
+      teachers = teachers or [[None] * len(g) for g in groups]
+      taught = [t for g, ts in zip(groups, teachers) for s, t in zip(g, ts) if s.tokens]
     if not seqs:
       raise ValueError(f"step {self.version}: the batch has no generated tokens")
     opts = self.opts
@@ -346,7 +364,7 @@ class Learner:
                           opts.micro_batch_tokens, self.dp,
                           min_row_len=min(self.max_seq_len, opts.micro_batch_tokens),
                           packed=opts.pack_sequences, known=self._shapes,
-                          attn=self._attn_cost)
+                          attn=self._attn_cost, multiple=self.context)
     self._shapes.add((layout.row_len, layout.micro_rows))
     minibatches, real = [], 0
     for k, mbs in enumerate(layout.minibatches):
@@ -358,9 +376,13 @@ class Learner:
       for rows in mbs:
         p = packing.pack(seqs, layout.row_len, rows=rows, num_rows=layout.micro_rows)
         real += p.real_tokens
-        b = sharding.global_rows(p.arrays(), self.row_sharding)
-        old, ref = (self._logp_fn(self.params(), b, *([self.ref_params] if opts.kl_coef else []),
-                                  *self._frozen_args)
+        arrays = p.arrays()
+        if self.distill_topk is not None:
+          arrays.update(distill.pack(p.seq, taught, self.distill_topk))
+        b = sharding.global_rows(arrays, self.row_sharding)
+        plain = {f: b[f] for f in packing.FIELDS}
+        old, ref = (self._logp_fn(self.params(), plain,
+                                  *([self.ref_params] if opts.kl_coef else []), *self._frozen_args)
                     if need_forward else (None, None))
         if opts.recompute_logprobs and not self_prox:
           b["old_logp"] = old
@@ -385,14 +407,17 @@ class Learner:
       acc = fn(self.params(), acc, b, n_tokens, *self._frozen_args)
     return acc, int(n_tokens)
 
-  def gradients(self, groups: Sequence[Sequence[Sample]], rewards) -> tuple[dict, dict]:
+  def gradients(self, groups: Sequence[Sequence[Sample]], rewards,
+                teachers=None) -> tuple[dict, dict]:
     """The gradient and metrics of the first minibatch at the current parameters (no update)."""
-    minibatches, _ = self._prepare(groups, rewards)
+    minibatches, _ = self._prepare(groups, rewards, teachers)
     acc, _ = self._minibatch_grads(minibatches[0])
     return acc["grads"], {k: float(v) for k, v in jax.device_get(acc["metrics"]).items()}
 
-  def train_step(self, groups: Sequence[Sequence[Sample]], rewards) -> dict:
-    """Trains version ``v`` into ``v + 1`` on ``groups`` (lists of Samples) with their rewards.
+  def train_step(self, groups: Sequence[Sequence[Sample]], rewards, teachers=None) -> dict:
+    """Trains version ``v`` into ``v + 1`` on ``groups`` (lists of Samples) with their rewards
+    (and, for a learner built with ``distill_topk``, ``teachers``: a ``distill.TokenTeacher`` or
+    None per sample, shaped like ``groups``).
 
     Returns metrics: minibatch means of the loss metrics (``loss``, ``clip_frac``,
     ``behav_weight_mean``, ``cap_masked_frac``, ``approx_kl``, ``entropy``, ``grad_norm``, ...),
@@ -403,7 +428,7 @@ class Learner:
     t0 = time.perf_counter()
     compiled = compiles.count()
     version = self.version
-    minibatches, stats = self._prepare(groups, rewards)
+    minibatches, stats = self._prepare(groups, rewards, teachers)
     sums: dict[str, float] = {}
     maxes: dict[str, float] = {}
     gen_tokens = 0

@@ -25,6 +25,12 @@ either fits, or the largest halving of it that fits is used, or the plan stops w
 naming what to change (``DoesNotFit``, with the smallest micro-batch's plan). Figures are those of the backend the
 plan compiles for (XLA:CPU's fusion and buffer assignment differ somewhat from TPU's or GPU's); a
 program a TPU's compiler refuses for want of memory does not fit (``program_memory``).
+
+The micro-batch is compiled with the learner's own shardings: rows split over data x fsdp and each
+row's positions over ``mesh.learner.context``, so a device's activations are its block of
+``1 / context`` of each row's positions, and the parameters, gradients and optimizer state are
+split over fsdp x context (``sharding.DEFAULT_RULES``' ``"embed"``); the plan's figures are the
+compiled program's, collectives' buffers included.
 """
 
 from __future__ import annotations
@@ -68,8 +74,9 @@ def shape(learner, micro_batch_tokens: int) -> tuple[int, int]:
   size and at least one per data-parallel device. A budget under one row of the longest sequence
   still trains that sequence in a row of its own (``packing.plan`` never cuts one): rows are never
   planned shorter than ``max_seq_len``."""
-  row_len = packing.bucket(learner.max_seq_len or micro_batch_tokens)
-  longer = packing.bucket(2 * row_len)
+  multiple = learner.context  # (a row's positions split over the context axis)
+  row_len = packing.row_bucket(learner.max_seq_len or micro_batch_tokens, multiple)
+  longer = packing.row_bucket(2 * row_len, multiple)
   if learner.opts.pack_sequences and longer <= micro_batch_tokens:
     row_len = longer
   dp = learner.dp
@@ -218,7 +225,8 @@ def plan(learner, budget_bytes: int | None, beside: str = "", publish=None) -> P
          f"sampler's compute dtype, model.dtype)" if "publish" in p.parts else "")
       + ". Lower actor.micro_batch_tokens, set "
       f"actor.remat (now {opts.remat!r}; 'full' keeps least) with {_layers_advice(mesh)} and "
-      f"actor.logits_chunk, split long rows' heads and MLP over mesh.learner.tensor, or shard "
+      f"actor.logits_chunk, split long rows' positions over mesh.learner.context or their heads "
+      f"and MLP over mesh.learner.tensor, or shard "
       f"over more devices (mesh.learner.* = {dict(mesh.shape)}, mesh.learner_devices)", p)
 
 

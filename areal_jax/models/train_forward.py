@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from areal_jax.kernels import choice
+from areal_jax.kernels import context_attention as context_kernels
 from areal_jax.models.transformer import Transformer, rope_tables, row_attention
 
 REMAT_POLICIES = ("none", "full", "dots", "offload")
@@ -39,7 +41,8 @@ def remat_policy(name: str):
 
 
 def hidden(model: Transformer, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
-           remat: str = "none", scan: bool = False, attention: str = "auto"):
+           remat: str = "none", scan: bool = False, attention: str = "auto",
+           context_attention: str = "auto"):
   """Final-normed hidden states ``[B, L, E]`` of ``model(tokens_BxL, positions_BxL,
   segment_ids_BxL)`` (the same computation up to the LM head).
 
@@ -48,11 +51,14 @@ def hidden(model: Transformer, tokens_BxL, positions_BxL=None, segment_ids_BxL=N
   compiled program holds one layer whatever the depth (on XLA:CPU remat only saves memory then:
   unrolled, the checkpointed layers are scheduled without regard to it). ``attention``: the
   causal attention (``transformer.row_attention``): on GPU and TPU by default a flash kernel,
-  which holds no ``L x L`` mask or scores."""
+  which holds no ``L x L`` mask or scores. Where the active mesh splits the rows' positions (its
+  ``context`` axis), the attention runs across the devices as ``context_attention`` asks
+  (``kernels.choice.context_attention``: Ulysses around that attention, or a ring)."""
   b, l = tokens_BxL.shape
   if positions_BxL is None:
     positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-  attend_with, seen = row_attention(segment_ids_BxL, b, l, model.cfg.head_dim, attention)
+  attend_with, seen = _row_attention(model.cfg, segment_ids_BxL, b, l, attention,
+                                     context_attention)
   x = model._embed(tokens_BxL)
   rope_BxLxF = rope_tables(positions_BxL, model.cfg.head_dim, model.cfg.rope_theta)
   graphdef = nnx.graphdef(model.layers[0])
@@ -71,6 +77,19 @@ def hidden(model: Transformer, tokens_BxL, positions_BxL=None, segment_ids_BxL=N
     for state in states:
       x = layer(state, x, rope_BxLxF, seen)
   return model.final_norm(x)
+
+
+def _row_attention(cfg, segment_ids_BxL, b: int, l: int, attention: str, context: str):
+  """``transformer.row_attention``'s ``(attend_with, seen)``, across the devices that split the
+  rows' positions when the active mesh does (``kernels.context_attention``)."""
+  if context_kernels.shards(l) == 1:
+    return row_attention(segment_ids_BxL, b, l, cfg.head_dim, attention)
+  if segment_ids_BxL is None:  # one sequence a row
+    segment_ids_BxL = jnp.ones((b, l), jnp.int32)
+  if choice.context_attention(context, cfg.n_heads, l) == "ring":
+    return (lambda ids: lambda q, k, v: context_kernels.ring(q, k, v, ids)), segment_ids_BxL
+  attend_with, seen = row_attention(segment_ids_BxL, b, l, cfg.head_dim, attention)
+  return (lambda s: lambda q, k, v: context_kernels.ulysses(q, k, v, attend_with(s))), seen
 
 
 def head_weight(model: Transformer):
