@@ -70,6 +70,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   choices["rollout.prefill_attention"] = (r.get("prefill_attention", "auto"),
                                           ("auto",) + kernel_choice.CAUSAL)
   choices["actor.attention"] = (a.get("attention", "auto"), ("auto",) + kernel_choice.CAUSAL)
+  choices["actor.context_attention"] = (a.get("context_attention", "auto"),
+                                        ("auto",) + kernel_choice.CONTEXT)
   choices["rollout.decode_matmul"] = (r.decode_matmul, ("auto",) + kernel_choice.MATMUL)
   choices["rollout.decode_layers"] = (r.decode_layers, ("auto",) + kernel_choice.LAYERS)
   choices["rollout.decode_projections"] = (r.get("decode_projections", "auto"),
