@@ -57,8 +57,6 @@ def base_config() -> ConfigDict:
   c.mesh.learner = ConfigDict()
   c.mesh.learner.data = 1  # Learner data-parallel axis: replicas of the whole model.
   c.mesh.learner.fsdp = -1  # Learner FSDP axis: parameters and optimizer state sharded over it.
-  # Learner context-parallel axis: each row's positions split over it (long sequences).
-  c.mesh.learner.context = 1
   c.mesh.learner.tensor = 1  # Learner tensor-parallel axis: each layer's matmuls split over it.
   # The sampler mesh's axis sizes; -1 takes all the devices the other axes leave.
   c.mesh.sampler = ConfigDict()
@@ -194,11 +192,12 @@ def base_config() -> ConfigDict:
   c.rollout.python_tool.allow_unisolated = False
   # The environment of rollout.workflow="env" (areal_jax/envs/, docs/guides/environments.md).
   c.rollout.env = ConfigDict()
-  # Where it runs, "inprocess" | "pool" (worker processes on this host) | "remote" (HTTP, env.url).
+  # Where it runs, "inprocess" | "pool" | "remote" | "ray". "pool": worker processes on this host;
+  # "remote": an HTTP server (env.url); "ray": pool workers as Ray actors (runtime.mode="ray").
   c.rollout.env.kind = "inprocess"
   c.rollout.env.class_path = ""  # The environment class, "package.module:Class" (not for remote).
   c.rollout.env.args = ""  # Its constructor's keyword arguments, a JSON object ("": none).
-  c.rollout.env.workers = 2  # Threads (inprocess) or worker processes (pool) running environments.
+  c.rollout.env.workers = 2  # Threads (inprocess), processes (pool) or actors (ray) running them.
   # Episodes one pool worker holds at once; a worker killed for a fault ends all of them.
   c.rollout.env.episodes_per_worker = 1
   c.rollout.env.url = ""  # The environment server (kind="remote"), e.g. http://127.0.0.1:8900.
@@ -279,9 +278,6 @@ def base_config() -> ConfigDict:
   # The train step's causal attention, "auto" | "dense" | "pallas_gpu" | "pallas_tpu". "auto": a
   # flash kernel on GPU and TPU (it holds no L x L scores), dense on CPU.
   c.actor.attention = "auto"
-  # Attention across mesh.learner.context > 1, "auto" | "ulysses" | "ring". "auto": ulysses
-  # (heads all-to-all) where the heads divide over tensor x context, else ring.
-  c.actor.context_attention = "auto"
   # LoRA adapters. The base is frozen and stored in actor.dtype; only the adapters train, get
   # optimizer state, are checkpointed and are published to the sampler.
   c.actor.lora = ConfigDict()

@@ -1,8 +1,9 @@
 """The run's environments from its config (``rollout.env``): in process, a pool, or remote.
 
 ``open_envs(settings)`` returns what makes each episode's ``Env`` (``env()``), with ``stats()``
-and ``close()``: ``base.InProcessEnvs`` (kind "inprocess"), ``pool.EnvPool`` ("pool") or
-``remote.RemoteEnvs`` ("remote").
+and ``close()``: ``base.InProcessEnvs`` (kind "inprocess"), ``pool.EnvPool`` ("pool"),
+``remote.RemoteEnvs`` ("remote") or ``ray_pool.RayEnvPool`` ("ray": the pool's workers as Ray
+actors, with ``runtime.mode="ray"`` only).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import importlib.util
 
 from areal_jax.envs.base import DEFAULT_MAX_RESPONSE_BYTES, parse_args
 
-KINDS = ("inprocess", "pool", "remote")
+KINDS = ("inprocess", "pool", "remote", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,9 @@ class EnvSettings:
     if config is None:
       return cls()
     e = config.rollout.env
+    if e.kind == "ray" and config.runtime.mode != "ray":
+      raise ValueError("rollout.env.kind='ray' (pool workers as Ray actors) needs runtime.mode="
+                       f"'ray', got {config.runtime.mode!r}; on one host use kind='pool'")
     return cls(str(e.kind), str(e.class_path), str(e.args), int(e.workers),
                int(e.episodes_per_worker), str(e.url), float(e.step_timeout_s),
                int(e.max_response_bytes))
@@ -57,7 +61,7 @@ class EnvSettings:
       parse_args(self.args)
     except ValueError as e:
       raise ValueError(f"rollout.env.args: {e}") from None
-    if self.kind == "pool":  # found without importing it here (the workers import it)
+    if self.kind in ("pool", "ray"):  # found without importing it here (the workers import it)
       module, sep, name = self.class_path.partition(":")
       try:
         found = bool(sep and name) and importlib.util.find_spec(module) is not None
@@ -78,5 +82,9 @@ def open_envs(s: EnvSettings):
     from areal_jax.envs.pool import EnvPool
     return EnvPool(s.class_path, s.args, s.workers, s.episodes_per_worker, s.step_timeout_s,
                    s.max_response_bytes)
+  if s.kind == "ray":
+    from areal_jax.envs.ray_pool import RayEnvPool
+    return RayEnvPool(s.class_path, s.args, s.workers, s.episodes_per_worker, s.step_timeout_s,
+                      s.max_response_bytes)
   from areal_jax.envs.remote import RemoteEnvs
   return RemoteEnvs(s.url, s.step_timeout_s, s.max_response_bytes)

@@ -56,17 +56,95 @@ class _Garbage(Exception):
   pass
 
 
-class _Worker:
-  """One worker process and the thread that talks to it. ``call`` runs on that thread only."""
+class Place:
+  """One place of a pool: a worker and the thread that talks to it (``call`` runs on that thread
+  only). A subclass is the kind of worker: ``running``, ``_start``, ``_kill``, ``_dead`` (why a
+  worker that stopped between calls stopped, or None) and ``_exchange`` (one request's reply, read
+  with ``_body_size`` and ``_parse``; after a timeout or a death it restarts the worker and raises
+  the ``EnvError``)."""
+
+  running = False
 
   def __init__(self, pool: EnvPool, index: int):
     self.pool, self.index = pool, index
-    self.proc: subprocess.Popen | None = None
-    self.generation = 0  # how many processes this place has started; an episode's is its own
+    self.generation = 0  # how many workers this place has started; an episode's is its own
     self.load = 0  # episodes placed here (guarded by the pool's lock)
     self.thread = cf.ThreadPoolExecutor(1, thread_name_prefix=f"env-worker-{index}")
 
-  # -- process ------------------------------------------------------------------------------------
+  def _restart(self, why: str) -> None:
+    """Kills the worker and starts another at once (a failed start is retried at the next call)."""
+    log.warning("environment worker %d (%s) restarted: %s", self.index, self.pool.class_path, why)
+    self._kill()
+    if self.pool._closed:
+      return
+    self.pool._count("restarts")
+    try:
+      self._start()
+    except EnvError as e:
+      log.warning("environment worker %d did not restart: %s", self.index, e.message)
+
+  def call(self, request: dict, generation: int | None) -> tuple[object, int]:
+    """Sends ``request``; its result and the worker's generation. ``generation``: the episode's
+    (None for a reset: any); a different one means the episode's state is gone."""
+    if self.pool._closed:
+      raise EnvError("crashed", "the environment pool is closed")
+    try:
+      frame = worker_lib.encode(request)
+    except (TypeError, ValueError) as e:
+      raise EnvError("garbage", f"the request is not JSON: {e}") from None
+    why = self._dead()
+    if why is not None:
+      self._restart(why)
+    if generation is not None and generation != self.generation:
+      raise EnvError("crashed", "the environment's worker was restarted; the episode's state is lost")
+    if not self.running:
+      self._start()
+    try:
+      reply = self._exchange(request, frame)
+    except OverflowError as e:
+      self._restart(str(e))
+      raise EnvError("too_large", str(e)) from None
+    except _Garbage as e:
+      self._restart(f"its answer was not JSON: {e}")
+      raise EnvError("garbage", f"answer is not JSON: {e}") from None
+    if not isinstance(reply, dict) or "ok" not in reply:
+      raise EnvError("garbage", f"answer {str(reply)[:200]!r} is not the protocol's")
+    if not reply["ok"]:
+      kind = reply.get("kind") if reply.get("kind") in FAILURES else "crashed"
+      raise EnvError(kind, str(reply.get("message")))
+    return reply.get("result"), self.generation
+
+  def _body_size(self, header: bytes) -> int:
+    """The size a frame's header announces (``OverflowError`` past the bound)."""
+    (n,) = worker_lib.HEADER.unpack(header[:worker_lib.HEADER.size])
+    if n > self.pool.max_response_bytes:
+      raise OverflowError(f"answer of {n} bytes exceeds {self.pool.max_response_bytes}")
+    return n
+
+  @staticmethod
+  def _parse(body: bytes):
+    try:
+      return json.loads(body)
+    except ValueError as e:  # not UTF-8 or not JSON
+      raise _Garbage(str(e)) from None
+
+
+class _Worker(Place):
+  """A worker process of this host (``worker.py``), spoken to over its standard input and output."""
+
+  def __init__(self, pool: EnvPool, index: int):
+    super().__init__(pool, index)
+    self.proc: subprocess.Popen | None = None
+
+  @property
+  def running(self) -> bool:
+    return self.proc is not None
+
+  def _dead(self) -> str | None:
+    if self.proc is not None and self.proc.poll() is not None:
+      return f"it had exited with status {self.proc.returncode}"
+    return None
+
   def _start(self) -> None:
     p = self.pool
     spec = dict(class_path=p.class_path, args=p.args, max_response_bytes=p.max_response_bytes,
@@ -101,18 +179,6 @@ class _Worker:
       except OSError:
         pass
 
-  def _restart(self, why: str) -> None:
-    """Kills the worker and starts another at once (a failed start is retried at the next call)."""
-    log.warning("environment worker %d (%s) restarted: %s", self.index, self.pool.class_path, why)
-    self._kill()
-    if self.pool._closed:
-      return
-    self.pool._count("restarts")
-    try:
-      self._start()
-    except EnvError as e:
-      log.warning("environment worker %d did not restart: %s", self.index, e.message)
-
   # -- frames -------------------------------------------------------------------------------------
   @staticmethod
   def _write(proc: subprocess.Popen, data: bytes, deadline: float) -> None:
@@ -138,34 +204,14 @@ class _Worker:
     return b"".join(chunks)
 
   def _read(self, proc: subprocess.Popen, deadline: float):
-    (n,) = worker_lib.HEADER.unpack(self._read_n(proc, worker_lib.HEADER.size, deadline))
-    if n > self.pool.max_response_bytes:
-      raise OverflowError(f"answer of {n} bytes exceeds {self.pool.max_response_bytes}")
-    try:
-      return json.loads(self._read_n(proc, n, deadline))
-    except ValueError as e:  # not UTF-8 or not JSON
-      raise _Garbage(str(e)) from None
+    n = self._body_size(self._read_n(proc, worker_lib.HEADER.size, deadline))
+    return self._parse(self._read_n(proc, n, deadline))
 
-  # -- a call -------------------------------------------------------------------------------------
-  def call(self, request: dict, generation: int | None) -> tuple[object, int]:
-    """Sends ``request``; its result and the worker's generation. ``generation``: the episode's
-    (None for a reset: any); a different one means the episode's state is gone."""
-    if self.pool._closed:
-      raise EnvError("crashed", "the environment pool is closed")
-    try:
-      frame = worker_lib.encode(request)
-    except (TypeError, ValueError) as e:
-      raise EnvError("garbage", f"the request is not JSON: {e}") from None
-    if self.proc is not None and self.proc.poll() is not None:
-      self._restart(f"it had exited with status {self.proc.returncode}")
-    if generation is not None and generation != self.generation:
-      raise EnvError("crashed", "the environment's worker was restarted; the episode's state is lost")
-    if self.proc is None:
-      self._start()
+  def _exchange(self, request: dict, frame: bytes):
     proc, deadline = self.proc, time.monotonic() + self.pool.timeout_s
     try:
       self._write(proc, frame, deadline)
-      reply = self._read(proc, deadline)
+      return self._read(proc, deadline)
     except _Timeout:
       self._restart(f"{request['op']} ran past {self.pool.timeout_s:g} s")
       raise EnvError("timeout", f"{request['op']} ran past {self.pool.timeout_s:g} s") from None
@@ -176,18 +222,6 @@ class _Worker:
         status = None
       self._restart(f"it died during {request['op']} (status {status})")
       raise EnvError("crashed", f"the environment's process died (status {status})") from None
-    except OverflowError as e:
-      self._restart(str(e))
-      raise EnvError("too_large", str(e)) from None
-    except _Garbage as e:
-      self._restart(f"its answer was not JSON: {e}")
-      raise EnvError("garbage", f"answer is not JSON: {e}") from None
-    if not isinstance(reply, dict) or "ok" not in reply:
-      raise EnvError("garbage", f"answer {str(reply)[:200]!r} is not the protocol's")
-    if not reply["ok"]:
-      kind = reply.get("kind") if reply.get("kind") in FAILURES else "crashed"
-      raise EnvError(kind, str(reply.get("message")))
-    return reply.get("result"), self.generation
 
   def close(self) -> None:
     proc = self.proc
@@ -201,7 +235,10 @@ class _Worker:
 
 
 class EnvPool:
-  """Environment worker processes on this host; ``env()`` is one episode's ``Env``."""
+  """Environment worker processes on this host; ``env()`` is one episode's ``Env``. A subclass
+  may set ``place`` to another kind of worker (``ray_pool.RayEnvPool``: Ray actors)."""
+
+  place: type[Place] = _Worker
 
   def __init__(self, class_path: str, args: dict | str | None = None, workers: int = 2,
                episodes_per_worker: int = 1, timeout_s: float = 30.0,
@@ -218,7 +255,7 @@ class EnvPool:
     self._waiters: collections.deque = collections.deque()
     self._counts = collections.Counter()
     self._closed = False
-    self.workers = [_Worker(self, i) for i in range(workers)]
+    self.workers = [self.place(self, i) for i in range(workers)]
     atexit.register(_close_at_exit, weakref.ref(self))
 
   def env(self) -> PooledEnv:
@@ -227,7 +264,7 @@ class EnvPool:
 
   def start(self) -> None:
     """Starts every worker now (blocking) instead of at their first call."""
-    cf.wait([w.thread.submit(w._start) for w in self.workers if w.proc is None])
+    cf.wait([w.thread.submit(w._start) for w in self.workers if not w.running])
 
   def stats(self) -> dict:
     """Places taken, episodes waiting for one, restarts and failures by kind so far."""
@@ -241,7 +278,7 @@ class EnvPool:
       self._counts[key] += 1
 
   # -- places -------------------------------------------------------------------------------------
-  async def _acquire(self) -> _Worker:
+  async def _acquire(self) -> Place:
     loop = asyncio.get_running_loop()
     with self._lock:
       if self._closed:
@@ -265,7 +302,7 @@ class EnvPool:
         self._release(future.result())
       raise
 
-  def _release(self, w: _Worker) -> None:
+  def _release(self, w: Place) -> None:
     """Frees a place on ``w``: the first waiting episode takes it."""
     with self._lock:
       while self._waiters:
@@ -277,13 +314,13 @@ class EnvPool:
           continue
       w.load -= 1
 
-  def _hand_over(self, future: asyncio.Future, w: _Worker) -> None:
+  def _hand_over(self, future: asyncio.Future, w: Place) -> None:
     if future.done():  # cancelled meanwhile: the next one gets it
       self._release(w)
     else:
       future.set_result(w)
 
-  async def _call(self, w: _Worker, request: dict, generation: int | None):
+  async def _call(self, w: Place, request: dict, generation: int | None):
     try:
       return await asyncio.wrap_future(w.thread.submit(w.call, request, generation))
     except RuntimeError as e:  # the pool closed: its threads take no more calls
@@ -325,7 +362,7 @@ class PooledEnv(Env):
 
   def __init__(self, pool: EnvPool):
     self.pool, self.id = pool, uuid.uuid4().hex
-    self._worker: _Worker | None = None
+    self._worker: Place | None = None
     self._generation: int | None = None
 
   async def acquire(self) -> None:

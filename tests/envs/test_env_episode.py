@@ -138,6 +138,9 @@ def test_built_from_the_config():
   c.rollout.env.kind, c.rollout.env.class_path = "pool", "areal_jax.envs.nowhere:Env"
   with pytest.raises(ValueError, match="rollout.env.class_path='areal_jax.envs.nowhere:Env'"):
     EnvEpisode.from_config(c)
+  c.rollout.env.kind, c.rollout.env.class_path = "ray", SYNTHETIC
+  with pytest.raises(ValueError, match="rollout.env.kind='ray' .* needs runtime.mode='ray'"):
+    EnvEpisode.from_config(c)
   c.rollout.env.kind = "docker"
   with pytest.raises(ValueError, match="rollout.env.kind='docker'"):
     EnvEpisode.from_config(c)
