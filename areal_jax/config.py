@@ -57,6 +57,8 @@ def base_config() -> ConfigDict:
   c.mesh.learner = ConfigDict()
   c.mesh.learner.data = 1  # Learner data-parallel axis: replicas of the whole model.
   c.mesh.learner.fsdp = -1  # Learner FSDP axis: parameters and optimizer state sharded over it.
+  # Learner context-parallel axis: each row's positions split over it (long sequences).
+  c.mesh.learner.context = 1
   c.mesh.learner.tensor = 1  # Learner tensor-parallel axis: each layer's matmuls split over it.
   # The sampler mesh's axis sizes; -1 takes all the devices the other axes leave.
   c.mesh.sampler = ConfigDict()
@@ -278,6 +280,9 @@ def base_config() -> ConfigDict:
   # The train step's causal attention, "auto" | "dense" | "pallas_gpu" | "pallas_tpu". "auto": a
   # flash kernel on GPU and TPU (it holds no L x L scores), dense on CPU.
   c.actor.attention = "auto"
+  # Attention across mesh.learner.context > 1, "auto" | "ulysses" | "ring". "auto": ulysses
+  # (heads all-to-all) where the heads divide over tensor x context, else ring.
+  c.actor.context_attention = "auto"
   # LoRA adapters. The base is frozen and stored in actor.dtype; only the adapters train, get
   # optimizer state, are checkpointed and are published to the sampler.
   c.actor.lora = ConfigDict()
