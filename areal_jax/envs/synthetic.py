@@ -3,7 +3,8 @@
 ``SyntheticEnv(latency_s, turns)`` answers each action after ``latency_s`` seconds (blocking, as
 a real tool would) with ``"obs N"``; the episode is done after ``turns`` steps, with reward 1.0 on
 the last one. An action containing ``fault:KIND`` (or an example whose ``"fault"`` is KIND, at its
-reset) misbehaves on purpose:
+reset), or the first step of an example whose ``"id"`` is a key of ``faults`` (KIND its value),
+misbehaves on purpose:
 
 - ``hang``: sleeps ``hang_s`` seconds (an hour by default);
 - ``exit``: ends its process at once (``os._exit``; only where it runs in a worker process);
@@ -29,9 +30,9 @@ _FAULT = re.compile(r"fault:(\w+)")
 class SyntheticEnv:
 
   def __init__(self, latency_s: float = 0.0, turns: int = 2, hang_s: float = 3600.0,
-               huge_bytes: int = 10 * 1024 * 1024):
+               huge_bytes: int = 10 * 1024 * 1024, faults: dict | None = None):
     self.latency_s, self.turns, self.hang_s = float(latency_s), int(turns), float(hang_s)
-    self.huge_bytes, self.t = int(huge_bytes), 0
+    self.huge_bytes, self.t, self.faults, self.pending = int(huge_bytes), 0, dict(faults or {}), None
 
   def _fault(self, kind: str | None):
     if kind == "hang":
@@ -49,13 +50,15 @@ class SyntheticEnv:
     return None
 
   def reset(self, example: dict) -> str:
-    self.t = 0
-    bad = self._fault((example or {}).get("fault"))
+    self.t, example = 0, example or {}
+    self.pending = self.faults.get(str(example.get("id")))
+    bad = self._fault(example.get("fault"))
     return bad[0] if bad else "obs 0"
 
   def _answer(self, action: str):
     m = _FAULT.search(action or "")
-    bad = self._fault(m.group(1) if m else None)
+    kind, self.pending = (m.group(1) if m else self.pending), None
+    bad = self._fault(kind)
     if bad:
       return bad
     self.t += 1
@@ -79,9 +82,10 @@ class AsyncSyntheticEnv(SyntheticEnv):
   async def step(self, action: str):
     if self.latency_s:
       await asyncio.sleep(self.latency_s)
-    if "fault:hang" in (action or ""):  # hangs without holding the event loop
+    if "fault:hang" in (action or "") or self.pending == "hang":  # without holding the loop
+      self.pending = None
       await asyncio.sleep(self.hang_s)
-    return self._answer(action.replace("fault:hang", ""))
+    return self._answer((action or "").replace("fault:hang", ""))
 
   async def close(self) -> None:
     SyntheticEnv.close(self)

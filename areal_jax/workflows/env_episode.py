@@ -5,7 +5,8 @@ The environment comes from ``rollout.env`` (``areal_jax.envs.factory``: in proce
 worker processes, or a server over HTTP) and follows ``areal_jax.envs.base.Env``. The episode:
 ``reset(example)``; then each turn the policy generates, the turn's whole text is the action of
 ``step``, and the observation's tokens (``tokenizer.encode``, as they are) follow as environment
-tokens (mask 0, ``workflows.base`` trajectory layout) before the next turn. It ends when the
+tokens (mask 0, ``workflows.base`` trajectory layout) before the next turn; the reset's
+observation, before any policy token, carries the first turn's policy version. It ends when the
 environment says done (``end`` is its ``info["end"]`` if a string, else "done"), after
 ``max_turns`` turns ("max_turns"), when the next prompt would not fit ``Context.max_prompt_len``
 ("context"), or on an engine error ("error").
@@ -77,6 +78,10 @@ class EnvEpisode(Workflow):
         turns += 1
         if sample.finish_reason == "error":
           return traj.failed(sample, turns)
+        if turns == 1 and traj.tokens and sample.versions:
+          # The reset's observation came before any policy token: it takes the first turn's
+          # version (not 0), so min(versions) stays the oldest policy token's.
+          traj.versions = [int(sample.versions[0])] * len(traj.tokens)
         traj.add_turn(sample)
         finish = sample.finish_reason
         obs, r, done, info = await _timed(ctx, env.step(ctx.tokenizer.decode(sample.tokens)))

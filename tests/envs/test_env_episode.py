@@ -72,7 +72,8 @@ def test_observations_are_environment_tokens_between_turns(inprocess):
   assert bytes(s.prompt_tokens) == b"Q?"
   assert bytes(s.tokens) == b"obs 0ab" + b"obs 1cd"
   assert s.loss_mask == [0] * 5 + [1] * 2 + [0] * 5 + [1] * 2
-  assert s.versions == [0] * 5 + [1] * 2 + [1] * 5 + [2] * 2  # inserted: the turn before's
+  # inserted: the turn before's version; before the first turn: the first turn's
+  assert s.versions == [1] * 5 + [1] * 2 + [1] * 5 + [2] * 2
   assert s.logprobs[:5] == [0.0] * 5 and s.logprobs[5:7] == [-0.5] * 2
   assert client.prompts[1] == list(b"Q?obs 0abobs 1")  # each turn sees the whole conversation
   assert reports == [None, None, None]  # reset + two steps
