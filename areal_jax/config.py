@@ -132,6 +132,10 @@ def base_config() -> ConfigDict:
   # Most tokens per prefill call (rows x bucket, at least one row); 0: no bound. Fewer prompts
   # per call at long buckets bound the call's memory (the sampler's plan counts its largest).
   c.rollout.max_prefill_tokens = 4096
+  # Positions per chunk of the JAX sampler's long prefills, each run between two decode calls so
+  # no decode step waits longer than one chunk (areal_jax/sampler/chunked_prefill.py); 0: a
+  # prefill runs whole; -1: per platform.
+  c.rollout.prefill_chunk = -1
   # Decode steps per jitted call (one host sync per call); 0: 1 on CPU, 16 on GPU and TPU.
   c.rollout.steps_per_call = 0
   # The decode attention kernel, "auto" | "cpu" | "xla" | "dense" | "pallas_gpu" | "pallas_tpu".

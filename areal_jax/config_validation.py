@@ -114,6 +114,9 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"rollout.steps_per_call={r.steps_per_call} must be >= 0 (0: per platform)")
   if r.get("max_prefill_tokens", 0) < 0:
     errors.append(f"rollout.max_prefill_tokens={r.max_prefill_tokens} must be >= 0 (0: no bound)")
+  if r.get("prefill_chunk", -1) < -1:
+    errors.append(f"rollout.prefill_chunk={r.prefill_chunk} must be >= 0 (0: prefills run whole) "
+                  "or -1 (per platform)")
   kv_pages, page_size = r.get("kv_pages", -1), r.get("page_size", 64)
   if kv_pages < -1 or page_size < 1:
     errors.append(f"rollout.kv_pages={kv_pages} must be >= -1 (-1: per platform, 0: no paging) "

@@ -204,7 +204,8 @@ def build(config, model, tokenizer, sampler_mesh, memory_budget=None,
       settings = engine_settings(config, num_slots, kv_pages)
       return JaxRolloutEngine(model, mesh=mesh, continuation=r.continuation,
                               eos_token_ids=tuple(tokenizer.eos_token_ids), lora=lora,
-                              output=output, weight_swap=swap, **settings)
+                              output=output, weight_swap=swap,
+                              prefill_chunk=r.get("prefill_chunk", -1), **settings)
 
     budget = memory_budget if isinstance(memory_budget, dict) or memory_budget is None \
         else {"budget_bytes": memory_budget}
