@@ -1,9 +1,21 @@
-"""A prefill at long buckets, dense attention against the flash kernel, compiled for a GPU or a TPU
+"""Long prefills: the decode steps a long prompt holds up, chunked or not, run on CPU (``--gaps``);
+a prefill at long buckets, dense attention against the flash kernel, compiled for a GPU or a TPU
 on a machine without one (``rollout.prefill_attention``; ``kernels.causal_attention``).
 
+  python bench/long_prefill.py --gaps [--prompt 16384] [--chunks 0,512] [--reps 3] [--json PATH]
   /tmp/tpu/bin/python bench/long_prefill.py --target v5e:2x2 [--model qwen3-1.7b]
       [--buckets 2048,8192,16384,32768] [--json PATH]       # in a venv with jax[tpu] (libtpu)
   # a GPU: a venv with jax[cuda12] and --target h100
+
+``--gaps``: ``--running`` sequences decode (``JaxRolloutEngine`` on CPU, a 2-layer Llama of
+d_model 64 with one attention head of 64, random float32 weights, max_len past the prompt) when a
+``--prompt``-token prompt is submitted; the longest wall time between two of their decode steps
+from then until the long prompt's first token is the longest any running sequence waited. Per
+``rollout.prefill_chunk`` of ``--chunks`` (0: the prompt prefilled in one call; the first is the
+baseline of the ratios), ``--reps`` prompts (each new: no prefix memo hit) after an untimed one
+that compiles the programs; also the steady decode step (median gap before the prompt) and the
+long prompt's time to its first token. Timestamps are the token listener's (the host hearing each
+decode call's tokens), so a gap includes the loop's host work.
 
 A reasoning rollout of 16k-32k tokens is prefilled whole when it continues under new weights
 (``rollout.continuation="reprefill"``) or after preemption; one row of such a bucket is what
@@ -41,7 +53,17 @@ def main():
   ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-1.7b")
   ap.add_argument("--buckets", default="2048,8192,16384,32768")
   ap.add_argument("--json", default=None)
+  ap.add_argument("--gaps", action="store_true", help="decode gaps on CPU, chunked or not")
+  ap.add_argument("--prompt", type=int, default=16384, help="--gaps: the long prompt's tokens")
+  ap.add_argument("--chunks", default="0,512", help="--gaps: rollout.prefill_chunk values")
+  ap.add_argument("--running", type=int, default=4, help="--gaps: sequences decoding")
+  ap.add_argument("--reps", type=int, default=3, help="--gaps: long prompts timed per chunk")
   args = ap.parse_args()
+  if args.gaps:
+    import long_prefill_gaps  # noqa: PLC0415
+
+    long_prefill_gaps.run(args)
+    return
   t_start = time.perf_counter()
   from flax import nnx
 
