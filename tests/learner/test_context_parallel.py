@@ -117,3 +117,16 @@ def test_the_memory_plan_counts_the_context_axis():
     plans[n] = memory.step_peak(learner, *memory.shape(learner, 128))
   assert plans[4]["params"] < 0.55 * plans[2]["params"]
   assert plans[4]["accumulate"] < 0.6 * plans[2]["accumulate"], plans
+
+
+@pytest.mark.slow
+def test_ulysses_around_the_flash_kernel_equals_one_device(data, monkeypatch):
+  """On GPU and TPU Ulysses runs the platform's flash kernel per head group: the Pallas GPU
+  kernel (interpret mode on these CPU devices) under ``shard_map`` with the heads split over
+  tensor x context trains as the one-device dense step."""
+  from areal_jax.kernels import causal_attention
+  traced, attend = [], causal_attention.attend
+  monkeypatch.setattr(causal_attention, "attend", lambda *a, **kw: traced.append(a[4]) or attend(
+      *a, **kw))
+  check_case(data, monkeypatch, dict(fsdp=2, context=2), "ulysses", attention="pallas_gpu")
+  assert traced and set(traced) == {"pallas_gpu"}
