@@ -413,11 +413,43 @@ def base_config() -> ConfigDict:
       "or Score: 0 (cannot tell).")
   c.serve.judge_vote_temperature = 1.0  # Sampling temperature of the votes (0: m equal votes).
   c.serve.judge_vote_max_tokens = 128  # The longest vote reply, in tokens (a cut-off one abstains).
+  # What judged turns train with, "binary" | "opd" | "combined". "binary": the judge's score (the
+  # scalar advantage r); "opd": hindsight-guided on-policy distillation, the per-token advantage
+  # teacher - student from a hint the judge took from the next state (no hint: no signal);
+  # "combined": signal_w_rl * r + signal_w_opd * (teacher - student).
+  c.serve.signal = "binary"
+  c.serve.signal_w_rl = 1.0  # Weight of the judge's scalar advantage (binary, combined).
+  c.serve.signal_w_opd = 1.0  # Weight of the OPD term, teacher - student or the top-k KL.
+  # The votes judge's prompt when the signal takes hints (opd, combined): as judge_vote_prompt, and
+  # a vote may also say what the assistant should have done between serve.hint_start and hint_end.
+  c.serve.judge_hint_prompt = (
+      "A user asked an assistant: {question}\nThe assistant answered: {answer}\nWhat came next "
+      "(the user's reply or a tool's output):\n{reply}\nIf what came next shows what the "
+      "assistant should have done, say it in one or two sentences between [HINT] and [/HINT]. "
+      "Then end with one line: Score: +1 (good), Score: -1 (bad) or Score: 0 (cannot tell).")
+  c.serve.hint_start = "[HINT]"  # Opens the hint in a judge's reply.
+  c.serve.hint_end = "[/HINT]"  # Closes the hint in a judge's reply.
+  # A hint shorter than this many characters is not useful (the rule judge: besides verdict words).
+  c.serve.hint_min_chars = 12
+  c.serve.hint_max_chars = 1000  # A longer hint is cut to this many characters.
+  # How the hint joins the last user message of the teacher's prompt, with {message} and {hint}.
+  c.serve.hint_format = "{message}\n\nHint: {hint}"
+  # The OPD teacher: "" = the frozen weights the run started from, held on the sampler's devices;
+  # else an OpenAI-compatible base URL whose /completions returns prompt_logprobs (e.g. vLLM).
+  c.serve.teacher_url = ""
+  c.serve.teacher_model = ""  # The model name at serve.teacher_url.
+  # 0: token-level OPD (teacher logprob of each response token); k > 0: distil the teacher's top-k
+  # distribution per token (reverse KL over k + 1 bins, the rest of the mass being one bin).
+  c.serve.teacher_topk = 0
+  c.serve.teacher_batch = 4  # Turns the in-process teacher scores in one forward pass.
   # Simulated users: concurrent conversations (serve/simulated_user.py, make serve-demo).
   c.serve.sim_users = 4
   c.serve.sim_duration_s = 1200.0  # How long the simulated users run, in seconds.
   # max_tokens of the simulated user's reply turn ("right" / "that's wrong").
   c.serve.sim_feedback_tokens = 4
+  # What the simulated users reply: "verdict" ("right" / "that's wrong"), "words" (how to work the
+  # problem out, no right/wrong word: only OPD can use it) or "both" (a verdict; if wrong, the way).
+  c.serve.sim_feedback = "verdict"
   return c
 
 

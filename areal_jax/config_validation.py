@@ -54,6 +54,8 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
                                         "env")),
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
       "serve.judge": (config.serve.judge, ("rule", "model", "votes", "none")),
+      "serve.signal": (config.serve.signal, ("binary", "opd", "combined")),
+      "serve.sim_feedback": (config.serve.sim_feedback, ("verdict", "words", "both")),
       "runtime.worker_devices": (config.runtime.worker_devices, ("cpu", "gpu", "tpu")),
       "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
       "actor.behav_imp_weight_level": (a.behav_imp_weight_level, ("token", "sequence")),
@@ -97,6 +99,12 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"serve.trainer_cores={config.serve.trainer_cores} must be >= 0 (0: half)")
   if config.serve.judge_votes < 1:
     errors.append(f"serve.judge_votes={config.serve.judge_votes} must be >= 1")
+  if config.serve.teacher_topk < 0 or config.serve.teacher_batch < 1:
+    errors.append(f"serve.teacher_topk={config.serve.teacher_topk} must be >= 0 (0: token-level "
+                  f"OPD) and serve.teacher_batch={config.serve.teacher_batch} >= 1")
+  if config.serve.signal != "binary" and config.serve.judge not in ("rule", "votes"):
+    errors.append(f"serve.signal={config.serve.signal!r} takes hints from the judge: serve.judge "
+                  f"must be 'rule' or 'votes', got {config.serve.judge!r}")
   if config.serve.max_staleness < 0:
     errors.append(f"serve.max_staleness={config.serve.max_staleness} must be >= 0")
   if a.logits_chunk < 0:

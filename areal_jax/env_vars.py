@@ -101,7 +101,8 @@ _VARS = (
            "The first GPU listed is the one whose free memory sizes vLLM's share "
            "(rollout.vllm.gpu_memory_utilization = 0)."),
     EnvVar("OPENAI_API_KEY", EXTERNAL, "a key",
-           "The API key the model judge sends to serve.judge_url; \"none\" when unset."),
+           "The API key the model judge sends to serve.judge_url (\"none\" when unset) and the "
+           "OPD teacher to serve.teacher_url (none when unset)."),
     EnvVar("CXX", EXTERNAL, "a C++ compiler (default g++)",
            "The compiler that builds the C++ CPU kernels."),
     EnvVar("XDG_CACHE_HOME", EXTERNAL, "a directory (default ~/.cache)",

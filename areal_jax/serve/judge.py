@@ -19,6 +19,16 @@ alone. Three judges:
     ``Score: 0``, else it abstains) and the majority (``majority``) is the turn's score, +1 or -1,
     trained as the advantage itself (no baseline). No verdict (0 wins, two values tie, or every
     vote abstains) leaves the turn unjudgeable: untrained, as a zero advantage would train nothing.
+Hints (``serve.signal`` opd or combined: hindsight-guided on-policy distillation): a judge's
+``assess(turn, next_turn)`` gives ``(score, hint)``, the hint being what the next state says the
+answer should have done. The votes judge then asks ``serve.judge_hint_prompt`` and each vote may
+carry one between ``serve.hint_start`` and ``serve.hint_end``; the rule judge takes the user's
+reply itself when it says more than a verdict (``Hints``). Of the hints found, the longest useful
+one (at least ``serve.hint_min_chars`` characters) is kept; none: the turn gives no OPD signal. A
+turn without a next state has no hint. The loop then has the teacher (``serve.teacher``) score the
+turn's response under the hinted prompt, batched over the turns of one pass, and stores the hint
+and the teacher's logprobs beside the score. With ``signal = "opd"`` a turn is judged when it has
+them, with ``"combined"`` when it has them or a verdict.
 With ``n > 1`` candidates only the one the user continued with (its text is the next request's last
 assistant message) is judged from the reply (rule and votes judges); the model judge scores every
 candidate.
@@ -45,6 +55,13 @@ log = logging.getLogger(__name__)
 
 _NEGATIVE = re.compile(r"\b(wrong|incorrect|not (right|correct|quite)|nope|no)\b")
 _POSITIVE = re.compile(r"\b(right|correct|yes|exactly|yep|well done|good job)\b")
+
+
+def without_verdict(text: str) -> str:
+  """``text`` with the words ``rule_score`` reads as right or wrong taken out."""
+  for pattern in (_NEGATIVE, _POSITIVE):
+    text = re.sub(pattern.pattern, "", text, flags=re.I)
+  return " ".join(text.split())
 
 
 def rule_score(reply: str) -> float | None:
@@ -89,15 +106,57 @@ def last_message(messages: list[dict], role: str) -> str | None:
   return None
 
 
+class Hints:
+  """Finds hints in text: between ``start`` and ``end`` markers (a judge's reply), or a user's whole
+  reply (``from_reply``); a hint is cut to ``max_chars`` and useful from ``min_chars`` on."""
+
+  def __init__(self, start: str = "[HINT]", end: str = "[/HINT]", min_chars: int = 12,
+               max_chars: int = 1000):
+    if not start or not end:
+      raise ValueError("serve.hint_start and serve.hint_end must not be empty")
+    self.min_chars, self.max_chars = int(min_chars), int(max_chars)
+    self._marked = re.compile(re.escape(start) + r"(.*?)" + re.escape(end), re.S)
+
+  def _useful(self, text: str | None) -> str | None:
+    text = " ".join((text or "").split())[:self.max_chars]
+    return text if len(text) >= self.min_chars else None
+
+  def parse(self, text: str) -> str | None:
+    """The longest useful hint marked in a judge's reply, None if none."""
+    return self.longest(self._marked.findall(text or ""))
+
+  def longest(self, hints: list[str | None]) -> str | None:
+    """The longest useful hint of ``hints`` (the votes'), None if none is useful."""
+    useful = [h for h in (self._useful(h) for h in hints) if h is not None]
+    return max(useful, key=len, default=None)
+
+  def from_reply(self, reply: str) -> str | None:
+    """A user's reply as a hint when it says more than a verdict: at least ``min_chars``
+    characters (words only) besides the words ``rule_score`` reads."""
+    rest = _POSITIVE.sub(" ", _NEGATIVE.sub(" ", (reply or "").lower()))
+    rest = " ".join(re.sub(r"[\W_]+", " ", rest).split())
+    return self._useful(reply) if len(rest) >= self.min_chars else None
+
+
 class RuleJudge:
-  """Scores a turn from the user's next message."""
+  """Scores a turn from the user's next message (and, with ``hints``, takes the message as the
+  turn's hint when it says more than right or wrong)."""
 
   needs_next = True  # a turn without a next state is not judged
   reads_next = True  # only the candidate the next request continued from is judged
 
+  def __init__(self, hints: Hints | None = None):
+    self.hints = hints
+
   def __call__(self, turn: dict, next_turn: dict) -> float | None:
+    return self.assess(turn, next_turn)[0]
+
+  def assess(self, turn: dict, next_turn: dict) -> tuple[float | None, str | None]:
+    del turn
     reply = last_message(next_turn["messages"], "user")
-    return None if reply is None else rule_score(reply)
+    if reply is None:
+      return None, None
+    return rule_score(reply), (self.hints.from_reply(reply) if self.hints is not None else None)
 
 
 class ModelJudge:
@@ -156,13 +215,20 @@ class VotesJudge:
   needs_next = False  # a session's only turn is judged alone
   reads_next = True
 
-  def __init__(self, complete: Callable[[list[dict], int], list[str]], prompt: str, votes: int):
+  def __init__(self, complete: Callable[[list[dict], int], list[str]], prompt: str, votes: int,
+               hints: Hints | None = None):
+    """``hints``: also find hints in the votes (``prompt`` should then ask for them)."""
     if votes < 1:
       raise ValueError(f"serve.judge_votes must be at least 1, got {votes!r}")
-    self.complete, self.prompt, self.votes = complete, prompt, int(votes)
-    self.stats = collections.Counter()  # votes cast (+1 / -1 / 0), abstained, verdicts
+    self.complete, self.prompt, self.votes, self.hints = complete, prompt, int(votes), hints
+    self.stats = collections.Counter()  # votes cast (+1 / -1 / 0), abstained, verdicts, hints
 
   def __call__(self, turn: dict, next_turn: dict | None) -> float | None:
+    return self.assess(turn, next_turn)[0]
+
+  def assess(self, turn: dict, next_turn: dict | None) -> tuple[float | None, str | None]:
+    """The majority's score (None without a verdict) and the longest useful hint of the votes
+    (None without ``hints``, without a next state, or when no vote has a useful one)."""
     text = self.prompt.format(question=last_message(turn["messages"], "user") or "",
                               answer=turn["completion_text"], reply=next_state(turn, next_turn))
     replies = self.complete([{"role": "user", "content": text}], self.votes)[:self.votes]
@@ -171,7 +237,11 @@ class VotesJudge:
       self.stats["abstained" if v is None else f"vote{v:+d}"] += 1
     verdict = majority(votes)
     self.stats[f"verdict{verdict:+d}"] += 1
-    return None if verdict == 0 else float(verdict)
+    hint = None
+    if self.hints is not None and next_turn is not None:
+      hint = self.hints.longest([self.hints.parse(r) for r in replies])
+      self.stats["hints" if hint else "no_hint"] += 1
+    return (None if verdict == 0 else float(verdict)), hint
 
 
 def openai_sampler(base_url: str, model: str, temperature: float, max_tokens: int,
@@ -207,11 +277,22 @@ def _continued_with(turn: dict, next_turn: dict) -> bool:
 class JudgeLoop:
   """Judges pending turns every ``interval_s`` in a thread; ``stop()`` / ``start()`` any time."""
 
-  def __init__(self, store: TurnStore, judge, interval_s: float = 0.5, timeout_s: float = 300.0):
+  def __init__(self, store: TurnStore, judge, interval_s: float = 0.5, timeout_s: float = 300.0,
+               signal: str = "binary", teacher=None):
+    """``signal``: "binary" (the score only), "opd" or "combined" (hints, and ``teacher``, a
+    ``serve.teacher`` scorer, scores the hinted turns)."""
+    if signal not in ("binary", "opd", "combined"):
+      raise ValueError(f"serve.signal={signal!r} is not one of binary, opd, combined")
+    if signal != "binary" and (teacher is None or not hasattr(judge, "assess")):
+      raise ValueError(f"serve.signal={signal!r} needs a judge that finds hints (rule, votes) and "
+                       f"a teacher")
     self.store, self.judge, self.interval_s, self.timeout_s = store, judge, interval_s, timeout_s
+    self.signal, self.teacher = signal, teacher
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self.stats = dict(judged=0, unjudgeable=0, errors=0)
+    if signal != "binary":  # hinted turns, those the teacher scored, its seconds in all
+      self.stats.update(hinted=0, teacher_scored=0, teacher_s=0.0)
     self.error: str | None = None
 
   @property
@@ -246,13 +327,13 @@ class JudgeLoop:
     siblings = {}
     for t in pending:
       siblings[t["request_id"]] = siblings.get(t["request_id"], 0) + 1
-    results = []
+    results, hinted = [], []
     for turn in pending:
       if self._stop.is_set():
         break
       turn["_siblings"] = siblings[turn["request_id"]] > 1 or turn["candidate"] > 0
       if not turn["completion_tokens"] or turn["finish_reason"] in ("error", "abort"):
-        results.append((turn["id"], "unjudgeable", None))
+        results.append(self._result(turn["id"], None))
         continue
       nxt = self.store.next_turn(turn["session_id"], turn["turn_index"], turn["key_id"])
       if nxt is None:  # the session's last turn so far
@@ -260,19 +341,48 @@ class JudgeLoop:
         if not session["done"] and now - turn["created_s"] <= self.timeout_s:
           continue  # its next state may still come
         if self.judge.needs_next or session["main_turns"] > 1:
-          results.append((turn["id"], "unjudgeable", None))
+          results.append(self._result(turn["id"], None))
           continue
       elif self.judge.reads_next and not _continued_with(turn, nxt):
-        results.append((turn["id"], "unjudgeable", None))
+        results.append(self._result(turn["id"], None))
         continue
       try:
-        score = self.judge(turn, nxt)
+        score, hint = self.judge.assess(turn, nxt) if self.signal != "binary" else \
+            (self.judge(turn, nxt), None)
       except Exception as e:  # pylint: disable=broad-except  (a judge model's outage: retry later)
         self.stats["errors"] += 1
         log.warning("judging turn %s failed: %s", turn["id"], e)
         continue
-      results.append((turn["id"], "unjudgeable" if score is None else "judged", score))
+      if hint is not None:
+        hinted.append((turn, hint, score))
+      else:
+        results.append(self._result(turn["id"], score))
+    results += self._teach(hinted)
     self.store.set_judgements(results)
-    for _, status, _ in results:
-      self.stats[status] += 1
+    for r in results:
+      self.stats[r[1]] += 1
     return len(results)
+
+  def _result(self, turn_id: int, score, hint=None, teacher=None) -> tuple:
+    """The row's judgement: judged when it has the signal ``serve.signal`` trains with."""
+    usable = {"binary": score is not None, "opd": teacher is not None,
+              "combined": score is not None or teacher is not None}[self.signal]
+    return turn_id, "judged" if usable else "unjudgeable", score, hint, teacher
+
+  def _teach(self, hinted: list[tuple[dict, str, float | None]]) -> list[tuple]:
+    """The hinted turns' judgements, with the teacher's logprobs of their responses (one batched
+    call); a teacher's failure leaves them pending (judged again later)."""
+    if not hinted:
+      return []
+    t0 = time.time()
+    try:
+      scored = self.teacher.score([(turn, hint) for turn, hint, _ in hinted])
+    except Exception as e:  # pylint: disable=broad-except  (a teacher server's outage: retry later)
+      self.stats["errors"] += 1
+      log.warning("the teacher failed on %d turns: %s", len(hinted), e)
+      return []
+    self.stats["teacher_s"] += time.time() - t0
+    self.stats["hinted"] += len(hinted)
+    self.stats["teacher_scored"] += sum(t is not None for t in scored)
+    return [self._result(turn["id"], score, hint, t)
+            for (turn, hint, score), t in zip(hinted, scored)]

@@ -29,7 +29,7 @@ from areal_jax.models import lora as lora_lib
 from areal_jax.rollout_api import SamplingParams
 from areal_jax.runtime import engines, errors, meshes, model_source, weight_transfer
 from areal_jax.runtime.ray_worker import pin_process
-from areal_jax.serve import access, judge as judge_lib
+from areal_jax.serve import access, judge as judge_lib, teacher as teacher_lib
 from areal_jax.serve.app import ServeContext, build_app
 from areal_jax.serve.dispatch import Dispatcher
 from areal_jax.serve.protocol import ApiError
@@ -84,6 +84,8 @@ class ServeRuntime:
     self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
     model, self.tokenizer = model_source.load(config)
+    # the OPD teacher's copy of the start weights, before anything trains or plans the devices
+    self.teacher = self._build_teacher(model, sampler_mesh)
     # the sampler's memory plan against its devices (fewer slots when they do not fit; a
     # MemoryError naming the keys when not even a group's do), before anything is opened
     self.engine = engines.build(config, model, self.tokenizer, sampler_mesh,
@@ -136,13 +138,31 @@ class ServeRuntime:
     s = self.config.serve
     if s.judge == "none":
       return None
+    hints = None if s.signal == "binary" else judge_lib.Hints(s.hint_start, s.hint_end,
+                                                               s.hint_min_chars, s.hint_max_chars)
     if s.judge == "rule":
-      judge = judge_lib.RuleJudge()
+      judge = judge_lib.RuleJudge(hints)
     elif s.judge == "votes":
-      judge = judge_lib.VotesJudge(self._vote_sampler(), s.judge_vote_prompt, s.judge_votes)
+      prompt = s.judge_vote_prompt if hints is None else s.judge_hint_prompt
+      judge = judge_lib.VotesJudge(self._vote_sampler(), prompt, s.judge_votes, hints)
     else:
       judge = judge_lib.ModelJudge(self._judge_completer(), s.judge_prompt, s.judge_scale)
-    return judge_lib.JudgeLoop(self.store, judge, s.judge_interval_s, s.judge_timeout_s)
+    return judge_lib.JudgeLoop(self.store, judge, s.judge_interval_s, s.judge_timeout_s,
+                               s.signal, self.teacher)
+
+  def _build_teacher(self, model, sampler_mesh):
+    """The OPD teacher (``serve.teacher``): None with ``serve.signal = "binary"``."""
+    s, c_roll = self.config.serve, self.config.rollout
+    if s.signal == "binary" or s.judge == "none":
+      return None
+    # the hinted prompt may be longer than a served one by the hint
+    longest = c_roll.max_prompt_len + c_roll.max_new_tokens + s.hint_max_chars
+    encode = lambda messages: self.context.encode(messages)  # noqa: E731 (built after the teacher)
+    if s.teacher_url:
+      return teacher_lib.RemoteTeacher(s.teacher_url, s.teacher_model, encode, s.hint_format,
+                                       s.teacher_topk, longest)
+    return teacher_lib.BaseTeacher(model, sampler_mesh, encode, s.hint_format, c_roll.temperature,
+                                   s.teacher_topk, s.teacher_batch, longest)
 
   def _vote_sampler(self):
     """``sample(messages, n) -> n texts`` for the votes judge: one request of ``n`` samples at
@@ -304,6 +324,9 @@ class ServeRuntime:
       loop = getattr(self, name, None)
       if loop is not None:
         out[name] = {"alive": loop.alive, "error": loop.error, **loop.stats}
+    if self.judge is not None and "teacher_s" in self.judge.stats:
+      hinted = max(self.judge.stats["hinted"], 1)  # the teacher's seconds per hinted turn
+      out["judge"]["teacher_s_per_turn"] = self.judge.stats["teacher_s"] / hinted
     if self.judge is not None and isinstance(self.judge.judge, judge_lib.VotesJudge):
       out["judge"]["votes"] = dict(self.judge.judge.stats)  # cast, abstained, verdicts
     if self.trainer_in_process:

@@ -12,6 +12,9 @@ A turn also records the session protocol: ``key_id`` (the API key's id, never th
 without keys), ``turn_type`` ("main" | "side": side turns are recorded with both statuses "side",
 never judged nor trained) and ``session_done`` (the request said the session ended: its turn is
 the last). A session is its id within one key id: another key's requests cannot join it.
+With hindsight OPD (``serve.signal`` opd or combined) the judge also stores the turn's ``hint``
+and ``teacher``: the teacher's logprob of each response token under the hinted prompt (JSON
+``{"logprobs": [...]}``, with ``topk_ids`` / ``topk_logprobs`` per token for ``teacher_topk``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ CREATE TABLE IF NOT EXISTS turns (
   trained_version INTEGER,
   key_id TEXT,                       -- the API key's id (access.key_id), NULL without keys
   turn_type TEXT NOT NULL DEFAULT 'main',  -- "main" | "side" (served and recorded, never trained)
-  session_done INTEGER NOT NULL DEFAULT 0  -- 1: the request ended its session (X-Session-Done)
+  session_done INTEGER NOT NULL DEFAULT 0,  -- 1: the request ended its session (X-Session-Done)
+  hint TEXT,                         -- the judge's hint from the next state (OPD), NULL: none
+  teacher TEXT                       -- JSON: the teacher's logprobs of the response (OPD), or NULL
 );
 CREATE INDEX IF NOT EXISTS turns_session ON turns (session_id, turn_index);
 CREATE INDEX IF NOT EXISTS turns_judge ON turns (judge_status);
@@ -54,13 +59,14 @@ CREATE INDEX IF NOT EXISTS turns_train ON turns (judge_status, train_status);
 """
 # Columns added after the first stores were written: a store from before gets them on open.
 _ADDED = {"key_id": "TEXT", "turn_type": "TEXT NOT NULL DEFAULT 'main'",
-          "session_done": "INTEGER NOT NULL DEFAULT 0"}
+          "session_done": "INTEGER NOT NULL DEFAULT 0", "hint": "TEXT", "teacher": "TEXT"}
 
 TURN_COLUMNS = ("id", "session_id", "turn_index", "request_id", "candidate", "messages",
                 "prompt_tokens", "completion_tokens", "logprobs", "versions", "completion_text",
                 "finish_reason", "temperature", "created_s", "judge_status", "score", "judged_s",
-                "train_status", "trained_version", "key_id", "turn_type", "session_done")
-_JSON = ("messages", "prompt_tokens", "completion_tokens", "logprobs", "versions")
+                "train_status", "trained_version", "key_id", "turn_type", "session_done", "hint",
+                "teacher")
+_JSON = ("messages", "prompt_tokens", "completion_tokens", "logprobs", "versions", "teacher")
 
 
 class TurnStore:
@@ -136,7 +142,7 @@ class TurnStore:
     for values in cur.fetchall():
       row = dict(zip(names, values))
       for k in _JSON:
-        if k in row:
+        if row.get(k) is not None:
           row[k] = json.loads(row[k])
       out.append(row)
     return out
@@ -197,13 +203,17 @@ class TurnStore:
 
   # ---- judge and trainer -----------------------------------------------------------------------
 
-  def set_judgements(self, results: list[tuple[int, str, float | None]]) -> None:
-    """``(turn id, "judged" | "unjudgeable", score)`` for each row, in one transaction."""
+  def set_judgements(self, results: list[tuple]) -> None:
+    """``(turn id, "judged" | "unjudgeable", score[, hint, teacher])`` for each row (``teacher``:
+    a dict, stored as JSON), in one transaction."""
     now = time.time()
+    rows = []
+    for tid, status, score, *opd in results:
+      hint, teacher = (opd + [None, None])[:2]
+      rows.append((status, score, now, hint, None if teacher is None else json.dumps(teacher), tid))
     with self._conn() as conn:
-      conn.executemany("UPDATE turns SET judge_status = ?, score = ?, judged_s = ? "
-                       "WHERE id = ? AND judge_status = 'pending'",
-                       [(status, score, now, tid) for tid, status, score in results])
+      conn.executemany("UPDATE turns SET judge_status = ?, score = ?, judged_s = ?, hint = ?, "
+                       "teacher = ? WHERE id = ? AND judge_status = 'pending'", rows)
 
   def mark(self, ids: list[int], status: str, version: int) -> None:
     """Sets ``train_status`` of ``ids`` (consumed by the step that made ``version``)."""

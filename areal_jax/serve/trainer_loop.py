@@ -15,6 +15,12 @@ Each step takes the oldest ``actor.batch_size`` judged, untrained turns from the
     is still tracked, as a metric). Each turn goes to ``Learner.train_step`` as a group of one
     with its advantage as the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is
     unchanged;
+  * the signal (``serve.signal``): "binary" trains ``signal_w_rl * advantage``; "opd" trains the
+    turns the teacher scored under a hint, with the per-token advantage
+    ``signal_w_opd * (teacher - student)`` that the learner computes after its own forward
+    (``learner.distill``; with ``serve.teacher_topk`` the reverse KL to the teacher's top k);
+    "combined" trains both on every judged turn (a turn without a verdict: only the teacher's
+    term; without a hint: only the score's);
   * the rows are marked ``trained`` with the new version, the version is published to the engine
     (applied between decode steps) and, every ``train.checkpoint_every`` steps, checkpointed
     (learner state + the baseline; the store position is the version itself).
@@ -81,7 +87,10 @@ class TrainerLoop:
     # the votes judge's +1 / -1 is the advantage as it stands (see the module docstring)
     self.raw_scores = config.serve.judge == "votes"
     self.baseline: float | None = None
+    self.signal = config.serve.signal
     self.stats = dict(trained=0, stale=0, off_policy_temperature=0, steps=0)
+    if self.signal != "binary":
+      self.stats["taught"] = 0  # turns trained with the teacher's term
     self.error: str | None = None
     self._stop = threading.Event()
     self._killed = False
@@ -179,12 +188,15 @@ class TrainerLoop:
     if len(rows) < self.batch_size or self._stop.is_set():
       return False
     t0 = time.time()
-    adv, baseline = advantages(rows, self.baseline, self.config.serve.baseline_decay)
-    if self.raw_scores:
-      adv = [float(r["score"]) for r in rows]
+    rewards, baseline = self._rewards(rows)
     samples = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
                        r["versions"], r["finish_reason"])] for r in rows]
-    metrics = self.learner.train_step(samples, [[a] for a in adv])
+    if self.signal == "binary":
+      metrics = self.learner.train_step(samples, rewards)
+    else:
+      teachers = [[self._teacher(r)] for r in rows]
+      metrics = self.learner.train_step(samples, rewards, teachers=teachers)
+      self.stats["taught"] += sum(t[0] is not None for t in teachers)
     new = version + 1
     self.store.mark([r["id"] for r in rows], "trained", new)
     self.baseline = baseline
@@ -197,13 +209,42 @@ class TrainerLoop:
     if new % self.config.train.checkpoint_every == 0:
       self.save()
     lag = [version - min(r["versions"]) for r in rows]
+    scores = [r["score"] for r in rows if r["score"] is not None]
     self._write_metrics(dict(
-        version=new, time_s=time.time(), score_mean=float(np.mean([r["score"] for r in rows])),
+        version=new, time_s=time.time(),
+        score_mean=float(np.mean(scores)) if scores else None,
         baseline=baseline, staleness_mean=float(np.mean(lag)), staleness_max=int(max(lag)),
         train_s=train_s, publish_s=publish_s, loss=metrics.get("loss"),
         clip_frac=metrics.get("clip_frac"), behav_weight_max=metrics.get("behav_weight_max"),
         **self.stats))
     return True
+
+  def _rewards(self, rows: list[dict]) -> tuple[list[list[float]], float | None]:
+    """Each row's scalar reward (``signal_w_rl`` times its advantage; 0 with ``signal = "opd"``
+    and for a row without a score) and the updated running baseline."""
+    scored = [r for r in rows if r["score"] is not None]
+    if not scored:
+      return [[0.0] for _ in rows], self.baseline
+    adv, baseline = advantages(scored, self.baseline, self.config.serve.baseline_decay)
+    if self.raw_scores:
+      adv = [float(r["score"]) for r in scored]
+    w = 0.0 if self.signal == "opd" else self.config.serve.signal_w_rl
+    by_id = {r["id"]: w * a for r, a in zip(scored, adv)}
+    return [[by_id.get(r["id"], 0.0)] for r in rows], baseline
+
+  def _teacher(self, row: dict):
+    """The row's ``TokenTeacher`` (``signal_w_opd``), None without teacher logprobs or when they
+    are not the kind the learner takes (top-k or not: ``serve.teacher_topk``)."""
+    from areal_jax.learner.distill import TokenTeacher  # pylint: disable=import-outside-toplevel
+
+    t, k = row.get("teacher"), self.config.serve.teacher_topk
+    if not t or len(t.get("logprobs", ())) != len(row["completion_tokens"]):
+      return None
+    if k and (len(t.get("topk_ids") or ()) != len(t["logprobs"])
+              or any(len(ids) != k for ids in t["topk_ids"])):
+      return None
+    return TokenTeacher(t["logprobs"], self.config.serve.signal_w_opd,
+                        t.get("topk_ids") if k else None, t.get("topk_logprobs") if k else None)
 
   def _skip_reason(self, row: dict, version: int) -> str | None:
     if not row["versions"] or version - min(row["versions"]) > self.config.serve.max_staleness:
@@ -227,8 +268,8 @@ class TrainerLoop:
   def _write_metrics(self, row: dict) -> None:
     with open(self._metrics_path(), "a", encoding="utf-8") as f:
       f.write(json.dumps(row) + "\n")
-    log.info("trained version %d: score %.3f baseline %.3f (%.1fs)", row["version"],
-             row["score_mean"], row["baseline"], row["train_s"])
+    log.info("trained version %d: score %s baseline %s (%.1fs)", row["version"],
+             _num(row["score_mean"]), _num(row["baseline"]), row["train_s"])
 
   def _truncate_metrics(self, version: int) -> None:
     """Drops metric rows of steps after ``version`` (redone after a restart); atomic."""
@@ -240,3 +281,7 @@ class TrainerLoop:
     with open(path + ".tmp", "w", encoding="utf-8") as f:
       f.writelines(rows)
     os.replace(path + ".tmp", path)
+
+
+def _num(x) -> str:
+  return "-" if x is None else f"{x:.3f}"

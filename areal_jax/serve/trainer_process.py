@@ -75,9 +75,12 @@ def build_trainer(config, workdir: str, store, model, learner_mesh, transfer_fn,
   from areal_jax.serve.trainer_loop import TrainerLoop  # pylint: disable=import-outside-toplevel
 
   c_roll = config.rollout
+  # with hindsight OPD the batch carries the teacher's logprobs (or top k) of each token
+  distill_topk = None if config.serve.signal == "binary" else config.serve.teacher_topk
   learner = learner_lib.Learner(model, config.actor, learner_mesh, temperature=c_roll.temperature,
                                 total_steps=config.train.total_steps,
-                                max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens)
+                                max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens,
+                                distill_topk=distill_topk)
   ckpt = Checkpointer(workdir, config.train.keep_checkpoints, resume=config.train.resume,
                       config=config)
   return TrainerLoop(config, workdir, store, learner, transfer_fn(learner), engine, ckpt)

@@ -1,0 +1,225 @@
+"""The OPD teacher: logprobs of a turn's original response tokens under the hinted prompt.
+
+Hindsight-guided on-policy distillation asks how likely the response the policy gave would have
+been, had the prompt carried the hint the judge took from what came next: the hint joins the last
+user message (``serve.hint_format``), the conversation is encoded with the chat template as
+serving encodes it, and the teacher scores the *original* response tokens after it, teacher-forced.
+Two teachers:
+  * ``BaseTeacher`` (``serve.teacher_url`` ""): the frozen weights the run started from, held once
+    on the sampler's devices beside the engine's own (which change with every version); one jitted
+    forward scores ``serve.teacher_batch`` turns at a time, rows and lengths bucketed (a handful of
+    shapes compile), and only the response positions reach the LM head. It runs in the judge loop's
+    thread: the engine decodes meanwhile (the devices interleave both programs; serving waits for
+    nothing the teacher holds);
+  * ``RemoteTeacher``: an OpenAI-compatible server's ``/completions`` with ``prompt_logprobs``
+    (vLLM's extension: per prompt token, its logprob and the top ones by token id), the prompt being
+    the hinted prompt's token ids followed by the response's.
+Both return per turn ``{"logprobs": [c floats]}`` (with ``serve.teacher_topk`` k > 0 also
+``topk_ids`` / ``topk_logprobs``, ``[c][k]``), or None when the hinted sequence is longer than the
+teacher takes (the turn then gives no OPD signal). Logprobs are those of ``softmax(logits / T)``
+at the sampling temperature, like the learner's (the remote server's as it computes them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import urllib.request
+from collections.abc import Callable
+
+import numpy as np
+
+
+def hinted_messages(messages: list[dict], hint: str, fmt: str) -> list[dict]:
+  """``messages`` with ``hint`` joined to the last user message (``fmt``: {message}, {hint})."""
+  out = copy.deepcopy(messages)
+  users = [i for i, m in enumerate(out) if m.get("role") == "user"]
+  if not users:
+    raise ValueError("the turn's messages have no user message to join the hint to")
+  last = out[users[-1]]
+  last["content"] = fmt.format(message=last.get("content") or "", hint=hint)
+  return out
+
+
+def _bucket(n: int, smallest: int) -> int:
+  """The smallest power-of-two multiple of ``smallest`` that holds ``n``."""
+  b = smallest
+  while b < n:
+    b *= 2
+  return b
+
+
+class _Teacher:
+  """What both teachers share: the hinted prompt's tokens, the length bound, the batch."""
+
+  def __init__(self, encode: Callable[[list[dict]], list[int]], hint_format: str, topk: int,
+               max_len: int):
+    self.encode, self.hint_format, self.topk, self.max_len = encode, hint_format, int(topk), max_len
+
+  def sequences(self, items: list[tuple[dict, str]]) -> list[tuple[list[int], list[int]] | None]:
+    """``(hinted prompt tokens, response tokens)`` per turn; None over ``max_len`` tokens or when
+    the template rejects the hinted conversation."""
+    out = []
+    for turn, hint in items:
+      try:
+        prompt = self.encode(hinted_messages(turn["messages"], hint, self.hint_format))
+      except Exception:  # pylint: disable=broad-except  (the template rejects it: no OPD signal)
+        out.append(None)
+        continue
+      response = list(turn["completion_tokens"])
+      ok = prompt and response and len(prompt) + len(response) <= self.max_len
+      out.append((list(prompt), response) if ok else None)
+    return out
+
+  def score(self, items: list[tuple[dict, str]]) -> list[dict | None]:
+    seqs = self.sequences(items)
+    found = [(i, s) for i, s in enumerate(seqs) if s is not None]
+    out: list[dict | None] = [None] * len(items)
+    for i, res in zip([i for i, _ in found], self.score_tokens([s for _, s in found])):
+      out[i] = res
+    return out
+
+  def score_tokens(self, seqs: list[tuple[list[int], list[int]]]) -> list[dict]:
+    raise NotImplementedError
+
+
+class BaseTeacher(_Teacher):
+  """The frozen start weights on the sampler mesh (see the module docstring)."""
+
+  def __init__(self, model, mesh, encode, hint_format: str, temperature: float, topk: int = 0,
+               batch: int = 4, max_len: int = 1024):
+    import jax  # pylint: disable=import-outside-toplevel
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+
+    from areal_jax import sharding  # pylint: disable=import-outside-toplevel
+
+    super().__init__(encode, hint_format, topk, max_len)
+    if temperature <= 0:
+      raise ValueError(f"the teacher's temperature must be > 0, got {temperature}")
+    self.mesh, self.temperature, self.batch = mesh, float(temperature), max(1, int(batch))
+    self.graphdef = nnx.graphdef(model)
+    # a copy: the engine's weights change with every version, these stay the run's start
+    self.params = jax.tree.map(
+        lambda x: x.copy() if hasattr(x, "copy") else x,
+        jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                       sharding.param_shardings(model, mesh)))
+    self._fns: dict = {}
+
+  def _fn(self):
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+
+    from areal_jax import sharding  # pylint: disable=import-outside-toplevel
+    from areal_jax.models import train_forward  # pylint: disable=import-outside-toplevel
+    from areal_jax.models.transformer import linear  # pylint: disable=import-outside-toplevel
+
+    if "score" in self._fns:
+      return self._fns["score"]
+    graphdef, mesh, temp, k = self.graphdef, self.mesh, self.temperature, self.topk
+
+    def score(params, tokens_NxL, start_N, response_NxC):
+      """Logprobs of ``response_NxC``, the tokens at ``start_N + j`` of each row (and the top k)."""
+      with sharding.use(mesh):
+        model = nnx.merge(graphdef, params)
+        # one sequence a row from position 0 (the padding after it is never attended to)
+        h_NxLxE = train_forward.hidden(model, tokens_NxL, None, jnp.ones_like(tokens_NxL))
+        c = response_NxC.shape[1]
+        # position p scores token p + 1: the response's token j is scored at start + j - 1
+        at_NxC = jnp.clip(start_N[:, None] - 1 + jnp.arange(c), 0, tokens_NxL.shape[1] - 1)
+        h_NxCxE = jnp.take_along_axis(h_NxLxE, at_NxC[..., None], axis=1)
+        w, transpose_w = train_forward.head_weight(model)
+        logits = linear(h_NxCxE, w, transpose_w, out_dtype=jnp.float32) / temp
+        logp_NxCxV = jax.nn.log_softmax(logits, axis=-1)
+        logp_NxC = jnp.take_along_axis(logp_NxCxV, response_NxC[..., None], axis=-1)[..., 0]
+        if not k:
+          return logp_NxC, None, None
+        top_logp, top_ids = jax.lax.top_k(logp_NxCxV, k)
+        return logp_NxC, top_ids, top_logp
+
+    self._fns["score"] = jax.jit(score)
+    return self._fns["score"]
+
+  def score_tokens(self, seqs):
+    import jax  # pylint: disable=import-outside-toplevel
+
+    fn, out = self._fn(), []
+    for i in range(0, len(seqs), self.batch):
+      part = seqs[i:i + self.batch]
+      l = _bucket(max(len(p) + len(r) for p, r in part), 64)
+      c = _bucket(max(len(r) for _, r in part), 16)
+      tokens = np.zeros((self.batch, l), np.int32)
+      start = np.ones((self.batch,), np.int32)
+      response = np.zeros((self.batch, c), np.int32)
+      for row, (p, r) in enumerate(part):
+        tokens[row, :len(p) + len(r)] = p + r
+        start[row] = len(p)
+        response[row, :len(r)] = r
+      logp, ids, top = jax.device_get(fn(self.params, tokens, start, response))
+      for row, (_, r) in enumerate(part):
+        n = len(r)
+        res = {"logprobs": logp[row, :n].astype(float).tolist()}
+        if self.topk:
+          res.update(topk_ids=ids[row, :n].tolist(), topk_logprobs=top[row, :n].astype(float).tolist())
+        out.append(res)
+    return out
+
+
+class RemoteTeacher(_Teacher):
+  """A teacher at an OpenAI-compatible server returning prompt logprobs (module docstring)."""
+
+  def __init__(self, base_url: str, model: str, encode, hint_format: str, topk: int = 0,
+               max_len: int = 1024, timeout_s: float = 120.0, max_bytes: int = 64 << 20):
+    super().__init__(encode, hint_format, topk, max_len)
+    self.url = base_url.rstrip("/") + "/completions"
+    self.model, self.timeout_s, self.max_bytes = model, timeout_s, max_bytes
+
+  def score_tokens(self, seqs):
+    return [self._one(p, r) for p, r in seqs]
+
+  def _one(self, prompt: list[int], response: list[int]) -> dict:
+    body = json.dumps({"model": self.model, "prompt": prompt + response, "max_tokens": 1,
+                       "temperature": 1.0, "prompt_logprobs": self.topk}).encode()
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("OPENAI_API_KEY")
+    if key:
+      headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+    with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+      raw = r.read(self.max_bytes + 1)
+    if len(raw) > self.max_bytes:
+      raise ValueError(f"the teacher at {self.url} answered more than {self.max_bytes} bytes")
+    return parse_prompt_logprobs(json.loads(raw), len(prompt), response, self.topk)
+
+
+def parse_prompt_logprobs(reply: dict, prompt_len: int, response: list[int], topk: int) -> dict:
+  """The response's logprobs (and top k) from a ``/completions`` reply's ``prompt_logprobs``
+  (per prompt token a ``{token id: {"logprob": x, "rank": r}}`` map, the first token's None)."""
+  try:
+    entries = reply["choices"][0]["prompt_logprobs"]
+  except (KeyError, IndexError, TypeError) as e:
+    raise ValueError("the teacher's reply has no choices[0].prompt_logprobs (a server that "
+                     "returns prompt logprobs, e.g. vLLM, is needed)") from e
+  if not isinstance(entries, list) or len(entries) != prompt_len + len(response):
+    raise ValueError(f"the teacher returned prompt logprobs for "
+                     f"{len(entries) if isinstance(entries, list) else 0} tokens, "
+                     f"expected {prompt_len + len(response)}")
+  out = {"logprobs": []}
+  if topk:
+    out.update(topk_ids=[], topk_logprobs=[])
+  for j, token in enumerate(response):
+    entry = entries[prompt_len + j] or {}
+    got = entry.get(str(token))
+    if got is None:
+      raise ValueError(f"the teacher's prompt logprobs lack response token {j} (id {token})")
+    out["logprobs"].append(float(got["logprob"]))
+    if topk:
+      ranked = sorted(((v.get("rank") or 1 << 30, int(t), float(v["logprob"]))
+                       for t, v in entry.items()), key=lambda x: (x[0], -x[2]))[:topk]
+      if len(ranked) < topk:
+        raise ValueError(f"the teacher returned {len(ranked)} top logprobs for response token "
+                         f"{j}, serve.teacher_topk={topk}")
+      out["topk_ids"].append([t for _, t, _ in ranked])
+      out["topk_logprobs"].append([lp for _, _, lp in ranked])
+  return out
