@@ -3,6 +3,13 @@ r"""``make serve-demo``: the policy learns arithmetic from simulated users' conv
   python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py --workdir=runs/serve_demo
   python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py:tiny --workdir=/tmp/sd \
       --duration_s=60 --eval_size=8
+  python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py --workdir=runs/serve_opd \
+      --signal=opd
+
+``--signal`` (``serve.signal``: binary, opd or combined) picks what the judged turns train with and
+``--feedback`` (``serve.sim_feedback``) what the users reply; by default the users whose replies
+the signal reads: "right" / "that's wrong" for binary, the way to work the problem out in words
+(no right/wrong word) for opd, both for combined (serve/simulated_user.py).
 
   1. held-out greedy pass@1 of the starting model (the standalone evaluator, ``eval_before.json``;
      kept from an earlier run of the same workdir);
@@ -43,6 +50,26 @@ _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "held-out problems (train.e
 _POINTS = flags.DEFINE_integer("curve_points", 4, "checkpoints evaluated for the curve")
 _STATUS_EVERY = flags.DEFINE_float("status_every_s", None,
                                    "seconds between status lines (serve.status_every_s)")
+_SIGNAL = flags.DEFINE_enum("signal", None, ["binary", "opd", "combined"],
+                            "what judged turns train with (serve.signal; default: the config's)")
+_FEEDBACK = flags.DEFINE_enum("feedback", None, ["verdict", "words", "both"],
+                              "what the simulated users reply (serve.sim_feedback; default: "
+                              "verdict for binary, words for opd, both for combined)")
+FEEDBACK_OF = {"binary": "verdict", "opd": "words", "combined": "both"}
+
+
+def signal_overrides(config, signal: str | None, feedback: str | None) -> dict:
+  """The ``serve.*`` settings ``--signal`` / ``--feedback`` give, applied to ``config`` (the users
+  read it) and returned as command-line overrides for the server."""
+  out = {}
+  if signal is not None:
+    out["serve.signal"] = signal
+  if feedback is not None or signal is not None:
+    out["serve.sim_feedback"] = feedback or FEEDBACK_OF[signal]
+  for key, value in out.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return out
 
 
 def _free_port() -> int:
@@ -105,6 +132,7 @@ def main(argv) -> None:
   cli.set_up_logging()  # no line per HTTP request of the users' client
   spec, workdir = _CONFIG.value, os.path.abspath(_WORKDIR.value)
   config = config_lib.load(spec)
+  overrides = signal_overrides(config, _SIGNAL.value, _FEEDBACK.value)
   every = config.serve.status_every_s if _STATUS_EVERY.value is None else _STATUS_EVERY.value
   os.makedirs(workdir, exist_ok=True)
   extra = [] if _EVAL_SIZE.value is None else [f"--config.train.eval_size={_EVAL_SIZE.value}"]
@@ -116,7 +144,8 @@ def main(argv) -> None:
   log = open(os.path.join(workdir, "server.log"), "a", encoding="utf-8")
   server = subprocess.Popen([sys.executable, "-m", "areal_jax.serve", f"--config={spec}",
                              f"--workdir={workdir}", f"--config.serve.port={port}",
-                             f"--config.serve.status_every_s={every}"],
+                             f"--config.serve.status_every_s={every}",
+                             *[f"--config.{k}={v}" for k, v in overrides.items()]],
                             stdout=log, stderr=subprocess.STDOUT)
   t_start = time.time()
   try:
@@ -166,7 +195,9 @@ def main(argv) -> None:
   summary = dict(pass_at_1_before=before["pass@1"], pass_at_1_after=after, versions=[v for v, _ in curve],
                  curve=curve, conversations=len(results), user_success=float(
                      sum(r["right"] for r in results) / max(len(results), 1)),
-                 served_s=time.time() - t_start, trained=health.get("trainer"))
+                 served_s=time.time() - t_start, trained=health.get("trainer"),
+                 judged=health.get("judge"), signal=config.serve.signal,
+                 feedback=config.serve.sim_feedback)
   with open(os.path.join(workdir, "serve_demo.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
   png = plot(workdir, curve, results)

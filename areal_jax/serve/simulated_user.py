@@ -1,15 +1,22 @@
 r"""Simulated users: ask arithmetic questions through the official ``openai`` client, say whether
-the answer was right, as a person would.
+the answer was right or how to work it out, as a person would.
 
   python -m areal_jax.serve.simulated_user --config=configs/serve_arithmetic.py \
       --base_url=http://127.0.0.1:8000/v1 --duration_s=600
 
 Each conversation is one session (its id in the ``X-Session-Id`` header and the ``user`` field):
 the user asks a question drawn from the task's *train* split (the held-out test split is never
-sent) in the task's prompt format, checks the answer with the task's reward, and replies "right" or
-"that's wrong" in the same session (a short turn, ``serve.sim_feedback_tokens``); that reply is
-the next state the judge scores the answer from, and it ends the session (``X-Session-Done``: the
-reply turn is the last, never trained). ``serve.sim_users`` conversations run at once.
+sent) in the task's prompt format, checks the answer with the task's reward, and replies in the
+same session (a short turn, ``serve.sim_feedback_tokens``); that reply is the next state the judge
+scores the answer from, and it ends the session (``X-Session-Done``: the reply turn is the last,
+never trained). ``serve.sim_users`` conversations run at once. What the user replies
+(``serve.sim_feedback``):
+  * ``verdict``: "right" or "that's wrong";
+  * ``words``: how to work the problem out, from the example's worked answer ("Ava has 7 apples.
+    3 times as many: 7 * 3 = 21. So the answer is 21."), whether the answer was right or not, and
+    never a word a verdict judge reads as right or wrong: only hindsight OPD can use it (the reply
+    is the hint);
+  * ``both``: "right" when right; when wrong, "that's wrong" and then the way to work it out.
 """
 
 from __future__ import annotations
@@ -25,9 +32,30 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from areal_jax import tasks
+from areal_jax.serve import judge as judge_lib
 
 POSITIVE = ("right", "correct, thanks", "yes, that's right")
 NEGATIVE = ("that's wrong", "no, that's wrong", "incorrect")
+
+
+def teaching_reply(example: dict) -> str:
+  """How to work ``example`` out, in words from its worked answer (one line per step, ending in
+  ``#### N``), with no word a verdict judge reads as right or wrong."""
+  lines = [line.strip() for line in example["answer"].splitlines() if line.strip()]
+  steps = [line for line in lines if not line.startswith("####")]
+  final = [line[4:].strip() for line in lines if line.startswith("####")]
+  text = " ".join(steps) + (f" So the answer is {final[-1]}." if final else "")
+  return judge_lib.without_verdict(text)
+
+
+def reply_for(example: dict, right: bool, feedback: str, rng: random.Random) -> str:
+  """The user's reply to an answer (``serve.sim_feedback``: verdict, words or both)."""
+  if feedback == "words":
+    return teaching_reply(example)
+  verdict = rng.choice(POSITIVE if right else NEGATIVE)
+  if feedback == "both" and not right:
+    return f"{verdict}. {teaching_reply(example)}"
+  return verdict
 
 
 class SimulatedUsers:
@@ -55,15 +83,17 @@ class SimulatedUsers:
     t0 = time.time()
     answer = self.client.chat.completions.create(
         model=model, messages=messages, user=session, extra_headers={"X-Session-Id": session})
+    answer_s = time.time() - t0  # the question's request, sent -> response parsed
     text = answer.choices[0].message.content or ""
     right = self.task.reward(text, example) > 0.5
-    reply = self.rng.choice(POSITIVE if right else NEGATIVE)
+    with self._lock:
+      reply = reply_for(example, right, self.config.serve.sim_feedback, self.rng)
     self.client.chat.completions.create(
         model=model, user=session, extra_headers={"X-Session-Id": session, "X-Session-Done": "true"},
         messages=messages + [{"role": "assistant", "content": text}, {"role": "user", "content": reply}],
         max_tokens=self.config.serve.sim_feedback_tokens)
     out = dict(time_s=time.time(), session=session, example_id=example.get("id"), right=right,
-               latency_s=time.time() - t0, version=getattr(answer, "policy_versions", None))
+               latency_s=time.time() - t0, answer_s=answer_s, version=getattr(answer, "policy_versions", None))
     with self._lock:
       self.results.append(out)
       if self._log is not None:

@@ -1,0 +1,388 @@
+"""Hindsight-guided on-policy distillation (serve.signal = opd | combined): hints from the judge,
+the teacher's logprobs of the original response under the hinted prompt, the learner's per-token
+advantage teacher - student (and the top-k reverse KL), the combined weights, users who teach in
+words, and the session rules (side and last turns never trained) with OPD too.
+
+The model is the learner tests' tiny one; servers are loopback only."""
+
+import json
+import pathlib
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax import config as config_lib
+from areal_jax.learner import Learner, distill
+from areal_jax.rollout_api import Sample
+from areal_jax.serve import judge as judge_lib, simulated_user, teacher as teacher_lib, trainer_loop
+from areal_jax.serve.store import TurnStore
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "learner"))
+from learner_helpers import V, _logsoftmax, actor, mesh, model  # noqa: E402
+
+HINTS = judge_lib.Hints("[HINT]", "[/HINT]", min_chars=12, max_chars=100)
+
+
+# ---- hints -----------------------------------------------------------------------------------
+
+def test_the_longest_useful_hint_of_the_votes_is_kept():
+  votes = ["Bad. [HINT]add first[/HINT]\nScore: -1",  # too short to be useful
+           "[HINT] multiply 7 by 8 first,\n then add 3 [/HINT] Score: -1",
+           "[HINT]multiply 7 by 8 first[/HINT]\nScore: -1", "no hint here\nScore: -1", None]
+  assert HINTS.longest([HINTS.parse(v) for v in votes]) == "multiply 7 by 8 first, then add 3"
+  assert HINTS.parse("[HINT]" + "x" * 300 + "[/HINT]") == "x" * 100  # cut to max_chars
+  assert HINTS.longest([HINTS.parse(v) for v in votes[0::3]]) is None  # none useful: no signal
+
+
+def test_the_rule_judge_takes_a_reply_that_says_more_than_a_verdict_as_the_hint():
+  judge = judge_lib.RuleJudge(HINTS)
+  nxt = lambda text: {"messages": [{"role": "user", "content": text}]}  # noqa: E731
+  assert judge.assess({}, nxt("right")) == (1.0, None)
+  assert judge.assess({}, nxt("no, that's wrong")) == (0.0, None)
+  teach = "Multiply 7 by 8 first, then add 3."
+  assert judge.assess({}, nxt(teach)) == (None, teach)
+  assert judge.assess({}, nxt("that's wrong. " + teach)) == (0.0, "that's wrong. " + teach)
+  assert judge_lib.RuleJudge().assess({}, nxt(teach)) == (None, None)  # no hints asked for
+
+
+def test_users_who_teach_in_words_say_no_verdict_but_the_way():
+  example = {"answer": "Ava starts with 7 apples.\n3 times as many: 7 * 3 = 21.\n#### 21"}
+  words = simulated_user.teaching_reply(example)
+  assert words == "Ava starts with 7 apples. 3 times as many: 7 * 3 = 21. So the answer is 21."
+  assert judge_lib.rule_score(words) is None
+  assert judge_lib.RuleJudge(HINTS).assess({}, {"messages": [
+      {"role": "user", "content": words}]}) == (None, words)
+  # a worked answer with verdict words loses them
+  assert judge_lib.rule_score(simulated_user.teaching_reply(
+      {"answer": "No sharing is right here.\n#### 3"})) is None
+  rng = __import__("random").Random(0)
+  assert simulated_user.reply_for(example, True, "words", rng) == words
+  assert judge_lib.rule_score(simulated_user.reply_for(example, False, "both", rng)) == 0.0
+  assert words in simulated_user.reply_for(example, False, "both", rng)
+  assert simulated_user.reply_for(example, True, "both", rng) in simulated_user.POSITIVE
+  assert simulated_user.reply_for(example, False, "verdict", rng) in simulated_user.NEGATIVE
+
+
+def test_votes_carry_hints_and_a_turn_without_next_state_has_none():
+  replies = ["[HINT]the file is in src/, not lib/[/HINT]\nScore: -1", "Score: -1",
+             "[HINT]look in src/ instead[/HINT]\nScore: +1"]
+  judge = judge_lib.VotesJudge(lambda messages, n: replies[:n], "{question}{answer}{reply}", 3,
+                               HINTS)
+  turn = {"messages": [{"role": "user", "content": "where?"}], "completion_text": "lib/"}
+  nxt = {"messages": turn["messages"] + [{"role": "assistant", "content": "lib/"},
+                                         {"role": "user", "content": "not there"}]}
+  assert judge.assess(turn, nxt) == (-1.0, "the file is in src/, not lib/")
+  assert judge.assess(turn, None)[1] is None
+  assert judge.stats["hints"] == 1
+
+
+# ---- the teacher -----------------------------------------------------------------------------
+
+def _encode(messages):
+  """A byte tokenizer of the conversation (vocabulary of the tiny model), with a turn marker."""
+  text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+  return [b % V for b in text.encode()]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return model()
+
+
+def test_teacher_logprobs_are_a_teacher_forced_forward_of_the_hinted_prompt(tiny):
+  temperature, k = 0.7, 3
+  teacher = teacher_lib.BaseTeacher(tiny, mesh(1), _encode, "{message} Hint: {hint}",
+                                    temperature, topk=k, batch=2, max_len=512)
+  turns = [{"messages": [{"role": "user", "content": "What is 7 * 8 + 3?"}],
+            "completion_tokens": [5, 9, 2, 30, 1]},
+           {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "2 + 2?"},
+                         {"role": "assistant", "content": "5"},
+                         {"role": "user", "content": "And 3 + 3?"}],
+            "completion_tokens": [7] * 20},
+           {"messages": [{"role": "user", "content": "x"}], "completion_tokens": [3, 4, 5]}]
+  hints = ["multiply 7 by 8 first, then add 3", "count on your fingers", "z" * 600]
+  got = teacher.score(list(zip(turns, hints)))
+  assert got[2] is None  # longer than the teacher takes: no OPD signal
+  rows = []
+  for turn, hint in zip(turns[:2], hints):
+    hinted = teacher_lib.hinted_messages(turn["messages"], hint, "{message} Hint: {hint}")
+    assert hinted[-1]["content"].endswith(f" Hint: {hint}") and turn["messages"][-1]["content"] \
+        in hinted[-1]["content"]
+    rows.append((_encode(hinted), turn["completion_tokens"]))
+  # the plain forward of each row, padded at the end (causal: the padding changes nothing before)
+  width = max(len(p) + len(r) for p, r in rows)
+  tokens = jnp.asarray([p + r + [0] * (width - len(p) - len(r)) for p, r in rows], jnp.int32)
+  full = np.asarray(_logsoftmax(nnx.graphdef(tiny), nnx.to_pure_dict(nnx.state(tiny, nnx.Param)),
+                                tokens, temperature))
+  for (prompt, response), res, lp in zip(rows, got, full):
+    ref = lp[len(prompt) - 1:len(prompt) + len(response) - 1]  # the positions scoring the response
+    np.testing.assert_allclose(res["logprobs"], ref[np.arange(len(response)), response],
+                               atol=1e-4)
+    top = np.sort(ref, axis=-1)[:, ::-1][:, :k]
+    np.testing.assert_allclose(res["topk_logprobs"], top, atol=1e-4)
+    np.testing.assert_allclose(np.take_along_axis(ref, np.asarray(res["topk_ids"]), -1), top,
+                               atol=1e-4)
+
+
+def test_prompt_logprobs_of_a_remote_teacher_are_read_by_token_id():
+  entries = [None, {"3": {"logprob": -0.5, "rank": 1}},
+             {"4": {"logprob": -2.0, "rank": 3}, "9": {"logprob": -0.1, "rank": 1},
+              "8": {"logprob": -1.0, "rank": 2}},
+             {"6": {"logprob": -0.2, "rank": 1}, "7": {"logprob": -1.9, "rank": 2}}]
+  reply = {"choices": [{"prompt_logprobs": entries}]}
+  got = teacher_lib.parse_prompt_logprobs(reply, 2, [4, 6], topk=2)
+  assert got == {"logprobs": [-2.0, -0.2], "topk_ids": [[9, 8], [6, 7]],
+                 "topk_logprobs": [[-0.1, -1.0], [-0.2, -1.9]]}
+  with pytest.raises(ValueError, match="prompt_logprobs"):
+    teacher_lib.parse_prompt_logprobs({"choices": [{"text": ""}]}, 2, [4, 6], 0)
+  with pytest.raises(ValueError, match="lack response token 1"):
+    teacher_lib.parse_prompt_logprobs(reply, 2, [4, 5], 0)
+
+
+def test_a_remote_teacher_is_asked_for_the_hinted_prompt_and_the_response():
+  seen = []
+
+  class Handler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802
+      body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+      seen.append((self.path, body))
+      entries = [None] + [{str(t): {"logprob": -float(i), "rank": 1}}
+                          for i, t in enumerate(body["prompt"][1:], start=1)]
+      out = json.dumps({"choices": [{"text": "", "prompt_logprobs": entries}]}).encode()
+      self.send_response(200)
+      self.send_header("Content-Length", str(len(out)))
+      self.end_headers()
+      self.wfile.write(out)
+
+    def log_message(self, *_):
+      pass
+
+  server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    teacher = teacher_lib.RemoteTeacher(url, "base", _encode, "{message} ({hint})")
+    turn = {"messages": [{"role": "user", "content": "hi"}], "completion_tokens": [1, 2]}
+    got = teacher.score([(turn, "say hello back")])
+  finally:
+    server.shutdown()
+    server.server_close()
+  prompt = _encode([{"role": "user", "content": "hi (say hello back)"}])
+  assert seen[0][0] == "/v1/completions"
+  assert seen[0][1]["prompt"] == prompt + [1, 2] and seen[0][1]["model"] == "base"
+  assert got == [{"logprobs": [-float(len(prompt)), -float(len(prompt) + 1)]}]
+
+
+# ---- the learner's per-token advantage -------------------------------------------------------
+
+def test_the_opd_advantage_is_teacher_minus_student_on_trained_tokens_only():
+  adv = jnp.asarray([[0.5, 0.5, 0.5, 0.0]])
+  teacher, student = jnp.asarray([[-1.0, -2.0, -0.5, 9.0]]), jnp.asarray([[-1.5, -1.0, -0.5, 3.0]])
+  w, mask = jnp.asarray([[2.0, 2.0, 2.0, 2.0]]), jnp.asarray([[1.0, 1.0, 0.0, 0.0]])
+  got = distill.token_advantage(adv, teacher, student, w, mask)
+  np.testing.assert_array_equal(got, [[0.5 + 2 * 0.5, 0.5 + 2 * -1.0, 0.0, 0.0]])
+
+
+def test_the_topk_reverse_kl_is_over_k_plus_one_bins():
+  t = np.log(np.asarray([[[0.5, 0.2]]], np.float32))  # the rest: 0.3
+  s = np.log(np.asarray([[[0.3, 0.3]]], np.float32))  # the rest: 0.4
+  ps, pt = np.asarray([0.3, 0.3, 0.4]), np.asarray([0.5, 0.2, 0.3])
+  np.testing.assert_allclose(distill.topk_reverse_kl(s, t), [[np.sum(ps * np.log(ps / pt))]],
+                             rtol=1e-5)
+  np.testing.assert_allclose(distill.topk_reverse_kl(t, t), [[0.0]], atol=1e-6)
+
+
+def _samples(rng, n=3):
+  out = []
+  for g in range(n):
+    toks = rng.integers(0, V, 6).tolist()
+    out.append([Sample(g, 0, rng.integers(0, V, 4).tolist(), toks, [-3.0] * 6, [0] * 6, "eos",
+                       loss_mask=[1, 1, 0, 1, 1, 0] if g == 1 else None)])
+  return out
+
+
+def _student_logps(learner, groups):
+  from learner_helpers import token_logps  # noqa: PLC0415
+
+  return token_logps(learner, [g[0] for g in groups])
+
+
+OPTS = actor(adv_norm="none", kl_coef=0.0, ppo_n_minibatches=1)
+
+
+@pytest.fixture(scope="module")
+def opd_learner():
+  return Learner(model(), OPTS, mesh(1), temperature=0.9, distill_topk=0)
+
+
+def test_the_learner_trains_teacher_minus_its_own_logprobs(opd_learner):
+  """Teacher = student + 1 on every trained token is an advantage of exactly 1 there: the same
+  gradient as a reward of 1 and no teacher; teacher = student is no signal at all; whatever the
+  teacher says on masked tokens changes nothing."""
+  learner, groups = opd_learner, _samples(np.random.default_rng(0))
+  student = _student_logps(learner, groups)
+  zeros = [[0.0]] * len(groups)
+  plus_one = [[distill.TokenTeacher([x + 1.0 if g[0].loss_mask is None or m else 100.0
+                                     for x, m in zip(s, g[0].loss_mask or [1] * 6)], 1.0)]
+              for g, s in zip(groups, student)]
+  got, _ = learner.gradients(groups, zeros, teachers=plus_one)
+  want, _ = learner.gradients(groups, [[1.0]] * len(groups), teachers=[[None]] * len(groups))
+  leaves = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+  np.testing.assert_allclose(leaves(got), leaves(want), rtol=2e-3, atol=1e-6)
+  same = [[distill.TokenTeacher(s, 1.0)] for s in student]
+  none, _ = learner.gradients(groups, zeros, teachers=same)
+  assert np.max(np.abs(leaves(none))) < 1e-3 * np.max(np.abs(leaves(want)))
+
+
+def test_the_topk_term_trains_towards_the_teacher():
+  """Top-k: the student's own top k as the teacher is a KL of 0 (no gradient); another teacher
+  gives a gradient."""
+  learner = Learner(model(), OPTS, mesh(1), temperature=0.9, distill_topk=2)
+  groups = _samples(np.random.default_rng(1), n=2)
+  rows = [list(g[0].prompt_tokens) + list(g[0].tokens) for g in groups]  # all of one length
+  lp = np.asarray(_logsoftmax(learner.graphdef, learner.merged_params(),
+                              jnp.asarray(rows, jnp.int32), 0.9))
+  full = [x[len(g[0].prompt_tokens) - 1:-1] for x, g in zip(lp, groups)]
+  own = [[distill.TokenTeacher([0.0] * 6, 1.0, np.argsort(-lp, -1)[:, :2].tolist(),
+                               np.sort(lp, -1)[:, ::-1][:, :2].tolist())] for lp in full]
+  zeros = [[0.0]] * len(groups)
+  leaves = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+  g0, _ = learner.gradients(groups, zeros, teachers=own)
+  other = [[distill.TokenTeacher([0.0] * 6, 1.0, [[1, 2]] * 6, [[-0.1, -3.0]] * 6)]
+           for _ in groups]
+  g1, m1 = learner.gradients(groups, zeros, teachers=other)
+  assert np.max(np.abs(leaves(g0))) < 1e-4 < np.max(np.abs(leaves(g1)))
+  assert m1["loss"] > 0
+
+
+# ---- the trainer loop: combined weights, and what reaches a batch ------------------------------
+
+class _Learner:
+
+  def __init__(self):
+    self.version, self.steps = 0, []
+
+  def train_step(self, groups, rewards, teachers=None):
+    self.steps.append(([g[0].group_id for g in groups], [r[0] for r in rewards], teachers))
+    self.version += 1
+    return {"loss": 0.0}
+
+  def params(self):
+    return {}
+
+
+class _Sink:
+
+  def update_params(self, *_):
+    pass
+
+  def send(self, params, _):
+    return params
+
+  def save(self, *_):
+    pass
+
+
+class _Teacher:
+  """The teacher's logprob of each response token: -1, -2, ... (no forward)."""
+
+  def __init__(self):
+    self.asked = []
+
+  def score(self, items):
+    self.asked += [(turn["id"], hint) for turn, hint in items]
+    return [{"logprobs": [-float(i + 1) for i in range(len(turn["completion_tokens"]))]}
+            for turn, _ in items]
+
+
+def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2):
+  c = config_lib.load("configs/serve_arithmetic.py:tiny")
+  c.unlock()
+  c.actor.batch_size, c.serve.max_staleness, c.train.checkpoint_every = batch, 100, 1000
+  c.rollout.temperature = 1.0
+  c.serve.signal, c.serve.signal_w_rl, c.serve.signal_w_opd = signal, w_rl, w_opd
+  store = TurnStore(str(tmp_path / "t.sqlite"))
+  teacher = _Teacher()
+  judge = judge_lib.JudgeLoop(store, judge_lib.RuleJudge(HINTS), signal=signal, teacher=teacher)
+  sink = _Sink()
+  trainer = trainer_loop.TrainerLoop(c, str(tmp_path), store, _Learner(), sink, sink, sink)
+  return store, judge, trainer, teacher
+
+
+Q = [{"role": "user", "content": "What is 7 * 8 + 3?"}]
+TEACH = "Multiply 7 by 8 first, then add 3."
+
+
+def _turn(store, session, answer, messages, turn_type="main", done=False):
+  row = dict(request_id=f"{session}-{len(store.session(session))}", messages=messages,
+             prompt_tokens=[1, 2], completion_tokens=[3, 4, 5], logprobs=[-1.0] * 3,
+             versions=[0] * 3, completion_text=answer, finish_reason="eos", temperature=1.0,
+             created_s=1000.0)
+  return store.add_turns(session, [row], None, turn_type, done)[0][0]
+
+
+def _conversation(store, session, reply, side=False):
+  """The answer turn, maybe a side turn, then the user's reply as the session's last turn."""
+  first = _turn(store, session, "62", Q)
+  if side:
+    _turn(store, session, "a summary", [{"role": "user", "content": "summarise: " + TEACH}],
+          "side")
+  last = _turn(store, session, "ok", Q + [{"role": "assistant", "content": "62"},
+                                          {"role": "user", "content": reply}], done=True)
+  return first, last
+
+
+def test_opd_trains_only_hinted_main_turns_never_side_or_last_ones(tmp_path):
+  store, judge, trainer, teacher = _loops(tmp_path, "opd", w_opd=0.5)
+  a, a_last = _conversation(store, "a", TEACH, side=True)
+  b, b_last = _conversation(store, "b", "that's wrong")  # a verdict, no hint: no OPD signal
+  c, c_last = _conversation(store, "c", "that's wrong. " + TEACH, side=True)
+  only = _turn(store, "d", "62", Q, done=True)  # a session's only turn: no next state, no hint
+  judge.run_once(now=2000.0)
+  while trainer.step():
+    pass
+  assert [t for t, _ in teacher.asked] == [a, c]
+  trained = {i for ids, _, _ in trainer.learner.steps for i in ids}
+  assert trained == {a, c}
+  assert not trained & {a_last, b_last, c_last, only, b}
+  (ids, rewards, teachers), = trainer.learner.steps
+  assert rewards == [0.0, 0.0]  # opd: no scalar term
+  assert [t[0].logprobs for t in teachers] == [[-1.0, -2.0, -3.0]] * 2
+  assert {t[0].weight for t in teachers} == {0.5}
+  assert json.loads(json.dumps(store.get(a)["teacher"])) == {"logprobs": [-1.0, -2.0, -3.0]}
+  assert store.get(a)["hint"] == TEACH and store.get(b)["judge_status"] == "unjudgeable"
+  assert {r["train_status"] for r in store.session("a") if r["turn_type"] == "side"} == {"side"}
+
+
+def test_combined_weights_the_score_and_the_teacher(tmp_path):
+  store, judge, trainer, _ = _loops(tmp_path, "combined", w_rl=0.5, w_opd=2.0, batch=3)
+  hinted, _ = _conversation(store, "a", TEACH)  # no verdict: the teacher's term only
+  scored, _ = _conversation(store, "b", "right")  # no hint: the score's term only
+  both, _ = _conversation(store, "c", "that's wrong. " + TEACH)
+  judge.run_once(now=2000.0)
+  assert trainer.step()
+  (ids, rewards, teachers), = trainer.learner.steps
+  by_id = dict(zip(ids, zip(rewards, [t[0] for t in teachers])))
+  assert sorted(by_id) == sorted([hinted, scored, both])
+  # the running baseline starts at the mean score of the scored turns, (1 + 0) / 2
+  assert by_id[hinted][0] == 0.0 and by_id[hinted][1].weight == 2.0
+  assert by_id[scored][0] == pytest.approx(0.5 * (1.0 - 0.5)) and by_id[scored][1] is None
+  assert by_id[both][0] == pytest.approx(0.5 * (0.0 - 0.5)) and by_id[both][1].weight == 2.0
+
+
+def test_binary_ignores_hints_and_calls_the_learner_as_before(tmp_path):
+  store, judge, trainer, teacher = _loops(tmp_path, "binary", w_rl=2.0, batch=1)
+  judge = judge_lib.JudgeLoop(store, judge_lib.RuleJudge())
+  _conversation(store, "a", TEACH)  # no verdict: not trained
+  first, _ = _conversation(store, "b", "right")
+  judge.run_once(now=2000.0)
+  assert trainer.step() and not teacher.asked
+  (ids, rewards, teachers), = trainer.learner.steps
+  assert ids == [first] and teachers is None and rewards == [0.0]  # 2 * (1 - baseline 1)
