@@ -32,10 +32,11 @@ import numpy as np
 from areal_jax.sampler import row_programs
 
 # Positions per chunk by platform (rollout.prefill_chunk = -1). GPU and TPU: the longest piece the
-# continuation's extend runs (continuation.MAX_PIECE, where compiled at the Qwen2.5-1.5B shape
-# a 256-token piece over a long row held less than that row's prefill); CPU: see
-# bench/results/long-prefill-2026-12-05-*.
-DEFAULT = {"cpu": 512, "gpu": 256, "tpu": 256}
+# continuation's extend runs (continuation.MAX_PIECE: compiled at the Qwen2.5-1.5B shape, a
+# 256-token piece over a long row held less than that row's prefill); CPU: of 256, 512 and 1024,
+# the one whose running sequences waited least (and whose 16k-token prompt was done soonest) in
+# bench/results/long-prefill-2026-12-05-e151d9f.
+DEFAULT = {"cpu": 256, "gpu": 256, "tpu": 256}
 
 
 def chunk_size(requested: int, platform: str) -> int:
