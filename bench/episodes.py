@@ -25,7 +25,8 @@ on CPU included).
 
 JSON keys (stable): ``tokens_per_s[L][n]``, ``busy_frac[L][n]``, ``episodes_for_90pct[L]`` (the
 fewest ``n`` measured whose tokens/s reach 90% of the best tokens/s at ``L = 0``; None if none
-does or ``L = 0`` was not run), ``host_rss_kib_per_episode[L][n]``,
+does or ``L = 0`` was not run), ``slot_use[L][n]`` (busy fraction x slot fill) and
+``episodes_for_90pct_slot_use[L]`` (the same with it), ``host_rss_kib_per_episode[L][n]``,
 ``episode_cpu_ms_per_s_per_episode[L][n]``, ``points`` (every figure of every point), ``machine``
 and ``settings``. ``L`` keys are written as ``"%g"`` (``"0.1"``; ``"1t"`` for the long tail),
 ``n`` as decimal strings.
@@ -288,18 +289,29 @@ def build_engine(args) -> Tracked:
   return tracked
 
 
+def fewest_for_90pct(by_latency: dict) -> tuple[dict, float | None]:
+  """Per ``L``, the fewest ``n`` whose figure reaches 90% of the best at ``L = 0``; and that best."""
+  ref = max(by_latency.get("0", {}).values(), default=None)
+  out = {}
+  for lat, by_n in by_latency.items():
+    reach = [int(n) for n, v in by_n.items() if ref is not None and v >= 0.9 * ref]
+    out[lat] = min(reach) if reach else None
+  return out, ref
+
+
 def summary(points: list[dict]) -> dict:
-  out: dict = {k: {} for k in ("tokens_per_s", "busy_frac", "host_rss_kib_per_episode",
-                               "episode_cpu_ms_per_s_per_episode")}
+  """The keyed figures of ``points``. ``slot_use``: busy fraction x slot fill, the share of the
+  sampler's slot-time that holds a sequence; ``episodes_for_90pct_slot_use``: as
+  ``episodes_for_90pct`` with it in place of tokens/s (machine load on a shared machine moves
+  tokens/s from point to point, not how full the sampler is kept)."""
+  out: dict = {k: {} for k in ("tokens_per_s", "busy_frac", "slot_use",
+                               "host_rss_kib_per_episode", "episode_cpu_ms_per_s_per_episode")}
   for p in points:
+    p = dict(p, slot_use=(p["busy_frac"] or 0.0) * p["slot_fill"])
     for k in out:
       out[k].setdefault(p["L"], {})[str(p["n"])] = p[k]
-  ref = max(out["tokens_per_s"].get("0", {}).values(), default=None)
-  out["episodes_for_90pct"] = {}
-  for lat, by_n in out["tokens_per_s"].items():
-    reach = [int(n) for n, v in by_n.items() if ref is not None and v >= 0.9 * ref]
-    out["episodes_for_90pct"][lat] = min(reach) if reach else None
-  out["reference_tokens_per_s"] = ref
+  out["episodes_for_90pct"], out["reference_tokens_per_s"] = fewest_for_90pct(out["tokens_per_s"])
+  out["episodes_for_90pct_slot_use"], out["reference_slot_use"] = fewest_for_90pct(out["slot_use"])
   return out
 
 
@@ -363,7 +375,8 @@ def main(argv=None):
       model=args.model, turns=args.turns, tokens=args.tokens, inserted=args.inserted,
       slots=args.slots, seconds=args.seconds, warmup=args.warmup, prompt_len=PROMPT_LEN,
       eta=ETA, jax=jax.__version__))
-  print("episodes_for_90pct:", result["episodes_for_90pct"])
+  print("episodes_for_90pct:", result["episodes_for_90pct"], " by slot use:",
+        result["episodes_for_90pct_slot_use"])
   finish(result, args.json, t_start)
 
 
