@@ -3,21 +3,19 @@ continues; the sandbox's refusal stops it at start."""
 
 import itertools
 import pathlib
-import queue
 import sys
-import threading
 
 import pytest
 
 from areal_jax import config as config_lib
 from areal_jax import tasks, workflows
 from areal_jax.envs.python_sandbox import Limits, Sandbox, SandboxUnavailable
-from areal_jax.rollout_api import RolloutEngine, Sample, SamplingParams
-from areal_jax.runtime.controller import RolloutController
-from areal_jax.runtime.staleness import StalenessController
+from areal_jax.rollout_api import Sample, SamplingParams
 from areal_jax.workflows import Context, PythonTool
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "runtime"))
+from controller_fakes import FakeEngine, controller  # noqa: E402
 from workflow_helpers import EOS, TOK, ScriptedClient  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -104,22 +102,12 @@ PROGRAMS = ("print(6 * 7)", "import time\ntime.sleep(600)", "print('x' * 10_000_
             "print(undefined)", "import os\nos.kill(os.getppid(), 9)")
 
 
-class ProgramEngine(RolloutEngine):
+class ProgramEngine(FakeEngine):
   """First turns write the next of ``PROGRAMS``; a turn that has seen an output answers RIGHT."""
 
   def __init__(self):
-    self._out, self._programs, self._lock = queue.Queue(), itertools.cycle(PROGRAMS), threading.Lock()
-
-  def start(self): pass
-  def stop(self): pass
-  def pause(self): pass
-  def resume(self): pass
-  def abort(self, group_id): pass
-  def update_params(self, params, version): pass
-
-  @property
-  def version(self):
-    return 0
+    super().__init__()
+    self._programs = itertools.cycle(PROGRAMS)
 
   def submit(self, request):
     if "```output" in TOK.decode(request.prompt_tokens):
@@ -131,23 +119,6 @@ class ProgramEngine(RolloutEngine):
       self._out.put(Sample(request.group_id, i, request.prompt_tokens, toks, [-0.5] * len(toks),
                            [0] * len(toks), "eos", metadata=dict(request.metadata)))
 
-  def poll(self, timeout=0.0):
-    out = []
-    try:
-      out.append(self._out.get(timeout=timeout or 1e-3))
-      while True:
-        out.append(self._out.get_nowait())
-    except queue.Empty:
-      pass
-    return out
-
-
-class Rewards:
-  workers = 1
-
-  def score(self, texts, example):
-    return [1.0 if "RIGHT" in t else 0.0 for t in texts], 0
-
 
 def test_hostile_programs_end_their_call_and_the_run_goes_on():
   """Through the rollout controller: programs that hang, flood, fail or signal their parent each
@@ -155,12 +126,7 @@ def test_hostile_programs_end_their_call_and_the_run_goes_on():
   box = Sandbox(Limits(wall_s=1.0, max_output_bytes=256))
   if not box.isolated:
     pytest.skip(f"no namespaces on this machine: {box.unavailable}")
-  task = tasks.get_task({"name": "arithmetic", "num_train": 16, "num_test": 4})
-  staleness = StalenessController(2, 1, 2)
-  ctrl = RolloutController(ProgramEngine(), task, TOK, staleness, iter(task.examples("train")),
-                           Rewards(), n_samples=5, params=SamplingParams(max_new_tokens=64),
-                           max_prompt_len=2048, filter_uniform_groups=False, seed=0,
-                           workflow=PythonTool(2, box))
+  ctrl, staleness, _ = controller(ProgramEngine(), PythonTool(2, box), n=5)
   ctrl.start()
   try:
     batch = staleness.take_batch(0, timeout=120)
