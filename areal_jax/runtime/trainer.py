@@ -64,6 +64,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
   host_cpu = all(d.platform == "cpu" for d in learner_mesh.devices.flat)
   if host_cpu:
     host_memory.limit_arenas()
+    host_memory.map_large_buffers()
     host_memory.release_after_compiles()
 
   # The task's data first: a missing or malformed train (or eval) file is named before the model
@@ -116,7 +117,8 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
       params=params, max_prompt_len=c_roll.max_prompt_len,
       filter_uniform_groups=c_roll.filter_uniform_groups, seed=config.seed,
       next_group_id=meta.get("next_group_id", 0), pending=meta.get("pending"),
-      workflow=workflows.get(c_roll.workflow, config))
+      workflow=workflows.get(c_roll.workflow, config),
+      max_concurrent_episodes=c_roll.max_concurrent_episodes)
   engine.update_params(transfer.send(learner.params(), version), version)
   writer = MetricsWriter(workdir, c_train.total_steps, resume_step=version)
   totals = meta.get("totals", dict(groups_accepted=0, groups_rejected=0, wall_time_s=0.0))
@@ -198,6 +200,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
           sampler_compiles=sampler_compiles.get("compiles"),
           sampler_compile_s=sampler_compiles.get("compile_s"),
           prompts_too_long=stats["prompts_too_long"],
+          **controller.step_metrics(),
           **{f"learner/{k}": v for k, v in metrics.items()})
       if c_train.eval_every and (step + 1) % c_train.eval_every == 0:
         row.update(evaluate(controller, task, c_train))
