@@ -42,7 +42,7 @@ def test_a_long_prompt_in_chunks_between_decode_calls_samples_what_one_prefill_s
   rng = np.random.default_rng(4)
   long_a, long_b = ([int(t) for t in rng.integers(1, 128, n)] for n in (91, 70))
   sampled = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
-  requests = [GroupRequest(0, [1, 2, 3], 1, SamplingParams(greedy=True, max_new_tokens=60)),
+  requests = [GroupRequest(0, [1, 2, 3], 1, SamplingParams(greedy=True, max_new_tokens=30)),
               GroupRequest(1, long_a, 2, SamplingParams(greedy=True, max_new_tokens=6)),
               GroupRequest(2, long_b, 1, sampled), GroupRequest(3, long_b, 1, sampled)]
   runs = {}
@@ -100,6 +100,7 @@ def test_a_long_sequence_reprefilled_after_a_swap_in_chunks_carries_the_new_weig
                                atol=1e-4)
 
 
+@pytest.mark.slow
 def test_warmup_compiles_the_chunks_and_an_aborted_long_group_is_never_prefilled(model):
   """The warm-up compiles a chunk's programs for each prefill bucket longer than a chunk (a long
   prompt then compiles nothing); a long group aborted while it waits runs no chunk."""
