@@ -124,3 +124,23 @@ def test_warmup_compiles_the_chunks_and_an_aborted_long_group_is_never_prefilled
   assert samples[0].finish_reason == "abort" and samples[1].finish_reason == "length"
   assert engine.stats["prefill_chunks"] == 3 and engine._chunks.positions() == 0
   assert compiled == [], f"{len(compiled)} programs compiled after the warm-up"
+
+
+def test_a_chunk_holds_no_more_than_the_planned_prefill(model):
+  """A chunk of the platform's default size over the longest row (the CPU's dense prefill of a
+  1023-position bucket is what the sampler's memory plan counts) holds less: its temporaries and
+  the row it returns."""
+  import jax
+
+  from areal_jax.sampler import memory, row_programs
+  from areal_jax.sampler.engine import DecodeEngine, EngineConfig
+
+  engine = DecodeEngine(model, EngineConfig(num_slots=2, max_len=1024, prefill_buckets=(256,),
+                                            max_prefill_batch=1))
+  planned = memory.plan(engine, None).prefill
+  chunk, length = chunked_prefill.chunk_size(-1, engine.platform), engine.prefill_buckets[-1]
+  row = jax.eval_shape(row_programs.empty(engine, length))
+  held = row_programs.extend(engine, length).lower(
+      engine.params, row, jax.ShapeDtypeStruct((1, chunk), "int32"),
+      jax.ShapeDtypeStruct((1,), "int32")).compile().memory_analysis()
+  assert 0 < held.temp_size_in_bytes + held.output_size_in_bytes < planned
