@@ -98,7 +98,11 @@ from common import (QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware,
 # (name, preset, shape, GiB per device the recipe is written for; 80 GB GPUs report 60: JAX's
 # allocator takes 75% of a GPU by default, XLA_PYTHON_CLIENT_MEM_FRACTION)
 RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, 60.0),
-           ("qwen3-1.7b", "qwen3", QWEN3_1P7B, 16.0), ("qwen3-1.7b", "qwen3_lora", QWEN3_1P7B, 16.0))
+           ("qwen3-1.7b", "qwen3", QWEN3_1P7B, 16.0), ("qwen3-1.7b", "qwen3_lora", QWEN3_1P7B, 16.0),
+           # thinking at 32k, each with --only and its --target (a v5p chip: 95 GB = 88.5 GiB)
+           ("qwen3-1.7b", "qwen3_32k_v5e", QWEN3_1P7B, 16.0),
+           ("qwen3-1.7b", "qwen3_32k_v5p", QWEN3_1P7B, 88.0),
+           ("qwen3-1.7b", "qwen3_32k_h100", QWEN3_1P7B, 60.0))
 
 def gsm8k_lengths(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
   prompt = rng.integers(60, 200, n)

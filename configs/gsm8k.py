@@ -52,6 +52,17 @@ Presets:
            bench/results/plan-flash-2026-11-29-df89801) and the sampler keeps 4 slots a chip (a group;
            1.8 GiB of KV cache each), 14.14 of 14.40 GiB with its weight swaps paused
            (rollout.weight_swap "auto"; bench/results/plan-swap-2026-11-29-fa2fcd9). Not run.
+  :qwen3_32k_v5e, :qwen3_32k_v5p, :qwen3_32k_h100  Qwen3-1.7B with thinking at 32k
+           (task.enable_thinking=True, rollout.max_new_tokens=32768: rows of 33,280 positions), the
+           learner's layers unrolled and each row's positions split over its mesh.learner.context
+           axis (docs/guides/performance.md, "Long sequences"), one preset per target:
+             :qwen3_32k_v5e   a TPU v5e-16: 8 + 8 chips, learner fsdp 2 x context 4
+             :qwen3_32k_v5p   a TPU v5p-8 (4 chips): 2 + 2, learner context 2
+             :qwen3_32k_h100  8 x H100 (80 GB): 4 + 4, learner fsdp 2 x context 2
+             python launch.py --config=configs/gsm8k.py:qwen3_32k_h100 --workdir=$HOME/runs/q3_32k \
+                 --config.model.source=$HOME/models/Qwen3-1.7B
+           Memory plans (bench/learner.py --plan --only qwen3_32k_<target> --target v5e:4x4 |
+           v5p:2x2x1 | h100 --devices 8): not yet compiled.
   :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
              and MLP projection, thinking off as in :qwen3.
@@ -81,6 +92,11 @@ Presets:
 
 from areal_jax.config import base_config, lock
 from areal_jax.envs import python_env
+
+
+# :qwen3_32k_<target>: (learner devices, sampler devices, mesh.learner.context, rollout.num_slots)
+QWEN3_32K = {"qwen3_32k_v5e": (8, 8, 4, 64), "qwen3_32k_v5p": (2, 2, 2, 64),
+             "qwen3_32k_h100": (4, 4, 2, 64)}
 
 
 def get_config(preset: str = "default"):
@@ -185,6 +201,16 @@ def get_config(preset: str = "default"):
     c.model.source = "Qwen3-1.7B"
     c.task.enable_thinking = False
     c.train.eval_temperature = 0.7  # Qwen3's suggested non-thinking sampling temperature
+  elif preset in QWEN3_32K:  # thinking at 32k: rows split over the learner's context axis
+    c.model.source = "Qwen3-1.7B"
+    c.task.enable_thinking = True
+    c.train.eval_temperature = 0.6  # Qwen3's suggested thinking sampling temperature
+    c.rollout.max_new_tokens = 32768
+    c.actor.scan_layers = False  # (the scan keeps a stacked copy of the weights: see :qwen3 at 16k)
+    learner, sampler, context, slots = QWEN3_32K[preset]
+    c.mesh.learner_devices, c.mesh.sampler_devices = learner, sampler
+    c.mesh.learner.update(data=1, fsdp=-1, tensor=1, context=context)
+    c.rollout.num_slots = slots
   elif preset == "qwen3_lora":
     c.model.source = "Qwen3-1.7B"
     c.task.enable_thinking = False
@@ -223,5 +249,6 @@ def get_config(preset: str = "default"):
     c.rollout.prefill_buckets = (256, 512, 1024, 2048)
   elif preset != "default":
     raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py: default, tiny, smollm, "
-                     "qwen7b, qwen3, qwen3_lora, python_tool")
+                     "qwen7b, qwen3, qwen3_32k_v5e, qwen3_32k_v5p, qwen3_32k_h100, qwen3_lora, "
+                     "python_tool")
   return lock(c)
