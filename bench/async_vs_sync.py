@@ -3,6 +3,7 @@ r"""Asynchronous vs synchronous RL: the same run at several staleness bounds, si
   python bench/async_vs_sync.py --json /tmp/async.json            # eta in {0, 1, 2, 4, 8}
   python bench/async_vs_sync.py --quick                           # a few minutes
   python bench/async_vs_sync.py --mode=ray --json /tmp/async_ray.json   # + /tmp/async_ray.png
+  python bench/async_vs_sync.py --lengths=reasoning --quick --json /tmp/async_reasoning.json
 
 ``--mode=local`` (default): one process, learner and sampler on one fake device each but the same
 cores. ``--mode=ray``: the learner (this process) pinned to core 0 and one rollout worker process
@@ -16,11 +17,17 @@ are long-tailed, as with reasoning models: each sample's length is drawn from a 
 distribution (median ``--median`` 96, ``--sigma`` 1, capped at ``--cap`` 512; seeded by group and
 sample, so every eta generates the same lengths) and the sample runs to it (``ignore_eos``: a
 random model's EOS would otherwise cut the tail off), so a synchronous batch waits for its longest
-sequence while an asynchronous sampler keeps its slots busy. Reported per eta: wall time per step,
+sequence while an asynchronous sampler keeps its slots busy. ``--lengths=reasoning`` draws them as a
+reasoning model's thinking runs: median 4096, sigma 1, capped at 32768 tokens, all three divided by
+``--length-scale`` (default 32: median 128, cap 1024, the same shape of tail at what a CPU runs).
+Reported per eta: wall time per step,
 effective trained tokens/s, learner wait and sampler idle fractions, final reward, reward per
 trained sample, the final policy's reward, and the throughput ratio against eta = 0 (JSON:
 top-level ``speedup``, ``final_reward``, ``reward_per_sample``, ``final_policy_reward``,
-``staleness_max``, ``gen_busy_frac`` and ``learner_busy_frac``, keyed by eta as a string).
+``staleness_max``, ``gen_busy_frac``, ``learner_busy_frac`` and ``overlap_efficiency``, keyed by
+eta as a string). ``overlap_efficiency``: the busier side's busy share of the wall time
+(``learner_busy_frac``, or the sampler's ``1 - sampler_idle_frac``), against an ideal of 1, where
+the slower side never waits for the other and the step takes its time alone.
 ``final_reward`` and ``reward_per_sample`` are rewards of the batches trained on (the last quarter
 of the steps, every step), which an asynchronous run generated up to eta versions earlier;
 ``final_policy_reward`` asks the final parameters themselves, after the same number of trained
@@ -44,9 +51,11 @@ steps all overhead, unlike a real model. ``gen_frac_sync`` (the learner's wait s
 synchronous step) says which regime a run measured: with perfect overlap an asynchronous step
 takes max(generation, training) where a synchronous one takes their sum plus the wait for the
 longest sample, so the speedup is at most 1 + gen_frac_sync / (1 - gen_frac_sync) when the learner
-is the slower side. XLA compilation that lands in a timed step (the learner compiles one variant
-per micro-batch shape it meets) is measured and taken out of the step's wall time, so the figures
-are steady-state ones; ``raw_trained_tokens_per_s`` keeps it in.
+is the slower side and generation's own time is what the synchronous step waited (its stall on
+the longest sample makes that wait longer, so long tails speed up beyond it). XLA compilation
+that lands in a timed step (the learner compiles one variant per micro-batch shape it meets) is
+measured and taken out of the step's wall time, so the figures are steady-state ones;
+``raw_trained_tokens_per_s`` keeps it in.
 """
 
 from __future__ import annotations
@@ -73,6 +82,10 @@ from areal_jax import config as config_lib  # noqa: E402
 from areal_jax.rollout_api import GroupRequest, RolloutEngine  # noqa: E402
 from areal_jax.runtime import metrics as metrics_lib  # noqa: E402
 from areal_jax.runtime import trainer  # noqa: E402
+
+
+# A reasoning model's generation lengths at full scale (tokens): log-normal, capped
+REASONING = dict(median=4096, sigma=1.0, cap=32768)
 
 
 class LongTailEngine(RolloutEngine):
@@ -231,6 +244,11 @@ def main():
   p.add_argument("--median", type=int, default=96)
   p.add_argument("--sigma", type=float, default=1.0)
   p.add_argument("--cap", type=int, default=512)
+  p.add_argument("--lengths", default="custom", choices=("custom", "reasoning"),
+                 help="custom: --median/--sigma/--cap; reasoning: median 4096, sigma 1, cap 32768, "
+                      "divided by --length-scale")
+  p.add_argument("--length-scale", type=int, default=32,
+                 help="with --lengths=reasoning: the factor the lengths are divided by")
   p.add_argument("--model", default="small", choices=("small", "tiny"),
                  help="model.source: small (default: a random 4M-parameter Llama whose compute "
                       "splits like a real model's) or tiny (the 100k-parameter test model, "
@@ -254,6 +272,9 @@ def main():
   args = p.parse_args()
   if args.quick:
     args.etas, args.steps, args.warmup = "0,4", 8, 2
+  if args.lengths == "reasoning":
+    args.median, args.sigma, args.cap = (REASONING["median"] // args.length_scale,
+                                         REASONING["sigma"], REASONING["cap"] // args.length_scale)
   etas = [int(e) for e in args.etas.split(",")]
   ray_tmp = None
   if args.mode == "ray":  # one local cluster for every eta (the runs join it)
@@ -295,8 +316,13 @@ def main():
   gen_frac = sync["learner_wait_frac"] if sync else None
   if sync:
     print(f"synchronous steps spent {gen_frac:.0%} of their time waiting for generation")
+  for r in rows:
+    r["overlap_efficiency"] = max(r["learner_busy_frac"], 1 - r["sampler_idle_frac"])
+  print("overlap efficiency (the busier side's busy share; ideal 1): " +
+        ", ".join(f"eta {r['eta']} {r['overlap_efficiency']:.2f}" for r in rows))
   out = dict(machine=machine, args=vars(args), rows=rows, gen_frac_sync=gen_frac,
              speedup={str(r["eta"]): r["speedup"] for r in rows},
+             overlap_efficiency={str(r["eta"]): r["overlap_efficiency"] for r in rows},
              final_reward={str(r["eta"]): r["final_reward"] for r in rows},
              reward_per_sample={str(r["eta"]): r["reward_per_sample"] for r in rows},
              final_policy_reward={str(r["eta"]): r.get("final_policy_reward") for r in rows},
