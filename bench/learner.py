@@ -361,6 +361,8 @@ def plan_recipes(target: str = "", count: int = 1, only: tuple[str, ...] = (),
     except memory.DoesNotFit as e:  # report the smallest micro-batch's plan and that it does not fit
       print(f"{preset}: {e}")
       p, fits = e.smallest, False
+    print(f"{preset}: learner memory plan {p.peak_gib:.2f} GiB per device at its peak for "
+          f"{p.micro_rows} x {p.row_len} tokens, budget {budget / memory.GIB:.2f} GiB", flush=True)
     row = dict(recipe=f"configs/gsm8k.py:{preset}", model=name, devices=dict(mesh.shape),
                target=target or "this process's devices",
                device_kind=mesh.devices.flat[0].device_kind,

@@ -95,8 +95,8 @@ from areal_jax.envs import python_env
 
 
 # :qwen3_32k_<target>: (learner devices, sampler devices, mesh.learner.context, rollout.num_slots)
-QWEN3_32K = {"qwen3_32k_v5e": (8, 8, 4, 64), "qwen3_32k_v5p": (2, 2, 2, 64),
-             "qwen3_32k_h100": (4, 4, 2, 64)}
+QWEN3_32K = {"qwen3_32k_v5e": (8, 8, 4, 32), "qwen3_32k_v5p": (2, 2, 2, 16),
+             "qwen3_32k_h100": (4, 4, 2, 16)}
 
 
 def get_config(preset: str = "default"):
