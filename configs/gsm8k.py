@@ -53,7 +53,7 @@ Presets:
            1.8 GiB of KV cache each), 14.14 of 14.40 GiB with its weight swaps paused
            (rollout.weight_swap "auto"; bench/results/plan-swap-2026-11-29-fa2fcd9). Not run.
   :qwen3_32k_v5e, :qwen3_32k_v5p, :qwen3_32k_h100  Qwen3-1.7B with thinking at 32k
-           (task.enable_thinking=True, rollout.max_new_tokens=32768: rows of 33,280 positions), the
+           (task.enable_thinking=True, rollout.max_new_tokens=32768: sequences up to 33,280 tokens), the
            learner's layers unrolled and each row's positions split over its mesh.learner.context
            axis (docs/guides/performance.md, "Long sequences"), one preset per target:
              :qwen3_32k_v5e   a TPU v5e-16: 8 + 8 chips, learner fsdp 2 x context 4
@@ -61,8 +61,18 @@ Presets:
              :qwen3_32k_h100  8 x H100 (80 GB): 4 + 4, learner fsdp 2 x context 2
              python launch.py --config=configs/gsm8k.py:qwen3_32k_h100 --workdir=$HOME/runs/q3_32k \
                  --config.model.source=$HOME/models/Qwen3-1.7B
-           Memory plans (bench/learner.py --plan --only qwen3_32k_<target> --target v5e:4x4 |
-           v5p:2x2x1 | h100 --devices 8): not yet compiled.
+           Rows are 49,152 positions (the row bucket above 512 + 32,768). Sampler: 4 slots a
+           device on v5e and H100, 8 on v5p (each slot's KV cache 3.6 GiB at 32k). Memory per
+           device, compiled for the target on a CPU machine (bench/learner.py --plan --only
+           qwen3_32k_<target> --target h100 --devices 8 | v5p:2x2x1 | v5e:4x4;
+           bench/results/plans-32k-2026-12-05-6f13318), against 0.9 of the device:
+             H100  learner 35.65 GiB for 2 rows (Ulysses), sampler 33.97 GiB (4 slots in 2084
+                   KV pages, a weight swap beside decode calls), of 54.0 (0.9 x the 60 GiB JAX's
+                   allocator takes of an 80 GB GPU); context 4 with the ring planned 62.00 GiB.
+             v5p   not measured.
+             v5e   not measured (its compile with 8 sampler slots a chip passed 20 GB of the
+                   CPU machine's memory and was stopped; not rerun at 4).
+           Not run on an accelerator.
   :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
              and MLP projection, thinking off as in :qwen3.
