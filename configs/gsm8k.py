@@ -69,7 +69,8 @@ Presets:
              H100  learner 35.65 GiB for 2 rows (Ulysses), sampler 33.97 GiB (4 slots in 2084
                    KV pages, a weight swap beside decode calls), of 54.0 (0.9 x the 60 GiB JAX's
                    allocator takes of an 80 GB GPU); context 4 with the ring planned 62.00 GiB.
-             v5p   not measured.
+             v5p   learner 19.50 GiB for 1 row (Ulysses), sampler 46.92 GiB (8 slots, a swap
+                   beside decode calls), of 79.2 (0.9 x 88 GiB, a chip's 95 GB).
              v5e   not measured (its compile with 8 sampler slots a chip passed 20 GB of the
                    CPU machine's memory and was stopped; not rerun at 4).
            Not run on an accelerator.
