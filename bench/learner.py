@@ -60,6 +60,7 @@ with ``--target`` for the accelerator's own compiler on a machine without one (i
 ``jax[tpu]`` or ``jax[cuda12]``, as bench/aot_decode.py):
   python bench/learner.py --plan --target v5e:2x4                  # a TPU v5e-8's chips
   python bench/learner.py --plan --only qwen7b --target h100 --devices 8
+  python bench/learner.py --plan --only qwen3_32k_v5p --target v5p:2x2x1   # thinking at 32k
   python bench/learner.py --plan --target v5e:2x4 --only default \
       --set rollout.max_new_tokens=8192 [--set actor.attention=dense]   # long rows, either attention
 (the train step's attention is the target's flash kernel unless ``actor.attention`` says dense;
@@ -451,7 +452,8 @@ def main():
   ap.add_argument("--plan", action="store_true", help="only the recipes' memory plans")
   ap.add_argument("--depth", action="store_true", help="only compile time by depth")
   ap.add_argument("--only", default="", help="comma-separated row names to run (default: all); "
-                  "with --plan, recipe presets (default, qwen7b, qwen3, qwen3_lora)")
+                  "with --plan, recipe presets (default, qwen7b, qwen3, qwen3_lora; "
+                  "qwen3_32k_v5e, _v5p, _h100 with their --target)")
   ap.add_argument("--target", default="", help="--plan compiled for this TPU topology (v5e:2x4) "
                   "or GPU under bench/aot_targets (h100), on a machine without one")
   ap.add_argument("--devices", type=int, default=8, help="GPUs of a --target GPU (one host)")
