@@ -71,8 +71,8 @@ Presets:
                    allocator takes of an 80 GB GPU); context 4 with the ring planned 62.00 GiB.
              v5p   learner 19.50 GiB for 1 row (Ulysses), sampler 46.92 GiB (8 slots, a swap
                    beside decode calls), of 79.2 (0.9 x 88 GiB, a chip's 95 GB).
-             v5e   not measured (its compile with 8 sampler slots a chip passed 20 GB of the
-                   CPU machine's memory and was stopped; not rerun at 4).
+             v5e   learner 12.63 GiB for 2 rows (Ulysses) of 14.4 (0.9 x 16 GiB); the sampler's
+                   plan not measured (its compile outgrew the CPU machine's memory).
            Not run on an accelerator.
   :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
