@@ -12,6 +12,8 @@ step row's fields (``metrics.jsonl``, docs/getting-started.md):
   ``env_failures``             failed environment calls since the run (re)started, and
   ``env_failures/<kind>``      the same per kind of failure.
 
+``tool_call_frac(samples)`` gives the step row's share of trained episodes that called a tool.
+
 Failure kinds come from environments (untrusted): a kind is cut to ``KIND_CHARS`` characters of
 ``[a-z0-9_]`` and past ``MAX_KINDS`` distinct kinds the rest count as "other". Latencies are kept
 in a uniform reservoir of ``MAX_KEPT`` per report, so memory stays bounded at any call rate.
@@ -30,6 +32,16 @@ import numpy as np
 MAX_KEPT = 1 << 15
 MAX_KINDS = 16
 KIND_CHARS = 32
+
+
+def tool_call_frac(samples) -> float | None:
+  """Share of ``samples`` whose episode called a tool at least once (``metadata["calls"] > 0``).
+
+  Only samples whose workflow counts its calls (tool and Python-tool episodes) are counted; None
+  when no sample does (e.g. single-turn runs).
+  """
+  counted = [s.metadata["calls"] > 0 for s in samples if "calls" in s.metadata]
+  return float(np.mean(counted)) if counted else None
 
 
 def failure_kind(kind) -> str:

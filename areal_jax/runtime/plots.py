@@ -85,6 +85,8 @@ def plot_run(workdir: str, output: str | None = None) -> str:
   axes = fig.subplots(2, 2)
   reward_lines = [("reward_mean", "train reward (batch mean)", dict(marker=".", color="C0"))]
   reward_lines.append(("eval_accuracy", "eval greedy pass@1", dict(marker="o", color="C3")))
+  reward_lines.append(("tool_call_frac", "episodes calling a tool",
+                       dict(marker=".", linestyle="--", color="C2")))
   reward_lines += [(k, f"eval {k[len('eval_'):]}", dict(marker="s", color=f"C{4 + i}"))
                    for i, k in enumerate(_eval_keys(rows))]
   _panel(axes[0, 0], rows, "reward", reward_lines, "reward / accuracy",

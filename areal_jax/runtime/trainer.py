@@ -28,8 +28,8 @@ from areal_jax import config as config_lib
 from areal_jax import host_memory, tasks, workflows
 from areal_jax import learner as learner_lib
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime import (checkpoint, engines, errors, learner_group, meshes, model_source,
-                               plots, ray_cluster, ray_rollout, weight_transfer)
+from areal_jax.runtime import (checkpoint, engines, episode_stats, errors, learner_group, meshes,
+                               model_source, plots, ray_cluster, ray_rollout, weight_transfer)
 from areal_jax.runtime.checkpoint import Checkpointer
 from areal_jax.runtime.controller import RolloutController
 from areal_jax.runtime.metrics import MetricsWriter
@@ -189,6 +189,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
           staleness_mean=float(np.mean(staleness_s)) if staleness_s else 0.0,
           staleness_max=int(max(staleness_s, default=0)),
           turns_mean=float(np.mean([s.metadata.get("turns", 1) for g in batch for s in g.samples])),
+          tool_call_frac=episode_stats.tool_call_frac([s for g in batch for s in g.samples]),
           behav_weight_max=metrics.get("behav_weight_max"), clip_frac=metrics.get("clip_frac"),
           loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
           gen_tokens_per_s=delta["gen_tokens"] / max(period, 1e-9),

@@ -1,19 +1,21 @@
 """Async episodes through the rollout controller on the fake engine of ``test_controller``: whole
 episodes per group, the cap on episodes running at once (async and blocking), the staleness bound
 and "nothing trained twice", a stop that wakes and cancels waiting episodes, an episode's error
-stopping the run; and the counters behind the episode metrics (``EpisodeStats``)."""
+stopping the run; and the counters behind the episode metrics (``EpisodeStats``, the share of
+episodes that called a tool)."""
 
 import asyncio
 import pathlib
 import sys
 import threading
 import time
+import types
 
 import pytest
 
 from areal_jax import workflows
 from areal_jax.rollout_api import SamplingParams
-from areal_jax.runtime.episode_stats import MAX_KINDS, EpisodeStats
+from areal_jax.runtime.episode_stats import MAX_KINDS, EpisodeStats, tool_call_frac
 from areal_jax.workflows.base import Episode, Trajectory, turn_params
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -235,3 +237,10 @@ def test_episode_stats_in_flight_latencies_and_failure_kinds():
   row = stats.report()  # a fresh period: no calls, failures stay cumulative
   assert row["env_steps"] == 0 and row["env_step_p50_s"] is None and row["env_failures"] > 0
   assert row["episodes_in_flight_mean"] == pytest.approx(1.0)
+
+
+def test_tool_call_frac_counts_only_episodes_that_count_calls():
+  sample = lambda **meta: types.SimpleNamespace(metadata=meta)
+  assert tool_call_frac([sample(turns=1), sample()]) is None  # single-turn: no tools
+  assert tool_call_frac([sample(calls=0), sample(calls=2), sample(calls=1), sample(turns=2),
+                         sample(calls=0, call_failures=0)]) == 0.5
