@@ -101,7 +101,6 @@ from common import (QWEN3_1P7B, QWEN25_1P5B, QWEN25_7B, SMOLLM2, TINY, Hardware,
 RECIPES = (("qwen2.5-1.5b", "default", QWEN25_1P5B, 16.0), ("qwen2.5-7b", "qwen7b", QWEN25_7B, 60.0),
            ("qwen3-1.7b", "qwen3", QWEN3_1P7B, 16.0), ("qwen3-1.7b", "qwen3_lora", QWEN3_1P7B, 16.0),
            # thinking at 32k, each with --only and its --target (a v5p chip: 95 GB = 88.5 GiB)
-           ("qwen3-1.7b", "qwen3_32k_v5e", QWEN3_1P7B, 16.0),
            ("qwen3-1.7b", "qwen3_32k_v5p", QWEN3_1P7B, 88.0),
            ("qwen3-1.7b", "qwen3_32k_h100", QWEN3_1P7B, 60.0))
 
@@ -453,7 +452,7 @@ def main():
   ap.add_argument("--depth", action="store_true", help="only compile time by depth")
   ap.add_argument("--only", default="", help="comma-separated row names to run (default: all); "
                   "with --plan, recipe presets (default, qwen7b, qwen3, qwen3_lora; "
-                  "qwen3_32k_v5e, _v5p, _h100 with their --target)")
+                  "qwen3_32k_v5p, _h100 with their --target)")
   ap.add_argument("--target", default="", help="--plan compiled for this TPU topology (v5e:2x4) "
                   "or GPU under bench/aot_targets (h100), on a machine without one")
   ap.add_argument("--devices", type=int, default=8, help="GPUs of a --target GPU (one host)")

@@ -52,28 +52,29 @@ Presets:
            bench/results/plan-flash-2026-11-29-df89801) and the sampler keeps 4 slots a chip (a group;
            1.8 GiB of KV cache each), 14.14 of 14.40 GiB with its weight swaps paused
            (rollout.weight_swap "auto"; bench/results/plan-swap-2026-11-29-fa2fcd9). Not run.
-  :qwen3_32k_v5e, :qwen3_32k_v5p, :qwen3_32k_h100  Qwen3-1.7B with thinking at 32k
+  :qwen3_32k_v5p, :qwen3_32k_h100  Qwen3-1.7B with thinking at 32k
            (task.enable_thinking=True, rollout.max_new_tokens=32768: sequences up to 33,280 tokens), the
            learner's layers unrolled and each row's positions split over its mesh.learner.context
            axis (docs/guides/performance.md, "Long sequences"), one preset per target:
-             :qwen3_32k_v5e   a TPU v5e-16: 8 + 8 chips, learner fsdp 2 x context 4
              :qwen3_32k_v5p   a TPU v5p-8 (4 chips): 2 + 2, learner context 2
              :qwen3_32k_h100  8 x H100 (80 GB): 4 + 4, learner fsdp 2 x context 2
              python launch.py --config=configs/gsm8k.py:qwen3_32k_h100 --workdir=$HOME/runs/q3_32k \
                  --config.model.source=$HOME/models/Qwen3-1.7B
            Rows are 49,152 positions (the row bucket above 512 + 32,768). Sampler: 4 slots a
-           device on v5e and H100, 8 on v5p (each slot's KV cache 3.6 GiB at 32k). Memory per
+           device on H100, 8 on v5p (each slot's KV cache 3.6 GiB at 32k). Memory per
            device, compiled for the target on a CPU machine (bench/learner.py --plan --only
-           qwen3_32k_<target> --target h100 --devices 8 | v5p:2x2x1 | v5e:4x4;
+           qwen3_32k_<target> --target h100 --devices 8 | v5p:2x2x1;
            bench/results/plans-32k-2026-12-05-6f13318), against 0.9 of the device:
              H100  learner 35.65 GiB for 2 rows (Ulysses), sampler 33.97 GiB (4 slots in 2084
                    KV pages, a weight swap beside decode calls), of 54.0 (0.9 x the 60 GiB JAX's
                    allocator takes of an 80 GB GPU); context 4 with the ring planned 62.00 GiB.
              v5p   learner 19.50 GiB for 1 row (Ulysses), sampler 46.92 GiB (8 slots, a swap
                    beside decode calls), of 79.2 (0.9 x 88 GiB, a chip's 95 GB).
-             v5e   learner 12.63 GiB for 2 rows (Ulysses) of 14.4 (0.9 x 16 GiB); the sampler's
-                   plan not measured (its compile outgrew the CPU machine's memory).
-           Not run on an accelerator.
+           Not run on an accelerator. No preset for TPU v5e: a sampler engine holds a group's
+           sequences (rollout.n_samples=4) on its chip, and 4 x 33,280 positions of KV cache
+           (112 KiB a position: 28 layers x 8 KV heads x 128 x K and V in bfloat16) take 14.2 GiB
+           before the 3.21 GiB of weights, past a 16 GiB chip (its learner, fsdp 2 x context 4 on
+           8 chips, planned 12.63 GiB of 14.4: bench/results/plans-32k-2026-12-05-6f13318).
   :qwen3_lora  Qwen3-1.7B with LoRA adapters on ONE accelerator (Colab / a single TPU chip):
              mesh.colocated=True (generation pauses while a step trains), rank 16 on every attention
              and MLP projection, thinking off as in :qwen3.
@@ -106,8 +107,7 @@ from areal_jax.envs import python_env
 
 
 # :qwen3_32k_<target>: (learner devices, sampler devices, mesh.learner.context, rollout.num_slots)
-QWEN3_32K = {"qwen3_32k_v5e": (8, 8, 4, 32), "qwen3_32k_v5p": (2, 2, 2, 16),
-             "qwen3_32k_h100": (4, 4, 2, 16)}
+QWEN3_32K = {"qwen3_32k_v5p": (2, 2, 2, 16), "qwen3_32k_h100": (4, 4, 2, 16)}
 
 
 def get_config(preset: str = "default"):
@@ -260,6 +260,6 @@ def get_config(preset: str = "default"):
     c.rollout.prefill_buckets = (256, 512, 1024, 2048)
   elif preset != "default":
     raise ValueError(f"unknown preset {preset!r} for configs/gsm8k.py: default, tiny, smollm, "
-                     "qwen7b, qwen3, qwen3_32k_v5e, qwen3_32k_v5p, qwen3_32k_h100, qwen3_lora, "
+                     "qwen7b, qwen3, qwen3_32k_v5p, qwen3_32k_h100, qwen3_lora, "
                      "python_tool")
   return lock(c)
