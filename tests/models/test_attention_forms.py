@@ -42,7 +42,7 @@ def test_causal_attention_equals_dense_attention(max_blocks, monkeypatch):
   """Blocked causal attention (blocks of 4, a ragged last block; or capped at 2 blocks, of 8) =
   the dense form, values and gradients, on every position that attends to something (packed
   segments, padding at the end)."""
-  monkeypatch.setattr(transformer, "CAUSAL_BLOCKS", max_blocks)
+  monkeypatch.setattr(attention_forms, "CAUSAL_BLOCKS", max_blocks)
   rng = np.random.RandomState(0)
   b, l, h, kv, d = 2, 11, 4, 2, 8
   q, k, v = (jnp.asarray(rng.randn(b, l, n, d), jnp.float32) for n in (h, kv, kv))
