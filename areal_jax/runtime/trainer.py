@@ -181,15 +181,16 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
       last_stats, last_t = stats, now
       totals["groups_accepted"] += delta["groups_accepted"]
       totals["groups_rejected"] += delta["groups_rejected"]
-      staleness_s = [step - min(s.versions) for g in batch for s in g.samples if s.versions]
+      samples = [s for g in batch for s in g.samples]
+      staleness_s = [step - min(s.versions) for s in samples if s.versions]
       row = dict(
           step=step + 1, version=step + 1,
           reward_mean=float(np.mean([r for g in batch for r in g.rewards])),
           groups_accepted=totals["groups_accepted"], groups_rejected=totals["groups_rejected"],
           staleness_mean=float(np.mean(staleness_s)) if staleness_s else 0.0,
           staleness_max=int(max(staleness_s, default=0)),
-          turns_mean=float(np.mean([s.metadata.get("turns", 1) for g in batch for s in g.samples])),
-          tool_call_frac=episode_stats.tool_call_frac([s for g in batch for s in g.samples]),
+          turns_mean=float(np.mean([s.metadata.get("turns", 1) for s in samples])),
+          tool_call_frac=episode_stats.tool_call_frac(samples),
           behav_weight_max=metrics.get("behav_weight_max"), clip_frac=metrics.get("clip_frac"),
           loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
           gen_tokens_per_s=delta["gen_tokens"] / max(period, 1e-9),
