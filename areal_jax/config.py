@@ -434,7 +434,7 @@ def base_config() -> ConfigDict:
   c.serve.hint_max_chars = 1000  # A longer hint is cut to this many characters.
   # How the hint joins the last user message of the teacher's prompt, with {message} and {hint}.
   c.serve.hint_format = "{message}\n\nHint: {hint}"
-  # The OPD teacher: "" = the frozen weights the run started from, held on the sampler's devices;
+  # The OPD teacher: "" = the frozen weights the run started from (see serve.teacher_at);
   # else an OpenAI-compatible base URL whose /completions returns prompt_logprobs (e.g. vLLM).
   c.serve.teacher_url = ""
   c.serve.teacher_model = ""  # The model name at serve.teacher_url.
@@ -442,6 +442,10 @@ def base_config() -> ConfigDict:
   # distribution per token (reverse KL over k + 1 bins, the rest of the mass being one bin).
   c.serve.teacher_topk = 0
   c.serve.teacher_batch = 4  # Turns the in-process teacher scores in one forward pass.
+  # Where the teacher scores hinted turns: "trainer" (the trainer loop, before each step, on the
+  # learner's devices: its own process and cores with serve.trainer_process) or "judge" (the judge
+  # loop, beside serving, on the sampler's devices).
+  c.serve.teacher_at = "trainer"
   # Simulated users: concurrent conversations (serve/simulated_user.py, make serve-demo).
   c.serve.sim_users = 4
   c.serve.sim_duration_s = 1200.0  # How long the simulated users run, in seconds.

@@ -55,6 +55,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
       "serve.judge": (config.serve.judge, ("rule", "model", "votes", "none")),
       "serve.signal": (config.serve.signal, ("binary", "opd", "combined")),
+      "serve.teacher_at": (config.serve.teacher_at, ("trainer", "judge")),
       "serve.sim_feedback": (config.serve.sim_feedback, ("verdict", "words", "both")),
       "runtime.worker_devices": (config.runtime.worker_devices, ("cpu", "gpu", "tpu")),
       "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
@@ -105,6 +106,11 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if config.serve.signal != "binary" and config.serve.judge not in ("rule", "votes"):
     errors.append(f"serve.signal={config.serve.signal!r} takes hints from the judge: serve.judge "
                   f"must be 'rule' or 'votes', got {config.serve.judge!r}")
+  if (config.serve.signal != "binary" and config.serve.teacher_at == "trainer"
+      and not config.serve.train):
+    errors.append(f"serve.signal={config.serve.signal!r} with serve.teacher_at='trainer' needs "
+                  "serve.train=True (the trainer loop runs the teacher); without training, set "
+                  "serve.teacher_at='judge'")
   if config.serve.max_staleness < 0:
     errors.append(f"serve.max_staleness={config.serve.max_staleness} must be >= 0")
   if a.logits_chunk < 0:

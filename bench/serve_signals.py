@@ -15,14 +15,16 @@ the signal differs. Per signal:
      untimed, the judge loop stopped (the first requests' other programs compile);
   2. ``idle``: the judge loop stopped (nothing is judged, so nothing is taught or trained), the
      users talk for ``--idle-s`` seconds;
-  3. ``teaching``: the judge loop runs (the teacher scores hinted turns in it, the trainer trains
-     on judged ones), the users talk for ``--minutes``;
+  3. ``teaching``: the judge loop runs, the teacher scores hinted turns (in the trainer's process
+     by default: ``serve.teacher_at``), the trainer trains on judged ones; the users talk for
+     ``--minutes``;
   4. the server stops (the trainer checkpoints), and the standalone evaluator scores the newest
      checkpoint on the held-out split: ``pass_at_1_after`` (``pass_at_1_before``: the start
      weights, once for all signals).
 Per signal: ``pass_at_1_after``, ``turns_trained``, ``train_steps``, ``hinted`` /
 ``teacher_scored`` turns and ``teacher_s_per_turn`` (the teacher's seconds per hinted turn, in the
-judge loop), conversations, and per phase (``idle``, ``teaching``) the users' question requests:
+loop that runs it: ``teacher_at``, ``serve.teacher_at``), conversations, and per phase (``idle``,
+``teaching``) the users' question requests:
 ``requests``, ``latency_p50_ms``, ``latency_p99_ms`` (sent -> response parsed, as bench/serve.py
 names them) and, for teaching, ``p50_vs_idle`` / ``p99_vs_idle``. The machine and its load are
 printed and stored.
@@ -103,14 +105,17 @@ def run_one(args, signal: str, workdir: str) -> dict:
       phases["teaching"][f"{q}_vs_idle"] = (phases["teaching"][f"latency_{q}_ms"]
                                             / base[f"latency_{q}_ms"])
   judge, trainer = status.get("judge") or {}, status.get("trainer") or {}
+  # the loop that ran the teacher (serve.teacher_at) carries its counters
+  teaching = trainer if "teacher_s" in trainer else judge
   done = users.finished()
   return dict(signal=signal, feedback=args.feedback, phases=phases, teaching_s=teaching_s,
               conversations=len(done), user_success=float(
                   np.mean([c["right"] for c in done])) if done else None,
               errors=idle.errors + users.errors, turns_trained=trainer.get("trained"),
               train_steps=trainer.get("steps"), taught=trainer.get("taught"),
-              hinted=judge.get("hinted"), teacher_scored=judge.get("teacher_scored"),
-              teacher_s_per_turn=judge.get("teacher_s_per_turn"), judged=judge.get("judged"),
+              hinted=judge.get("hinted"), teacher_scored=teaching.get("teacher_scored"),
+              teacher_at=config.serve.teacher_at,
+              teacher_s_per_turn=teaching.get("teacher_s_per_turn"), judged=judge.get("judged"),
               unjudgeable=judge.get("unjudgeable"))
 
 

@@ -25,10 +25,11 @@ answer should have done. The votes judge then asks ``serve.judge_hint_prompt`` a
 carry one between ``serve.hint_start`` and ``serve.hint_end``; the rule judge takes the user's
 reply itself when it says more than a verdict (``Hints``). Of the hints found, the longest useful
 one (at least ``serve.hint_min_chars`` characters) is kept; none: the turn gives no OPD signal. A
-turn without a next state has no hint. The loop then has the teacher (``serve.teacher``) score the
-turn's response under the hinted prompt, batched over the turns of one pass, and stores the hint
-and the teacher's logprobs beside the score. With ``signal = "opd"`` a turn is judged when it has
-them, with ``"combined"`` when it has them or a verdict.
+turn without a next state has no hint. A hinted turn is stored ``hinted`` with its hint and score;
+the teacher (``serve/teacher.py``) then scores its response under the hinted prompt, here right
+after judging (``serve.teacher_at = "judge"``) or in the trainer loop ("trainer"), and the turn is
+judged: with ``signal = "opd"`` when the teacher scored it, with ``"combined"`` when it has the
+teacher's logprobs or a verdict.
 With ``n > 1`` candidates only the one the user continued with (its text is the next request's last
 assistant message) is judged from the reply (rule and votes judges); the model judge scores every
 candidate.
@@ -50,6 +51,7 @@ import time
 from collections.abc import Callable
 
 from areal_jax.serve.store import TurnStore
+from areal_jax.serve.teacher import TeacherStage, judgement
 
 log = logging.getLogger(__name__)
 
@@ -279,20 +281,22 @@ class JudgeLoop:
 
   def __init__(self, store: TurnStore, judge, interval_s: float = 0.5, timeout_s: float = 300.0,
                signal: str = "binary", teacher=None):
-    """``signal``: "binary" (the score only), "opd" or "combined" (hints, and ``teacher``, a
-    ``serve.teacher`` scorer, scores the hinted turns)."""
+    """``signal``: "binary" (the score only), "opd" or "combined" (hints); ``teacher``: a
+    ``serve/teacher.py`` scorer that scores the hinted turns after each pass, or None when another
+    loop does (``serve.teacher_at``)."""
     if signal not in ("binary", "opd", "combined"):
       raise ValueError(f"serve.signal={signal!r} is not one of binary, opd, combined")
-    if signal != "binary" and (teacher is None or not hasattr(judge, "assess")):
-      raise ValueError(f"serve.signal={signal!r} needs a judge that finds hints (rule, votes) and "
-                       f"a teacher")
+    if signal != "binary" and not hasattr(judge, "assess"):
+      raise ValueError(f"serve.signal={signal!r} needs a judge that finds hints (rule, votes)")
     self.store, self.judge, self.interval_s, self.timeout_s = store, judge, interval_s, timeout_s
-    self.signal, self.teacher = signal, teacher
+    self.signal = signal
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self.stats = dict(judged=0, unjudgeable=0, errors=0)
-    if signal != "binary":  # hinted turns, those the teacher scored, its seconds in all
-      self.stats.update(hinted=0, teacher_scored=0, teacher_s=0.0)
+    if signal != "binary":  # turns stored with a hint, for the teacher
+      self.stats["hinted"] = 0
+    self.teaching = None if signal == "binary" or teacher is None else \
+        TeacherStage(teacher, signal, self.stats)
     self.error: str | None = None
 
   @property
@@ -327,7 +331,7 @@ class JudgeLoop:
     siblings = {}
     for t in pending:
       siblings[t["request_id"]] = siblings.get(t["request_id"], 0) + 1
-    results, hinted = [], []
+    results = []
     for turn in pending:
       if self._stop.is_set():
         break
@@ -353,36 +357,15 @@ class JudgeLoop:
         self.stats["errors"] += 1
         log.warning("judging turn %s failed: %s", turn["id"], e)
         continue
-      if hint is not None:
-        hinted.append((turn, hint, score))
-      else:
-        results.append(self._result(turn["id"], score))
-    results += self._teach(hinted)
+      results.append((turn["id"], "hinted", score, hint, None) if hint is not None
+                     else self._result(turn["id"], score))
     self.store.set_judgements(results)
     for r in results:
       self.stats[r[1]] += 1
+    if self.teaching is not None and not self._stop.is_set():
+      self.teaching.run_once(self.store)
     return len(results)
 
-  def _result(self, turn_id: int, score, hint=None, teacher=None) -> tuple:
+  def _result(self, turn_id: int, score) -> tuple:
     """The row's judgement: judged when it has the signal ``serve.signal`` trains with."""
-    usable = {"binary": score is not None, "opd": teacher is not None,
-              "combined": score is not None or teacher is not None}[self.signal]
-    return turn_id, "judged" if usable else "unjudgeable", score, hint, teacher
-
-  def _teach(self, hinted: list[tuple[dict, str, float | None]]) -> list[tuple]:
-    """The hinted turns' judgements, with the teacher's logprobs of their responses (one batched
-    call); a teacher's failure leaves them pending (judged again later)."""
-    if not hinted:
-      return []
-    t0 = time.time()
-    try:
-      scored = self.teacher.score([(turn, hint) for turn, hint, _ in hinted])
-    except Exception as e:  # pylint: disable=broad-except  (a teacher server's outage: retry later)
-      self.stats["errors"] += 1
-      log.warning("the teacher failed on %d turns: %s", len(hinted), e)
-      return []
-    self.stats["teacher_s"] += time.time() - t0
-    self.stats["hinted"] += len(hinted)
-    self.stats["teacher_scored"] += sum(t is not None for t in scored)
-    return [self._result(turn["id"], score, hint, t)
-            for (turn, hint, score), t in zip(hinted, scored)]
+    return judgement(self.signal, turn_id, score)

@@ -84,8 +84,9 @@ class ServeRuntime:
     self.cores = cores
     learner_mesh, sampler_mesh = meshes.build(config.mesh)
     model, self.tokenizer = model_source.load(config)
-    # the OPD teacher's copy of the start weights, before anything trains or plans the devices
-    self.teacher = self._build_teacher(model, sampler_mesh)
+    # the OPD teacher's copy of the start weights (serve.teacher_at = "judge"), before anything
+    # trains or plans the devices
+    self.teacher = teacher_lib.build(config, model, sampler_mesh, self.tokenizer, at="judge")
     # the sampler's memory plan against its devices (fewer slots when they do not fit; a
     # MemoryError naming the keys when not even a group's do), before anything is opened
     self.engine = engines.build(config, model, self.tokenizer, sampler_mesh,
@@ -115,7 +116,8 @@ class ServeRuntime:
             shardings=shardings, dtype=weight_transfer.version_dtype(config))
         return self._new_transfer()
       self.trainer = trainer_process.build_trainer(config, self.workdir, self.store, model,
-                                                   learner_mesh, transfer_fn, self.engine)
+                                                   self.tokenizer, learner_mesh, transfer_fn,
+                                                   self.engine)
       self.trainer.restore()
       self.trainer.publish()  # serve the restored version from the first request
     self.judge = self._build_judge()
@@ -149,20 +151,6 @@ class ServeRuntime:
       judge = judge_lib.ModelJudge(self._judge_completer(), s.judge_prompt, s.judge_scale)
     return judge_lib.JudgeLoop(self.store, judge, s.judge_interval_s, s.judge_timeout_s,
                                s.signal, self.teacher)
-
-  def _build_teacher(self, model, sampler_mesh):
-    """The OPD teacher (``serve.teacher``): None with ``serve.signal = "binary"``."""
-    s, c_roll = self.config.serve, self.config.rollout
-    if s.signal == "binary" or s.judge == "none":
-      return None
-    # the hinted prompt may be longer than a served one by the hint
-    longest = c_roll.max_prompt_len + c_roll.max_new_tokens + s.hint_max_chars
-    encode = lambda messages: self.context.encode(messages)  # noqa: E731 (built after the teacher)
-    if s.teacher_url:
-      return teacher_lib.RemoteTeacher(s.teacher_url, s.teacher_model, encode, s.hint_format,
-                                       s.teacher_topk, longest)
-    return teacher_lib.BaseTeacher(model, sampler_mesh, encode, s.hint_format, c_roll.temperature,
-                                   s.teacher_topk, s.teacher_batch, longest)
 
   def _vote_sampler(self):
     """``sample(messages, n) -> n texts`` for the votes judge: one request of ``n`` samples at
@@ -324,9 +312,9 @@ class ServeRuntime:
       loop = getattr(self, name, None)
       if loop is not None:
         out[name] = {"alive": loop.alive, "error": loop.error, **loop.stats}
-    if self.judge is not None and "teacher_s" in self.judge.stats:
-      hinted = max(self.judge.stats["hinted"], 1)  # the teacher's seconds per hinted turn
-      out["judge"]["teacher_s_per_turn"] = self.judge.stats["teacher_s"] / hinted
+    for name in ("judge", "trainer"):  # the loop that runs the teacher: its seconds per turn
+      if "teacher_s" in out.get(name, {}):
+        out[name]["teacher_s_per_turn"] = out[name]["teacher_s"] / max(out[name]["teacher_turns"], 1)
     if self.judge is not None and isinstance(self.judge.judge, judge_lib.VotesJudge):
       out["judge"]["votes"] = dict(self.judge.judge.stats)  # cast, abstained, verdicts
     if self.trainer_in_process:

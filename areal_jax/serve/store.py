@@ -4,7 +4,8 @@ One row per generated candidate of a chat completion (``candidate`` 0..n-1 share
 A row is inserted and committed before the response's last byte is sent, so an acknowledged turn
 survives a crash. Three loops share the file, each on its own connection:
   * serving inserts turns (``add_turn``);
-  * the judge sets ``judge_status`` ("pending" -> "judged" | "unjudgeable") and ``score``;
+  * the judge sets ``judge_status`` ("pending" -> "judged" | "unjudgeable") and ``score``; with
+    hindsight OPD a turn with a hint is "hinted" until the teacher has scored it (``hinted``);
   * the trainer sets ``train_status`` ("new" -> "trained" | "stale") with the policy version
     whose train step consumed the row (``trained_version``), so a restart from checkpoint V
     rolls back the marks of steps after V (``rollback_after``) and trains nothing twice.
@@ -164,6 +165,12 @@ class TurnStore:
     return self._rows("SELECT * FROM turns WHERE judge_status = 'pending' ORDER BY id LIMIT ?",
                       (limit,))
 
+  def hinted(self, limit: int = 64) -> list[dict]:
+    """Turns with a hint waiting for the teacher's logprobs (``judge_status = 'hinted'``), oldest
+    first."""
+    return self._rows("SELECT * FROM turns WHERE judge_status = 'hinted' ORDER BY id LIMIT ?",
+                      (limit,))
+
   def next_turn(self, session_id: str, turn_index: int, key_id: str | None = None) -> dict | None:
     """The first candidate of the session's next main turn (carrying the user's reply; side turns
     between are skipped)."""
@@ -203,9 +210,11 @@ class TurnStore:
 
   # ---- judge and trainer -----------------------------------------------------------------------
 
-  def set_judgements(self, results: list[tuple]) -> None:
-    """``(turn id, "judged" | "unjudgeable", score[, hint, teacher])`` for each row (``teacher``:
-    a dict, stored as JSON), in one transaction."""
+  def set_judgements(self, results: list[tuple], from_status: str = "pending") -> None:
+    """``(turn id, "judged" | "unjudgeable" | "hinted", score[, hint, teacher])`` for each row in
+    ``judge_status`` ``from_status`` (``teacher``: a dict, stored as JSON), in one transaction."""
+    if from_status not in ("pending", "hinted"):
+      raise ValueError(f"from_status must be 'pending' or 'hinted', got {from_status!r}")
     now = time.time()
     rows = []
     for tid, status, score, *opd in results:
@@ -213,7 +222,7 @@ class TurnStore:
       rows.append((status, score, now, hint, None if teacher is None else json.dumps(teacher), tid))
     with self._conn() as conn:
       conn.executemany("UPDATE turns SET judge_status = ?, score = ?, judged_s = ?, hint = ?, "
-                       "teacher = ? WHERE id = ? AND judge_status = 'pending'", rows)
+                       f"teacher = ? WHERE id = ? AND judge_status = '{from_status}'", rows)
 
   def mark(self, ids: list[int], status: str, version: int) -> None:
     """Sets ``train_status`` of ``ids`` (consumed by the step that made ``version``)."""

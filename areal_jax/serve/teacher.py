@@ -5,15 +5,19 @@ been, had the prompt carried the hint the judge took from what came next: the hi
 user message (``serve.hint_format``), the conversation is encoded with the chat template as
 serving encodes it, and the teacher scores the *original* response tokens after it, teacher-forced.
 Two teachers:
-  * ``BaseTeacher`` (``serve.teacher_url`` ""): the frozen weights the run started from, held once
-    on the sampler's devices beside the engine's own (which change with every version); one jitted
-    forward scores ``serve.teacher_batch`` turns at a time, rows and lengths bucketed (a handful of
-    shapes compile), and only the response positions reach the LM head. It runs in the judge loop's
-    thread: the engine decodes meanwhile (the devices interleave both programs; serving waits for
-    nothing the teacher holds);
+  * ``BaseTeacher`` (``serve.teacher_url`` ""): the frozen weights the run started from, copied
+    once before anything trains; one jitted forward scores ``serve.teacher_batch`` turns at a time,
+    rows and lengths bucketed (a handful of shapes compile), and only the response positions reach
+    the LM head;
   * ``RemoteTeacher``: an OpenAI-compatible server's ``/completions`` with ``prompt_logprobs``
     (vLLM's extension: per prompt token, its logprob and the top ones by token id), the prompt being
     the hinted prompt's token ids followed by the response's.
+Where it runs (``serve.teacher_at``): a ``TeacherStage`` takes the turns the judge left ``hinted``
+(a hint, no teacher logprobs yet) and stores their judgement. With "trainer" the trainer loop runs
+it before each step, on the learner's devices (with ``serve.trainer_process`` in that process, on
+its cores: serving never waits for a teacher forward); with "judge" the judge loop runs it right
+after judging, on the sampler's devices beside the engine (its forwards then share the server's
+devices and cores with decoding).
 Both return per turn ``{"logprobs": [c floats]}`` (with ``serve.teacher_topk`` k > 0 also
 ``topk_ids`` / ``topk_logprobs``, ``[c][k]``), or None when the hinted sequence is longer than the
 teacher takes (the turn then gives no OPD signal). Logprobs are those of ``softmax(logits / T)``
@@ -24,11 +28,15 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
+import time
 import urllib.request
 from collections.abc import Callable
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def hinted_messages(messages: list[dict], hint: str, fmt: str) -> list[dict]:
@@ -223,3 +231,71 @@ def parse_prompt_logprobs(reply: dict, prompt_len: int, response: list[int], top
       out["topk_ids"].append([t for _, t, _ in ranked])
       out["topk_logprobs"].append([lp for _, _, lp in ranked])
   return out
+
+
+def judgement(signal: str, turn_id: int, score, hint=None, teacher=None) -> tuple:
+  """A turn's judgement for ``TurnStore.set_judgements``: "judged" when it has what
+  ``serve.signal`` trains with (binary: a score; opd: the teacher's logprobs; combined: either),
+  else "unjudgeable"."""
+  usable = {"binary": score is not None, "opd": teacher is not None,
+            "combined": score is not None or teacher is not None}[signal]
+  return turn_id, "judged" if usable else "unjudgeable", score, hint, teacher
+
+
+class TeacherStage:
+  """Judges the ``hinted`` turns: the teacher scores their responses under their hints (one batched
+  call a pass, at most ``limit`` turns) and each gets its judgement (``judgement``). Counts into
+  ``stats`` (its owner's): ``teacher_turns`` sent, ``teacher_scored``, ``teacher_s``,
+  ``teacher_errors``. A teacher's failure leaves the turns hinted: the next pass tries again."""
+
+  def __init__(self, teacher, signal: str, stats: dict, limit: int = 64):
+    self.teacher, self.signal, self.stats, self.limit = teacher, signal, stats, limit
+    for k in ("teacher_turns", "teacher_scored", "teacher_errors"):
+      stats.setdefault(k, 0)
+    stats.setdefault("teacher_s", 0.0)
+
+  def run_once(self, store) -> int:
+    """Scores what is hinted (up to ``limit`` turns); returns how many got a judgement."""
+    rows = store.hinted(self.limit)
+    if not rows:
+      return 0
+    t0 = time.time()
+    try:
+      scored = self.teacher.score([(r, r["hint"]) for r in rows])
+    except Exception as e:  # pylint: disable=broad-except  (a teacher server's outage: retry later)
+      self.stats["teacher_errors"] += 1
+      log.warning("the teacher failed on %d turns: %s", len(rows), e)
+      return 0
+    self.stats["teacher_s"] += time.time() - t0
+    self.stats["teacher_turns"] += len(rows)
+    self.stats["teacher_scored"] += sum(t is not None for t in scored)
+    store.set_judgements([judgement(self.signal, r["id"], r["score"], r["hint"], t)
+                          for r, t in zip(rows, scored)], from_status="hinted")
+    return len(rows)
+
+
+def chat_encoder(tokenizer, enable_thinking: bool) -> Callable[[list[dict]], list[int]]:
+  """``encode(messages)``: the token ids of the conversation with the chat template, as serving
+  encodes a request's messages."""
+  kwargs = {} if enable_thinking else {"enable_thinking": False}
+
+  def encode(messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    return list(tokenizer.encode(text))
+  return encode
+
+
+def build(config, model, mesh, tokenizer, at: str):
+  """The OPD teacher for the loop ``at`` ("trainer" | "judge") on ``mesh``, or None where that loop
+  runs none (``serve.signal`` binary, no judge, or ``serve.teacher_at`` names the other loop).
+  Build it before anything trains ``model``: the base teacher copies its weights."""
+  s, c_roll = config.serve, config.rollout
+  if s.signal == "binary" or s.judge == "none" or s.teacher_at != at:
+    return None
+  longest = c_roll.max_prompt_len + c_roll.max_new_tokens + s.hint_max_chars  # the hint's share
+  encode = chat_encoder(tokenizer, config.task.enable_thinking)
+  if s.teacher_url:
+    return RemoteTeacher(s.teacher_url, s.teacher_model, encode, s.hint_format, s.teacher_topk,
+                         longest)
+  return BaseTeacher(model, mesh, encode, s.hint_format, c_roll.temperature, s.teacher_topk,
+                     s.teacher_batch, longest)

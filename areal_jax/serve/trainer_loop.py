@@ -1,6 +1,7 @@
 """The trainer loop: judged turns in, new policy versions out to the serving engine.
 
-Each step takes the oldest ``actor.batch_size`` judged, untrained turns from the store:
+Before each step, with ``serve.teacher_at = "trainer"``, the OPD teacher scores the turns the judge
+left hinted (``serve/teacher.py``), on the learner's devices. Each step then takes the oldest ``actor.batch_size`` judged, untrained turns from the store:
   * only main turns (never side turns, never a last turn: the judge leaves those unjudgeable), and
     at most ``serve.max_key_share`` of the batch from any one API key (at least one turn), so that
     one user cannot steer the policy alone; a key's turns over its share wait for later batches;
@@ -42,6 +43,7 @@ import numpy as np
 
 from areal_jax.rollout_api import Sample
 from areal_jax.serve.store import TurnStore
+from areal_jax.serve.teacher import TeacherStage
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "serve_metrics.jsonl"
@@ -72,7 +74,10 @@ class TrainerLoop:
   """Owns the learner's train steps, in a thread (``start``/``stop``) or the caller's (``run``);
   ``restore`` resumes, stopping checkpoints."""
 
-  def __init__(self, config, workdir: str, store: TurnStore, learner, transfer, engine, ckpt):
+  def __init__(self, config, workdir: str, store: TurnStore, learner, transfer, engine, ckpt,
+               teacher=None):
+    """``teacher``: the OPD teacher this loop runs before each step (``serve.teacher_at =
+    "trainer"``: it scores the turns the judge left hinted), or None."""
     self.config, self.workdir, self.store = config, workdir, store
     self.learner, self.transfer, self.engine, self.ckpt = learner, transfer, engine, ckpt
     if config.actor.adv_norm != "none":
@@ -91,6 +96,8 @@ class TrainerLoop:
     self.stats = dict(trained=0, stale=0, off_policy_temperature=0, steps=0)
     if self.signal != "binary":
       self.stats["taught"] = 0  # turns trained with the teacher's term
+    self.teaching = None if teacher is None or self.signal == "binary" else \
+        TeacherStage(teacher, self.signal, self.stats, limit=2 * self.batch_size)
     self.error: str | None = None
     self._stop = threading.Event()
     self._killed = False
@@ -170,6 +177,8 @@ class TrainerLoop:
 
   def step(self) -> bool:
     """One train step if a batch of judged turns is ready; False when there is none yet."""
+    if self.teaching is not None:  # the hinted turns become judged (or not) first
+      self.teaching.run_once(self.store)
     version = self.learner.version
     rows, skip, per_key = [], {}, collections.Counter()
     capped = self.per_key < self.batch_size

@@ -4,8 +4,8 @@ r"""The trainer loop as its own process (``serve.trainer_process = True``), star
 
 The server writes its config to ``<workdir>/trainer_config.pkl`` and starts this process (and starts
 it again when it dies). It pins itself to ``--cores`` *before* JAX is imported (XLA's CPU thread pool
-then spans only those cores), then runs the same ``TrainerLoop`` as the in-process mode: judged
-turns from the SQLite store (WAL: the server writes while this process reads), the store's
+then spans only those cores), then runs the same ``TrainerLoop`` as the in-process mode (with ``serve.teacher_at = "trainer"``
+the OPD teacher too, on this process's cores): judged turns from the SQLite store (WAL: the server writes while this process reads), the store's
 exactly-once marks, checkpoints and resume (``restore`` rolls back marks of steps after the newest
 checkpoint). Each version is written as Orbax weights (``<weights.path or workdir/weights>/<v>/``)
 and announced in ``<workdir>/trainer_status.json`` (atomic), which the server's watcher reads; the
@@ -67,13 +67,18 @@ def read_status(workdir: str) -> dict | None:
     return None
 
 
-def build_trainer(config, workdir: str, store, model, learner_mesh, transfer_fn, engine=None):
+def build_trainer(config, workdir: str, store, model, tokenizer, learner_mesh, transfer_fn,
+                  engine=None):
   """The ``TrainerLoop`` both modes run: its learner on ``learner_mesh`` and ``transfer_fn(learner)``
-  (the weight transfer: device_put/Orbax to an engine in this process, or an Orbax publisher)."""
+  (the weight transfer: device_put/Orbax to an engine in this process, or an Orbax publisher), and
+  with ``serve.teacher_at = "trainer"`` the OPD teacher on the same devices."""
   from areal_jax import learner as learner_lib  # pylint: disable=import-outside-toplevel
   from areal_jax.runtime.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from areal_jax.serve import teacher as teacher_lib  # pylint: disable=import-outside-toplevel
   from areal_jax.serve.trainer_loop import TrainerLoop  # pylint: disable=import-outside-toplevel
 
+  # the teacher's copy of the start weights, before the learner takes them
+  teacher = teacher_lib.build(config, model, learner_mesh, tokenizer, at="trainer")
   c_roll = config.rollout
   # with hindsight OPD the batch carries the teacher's logprobs (or top k) of each token
   distill_topk = None if config.serve.signal == "binary" else config.serve.teacher_topk
@@ -83,7 +88,7 @@ def build_trainer(config, workdir: str, store, model, learner_mesh, transfer_fn,
                                 distill_topk=distill_topk)
   ckpt = Checkpointer(workdir, config.train.keep_checkpoints, resume=config.train.resume,
                       config=config)
-  return TrainerLoop(config, workdir, store, learner, transfer_fn(learner), engine, ckpt)
+  return TrainerLoop(config, workdir, store, learner, transfer_fn(learner), engine, ckpt, teacher)
 
 
 def _bench(loop, mode: str, stop: threading.Event, status) -> None:
@@ -153,10 +158,10 @@ def _main(workdir: str) -> None:
   stop = threading.Event()
   store = TurnStore(config.serve.db_path or os.path.join(workdir, "turns.sqlite"))
   learner_mesh, _ = meshes.build(config.mesh)
-  model, _ = model_source.load(config)
+  model, tokenizer = model_source.load(config)
   publisher = lambda _: weight_transfer.OrbaxPublisher(weights_path(config, workdir), config.weights.keep,
                                                        weight_transfer.version_dtype(config))
-  loop = build_trainer(config, workdir, store, model, learner_mesh, publisher)
+  loop = build_trainer(config, workdir, store, model, tokenizer, learner_mesh, publisher)
   state = dict(pid=os.getpid(), started=time.time(), cores=sorted(os.sched_getaffinity(0)))
 
   def status(**kw) -> None:

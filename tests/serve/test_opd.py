@@ -294,15 +294,17 @@ class _Teacher:
   """The teacher's logprob of each response token: -1, -2, ... (no forward)."""
 
   def __init__(self):
-    self.asked = []
+    self.asked, self.fail = [], False
 
   def score(self, items):
+    if self.fail:
+      raise ConnectionError("the teacher is down")
     self.asked += [(turn["id"], hint) for turn, hint in items]
     return [{"logprobs": [-float(i + 1) for i in range(len(turn["completion_tokens"]))]}
             for turn, _ in items]
 
 
-def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2):
+def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2, teacher_at="judge"):
   c = config_lib.load("configs/serve_arithmetic.py:tiny")
   c.unlock()
   c.actor.batch_size, c.serve.max_staleness, c.train.checkpoint_every = batch, 100, 1000
@@ -310,9 +312,12 @@ def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2):
   c.serve.signal, c.serve.signal_w_rl, c.serve.signal_w_opd = signal, w_rl, w_opd
   store = TurnStore(str(tmp_path / "t.sqlite"))
   teacher = _Teacher()
-  judge = judge_lib.JudgeLoop(store, judge_lib.RuleJudge(HINTS), signal=signal, teacher=teacher)
+  here = lambda at: teacher if teacher_at == at else None  # noqa: E731
+  judge = judge_lib.JudgeLoop(store, judge_lib.RuleJudge(HINTS), signal=signal,
+                              teacher=here("judge"))
   sink = _Sink()
-  trainer = trainer_loop.TrainerLoop(c, str(tmp_path), store, _Learner(), sink, sink, sink)
+  trainer = trainer_loop.TrainerLoop(c, str(tmp_path), store, _Learner(), sink, sink, sink,
+                                     teacher=here("trainer"))
   return store, judge, trainer, teacher
 
 
@@ -339,8 +344,10 @@ def _conversation(store, session, reply, side=False):
   return first, last
 
 
-def test_opd_trains_only_hinted_main_turns_never_side_or_last_ones(tmp_path):
-  store, judge, trainer, teacher = _loops(tmp_path, "opd", w_opd=0.5)
+@pytest.mark.parametrize("teacher_at", ["judge", "trainer"])
+def test_opd_trains_only_hinted_main_turns_never_side_or_last_ones(tmp_path, teacher_at):
+  """The same turns and teachers reach the batch whichever loop runs the teacher."""
+  store, judge, trainer, teacher = _loops(tmp_path, "opd", w_opd=0.5, teacher_at=teacher_at)
   a, a_last = _conversation(store, "a", TEACH, side=True)
   b, b_last = _conversation(store, "b", "that's wrong")  # a verdict, no hint: no OPD signal
   c, c_last = _conversation(store, "c", "that's wrong. " + TEACH, side=True)
@@ -386,3 +393,28 @@ def test_binary_ignores_hints_and_calls_the_learner_as_before(tmp_path):
   assert trainer.step() and not teacher.asked
   (ids, rewards, teachers), = trainer.learner.steps
   assert ids == [first] and teachers is None and rewards == [0.0]  # 2 * (1 - baseline 1)
+
+
+def test_with_the_teacher_at_the_trainer_hinted_turns_wait_for_it_and_survive_its_failure(tmp_path):
+  """``serve.teacher_at = "trainer"``: the judge stores hint and score and leaves the turn hinted
+  (it calls no teacher); the trainer's teacher judges it before the step; a teacher's failure
+  leaves it hinted, and the next pass scores it."""
+  store, judge, trainer, teacher = _loops(tmp_path, "combined", batch=2, teacher_at="trainer")
+  a, _ = _conversation(store, "a", TEACH)
+  b, _ = _conversation(store, "b", "that's wrong. " + TEACH)
+  judge.run_once(now=2000.0)
+  assert judge.stats["hinted"] == 2 and not teacher.asked
+  rows = [store.get(a), store.get(b)]
+  assert [r["judge_status"] for r in rows] == ["hinted"] * 2
+  assert rows[0]["hint"] == TEACH and rows[1]["hint"].endswith(TEACH)
+  assert [r["score"] for r in rows] == [None, 0.0]
+  teacher.fail = True
+  assert not trainer.step() and trainer.stats["teacher_errors"] == 1
+  assert store.get(a)["judge_status"] == "hinted"
+  teacher.fail = False
+  assert trainer.step()
+  assert [t for t, _ in teacher.asked] == [a, b]
+  assert trainer.stats["teacher_turns"] == trainer.stats["teacher_scored"] == 2
+  (ids, _, teachers), = trainer.learner.steps
+  assert sorted(ids) == [a, b] and all(t[0].logprobs == [-1.0, -2.0, -3.0] for t in teachers)
+  assert store.get(a)["judge_status"] == "judged" and store.get(a)["train_status"] == "trained"

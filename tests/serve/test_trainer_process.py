@@ -34,8 +34,12 @@ def _wait(cond, users, timeout=120.0):
 
 @pytest.mark.slow
 def test_trainer_process_trains_survives_sigkill_and_resumes_without_training_twice(tmp_path):
+  """With ``serve.signal = "combined"`` and users who give the verdict and the way, the OPD teacher
+  runs in the trainer process too (``serve.teacher_at = "trainer"``): its counters come through the
+  status file and its scores survive the restart."""
   config = config_lib.load("configs/serve_arithmetic.py:tiny")
   config.unlock()
+  config.serve.signal, config.serve.sim_feedback = "combined", "both"
   config.serve.port = 0
   config.serve.judge_timeout_s = 0.5
   config.serve.trainer_process = True
@@ -51,8 +55,10 @@ def test_trainer_process_trains_survives_sigkill_and_resumes_without_training_tw
       assert os.sched_getaffinity(0) == set(server) and not set(server) & set(trainer)
     users = SimulatedUsers(rt.config, rt.url)
     _wait(lambda: rt.engine.version >= 2, users)  # trained there, loaded here
+    _wait(lambda: rt.status()["trainer"].get("teacher_scored", 0) > 0, users)
     health = rt.status()["trainer"]
     assert health["process"] and health["alive"] and health["error"] is None
+    assert health["teacher_s_per_turn"] > 0 and "teacher_s" not in rt.status()["judge"]
     pid = rt.trainer.pid
     os.kill(pid, signal.SIGKILL)
     # the version the killed trainer last wrote (a restarted one writes only after restoring); a
@@ -73,6 +79,9 @@ def test_trainer_process_trains_survives_sigkill_and_resumes_without_training_tw
     assert st["stopped"] and not rt.trainer.alive
     stats, counts = st["stats"], rt.store.counts()
     assert stats["trained"] == counts["train_status.trained"] == config.actor.batch_size * stats["steps"]
+    taught = [r for r in rt.store.first(10_000) if r["teacher"] is not None]
+    assert taught and stats["teacher_scored"] >= 1 and stats["taught"] >= 1
+    assert all(len(r["teacher"]["logprobs"]) == len(r["completion_tokens"]) for r in taught)
     with open(tmp_path / trainer_loop.METRICS_FILE, encoding="utf-8") as f:
       versions = [json.loads(line)["version"] for line in f]
     assert versions == list(range(1, st["version"] + 1))  # each step once, the lost one redone
