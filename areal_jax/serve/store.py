@@ -166,9 +166,9 @@ class TurnStore:
                       (limit,))
 
   def hinted(self, limit: int = 64) -> list[dict]:
-    """Turns with a hint waiting for the teacher's logprobs (``judge_status = 'hinted'``), oldest
-    first."""
-    return self._rows("SELECT * FROM turns WHERE judge_status = 'hinted' ORDER BY id LIMIT ?",
+    """Turns with a hint waiting for the teacher's logprobs (``judge_status = 'hinted'``), newest
+    first (when the teacher falls behind, the freshest turns are the ones worth training)."""
+    return self._rows("SELECT * FROM turns WHERE judge_status = 'hinted' ORDER BY id DESC LIMIT ?",
                       (limit,))
 
   def next_turn(self, session_id: str, turn_index: int, key_id: str | None = None) -> dict | None:

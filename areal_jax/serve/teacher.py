@@ -254,24 +254,35 @@ class TeacherStage:
       stats.setdefault(k, 0)
     stats.setdefault("teacher_s", 0.0)
 
-  def run_once(self, store) -> int:
-    """Scores what is hinted (up to ``limit`` turns); returns how many got a judgement."""
+  def run_once(self, store, trainable: Callable[[dict], bool] | None = None) -> int:
+    """Scores what is hinted (up to ``limit`` turns, newest first); returns how many got a
+    judgement. ``trainable(row)`` False (the trainer would not train it: stale, another
+    temperature): judged without the teacher's forward."""
     rows = store.hinted(self.limit)
     if not rows:
       return 0
-    t0 = time.time()
-    try:
-      scored = self.teacher.score([(r, r["hint"]) for r in rows])
-    except Exception as e:  # pylint: disable=broad-except  (a teacher server's outage: retry later)
-      self.stats["teacher_errors"] += 1
-      log.warning("the teacher failed on %d turns: %s", len(rows), e)
-      return 0
-    self.stats["teacher_s"] += time.time() - t0
-    self.stats["teacher_turns"] += len(rows)
-    self.stats["teacher_scored"] += sum(t is not None for t in scored)
-    store.set_judgements([judgement(self.signal, r["id"], r["score"], r["hint"], t)
-                          for r, t in zip(rows, scored)], from_status="hinted")
-    return len(rows)
+    keep, results = [], []
+    for r in rows:
+      if trainable is None or trainable(r):
+        keep.append(r)
+      else:
+        results.append(judgement(self.signal, r["id"], r["score"], r["hint"]))
+    if keep:
+      t0 = time.time()
+      try:
+        scored = self.teacher.score([(r, r["hint"]) for r in keep])
+      except Exception as e:  # pylint: disable=broad-except  (a teacher server's outage: retry)
+        self.stats["teacher_errors"] += 1
+        log.warning("the teacher failed on %d turns: %s", len(keep), e)
+        scored = None
+      if scored is not None:
+        self.stats["teacher_s"] += time.time() - t0
+        self.stats["teacher_turns"] += len(keep)
+        self.stats["teacher_scored"] += sum(t is not None for t in scored)
+        results += [judgement(self.signal, r["id"], r["score"], r["hint"], t)
+                    for r, t in zip(keep, scored)]
+    store.set_judgements(results, from_status="hinted")
+    return len(results)
 
 
 def chat_encoder(tokenizer, enable_thinking: bool) -> Callable[[list[dict]], list[int]]:

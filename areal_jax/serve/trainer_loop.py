@@ -177,9 +177,9 @@ class TrainerLoop:
 
   def step(self) -> bool:
     """One train step if a batch of judged turns is ready; False when there is none yet."""
-    if self.teaching is not None:  # the hinted turns become judged (or not) first
-      self.teaching.run_once(self.store)
     version = self.learner.version
+    if self.teaching is not None:  # the hinted turns become judged first (no forward for stale ones)
+      self.teaching.run_once(self.store, lambda r: self._skip_reason(r, version) is None)
     rows, skip, per_key = [], {}, collections.Counter()
     capped = self.per_key < self.batch_size
     for row in self.store.trainable(4 * self.batch_size + 64,

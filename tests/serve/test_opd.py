@@ -355,7 +355,7 @@ def test_opd_trains_only_hinted_main_turns_never_side_or_last_ones(tmp_path, tea
   judge.run_once(now=2000.0)
   while trainer.step():
     pass
-  assert [t for t, _ in teacher.asked] == [a, c]
+  assert sorted(t for t, _ in teacher.asked) == [a, c]
   trained = {i for ids, _, _ in trainer.learner.steps for i in ids}
   assert trained == {a, c}
   assert not trained & {a_last, b_last, c_last, only, b}
@@ -413,8 +413,21 @@ def test_with_the_teacher_at_the_trainer_hinted_turns_wait_for_it_and_survive_it
   assert store.get(a)["judge_status"] == "hinted"
   teacher.fail = False
   assert trainer.step()
-  assert [t for t, _ in teacher.asked] == [a, b]
+  assert [t for t, _ in teacher.asked] == [b, a]  # newest first
   assert trainer.stats["teacher_turns"] == trainer.stats["teacher_scored"] == 2
   (ids, _, teachers), = trainer.learner.steps
   assert sorted(ids) == [a, b] and all(t[0].logprobs == [-1.0, -2.0, -3.0] for t in teachers)
   assert store.get(a)["judge_status"] == "judged" and store.get(a)["train_status"] == "trained"
+
+
+def test_the_trainer_s_teacher_spends_no_forward_on_a_turn_it_would_not_train(tmp_path):
+  """A hinted turn already more than ``serve.max_staleness`` versions old is judged without the
+  teacher (combined: by its score alone) and then counted stale, never trained."""
+  store, judge, trainer, teacher = _loops(tmp_path, "combined", batch=1, teacher_at="trainer")
+  old, _ = _conversation(store, "a", "that's wrong. " + TEACH)
+  judge.run_once(now=2000.0)
+  trainer.learner.version = trainer.config.serve.max_staleness + 1  # the turn's tokens: version 0
+  assert not trainer.step() and not teacher.asked
+  row = store.get(old)
+  assert (row["judge_status"], row["teacher"], row["train_status"]) == ("judged", None, "stale")
+  assert trainer.stats["stale"] == 1 and trainer.stats["teacher_turns"] == 0
