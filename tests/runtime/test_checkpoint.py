@@ -1,7 +1,7 @@
-"""Damaged run directories: real checkpoints of one short tiny run (written once per module, copied
-per test) are truncated, stripped of their metadata, replaced by another model's shapes or made
-unwritable; resume falls back to the newest good checkpoint, rewinds consistently, and the expected
-faults end in short messages."""
+"""Damaged run directories: real checkpoints of one short tiny run (finished_run.py: written once
+per test process, copied per test) are truncated, stripped of their metadata, replaced by another
+model's shapes or made unwritable; resume falls back to the newest good checkpoint, rewinds
+consistently, and the expected faults end in short messages."""
 
 import errno
 import glob
@@ -18,16 +18,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import finished_run  # noqa: E402
+from finished_run import ETA, RUN, STEPS  # noqa: E402
 from processes import running  # noqa: E402
 from test_trainer import ROOT, TINY, check_run, tiny_config  # noqa: E402
 
 from areal_jax.runtime import checkpoint as ckpt_lib  # noqa: E402
 from areal_jax.runtime.errors import RunDirError  # noqa: E402
-
-STEPS, ETA = 3, 1
-RUN = {"train.total_steps": STEPS, "train.checkpoint_every": 1, "train.keep_checkpoints": 3,
-       "train.dump_trajectories": True, "rollout.max_head_offpolicyness": ETA,
-       "rollout.max_new_tokens": 16}
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +32,10 @@ def tiny_run(tmp_path_factory):
   """A finished 3-step run with checkpoints 1, 2, 3, and the learner state it expects."""
   from areal_jax import learner as learner_lib
   from areal_jax import models
-  from areal_jax.runtime import meshes, trainer
+  from areal_jax.runtime import meshes
 
-  workdir = tmp_path_factory.mktemp("tiny_run")
+  workdir = finished_run.workdir(tmp_path_factory)
   c = tiny_config(**RUN)
-  trainer.run(c, str(workdir))
   learner_mesh, _ = meshes.build(c.mesh)
   model, _ = models.load(c.model.source, dtype=c.model.dtype, seed=c.seed)
   learner = learner_lib.Learner(model, c.actor, learner_mesh, temperature=c.rollout.temperature,
@@ -285,6 +281,8 @@ def test_resumed_run_rewinds_past_a_damaged_checkpoint_and_finishes(run, capsys)
 
 @pytest.mark.slow
 def test_run_stops_on_a_failed_save_then_resumes(run, monkeypatch):
+  """Resumed at 3, the run trains step 4 and stops on its failed save, leaving checkpoints 1-3;
+  the rerun redoes step 4 (the run's last: one step past the failure is all it must cross)."""
   from areal_jax.runtime import trainer
 
   workdir, _ = run
@@ -296,13 +294,13 @@ def test_run_stops_on_a_failed_save_then_resumes(run, monkeypatch):
     return real(self, step, state, meta)
 
   monkeypatch.setattr(ckpt_lib.Checkpointer, "save", save)
-  c = tiny_config(**dict(RUN, **{"train.total_steps": 5}))
+  c = tiny_config(**dict(RUN, **{"train.total_steps": 4}))
   with pytest.raises(RunDirError, match="No space left on device"):
     trainer.run(c, str(workdir))
   monkeypatch.undo()
   assert sorted(p for p in os.listdir(workdir / "checkpoints")) == ["1", "2", "3"]
   trainer.run(c, str(workdir))
-  audit(workdir, 5)
+  audit(workdir, 4)
 
 
 @pytest.mark.slow

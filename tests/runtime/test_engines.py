@@ -39,31 +39,40 @@ def test_merging_engine_hands_merged_weights_and_passes_the_rest_through():
   assert engine.poll() == ["sample"]
 
 
-def _colocated(slots=16, micro_batch_tokens=2048):
-  """A colocated tiny recipe on one CPU device: its config, model, tokenizer, abstract learner."""
+@pytest.fixture(scope="module")
+def tiny():
+  """What the colocated tests only read, built once for the module: the tiny model's config, its
+  weights and tokenizer, and the one-device meshes of the sampler and the learner."""
   import dataclasses
 
-  from areal_jax import config as config_lib
   from areal_jax import sharding
-  from areal_jax.learner import Learner
   from areal_jax.models import tokenizer as tok_lib
+
+  cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
+                    d_ff=256)
+  model = Transformer(dataclasses.replace(cfg), nnx.Rngs(0))
+  return dict(cfg=cfg, model=model, tokenizer=tok_lib.byte_tokenizer(),
+              mesh=sharding.make_mesh({}, jax.devices()[:1]),
+              learner_mesh=sharding.make_mesh(dict(fsdp=1), jax.devices()[:1]))
+
+
+def _colocated(tiny, slots=16, micro_batch_tokens=2048):
+  """A colocated tiny recipe on one CPU device: its config, model, tokenizer, abstract learner
+  (the config and the learner fresh: the tests and the plans change them)."""
+  from areal_jax import config as config_lib
+  from areal_jax.learner import Learner
 
   c = config_lib.base_config()
   c.mesh.colocated, c.mesh.memory_fraction = True, 1.0
   c.rollout.num_slots, c.rollout.n_samples = slots, 2
   c.rollout.prefill_buckets, c.rollout.max_new_tokens, c.rollout.max_prompt_len = (16,), 496, 16
   c.actor.micro_batch_tokens = micro_batch_tokens
-  cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32,
-                    d_ff=256)
-  mesh = sharding.make_mesh({}, jax.devices()[:1])
-  learner = Learner.abstract(cfg, c.actor, sharding.make_mesh(dict(fsdp=1), jax.devices()[:1]),
-                             max_seq_len=512)
-  model = Transformer(dataclasses.replace(cfg), nnx.Rngs(0))
-  return c, model, tok_lib.byte_tokenizer(), mesh, learner
+  learner = Learner.abstract(tiny["cfg"], c.actor, tiny["learner_mesh"], max_seq_len=512)
+  return c, tiny["model"], tiny["tokenizer"], tiny["mesh"], learner
 
 
 @pytest.mark.slow
-def test_colocated_the_sampler_keeps_its_slots_and_the_learner_plans_beside_them(capsys):
+def test_colocated_the_sampler_keeps_its_slots_and_the_learner_plans_beside_them(capsys, tiny):
   """Colocated, the two take turns on one device and each keeps its resident part while the other
   runs: the learner's micro-batch is planned beside what the sampler keeps, not the sampler
   squeezed into what a greedy learner plan left (which starved it: the shipped qwen3_lora recipe's
@@ -72,7 +81,7 @@ def test_colocated_the_sampler_keeps_its_slots_and_the_learner_plans_beside_them
   from areal_jax.runtime import engines
   from areal_jax.sampler import memory as sampler_memory
 
-  c, model, tokenizer, mesh, learner = _colocated()
+  c, model, tokenizer, mesh, learner = _colocated(tiny)
   sampler = sampler_memory.plan(engines.build(c, model, tokenizer, mesh).engine, None)
   kept = sum(learner_memory.kept_bytes(learner).values())
   big = learner_memory.plan(learner, None)
@@ -93,12 +102,12 @@ def test_colocated_the_sampler_keeps_its_slots_and_the_learner_plans_beside_them
 
 
 def test_colocated_the_sampler_yields_slots_when_the_learner_cannot_fit_beside_it(capsys,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, tiny):
   from areal_jax.learner import memory as learner_memory
   from areal_jax.runtime import engines
   from areal_jax.sampler import memory as sampler_memory
 
-  c, model, tokenizer, mesh, learner = _colocated()
+  c, model, tokenizer, mesh, learner = _colocated(tiny)
   sampler = sampler_memory.plan(engines.build(c, model, tokenizer, mesh).engine, None)
   kept = sum(learner_memory.kept_bytes(learner).values())
   budget = kept + 2 * sampler.peak_bytes  # room for the sampler's peak beside what the learner keeps
@@ -127,7 +136,7 @@ def test_colocated_the_sampler_yields_slots_when_the_learner_cannot_fit_beside_i
 
 
 def test_colocated_continuation_rows_take_only_what_the_learners_step_leaves(capsys,
-                                                                            monkeypatch):
+                                                                            monkeypatch, tiny):
   """Multi-turn episodes on a row cache keep turns' rows (one a slot where there is room);
   colocated, the learner's micro-batch is planned first, beside the sampler without them, and
   the rows get what its step leaves."""
@@ -135,7 +144,7 @@ def test_colocated_continuation_rows_take_only_what_the_learners_step_leaves(cap
   from areal_jax.runtime import engines
   from areal_jax.sampler import memory as sampler_memory
 
-  c, model, tokenizer, mesh, learner = _colocated()
+  c, model, tokenizer, mesh, learner = _colocated(tiny)
   c.rollout.workflow = "multi_turn"
   sampler = sampler_memory.plan(engines.build(c, model, tokenizer, mesh).engine, None)
   kept = sum(learner_memory.kept_bytes(learner).values())
@@ -160,12 +169,12 @@ def test_colocated_continuation_rows_take_only_what_the_learners_step_leaves(cap
   assert kept + engine.memory_plan.peak_bytes <= budget  # generating beside the learner
 
 
-def test_sampler_budget_colocated_leaves_what_the_learner_keeps(monkeypatch):
+def test_sampler_budget_colocated_leaves_what_the_learner_keeps(monkeypatch, tiny):
   from areal_jax import host_memory
   from areal_jax.learner import memory as learner_memory
   from areal_jax.runtime import engines
 
-  c, _, _, mesh, learner = _colocated()
+  c, _, _, mesh, learner = _colocated(tiny)
   c.mesh.device_memory_gib, c.mesh.memory_fraction = 1.0, 0.5
   kept = learner_memory.kept_bytes(learner)
   assert kept["params"] > 0 and kept["opt"] > kept["params"] and kept["ref"] == kept["frozen"] == 0
@@ -211,14 +220,14 @@ def test_device_memory_gib_never_exceeds_what_the_devices_report():
   assert learner_memory.device_budget(m, jax.devices()[:1]) == 20 * gib  # CPU reports none
 
 
-def test_the_learner_plans_beside_the_version_jax_transfer_offers(capsys):
+def test_the_learner_plans_beside_the_version_jax_transfer_offers(capsys, tiny):
   """In ray mode with weights.transfer="jax_transfer" the learner's first device keeps the newest
   version, whole, for the workers to pull (in the sampler's compute dtype): the learner's plan
   leaves it that room; with Orbax nothing stays on a device."""
   from areal_jax.learner import memory as learner_memory
   from areal_jax.runtime import engines, weight_transfer
 
-  c, _, _, _, learner = _colocated()
+  c, _, _, _, learner = _colocated(tiny)
   c.mesh.colocated, c.runtime.mode, c.model.dtype = False, "ray", "bfloat16"
   shapes = jax.tree.leaves(learner.abstract_state()["params"])
   params = sum(x.size for x in shapes)

@@ -1,6 +1,7 @@
 """What a run prints when a checkpoint is damaged: one warning, the resume line and the step lines;
 no traceback of the reads still in flight, no asyncio message (``--verbosity=1``: the first
-traceback). The checkpoints come from one short tiny run per module, copied per test."""
+traceback). The checkpoints come from one short tiny run per test process (finished_run.py, shared
+with test_checkpoint.py), copied per test."""
 
 import asyncio
 import glob
@@ -13,12 +14,12 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import finished_run  # noqa: E402
+from finished_run import RUN, STEPS  # noqa: E402
 from test_trainer import ROOT, TINY, tiny_config  # noqa: E402
 
 from areal_jax.runtime import orbax_reads  # noqa: E402
 
-STEPS = 2
-RUN = {"train.total_steps": STEPS, "train.checkpoint_every": 1, "rollout.max_new_tokens": 16}
 NOISE = ("Traceback", "Event loop is closed", "Task exception was never retrieved",
          "Task was destroyed", "tensorstore_spec", "never awaited")
 
@@ -81,12 +82,8 @@ def test_a_damaged_weights_version_is_one_warning(tmp_path, capfd):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-  """A finished 2-step run with checkpoints 1 and 2."""
-  from areal_jax.runtime import trainer
-
-  workdir = tmp_path_factory.mktemp("tiny_run")
-  trainer.run(tiny_config(**RUN), str(workdir))
-  return workdir
+  """A finished 3-step run with checkpoints 1, 2 and 3 (finished_run.RUN)."""
+  return finished_run.workdir(tmp_path_factory)
 
 
 def damaged_copy(src, dst, which):
@@ -105,9 +102,9 @@ def damaged_copy(src, dst, which):
 def test_a_rerun_past_a_damaged_checkpoint_prints_its_progress_only(tiny_run, tmp_path, which):
   """Rerun with more steps (other settings than the checkpoints were saved with: still damage)."""
   workdir = damaged_copy(tiny_run, tmp_path / "run", which)
-  cmd = [sys.executable, str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={workdir}",
-         "--config.train.checkpoint_every=1", "--config.rollout.max_new_tokens=16",
-         f"--config.train.total_steps={STEPS + 1}"]
+  cmd = [sys.executable, str(ROOT / "launch.py"), f"--config={TINY}", f"--workdir={workdir}"]
+  cmd += [f"--config.{key}={value}" for key, value in RUN.items() if key != "train.total_steps"]
+  cmd += [f"--config.train.total_steps={STEPS + 1}"]
   out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   err, lines = out.stderr.splitlines(), out.stdout.splitlines()

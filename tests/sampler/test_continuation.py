@@ -163,7 +163,8 @@ def test_a_long_chunk_runs_in_pieces_to_the_same_sample(model, monkeypatch, page
   assert continuation.pieces(40) == [(0, 16, 16), (16, 16, 16), (32, 8, 16)]
   assert continuation.pieces(5) == [(0, 5, 16)] and continuation.pieces(0) == []
   kw = dict(kv_pages=24, page_size=16, decode_attention="dense") if paged else {}
-  engine = JaxRolloutEngine(model, num_slots=2, max_len=128, prefill_buckets=(96,), **kw)
+  # (the engine of the continued-turn and system-prompt tests: their programs, compiled once)
+  engine = JaxRolloutEngine(model, num_slots=4, max_len=128, prefill_buckets=(96,), **kw)
   engine.start()
   try:
     prompt = [int(t) for t in np.random.default_rng(2).integers(1, 128, 40)]

@@ -3,6 +3,7 @@ bounded compilation, and a 4-device sampler mesh with slots over data."""
 
 import dataclasses
 import gc
+import os
 import types
 import weakref
 
@@ -40,13 +41,21 @@ def _decode(eng, prompt, n, steps, slots=None, temperature=1.0, greedy=False, se
   return [x[:steps] for x in toks], [x[:steps] for x in lps]
 
 
+@nnx.jit
+def _forward(model, tokens_1xL):
+  return model(tokens_1xL, attention="dense")
+
+
 def _naive_greedy(model, prompt, steps):
-  seq = np.zeros((1, len(prompt) + steps), np.int32)  # fixed shape: one compilation
+  """The model's greedy tokens after ``prompt``, one full (dense causal) forward a token. The row
+  is padded to a multiple of 64 tokens (causal: the padding after a position changes nothing
+  before it) and the forward takes the model as an argument, so the module's references compile
+  it once per model shape, not once per test and length."""
+  seq = np.zeros((1, -(-(len(prompt) + steps) // 64) * 64), np.int32)
   seq[0, :len(prompt)] = prompt
-  forward = jax.jit(lambda tokens: model(tokens))
   for i in range(len(prompt), len(prompt) + steps):
-    seq[0, i] = int(jnp.argmax(forward(seq)[0, i - 1]))  # causal: later pad tokens do not matter
-  return [int(t) for t in seq[0, len(prompt):]]
+    seq[0, i] = int(jnp.argmax(_forward(model, seq)[0, i - 1]))
+  return [int(t) for t in seq[0, len(prompt):len(prompt) + steps]]
 
 
 def test_greedy_equals_naive_argmax(model):
@@ -465,7 +474,7 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
   assert runs[0][-1][2][:, 2].sum() == min(steps, 32 - len(prompt) - calls * steps)
 
 
-_ROWS_RUNS = {}  # impl -> the rows engine's calls in the paged-cache test (its layers: a scan)
+_ROWS_RUNS = {}  # (rows config, launch) -> the rows engine's calls in the paged-cache test
 
 
 @pytest.mark.parametrize("impl,layers", [("dense", "scan"), ("pallas_gpu", "scan"),
@@ -488,18 +497,19 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, mo
   pages read by it in 3 parts combined after it, ``:fused`` with the projections fused, so the
   kernel takes them before rope and rotates them itself; ``:norms``: the
   paged engine's norms each in one kernel with the matmul after it, ``kernels.pallas_norm_matmul``,
-  the rows engine's as written). A 15-token prompt and 3 calls of 4 steps (positions 14..25)
-  still cross every page boundary of the row: page 1 copied partial, pages 2 and 3 taken at 16
-  and 24, and with ``:parts`` a part left empty (rows of 2 and of 4 pages). The rows engine's run
-  is the same for both layers of an impl, so it runs once (``_ROWS_RUNS``)."""
+  the rows engine's as written). A 15-token prompt and 3 calls of 4 steps (positions 14..25) in
+  rows of 32 positions (4 pages of 8: the fewest that hold them) still cross every page boundary
+  of the row: page 1 copied partial, pages 2 and 3 taken at 16 and 24, and with ``:parts`` a
+  part left empty (rows of 2 and of 4 pages). The rows engine's run
+  depends only on its config and launch (the same for both layers of an impl, and for ``cpu`` and
+  ``dense``), so each runs once (``_ROWS_RUNS``)."""
   from areal_jax.kernels import choice
-  key = impl
   impl, *how = impl.split(":")
   monkeypatch.setenv(choice.PAGED_TUNING_ENV, ("writes=1" if "writes" in how else "")
                      + (",parts=3" if "parts" in how else ""))
   monkeypatch.delenv(choice.NORM_MATMUL_ENV, raising=False)
   projections = "fused" if "fused" in how else "auto"
-  base = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(16, 32), steps_per_call=4,
+  base = EngineConfig(num_slots=4, max_len=32, prefill_buckets=(16,), steps_per_call=4,
                       decode_attention=impl, decode_matmul="xla", decode_layers="scan",
                       decode_projections=projections,
                       cache_dtype="bfloat16" if impl == "pallas_tpu" else None)
@@ -510,31 +520,31 @@ def test_a_paged_cache_decodes_what_the_slot_rows_decode(model, impl, layers, mo
   prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12, 13, 14, 15], [0, 2, 3], []
   keys = np.stack([np.asarray(sampling.slot_key(3, i)) for i in range(3)])
   for kv_pages in (0, 20):
-    if not kv_pages and key in _ROWS_RUNS:
-      runs.append(_ROWS_RUNS[key])
+    if not kv_pages and (base, os.environ[choice.PAGED_TUNING_ENV]) in _ROWS_RUNS:
+      runs.append(_ROWS_RUNS[base, os.environ[choice.PAGED_TUNING_ENV]])
       continue
     if kv_pages and "norms" in how:  # (read when an engine is built)
       monkeypatch.setenv(choice.NORM_MATMUL_ENV, "1")
     eng = DecodeEngine(model, dataclasses.replace(base, **(paged if kv_pages else {})))
     assert eng.layers_impl == (layers if kv_pages else "scan")
     assert (eng.norm_tuning is not None) == (kv_pages > 0 and "norms" in how)
-    table = PageTable(4, 20, 8, 64) if kv_pages else None
+    table = PageTable(4, 20, 8, 32) if kv_pages else None
     if table is not None:
       assert table.share(slots, len(prompt) - 1) and table.free_pages == 20 - 1 - 3
     state = eng.insert(eng.init_state(), eng.prefill(eng.params, prompt[:-1]), slots,
-                       token=[prompt[-1]] * 3, pos=[len(prompt) - 1] * 3, end=[64] * 3, keys=keys,
+                       token=[prompt[-1]] * 3, pos=[len(prompt) - 1] * 3, end=[32] * 3, keys=keys,
                        temperature=0.7, top_k=0, top_p=1.0, greedy=False, stop_ids=[],
                        pages=None if table is None else table.table[slots])
     outs = []
     for call in range(3):  # positions 14..25: pages 1 (partial, copied), 2, 3 taken on the way
       if table is not None:
-        assert all(table.grow(s, min(len(prompt) - 1 + 4 * (call + 1), 64)) for s in slots)
+        assert all(table.grow(s, min(len(prompt) - 1 + 4 * (call + 1), 32)) for s in slots)
       state, out = eng.generate(eng.params, state, eng.kv_bucket(len(prompt) + 4 * call),
                                 pages=None if table is None else table.table)
       outs.append(jax.device_get(out))
     runs.append(outs)
     if not kv_pages:
-      _ROWS_RUNS[key] = outs
+      _ROWS_RUNS[base, os.environ[choice.PAGED_TUNING_ENV]] = outs
   assert eng.init_state()["cache"]["k"].shape == (2, 2, 21, 8, 16)  # the pool, not slot rows
   for (tok, lp, valid), (tok_ref, lp_ref, valid_ref) in zip(*runs):
     np.testing.assert_array_equal(valid, valid_ref)

@@ -156,7 +156,7 @@ def test_a_weight_version_reaches_every_replica(model, other_model):
   mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
   new = jax.device_put(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)),
                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  eng = _replicated(model, data=2, slots=2)
+  eng = _replicated(model, data=2, slots=4)  # (the other tests' replicas: their programs)
   eng.update_params(new, 3)  # before start: in use at once
   for r in eng.replicas:  # each replica's copy on its own device
     assert {frozenset(leaf.sharding.device_set) for leaf in jax.tree.leaves(r.engine.params)} == {
