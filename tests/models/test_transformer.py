@@ -217,10 +217,11 @@ def _prefill_and_step(model, cfg, tokens_2x12):
 def test_vocab_major_logits_are_the_same_logits(tied):
   """``vocab_major_logits`` (the head's matmul as weight x activations, a TPU's form) gives the
   same logits as activations x weight, from the full forward, a prefill and a decode step, with a
-  tied embedding and with an LM head of its own."""
+  tied embedding and with an LM head of its own. (The fused-projections test's llama shapes: the
+  tied model's programs serve it.)"""
   import dataclasses
 
-  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
+  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                                 head_dim=8, d_ff=96, tie_embeddings=tied)
   model = transformer.Transformer(cfg, nnx.Rngs(0))
   major = nnx.eval_shape(lambda: transformer.Transformer(
