@@ -186,8 +186,10 @@ def test_linear_gradients_equal_autodiff(transpose_w):
 
 @pytest.mark.slow
 def test_model_gradient_equals_plain_autodiff(monkeypatch):
-  """A whole model's parameter gradient with ``linear``'s backward equals plain autodiff's."""
-  cfg = transformer.ModelConfig(vocab_size=VOCAB, qkv_bias=True)
+  """A whole model's parameter gradient with ``linear``'s backward equals plain autodiff's. (The
+  fused-projections test's shapes: its models' initialisation programs serve.)"""
+  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                                head_dim=8, d_ff=96, qkv_bias=True)
   model = transformer.Transformer(cfg, nnx.Rngs(3))
   graphdef, params = nnx.split(model)
   tokens = jnp.asarray(_tokens(2, 9))
