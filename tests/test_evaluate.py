@@ -56,6 +56,15 @@ def save_run_checkpoint(workdir, step, shift=0.0):
   return jax.tree.map(np.asarray, state["params"])
 
 
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """(workdir, its saved parameters): a run checkpoint at step 2 whose parameters are the
+  learner's initial ones shifted by 0.5 (told apart from a fresh model's), written once for the
+  module's tests that restore or evaluate one."""
+  workdir = tmp_path_factory.mktemp("run")
+  return workdir, save_run_checkpoint(workdir, 2, shift=0.5)
+
+
 def check_results(results, n, k):
   assert RESULT_KEYS <= set(results)
   assert results["n"] == n and results["k"] == k
@@ -117,11 +126,11 @@ def test_hf_dir_and_bad_paths(tmp_path):
 # ---- restoring parameters --------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_restore_params_reads_the_learner_state_params(tmp_path):
-  saved = save_run_checkpoint(tmp_path, 4, shift=0.5)
+def test_restore_params_reads_the_learner_state_params(run_dir):
+  workdir, saved = run_dir
   model, _ = models.load("tiny", seed=123)  # different initial weights: all must be replaced
   _, sampler_mesh = meshes.build(tiny_config().mesh)
-  ev.restore_params(str(tmp_path / "checkpoints" / "4"), model, sampler_mesh)
+  ev.restore_params(str(workdir / "checkpoints" / "2"), model, sampler_mesh)
   got = jax.tree.map(np.asarray, params_of(model))
   assert jax.tree.structure(got) == jax.tree.structure(saved)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved)):
@@ -133,9 +142,9 @@ def test_restore_params_reads_the_learner_state_params(tmp_path):
       arch="llama", vocab_size=259, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
       d_ff=64, tie_embeddings=True), nnx.Rngs(0))
   with pytest.raises(models.CheckpointError, match="do not fit the model"):
-    ev.restore_params(str(tmp_path / "checkpoints" / "4"), wrong)
+    ev.restore_params(str(workdir / "checkpoints" / "2"), wrong)
   with pytest.raises(models.CheckpointError, match="no 'state' item"):
-    ev.restore_params(str(tmp_path), model)
+    ev.restore_params(str(workdir), model)
 
 
 # ---- records and accuracies ----------------------------------------------------------------------
@@ -221,14 +230,13 @@ def test_cli_says_a_model_that_is_not_there_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_checkpoint_through_the_python_api(tmp_path):
-  save_run_checkpoint(tmp_path / "run", 2)
+def test_run_checkpoint_through_the_python_api(run_dir, tmp_path):
+  workdir, _ = run_dir
   c = tiny_config(**{"train.eval_samples": 2})
   out = tmp_path / "eval" / "results.json"
-  results = ev.evaluate(c, str(tmp_path / "run"), config_name="gsm8k:tiny", output=str(out),
-                        stream=None)
+  results = ev.evaluate(c, str(workdir), config_name="gsm8k:tiny", output=str(out), stream=None)
   check_results(results, n=3, k=2)
-  assert results["model"] == dict(kind="run_checkpoint", path=str(tmp_path / "run" / "checkpoints" / "2"),
+  assert results["model"] == dict(kind="run_checkpoint", path=str(workdir / "checkpoints" / "2"),
                                   step=2, model_source="tiny", dtype="float32")
   assert results["eval_temperature"] == c.train.eval_temperature
   assert json.loads(out.read_text()) == results

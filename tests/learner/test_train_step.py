@@ -38,16 +38,29 @@ def test_advantage_sign_moves_logprob():
   assert learner.version == 1
 
 
+# a clip-higher bound and a behaviour-weight cap that masks some of ``batch(0)``'s tokens
+CAPPED = dict(eps_clip_high=0.28, behav_imp_weight_cap=1.2)
+
+
+@pytest.fixture(scope="module")
+def capped_learner():
+  """(learner with ``CAPPED``, its gradients and metrics on ``batch(0)``), computed once for the
+  module: the packed / padded test's learner, and the reference every remat / scan / chunked-head
+  variant below is compared with."""
+  groups, rewards = batch(0)
+  learner = Learner(model(), actor(**CAPPED), mesh())
+  return learner, *learner.gradients(groups, rewards)
+
+
 @pytest.mark.slow
-def test_packed_equals_padded_and_accumulated_equals_full():
+def test_packed_equals_padded_and_accumulated_equals_full(capped_learner):
   """Same gradient and metrics whether packed or one sequence per row, one micro-batch or many.
 
   ``pack_sequences`` and ``micro_batch_tokens`` only change the host-side layout, so one learner
   serves all three; a bfloat16-compute learner gives nearly the same loss."""
   groups, rewards = batch(0)
-  opts = actor(eps_clip_high=0.28, behav_imp_weight_cap=1.2)
-  learner = Learner(model(), opts, mesh())
-  g_full, m_full = learner.gradients(groups, rewards)
+  learner, g_full, m_full = capped_learner
+  opts = learner.opts
   stats = learner._prepare(groups, rewards)[1]
   assert stats["micro_batches"] == 1 and stats["padding_efficiency"] > 0.6
   assert m_full["cap_masked_frac"] > 0
@@ -69,8 +82,7 @@ def test_packed_equals_padded_and_accumulated_equals_full():
   b = dict(micro[0], old_logp=learner._logp_fn(learner.params(), micro[0])[0])
   acc = learner._acc_fn(learner.params(), learner._zeros_fn(), b, np.float32(micro[0]["mask"].sum()))
   assert_trees_close(acc["grads"], g_full)
-  bf16 = Learner(model(), actor(eps_clip_high=0.28, behav_imp_weight_cap=1.2, dtype="bfloat16"),
-                 mesh())
+  bf16 = Learner(model(), actor(**CAPPED, dtype="bfloat16"), mesh())
   g16, m16 = bf16.gradients(groups, rewards)
   np.testing.assert_allclose(m16["loss"], m_full["loss"], rtol=0.1, atol=0.02)
   np.testing.assert_allclose(m16["entropy"], m_full["entropy"], rtol=0.02)
@@ -95,22 +107,16 @@ def test_config_errors():
     learner.train_step(groups, [[float("inf")] * 4] * 4)
 
 
-@pytest.fixture(scope="module")
-def plain_gradients():
-  """The default learner's gradients and metrics on ``batch(0)``, computed once for the module:
-  the reference every remat / scan / chunked-head variant below is compared with."""
-  groups, rewards = batch(0)
-  return Learner(model(), actor(), mesh()).gradients(groups, rewards)
-
-
 @pytest.mark.parametrize("remat,scan,chunk", [("full", True, 16), ("dots", False, 0),
                                               ("offload", True, 0), ("none", True, 7)])
 @pytest.mark.slow
-def test_remat_scan_and_chunked_head_change_no_gradient(plain_gradients, remat, scan, chunk):
-  """Rematerialisation, the scanned layers and the chunked LM head compute the same step."""
+def test_remat_scan_and_chunked_head_change_no_gradient(capped_learner, remat, scan, chunk):
+  """Rematerialisation, the scanned layers and the chunked LM head compute the same step (the
+  ``CAPPED`` learner's: its plain layers and head are the module fixture's)."""
   groups, rewards = batch(0)
-  g_ref, m_ref = plain_gradients
-  learner = Learner(model(), actor(remat=remat, scan_layers=scan, logits_chunk=chunk), mesh())
+  _, g_ref, m_ref = capped_learner
+  learner = Learner(model(), actor(remat=remat, scan_layers=scan, logits_chunk=chunk, **CAPPED),
+                    mesh())
   g, m = learner.gradients(groups, rewards)
   assert_trees_close(g, g_ref)
   for k in m_ref:

@@ -72,16 +72,18 @@ def test_prefill_and_decode_match_transformers(hf_checkpoint, torch_logits, layo
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.slow
 def test_extend_rows_at_different_positions(hf_checkpoint, torch_logits, layout):
+  """Rows of one batch continue at different positions: a row's padding slots are overwritten or
+  masked. (The prefill test's cache of 16 slots and call shapes, so its programs serve.)"""
   _, path, torch_model = hf_checkpoint
   model, _ = hf.load_hf(path)
   a, b = _tokens(1, 7, seed=2)[0], _tokens(1, 4, seed=3)[0]
   kw = LAYOUTS[layout]
-  cache = init_cache(model.cfg, 2, 12, heads_major=layout == "heads")
+  cache = init_cache(model.cfg, 2, 16, heads_major=layout == "heads")
   _, cache = extend(model, jnp.asarray([a[:6], np.r_[b[:3], 0, 0, 0]]), jnp.zeros(2, jnp.int32),
-                    cache, **kw)
+                    cache, kv_len=16, **kw)
   # Row 0 continues at 6, row 1 at 3 (its padding slots are overwritten / masked).
   logits, _ = extend(model, jnp.asarray([[a[6]], [b[3]]]), jnp.asarray([6, 3], jnp.int32), cache,
-                     **kw)
+                     kv_len=16, **kw)
   np.testing.assert_allclose(np.asarray(logits[0, 0]), torch_logits(torch_model, a[None])[0, -1],
                              atol=1e-4, rtol=0)
   np.testing.assert_allclose(np.asarray(logits[1, 0]), torch_logits(torch_model, b[None])[0, -1],
@@ -94,18 +96,19 @@ def test_a_heads_major_cache_holds_the_same_keys_and_values(hf_checkpoint):
   and all of it (a per-row update), the heads-major cache ends up the positions-first one with
   heads and positions swapped, and the logits agree (to float32 rounding: the two layouts' dense
   attentions sum in different orders); written by scatters throughout, the positions-first cache
-  and the logits are the same bits."""
+  and the logits are the same bits. (Two rows and the prefill test's 16 slots, so most of its
+  programs serve: the one-row decode step is the one narrower than the slots.)"""
   _, path, _ = hf_checkpoint
   model, _ = hf.load_hf(path)
-  caches = {layout: init_cache(model.cfg, 3, 12, heads_major=layout == "heads")
+  caches = {layout: init_cache(model.cfg, 2, 16, heads_major=layout == "heads")
             for layout in LAYOUTS}
-  steps = [(_tokens(3, 5, seed=4), [0, 0, 0]), (_tokens(2, 1, seed=5), [5, 5]),
-           (_tokens(3, 1, seed=6), [6, 6, 5])]
+  steps = [(_tokens(2, 6, seed=4), [0, 0]), (_tokens(1, 1, seed=5), [6]),
+           (_tokens(2, 1, seed=6), [7, 6])]
   for tokens, start in steps:
     out = {}
     for layout, kw in LAYOUTS.items():
       out[layout], caches[layout] = extend(model, jnp.asarray(tokens), jnp.asarray(start, jnp.int32),
-                                           caches[layout], **{**kw, "impl": "dense"})
+                                           caches[layout], kv_len=16, **{**kw, "impl": "dense"})
     np.testing.assert_allclose(np.asarray(out["heads"]), np.asarray(out["rows"]), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out["scatter"]), np.asarray(out["rows"]))
   for rows, heads, scattered in zip(caches["rows"], caches["heads"], caches["scatter"]):
@@ -183,8 +186,10 @@ def test_linear_gradients_equal_autodiff(transpose_w):
 
 @pytest.mark.slow
 def test_model_gradient_equals_plain_autodiff(monkeypatch):
-  """A whole model's parameter gradient with ``linear``'s backward equals plain autodiff's."""
-  cfg = transformer.ModelConfig(vocab_size=VOCAB, qkv_bias=True)
+  """A whole model's parameter gradient with ``linear``'s backward equals plain autodiff's. (The
+  fused-projections test's shapes: its models' initialisation programs serve.)"""
+  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                                head_dim=8, d_ff=96, qkv_bias=True)
   model = transformer.Transformer(cfg, nnx.Rngs(3))
   graphdef, params = nnx.split(model)
   tokens = jnp.asarray(_tokens(2, 9))
@@ -214,10 +219,11 @@ def _prefill_and_step(model, cfg, tokens_2x12):
 def test_vocab_major_logits_are_the_same_logits(tied):
   """``vocab_major_logits`` (the head's matmul as weight x activations, a TPU's form) gives the
   same logits as activations x weight, from the full forward, a prefill and a decode step, with a
-  tied embedding and with an LM head of its own."""
+  tied embedding and with an LM head of its own. (The fused-projections test's llama shapes: the
+  tied model's programs serve it.)"""
   import dataclasses
 
-  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
+  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                                 head_dim=8, d_ff=96, tie_embeddings=tied)
   model = transformer.Transformer(cfg, nnx.Rngs(0))
   major = nnx.eval_shape(lambda: transformer.Transformer(
