@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"areal_jax.envs.serve: cannot listen on {args.host}:{args.port} ({e.strerror})",
           file=sys.stderr)
     return 2
+  sock.listen(2048)  # connections queue from now on: the line below says the server is there
   port = sock.getsockname()[1]
   print(f"areal_jax.envs.serve: {args.env} on http://{args.host}:{port}", file=sys.stderr, flush=True)
   config = uvicorn.Config(server.app, log_level="warning", lifespan="off")
