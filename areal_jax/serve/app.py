@@ -61,7 +61,7 @@ class ServeContext:
   max_new_tokens: int
   temperature: float  # the default, and the one the learner trains at
   max_candidates: int = 8
-  chat_kwargs: dict = dataclasses.field(default_factory=dict)
+  enable_thinking: bool = True  # task.enable_thinking, passed to the chat template
   keep_turns: bool = False  # the sampler keeps each turn's KV for the conversation's next request
   status: Callable[[], dict] = dict  # extra fields for /health (loop liveness)
   keys: dict[bytes, str] | None = None  # API key -> key id (access.load_keys); None: no keys
@@ -76,7 +76,7 @@ class ServeContext:
     """The prompt's token ids; with ``limit``, a 400 ``context_length_exceeded`` for more tokens
     (before tokenizing when the text alone shows it)."""
     try:
-      text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **self.chat_kwargs)
+      text = protocol.chat_text(self.tokenizer, messages, self.enable_thinking)
       least = 0 if limit is None else self.token_bound.at_least(text)
       prompt = [] if limit is not None and least > limit else list(self.tokenizer.encode(text))
     except Exception as e:  # pylint: disable=broad-except  (the template rejects the conversation)

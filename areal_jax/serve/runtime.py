@@ -123,12 +123,12 @@ class ServeRuntime:
     self.judge = self._build_judge()
     self.status_line = ServeStatus(self._counters, s.status_every_s)
     c_roll = config.rollout
-    chat_kwargs = {} if config.task.enable_thinking else {"enable_thinking": False}
     self.context = ServeContext(
         tokenizer=self.tokenizer, dispatcher=self.dispatcher, store=self.store,
         model_name=s.model_name, max_prompt_len=c_roll.max_prompt_len,
         max_new_tokens=c_roll.max_new_tokens, temperature=c_roll.temperature,
-        max_candidates=min(s.max_candidates, c_roll.num_slots), chat_kwargs=chat_kwargs,
+        max_candidates=min(s.max_candidates, c_roll.num_slots),
+        enable_thinking=config.task.enable_thinking,
         keep_turns=s.keep_turns, status=self.status, keys=self.keys,
         rate_limit_per_min=s.rate_limit_per_min, max_body_bytes=s.max_body_bytes)
     self.app = build_app(self.context)

@@ -36,6 +36,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from areal_jax.serve import protocol
+
 log = logging.getLogger(__name__)
 
 
@@ -254,19 +256,21 @@ class TeacherStage:
       stats.setdefault(k, 0)
     stats.setdefault("teacher_s", 0.0)
 
-  def run_once(self, store, trainable: Callable[[dict], bool] | None = None) -> int:
-    """Scores what is hinted (up to ``limit`` turns, newest first); returns how many got a
-    judgement. ``trainable(row)`` False (the trainer would not train it: stale, another
-    temperature): judged without the teacher's forward."""
+  def run_once(self, store, trainable: Callable[[dict], bool] | None = None,
+               most: int | None = None) -> int:
+    """Scores what is hinted (up to ``limit`` turns, newest first; of those the trainable ones, at
+    most ``most``: the rest stay hinted); returns how many got a judgement. ``trainable(row)``
+    False (the trainer would not train it: stale, another temperature): judged without the
+    teacher's forward."""
     rows = store.hinted(self.limit)
     if not rows:
       return 0
     keep, results = [], []
     for r in rows:
-      if trainable is None or trainable(r):
-        keep.append(r)
-      else:
+      if trainable is not None and not trainable(r):
         results.append(judgement(self.signal, r["id"], r["score"], r["hint"]))
+      elif most is None or len(keep) < most:
+        keep.append(r)
     if keep:
       t0 = time.time()
       try:
@@ -287,13 +291,9 @@ class TeacherStage:
 
 def chat_encoder(tokenizer, enable_thinking: bool) -> Callable[[list[dict]], list[int]]:
   """``encode(messages)``: the token ids of the conversation with the chat template, as serving
-  encodes a request's messages."""
-  kwargs = {} if enable_thinking else {"enable_thinking": False}
-
-  def encode(messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-    return list(tokenizer.encode(text))
-  return encode
+  encodes a request's messages (``protocol.chat_text``)."""
+  return lambda messages: list(tokenizer.encode(protocol.chat_text(tokenizer, messages,
+                                                                   enable_thinking)))
 
 
 def build(config, model, mesh, tokenizer, at: str):

@@ -1,7 +1,8 @@
 """The trainer loop: judged turns in, new policy versions out to the serving engine.
 
-Before each step, with ``serve.teacher_at = "trainer"``, the OPD teacher scores the turns the judge
-left hinted (``serve/teacher.py``), on the learner's devices. Each step then takes the oldest ``actor.batch_size`` judged, untrained turns from the store:
+Each step takes the oldest ``actor.batch_size`` judged, untrained turns from the store. With
+``serve.teacher_at = "trainer"`` the OPD teacher (``serve/teacher.py``, on the learner's devices)
+first scores, newest first, as many of the turns the judge left hinted as the batch lacks:
   * only main turns (never side turns, never a last turn: the judge leaves those unjudgeable), and
     at most ``serve.max_key_share`` of the batch from any one API key (at least one turn), so that
     one user cannot steer the policy alone; a key's turns over its share wait for later batches;
@@ -178,19 +179,13 @@ class TrainerLoop:
   def step(self) -> bool:
     """One train step if a batch of judged turns is ready; False when there is none yet."""
     version = self.learner.version
-    if self.teaching is not None:  # the hinted turns become judged first (no forward for stale ones)
-      self.teaching.run_once(self.store, lambda r: self._skip_reason(r, version) is None)
-    rows, skip, per_key = [], {}, collections.Counter()
-    capped = self.per_key < self.batch_size
-    for row in self.store.trainable(4 * self.batch_size + 64,
-                                    4 * self.per_key + 16 if capped else None):
-      reason = self._skip_reason(row, version)
-      if reason:
-        skip.setdefault(reason, []).append(row["id"])
-      elif len(rows) < self.batch_size and (row["key_id"] is None
-                                            or per_key[row["key_id"]] < self.per_key):
-        rows.append(row)
-        per_key[row["key_id"]] += 1
+    rows, skip = self._pick(version)
+    if self.teaching is not None and len(rows) < self.batch_size:
+      # The teacher scores, newest first, only as many hinted turns as the batch lacks (no forward
+      # for stale ones): a scored turn the batch did not take would wait and could go stale.
+      trainable = lambda r: self._skip_reason(r, version) is None  # noqa: E731
+      if self.teaching.run_once(self.store, trainable, most=self.batch_size - len(rows)):
+        rows, skip = self._pick(version)
     for reason, ids in skip.items():
       self.store.mark(ids, "stale", version + 1)
       self.stats["stale" if reason == "stale" else "off_policy_temperature"] += len(ids)
@@ -227,6 +222,22 @@ class TrainerLoop:
         clip_frac=metrics.get("clip_frac"), behav_weight_max=metrics.get("behav_weight_max"),
         **self.stats))
     return True
+
+  def _pick(self, version: int) -> tuple[list[dict], dict[str, list[int]]]:
+    """The oldest judged, untrained turns for a batch (at most ``serve.max_key_share`` of it from
+    one key) and, by reason, the ids of those that may never be trained at ``version``."""
+    rows, skip, per_key = [], {}, collections.Counter()
+    capped = self.per_key < self.batch_size
+    for row in self.store.trainable(4 * self.batch_size + 64,
+                                    4 * self.per_key + 16 if capped else None):
+      reason = self._skip_reason(row, version)
+      if reason:
+        skip.setdefault(reason, []).append(row["id"])
+      elif len(rows) < self.batch_size and (row["key_id"] is None
+                                            or per_key[row["key_id"]] < self.per_key):
+        rows.append(row)
+        per_key[row["key_id"]] += 1
+    return rows, skip
 
   def _rewards(self, rows: list[dict]) -> tuple[list[list[float]], float | None]:
     """Each row's scalar reward (``signal_w_rl`` times its advantage; 0 with ``signal = "opd"``

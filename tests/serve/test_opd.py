@@ -431,3 +431,22 @@ def test_the_trainer_s_teacher_spends_no_forward_on_a_turn_it_would_not_train(tm
   row = store.get(old)
   assert (row["judge_status"], row["teacher"], row["train_status"]) == ("judged", None, "stale")
   assert trainer.stats["stale"] == 1 and trainer.stats["teacher_turns"] == 0
+
+
+def test_the_trainer_s_teacher_scores_only_what_the_batch_lacks(tmp_path):
+  """Each pass the teacher scores, newest first, as many hinted turns as the next batch still
+  needs, so every turn it scores is trained by that step; the others wait hinted."""
+  store, judge, trainer, teacher = _loops(tmp_path, "combined", batch=2, teacher_at="trainer")
+  hinted = [_conversation(store, s, "that's wrong. " + TEACH)[0] for s in "abcd"]
+  right, _ = _conversation(store, "e", "right")  # judged at once: no hint, no teacher
+  judge.run_once(now=2000.0)
+  assert trainer.step()
+  assert [t for t, _ in teacher.asked] == [hinted[3]]  # the batch had one turn: it lacked one
+  assert sorted(trainer.learner.steps[0][0]) == sorted([right, hinted[3]])
+  assert [store.get(i)["judge_status"] for i in hinted[:3]] == ["hinted"] * 3
+  assert trainer.step()
+  assert [t for t, _ in teacher.asked] == [hinted[3], hinted[2], hinted[1]]
+  assert sorted(trainer.learner.steps[1][0]) == sorted(hinted[1:3])
+  trained = {i for ids, _, _ in trainer.learner.steps for i in ids}
+  assert {t for t, _ in teacher.asked} <= trained  # no forward for a turn left untrained
+  assert trainer.stats["teacher_turns"] == 3 and store.get(hinted[0])["judge_status"] == "hinted"
