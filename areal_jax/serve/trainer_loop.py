@@ -1,8 +1,8 @@
 """The trainer loop: judged turns in, new policy versions out to the serving engine.
 
-Each step takes the oldest ``actor.batch_size`` judged, untrained turns from the store. With
-``serve.teacher_at = "trainer"`` the OPD teacher (``serve/teacher.py``, on the learner's devices)
-first scores, newest first, as many of the turns the judge left hinted as the batch lacks:
+With ``serve.teacher_at = "trainer"`` the OPD teacher (``serve/teacher.py``, on the learner's
+devices) first scores, newest first, as many of the turns the judge left hinted as the next batch
+lacks. Each step then takes the oldest ``actor.batch_size`` judged, untrained turns from the store:
   * only main turns (never side turns, never a last turn: the judge leaves those unjudgeable), and
     at most ``serve.max_key_share`` of the batch from any one API key (at least one turn), so that
     one user cannot steer the policy alone; a key's turns over its share wait for later batches;
