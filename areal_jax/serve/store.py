@@ -186,10 +186,12 @@ class TurnStore:
         "FROM turns WHERE session_id = ? AND key_id IS ?", (session_id, key_id)).fetchone()
     return {"done": bool(done), "main_turns": main}
 
-  def trainable(self, limit: int, per_key: int | None = None) -> list[dict]:
+  def trainable(self, limit: int, per_key: int | None = None, hinted: bool = False) -> list[dict]:
     """Judged, untrained main turns, oldest first; with ``per_key``, at most that many of each key
-    id (so that one key's backlog cannot hide the others' turns)."""
-    where = "judge_status = 'judged' AND train_status = 'new' AND turn_type = 'main'"
+    id (so that one key's backlog cannot hide the others' turns); with ``hinted``, the turns still
+    waiting for the teacher too, in the same order (a trainer that runs the teacher itself)."""
+    judged = "judge_status IN ('judged', 'hinted')" if hinted else "judge_status = 'judged'"
+    where = f"{judged} AND train_status = 'new' AND turn_type = 'main'"
     if per_key is None:
       return self._rows(f"SELECT * FROM turns WHERE {where} ORDER BY id LIMIT ?", (limit,))
     rows = self._rows(

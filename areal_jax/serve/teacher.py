@@ -245,10 +245,10 @@ def judgement(signal: str, turn_id: int, score, hint=None, teacher=None) -> tupl
 
 
 class TeacherStage:
-  """Judges the ``hinted`` turns: the teacher scores their responses under their hints (one batched
-  call a pass, at most ``limit`` turns) and each gets its judgement (``judgement``). Counts into
-  ``stats`` (its owner's): ``teacher_turns`` sent, ``teacher_scored``, ``teacher_s``,
-  ``teacher_errors``. A teacher's failure leaves the turns hinted: the next pass tries again."""
+  """Judges ``hinted`` turns: the teacher scores their responses under their hints (one batched
+  call) and each gets its judgement (``judgement``). Counts into ``stats`` (its owner's):
+  ``teacher_turns`` sent, ``teacher_scored``, ``teacher_s``, ``teacher_errors``. A teacher's
+  failure leaves the turns hinted: the next pass tries again."""
 
   def __init__(self, teacher, signal: str, stats: dict, limit: int = 64):
     self.teacher, self.signal, self.stats, self.limit = teacher, signal, stats, limit
@@ -256,37 +256,35 @@ class TeacherStage:
       stats.setdefault(k, 0)
     stats.setdefault("teacher_s", 0.0)
 
-  def run_once(self, store, trainable: Callable[[dict], bool] | None = None,
-               most: int | None = None) -> int:
-    """Scores what is hinted (up to ``limit`` turns, newest first; of those the trainable ones, at
-    most ``most``: the rest stay hinted); returns how many got a judgement. ``trainable(row)``
-    False (the trainer would not train it: stale, another temperature): judged without the
-    teacher's forward."""
+  def run_once(self, store) -> int:
+    """Scores the newest ``limit`` hinted turns (when the teacher falls behind, the freshest are
+    the ones worth training); returns how many got a judgement."""
     rows = store.hinted(self.limit)
-    if not rows:
-      return 0
-    keep, results = [], []
-    for r in rows:
-      if trainable is not None and not trainable(r):
-        results.append(judgement(self.signal, r["id"], r["score"], r["hint"]))
-      elif most is None or len(keep) < most:
-        keep.append(r)
-    if keep:
-      t0 = time.time()
-      try:
-        scored = self.teacher.score([(r, r["hint"]) for r in keep])
-      except Exception as e:  # pylint: disable=broad-except  (a teacher server's outage: retry)
-        self.stats["teacher_errors"] += 1
-        log.warning("the teacher failed on %d turns: %s", len(keep), e)
-        scored = None
-      if scored is not None:
-        self.stats["teacher_s"] += time.time() - t0
-        self.stats["teacher_turns"] += len(keep)
-        self.stats["teacher_scored"] += sum(t is not None for t in scored)
-        results += [judgement(self.signal, r["id"], r["score"], r["hint"], t)
-                    for r, t in zip(keep, scored)]
+    return len(rows) if rows and self.score(store, rows) else 0
+
+  def score(self, store, rows: list[dict]) -> list[tuple] | None:
+    """The teacher scores ``rows`` (hinted turns) and their judgements are stored; returns them
+    (``judgement``'s tuples, in the order of ``rows``), or None when the teacher failed."""
+    t0 = time.time()
+    try:
+      scored = self.teacher.score([(r, r["hint"]) for r in rows])
+    except Exception as e:  # pylint: disable=broad-except  (a teacher server's outage: retry)
+      self.stats["teacher_errors"] += 1
+      log.warning("the teacher failed on %d turns: %s", len(rows), e)
+      return None
+    self.stats["teacher_s"] += time.time() - t0
+    self.stats["teacher_turns"] += len(rows)
+    self.stats["teacher_scored"] += sum(t is not None for t in scored)
+    results = [judgement(self.signal, r["id"], r["score"], r["hint"], t)
+               for r, t in zip(rows, scored)]
     store.set_judgements(results, from_status="hinted")
-    return len(results)
+    return results
+
+  def release(self, store, rows: list[dict]) -> None:
+    """Judges hinted turns without the teacher's forward (turns nobody will train: stale, another
+    temperature), so that they leave the hinted state and are counted where they belong."""
+    store.set_judgements([judgement(self.signal, r["id"], r["score"], r["hint"]) for r in rows],
+                         from_status="hinted")
 
 
 def chat_encoder(tokenizer, enable_thinking: bool) -> Callable[[list[dict]], list[int]]:

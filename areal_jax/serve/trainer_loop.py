@@ -1,8 +1,11 @@
 """The trainer loop: judged turns in, new policy versions out to the serving engine.
 
-With ``serve.teacher_at = "trainer"`` the OPD teacher (``serve/teacher.py``, on the learner's
-devices) first scores, newest first, as many of the turns the judge left hinted as the next batch
-lacks. Each step then takes the oldest ``actor.batch_size`` judged, untrained turns from the store:
+Each step takes the oldest ``actor.batch_size`` judged, untrained turns from the store. With
+``serve.teacher_at = "trainer"`` the turns the judge left hinted (waiting for the OPD teacher) take
+their place in that order too, and the teacher (``serve/teacher.py``, on the learner's devices)
+scores the hinted turns of the batch just before its step: every forward it runs is trained, and a
+turn with a hint (in the demo, a wrong answer) trains when its turn comes, not when the teacher
+has time. The batch's rules:
   * only main turns (never side turns, never a last turn: the judge leaves those unjudgeable), and
     at most ``serve.max_key_share`` of the batch from any one API key (at least one turn), so that
     one user cannot steer the policy alone; a key's turns over its share wait for later batches;
@@ -98,7 +101,7 @@ class TrainerLoop:
     if self.signal != "binary":
       self.stats["taught"] = 0  # turns trained with the teacher's term
     self.teaching = None if teacher is None or self.signal == "binary" else \
-        TeacherStage(teacher, self.signal, self.stats, limit=2 * self.batch_size)
+        TeacherStage(teacher, self.signal, self.stats)
     self.error: str | None = None
     self._stop = threading.Event()
     self._killed = False
@@ -179,18 +182,22 @@ class TrainerLoop:
   def step(self) -> bool:
     """One train step if a batch of judged turns is ready; False when there is none yet."""
     version = self.learner.version
-    rows, skip = self._pick(version)
-    if self.teaching is not None and len(rows) < self.batch_size:
-      # The teacher scores, newest first, only as many hinted turns as the batch lacks (no forward
-      # for stale ones): a scored turn the batch did not take would wait and could go stale.
-      trainable = lambda r: self._skip_reason(r, version) is None  # noqa: E731
-      if self.teaching.run_once(self.store, trainable, most=self.batch_size - len(rows)):
-        rows, skip = self._pick(version)
-    for reason, ids in skip.items():
-      self.store.mark(ids, "stale", version + 1)
-      self.stats["stale" if reason == "stale" else "off_policy_temperature"] += len(ids)
-    if len(rows) < self.batch_size or self._stop.is_set():
-      return False
+    while True:
+      rows, skip = self._pick(version)
+      for reason, skipped in skip.items():
+        if self.teaching is not None:  # a hinted turn nobody will train: judged without a forward
+          self.teaching.release(self.store, [r for r in skipped if r["judge_status"] == "hinted"])
+        self.store.mark([r["id"] for r in skipped], "stale", version + 1)
+        self.stats["stale" if reason == "stale" else "off_policy_temperature"] += len(skipped)
+      if len(rows) < self.batch_size or self._stop.is_set():
+        return False
+      waiting = [r for r in rows if r["judge_status"] == "hinted"]
+      if not waiting:
+        break
+      # The teacher scores this batch's hinted turns, then the batch is read again: a turn the
+      # teacher could not score may have left it (opd: no signal) and the next one takes its place.
+      if self.teaching.score(self.store, waiting) is None:
+        return False  # the teacher failed: the turns stay hinted, the next pass tries again
     t0 = time.time()
     rewards, baseline = self._rewards(rows)
     samples = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
@@ -223,16 +230,18 @@ class TrainerLoop:
         **self.stats))
     return True
 
-  def _pick(self, version: int) -> tuple[list[dict], dict[str, list[int]]]:
-    """The oldest judged, untrained turns for a batch (at most ``serve.max_key_share`` of it from
-    one key) and, by reason, the ids of those that may never be trained at ``version``."""
+  def _pick(self, version: int) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The oldest judged (or, with the teacher here, hinted) untrained turns for a batch (at most
+    ``serve.max_key_share`` of it from one key) and, by reason, those that may never be trained
+    at ``version``."""
     rows, skip, per_key = [], {}, collections.Counter()
     capped = self.per_key < self.batch_size
     for row in self.store.trainable(4 * self.batch_size + 64,
-                                    4 * self.per_key + 16 if capped else None):
+                                    4 * self.per_key + 16 if capped else None,
+                                    hinted=self.teaching is not None):
       reason = self._skip_reason(row, version)
       if reason:
-        skip.setdefault(reason, []).append(row["id"])
+        skip.setdefault(reason, []).append(row)
       elif len(rows) < self.batch_size and (row["key_id"] is None
                                             or per_key[row["key_id"]] < self.per_key):
         rows.append(row)

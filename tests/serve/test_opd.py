@@ -294,13 +294,15 @@ class _Teacher:
   """The teacher's logprob of each response token: -1, -2, ... (no forward)."""
 
   def __init__(self):
-    self.asked, self.fail = [], False
+    self.asked, self.fail, self.cannot = [], False, set()
 
   def score(self, items):
+    """``cannot``: turn ids it returns None for (as for a hinted prompt past its length)."""
     if self.fail:
       raise ConnectionError("the teacher is down")
     self.asked += [(turn["id"], hint) for turn, hint in items]
-    return [{"logprobs": [-float(i + 1) for i in range(len(turn["completion_tokens"]))]}
+    return [None if turn["id"] in self.cannot else
+            {"logprobs": [-float(i + 1) for i in range(len(turn["completion_tokens"]))]}
             for turn, _ in items]
 
 
@@ -413,7 +415,7 @@ def test_with_the_teacher_at_the_trainer_hinted_turns_wait_for_it_and_survive_it
   assert store.get(a)["judge_status"] == "hinted"
   teacher.fail = False
   assert trainer.step()
-  assert [t for t, _ in teacher.asked] == [b, a]  # newest first
+  assert [t for t, _ in teacher.asked] == [a, b]  # the batch's hinted turns, in its order
   assert trainer.stats["teacher_turns"] == trainer.stats["teacher_scored"] == 2
   (ids, _, teachers), = trainer.learner.steps
   assert sorted(ids) == [a, b] and all(t[0].logprobs == [-1.0, -2.0, -3.0] for t in teachers)
@@ -421,32 +423,51 @@ def test_with_the_teacher_at_the_trainer_hinted_turns_wait_for_it_and_survive_it
 
 
 def test_the_trainer_s_teacher_spends_no_forward_on_a_turn_it_would_not_train(tmp_path):
-  """A hinted turn already more than ``serve.max_staleness`` versions old is judged without the
-  teacher (combined: by its score alone) and then counted stale, never trained."""
+  """Hinted turns already more than ``serve.max_staleness`` versions old are judged without the
+  teacher (combined: by their score alone) and counted stale, never trained: all of them, however
+  many (more than twice the batch here), so that none stays hinted for ever."""
   store, judge, trainer, teacher = _loops(tmp_path, "combined", batch=1, teacher_at="trainer")
-  old, _ = _conversation(store, "a", "that's wrong. " + TEACH)
+  old = [_conversation(store, s, "that's wrong. " + TEACH)[0] for s in "abc"]
   judge.run_once(now=2000.0)
-  trainer.learner.version = trainer.config.serve.max_staleness + 1  # the turn's tokens: version 0
+  trainer.learner.version = trainer.config.serve.max_staleness + 1  # the turns' tokens: version 0
   assert not trainer.step() and not teacher.asked
-  row = store.get(old)
-  assert (row["judge_status"], row["teacher"], row["train_status"]) == ("judged", None, "stale")
-  assert trainer.stats["stale"] == 1 and trainer.stats["teacher_turns"] == 0
+  for row in map(store.get, old):
+    assert (row["judge_status"], row["teacher"], row["train_status"]) == ("judged", None, "stale")
+  assert trainer.stats["stale"] == 3 and trainer.stats["teacher_turns"] == 0
 
 
-def test_the_trainer_s_teacher_scores_only_what_the_batch_lacks(tmp_path):
-  """Each pass the teacher scores, newest first, as many hinted turns as the next batch still
-  needs, so every turn it scores is trained by that step; the others wait hinted."""
+def test_hinted_turns_train_in_arrival_order_and_the_teacher_scores_only_the_batch_s(tmp_path):
+  """A hinted turn (here a wrong answer with the user's correction) keeps its place among the
+  judged ones: each batch is the oldest turns, and the teacher scores the hinted turns of that
+  batch, so every forward it runs is trained; the turns after the batch wait unscored."""
   store, judge, trainer, teacher = _loops(tmp_path, "combined", batch=2, teacher_at="trainer")
-  hinted = [_conversation(store, s, "that's wrong. " + TEACH)[0] for s in "abcd"]
-  right, _ = _conversation(store, "e", "right")  # judged at once: no hint, no teacher
+  wrong = _conversation(store, "a", "that's wrong. " + TEACH)[0]
+  right = _conversation(store, "b", "right")[0]  # judged at once: no hint, no teacher
+  later = [_conversation(store, s, "that's wrong. " + TEACH)[0] for s in "cde"]
   judge.run_once(now=2000.0)
   assert trainer.step()
-  assert [t for t, _ in teacher.asked] == [hinted[3]]  # the batch had one turn: it lacked one
-  assert sorted(trainer.learner.steps[0][0]) == sorted([right, hinted[3]])
-  assert [store.get(i)["judge_status"] for i in hinted[:3]] == ["hinted"] * 3
+  assert [t for t, _ in teacher.asked] == [wrong]
+  assert sorted(trainer.learner.steps[0][0]) == sorted([wrong, right])
   assert trainer.step()
-  assert [t for t, _ in teacher.asked] == [hinted[3], hinted[2], hinted[1]]
-  assert sorted(trainer.learner.steps[1][0]) == sorted(hinted[1:3])
-  trained = {i for ids, _, _ in trainer.learner.steps for i in ids}
-  assert {t for t, _ in teacher.asked} <= trained  # no forward for a turn left untrained
-  assert trainer.stats["teacher_turns"] == 3 and store.get(hinted[0])["judge_status"] == "hinted"
+  assert [t for t, _ in teacher.asked] == [wrong] + later[:2]
+  assert sorted(trainer.learner.steps[1][0]) == later[:2]
+  assert not trainer.step()  # one turn left: no batch, and no forward for it
+  assert trainer.stats["teacher_turns"] == 3 and store.get(later[2])["judge_status"] == "hinted"
+  (_, rewards, teachers), _ = trainer.learner.steps
+  by_id = dict(zip(trainer.learner.steps[0][0], zip(rewards, teachers)))
+  assert by_id[wrong][0] < 0.0 < by_id[right][0]  # the wrong answer's score trains too
+  assert by_id[wrong][1][0].logprobs == [-1.0, -2.0, -3.0] and by_id[right][1][0] is None
+
+
+def test_a_turn_the_teacher_cannot_score_leaves_the_batch_to_the_next_one(tmp_path):
+  """opd: a hinted turn the teacher returns nothing for has no signal (unjudgeable); the batch
+  is read again and the next turn, scored in its turn, takes its place."""
+  store, judge, trainer, teacher = _loops(tmp_path, "opd", batch=2, teacher_at="trainer")
+  turns = [_conversation(store, s, TEACH)[0] for s in "abc"]
+  teacher.cannot = {turns[0]}
+  judge.run_once(now=2000.0)
+  assert trainer.step()
+  assert [t for t, _ in teacher.asked] == turns
+  assert sorted(trainer.learner.steps[0][0]) == turns[1:]
+  assert store.get(turns[0])["judge_status"] == "unjudgeable"
+  assert store.get(turns[0])["train_status"] == "new"  # never trained, never counted stale
