@@ -1,6 +1,8 @@
 """A pytest plugin that measures where the suite's time goes: per test its wall time (setup, call
-and teardown), the XLA compile time and number of compilations, the persistent-cache hits and the
-time spent tracing and lowering to MLIR; written as a Markdown table per module, sorted by time.
+and teardown), its CPU time (the suite keeps both cores of a 2-core machine busy, so it is bound
+by the sum of these, not of the wall times), the XLA compile time and number of compilations, the
+persistent-cache hits and the time spent tracing and lowering to MLIR; written as a Markdown table
+per module, sorted by CPU time.
 
 Enabled by ``--compile-table=PATH`` (tests/conftest.py registers it; ``make test-table`` runs the
 whole suite with it into test-table.md). Under pytest-xdist each worker sends its records to the
@@ -22,6 +24,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import subprocess
 import threading
 import time
@@ -88,11 +91,12 @@ class CompileTable:
   @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_protocol(self, item, nextitem):
     before = self.counters.snapshot() if self.counters else None
-    start = time.time()
+    start, cpu = time.time(), _cpu_s()
     yield
     end = time.time()
     record = {"nodeid": item.nodeid, "module": item.nodeid.split("::")[0],
               "worker": self.worker, "start": start, "wall_s": end - start,
+              "cpu_s": _cpu_s() - cpu,
               "slow": item.get_closest_marker("slow") is not None}
     if before is not None:
       after = self.counters.snapshot()
@@ -113,6 +117,14 @@ class CompileTable:
   def pytest_terminal_summary(self, terminalreporter):
     if self.path:
       terminalreporter.write_line(f"compile table: {self.path}")
+
+
+def _cpu_s() -> float:
+  """CPU seconds (user + system) of this process's threads and of the child processes it has
+  waited for: a subprocess or server a test starts and stops counts in that test; one still
+  running at the test's end (a module's Ray cluster) counts in the test during which it ends."""
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _uses_xdist(config) -> bool:
@@ -166,14 +178,16 @@ def render(records: list[dict], t0: float, t1: float, config=None) -> str:
       f"{t1 - t0:.0f} s.",
       "",
       "Wall s: per test, setup + call + teardown (a module-scoped fixture counts in its first "
-      "test), summed over the tests, which xdist workers run side by side. Compile s and "
+      "test), summed over the tests, which xdist workers run side by side. CPU s: the CPU time "
+      "of the test's process and of the child processes it started and waited for (a Ray "
+      "cluster's counts when it stops). Compile s and "
       "compilations: XLA compilations in the test processes; cache hits: programs served by the "
       "session's persistent compilation cache instead (hit s: their load time); trace s: tracing "
       "and lowering to MLIR. Not seen: compilations in the subprocesses, Ray actors and servers "
       "the tests start.",
       "",
-      "| | tests | wall s | compile s | compilations | cache hits | hit s | trace s |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|",
+      "| | tests | wall s | CPU s | compile s | compilations | cache hits | hit s | trace s |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
       _row("**total**", records, bold=True),
       "",
       "## Per module",
@@ -181,19 +195,19 @@ def render(records: list[dict], t0: float, t1: float, config=None) -> str:
       "Workers: how many xdist workers ran some of the module's tests (each one builds the "
       "module's module-scoped fixtures).",
       "",
-      "| module | tests | wall s | compile s | compilations | cache hits | hit s | trace s | "
-      "workers |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "| module | tests | wall s | CPU s | compile s | compilations | cache hits | hit s | "
+      "trace s | workers |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  for module, rs in sorted(by_module.items(), key=lambda kv: -_sum(kv[1], "wall_s")):
+  for module, rs in sorted(by_module.items(), key=lambda kv: -_sum(kv[1], "cpu_s")):
     lines.append(_row(f"`{module}`", rs) + f" {len({r['worker'] for r in rs})} |")
-  lines += ["", "## Slowest tests", "",
-            "| test | wall s | compile s | compilations | cache hits |",
-            "|---|---:|---:|---:|---:|"]
-  for r in sorted(records, key=lambda r: -r["wall_s"])[:30]:
+  lines += ["", "## Tests that took the most CPU time", "",
+            "| test | wall s | CPU s | compile s | compilations | cache hits |",
+            "|---|---:|---:|---:|---:|---:|"]
+  for r in sorted(records, key=lambda r: -r.get("cpu_s", 0.0))[:30]:
     lines.append(f"| `{r['nodeid']}`{' (slow)' if r.get('slow') else ''} | {r['wall_s']:.1f} | "
-                 f"{r.get('compile_s', 0):.1f} | {int(r.get('compiles', 0))} | "
-                 f"{int(r.get('hits', 0))} |")
+                 f"{r.get('cpu_s', 0):.1f} | {r.get('compile_s', 0):.1f} | "
+                 f"{int(r.get('compiles', 0))} | {int(r.get('hits', 0))} |")
   lines += ["", "## Workers", "",
             "Busy s: the sum of the worker's test times; last end: when its last test ended, "
             "from the session's start (a worker that ends early idles until the other is done).",
@@ -206,7 +220,8 @@ def render(records: list[dict], t0: float, t1: float, config=None) -> str:
 
 
 def _row(name, rs, bold=False):
-  cells = [str(len(rs)), f"{_sum(rs, 'wall_s'):.1f}", f"{_sum(rs, 'compile_s'):.1f}",
+  cells = [str(len(rs)), f"{_sum(rs, 'wall_s'):.1f}", f"{_sum(rs, 'cpu_s'):.1f}",
+           f"{_sum(rs, 'compile_s'):.1f}",
            str(int(_sum(rs, "compiles"))), str(int(_sum(rs, "hits"))), f"{_sum(rs, 'hit_s'):.1f}",
            f"{_sum(rs, 'trace_s'):.1f}"]
   if bold:
