@@ -27,7 +27,7 @@ def pallas_gpu_tuning(spec: str | None = None) -> pallas_attention.PagedTuning:
   or the fields asked for (``bench/paged_kernel.py`` times them). ``writes=1`` runs a paged decode
   step's cache writes and attention as one kernel of our own instead (``pallas_paged_step``: 8
   kernels a layer against 13 at the SmolLM2 shape); not the default: an engine times it against
-  JAX's kernel before it decodes (``choice.launch_stages``).
+  JAX's kernel before it decodes (``decode_launch.launch_stages``).
   ``$AREAL_JAX_PALLAS_GPU_PAGED`` sets fields (``block_pages=2,parts=4,warps=4,stages=3,bound=1,
   writes=1,dot=1``), ``$AREAL_JAX_PALLAS_GPU_BLOCK_PAGES`` the pages a block alone; read when a
   program is traced, or the launch of the ``launching`` context it is traced in (an engine's,
@@ -89,7 +89,7 @@ def norm_matmuls(platform: str, one_device: bool, spec: str | None = None,
   norm and the q/k/v projection as one Pallas GPU kernel, the norm, the gate/up projection and
   SwiGLU as another; 3 kernels a layer fewer), or None: as written (a norm kernel, a GEMM, a
   SwiGLU kernel). Off unless asked: an engine times it before it decodes
-  (``choice.launch_stages``; slower than cuBLAS's GEMMs on an H200,
+  (``decode_launch.launch_stages``; slower than cuBLAS's GEMMs on an H200,
   ``bench/results/h200-2026-11-30-2b4ab86``). ``$AREAL_JAX_DECODE_NORM_MATMUL`` (``spec``: the same
   syntax instead): ``1``, or the launch's fields (``block_n=32,warps=8,stages=3``); ``0`` or
   unset: off. Taken on a GPU, and on a CPU in Pallas interpret mode (tests), by an engine over one

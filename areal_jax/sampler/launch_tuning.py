@@ -4,23 +4,23 @@ On a GPU some launches take kernels off each decode step (our paged step kernel 
 keys and values, ``writes``, with or without tensor-core dots; each RMSNorm in one kernel with the
 matmul after it, ``norms``) or the host's launches off each call (the call's loop over its steps in
 CUDA graphs, ``graphs``), or run its matmuls otherwise (XLA's own autotuned GEMMs instead of the
-vendor library's, ``matmul``; ``kernels.choice.launch_stages``), but whether a step runs faster
-with them turns on the GPU, the model's shape and the library versions (on one H200 a launch was
-kept at one decode shape and not at the other, ``bench/results/h200-2026-11-30-c75e3df``). So the
-engine measures them where it runs, once, before its first decode call, stage by stage (the paged
-step kernel, the norms, the graphs, the matmuls, each on what the stages before it kept): ``tune``
-compiles the widest decode program (every slot, the kv bucket of half the positions) under each
-launch (``progress`` told before each compile), arms every slot at that position (each over pages
-of its own on a paged cache), times ``rounds`` calls of each launch in turn (alternating, so a
+vendor library's, ``matmul``; ``kernels.decode_launch.launch_stages``), but whether a step runs
+faster with them turns on the GPU, the model's shape and the library versions (on one H200 a launch
+was kept at one decode shape and not at the other, ``bench/results/h200-2026-11-30-c75e3df``). So
+the engine measures them where it runs, once, before its first decode call, stage by stage (the
+paged step kernel, the norms, the graphs, the matmuls, each on what the stages before it kept):
+``tune`` compiles the widest decode program (every slot, the kv bucket of half the positions) under
+each launch (``progress`` told before each compile), arms every slot at that position (each over
+pages of its own on a paged cache), times ``rounds`` calls of each launch in turn (alternating, so a
 drift of the clock or the load spreads over all of them), and keeps the one whose best call was
 fastest; the stage's first launch (the engine's own, then the one kept so far) stays unless another
 is at least ``MARGIN`` faster. A launch that fails to compile or run is dropped with a warning;
 where the engine's own took over ``MAX_COMPILE_S`` to compile, nothing else is tried (each would
-cost about as much again before the first decode), and no stage is started once the timing has
-taken ``MAX_TUNE_S``. The sampler's memory plan counted the engine's own launch's decode call; a
-stage keeps another launch only if it fits the plan too (its decode call at every slot and the
-largest kv bucket, compiled as the plan's was: ``within_plan``; one whose program there fails to
-compile is dropped too), else the fastest of the rest.
+cost about as much again before the first decode), and no stage is started once the timing has taken
+``MAX_TUNE_S``. The sampler's memory plan counted the engine's own launch's decode call; a stage
+keeps another launch only if it fits the plan too (its decode call at every slot and the largest kv
+bucket, compiled as the plan's was: ``within_plan``; one whose program there fails to compile is
+dropped too), else the fastest of the rest.
 
 The tests run these kernels in interpret mode only, never compiled on a GPU, so a faster launch is
 kept only if it computes what the engine's own does: each launch's first call (its compile) decodes

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from areal_jax.kernels import choice, pallas_attention, pallas_norm_matmul
+from areal_jax.kernels import choice, decode_launch, pallas_attention, pallas_norm_matmul
 from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import engine as engine_lib
 from areal_jax.sampler import launch_tuning, memory, sampling
@@ -225,7 +225,7 @@ def test_then_the_kept_launch_s_loop_in_cuda_graphs_is_timed(model, monkeypatch)
                                                  "writes=1+graphs:unrolled"]
   assert not report["failed"] and len(_group(eng)) == 5
   # options this XLA does not know: the launch fails to compile and is dropped
-  monkeypatch.setattr(choice, "COMMAND_BUFFERS", "FUSION,NO_SUCH_COMMAND")
+  monkeypatch.setattr(decode_launch, "COMMAND_BUFFERS", "FUSION,NO_SUCH_COMMAND")
   eng = DecodeEngine(model, dataclasses.replace(CONFIG, steps_per_call=2))
   measure, _ = _costs(eng, {"default": 1.0, "graphs": 0.1})
   _, report = launch_tuning.tune(eng, eng.init_state(),
