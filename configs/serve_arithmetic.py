@@ -29,7 +29,9 @@ evaluator), 0.26 before:
     (version 5), 0.56 (version 25), 0.74 (version 45); ~25 minutes.
 The signals (``--signal``, each with its default users; AMD EPYC, 2 cores, 2026-12-05, b0c6434;
 bench/results/serve-signals-2026-12-05-b0c6434), one run each: opd from users who only explain
-0.26 -> 0.42, combined 0.26 -> 0.34, binary 0.26 -> 0.65.
+0.26 -> 0.42, combined 0.26 -> 0.34, binary 0.26 -> 0.65; with the same users (``--feedback=both``,
+2026-12-06, bench/results/serve-signals-2026-12-06-96cce5f) binary 0.26 -> 0.61, combined 0.26 ->
+0.35 (0.39 with ``serve.signal_w_opd = 0.25``).
 """
 
 from areal_jax.config import lock
