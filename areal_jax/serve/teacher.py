@@ -280,9 +280,15 @@ class TeacherStage:
     store.set_judgements(results, from_status="hinted")
     return results
 
+  def trains_without(self, row: dict) -> bool:
+    """Whether the hinted turn ``row`` has a signal without the teacher's logprobs (combined: its
+    score)."""
+    return judgement(self.signal, row["id"], row["score"], row["hint"])[1] == "judged"
+
   def release(self, store, rows: list[dict]) -> None:
-    """Judges hinted turns without the teacher's forward (turns nobody will train: stale, another
-    temperature), so that they leave the hinted state and are counted where they belong."""
+    """Judges hinted turns without the teacher's forward, so that they leave the hinted state:
+    turns nobody will train (stale, another temperature), or, when the teacher failed, turns their
+    score trains alone."""
     store.set_judgements([judgement(self.signal, r["id"], r["score"], r["hint"]) for r in rows],
                          from_status="hinted")
 

@@ -182,8 +182,9 @@ class TrainerLoop:
   def step(self) -> bool:
     """One train step if a batch of judged turns is ready; False when there is none yet."""
     version = self.learner.version
+    down: set[int] = set()  # hinted turns left waiting in this step: the teacher failed
     while True:
-      rows, skip = self._pick(version)
+      rows, skip = self._pick(version, exclude=down)
       for reason, skipped in skip.items():
         if self.teaching is not None:  # a hinted turn nobody will train: judged without a forward
           self.teaching.release(self.store, [r for r in skipped if r["judge_status"] == "hinted"])
@@ -196,8 +197,12 @@ class TrainerLoop:
         break
       # The teacher scores this batch's hinted turns, then the batch is read again: a turn the
       # teacher could not score may have left it (opd: no signal) and the next one takes its place.
-      if self.teaching.score(self.store, waiting) is None:
-        return False  # the teacher failed: the turns stay hinted, the next pass tries again
+      if down or self.teaching.score(self.store, waiting) is None:
+        # The teacher failed (it is asked once a step): a turn that can train on its score alone
+        # (combined) does so; the others stay hinted for the next step's teacher.
+        alone = [r for r in waiting if self.teaching.trains_without(r)]
+        self.teaching.release(self.store, alone)
+        down |= {r["id"] for r in waiting} - {r["id"] for r in alone}
     t0 = time.time()
     rewards, baseline = self._rewards(rows)
     samples = [[Sample(r["id"], 0, r["prompt_tokens"], r["completion_tokens"], r["logprobs"],
@@ -230,15 +235,17 @@ class TrainerLoop:
         **self.stats))
     return True
 
-  def _pick(self, version: int) -> tuple[list[dict], dict[str, list[dict]]]:
+  def _pick(self, version: int, exclude=frozenset()) -> tuple[list[dict], dict[str, list[dict]]]:
     """The oldest judged (or, with the teacher here, hinted) untrained turns for a batch (at most
-    ``serve.max_key_share`` of it from one key) and, by reason, those that may never be trained
-    at ``version``."""
+    ``serve.max_key_share`` of it from one key; none of the ids in ``exclude``) and, by reason,
+    those that may never be trained at ``version``."""
     rows, skip, per_key = [], {}, collections.Counter()
     capped = self.per_key < self.batch_size
-    for row in self.store.trainable(4 * self.batch_size + 64,
+    for row in self.store.trainable(4 * self.batch_size + 64 + len(exclude),
                                     4 * self.per_key + 16 if capped else None,
                                     hinted=self.teaching is not None):
+      if row["id"] in exclude:
+        continue
       reason = self._skip_reason(row, version)
       if reason:
         skip.setdefault(reason, []).append(row)

@@ -399,27 +399,33 @@ def test_binary_ignores_hints_and_calls_the_learner_as_before(tmp_path):
 
 def test_with_the_teacher_at_the_trainer_hinted_turns_wait_for_it_and_survive_its_failure(tmp_path):
   """``serve.teacher_at = "trainer"``: the judge stores hint and score and leaves the turn hinted
-  (it calls no teacher); the trainer's teacher judges it before the step; a teacher's failure
-  leaves it hinted, and the next pass scores it."""
+  (it calls no teacher); the trainer's teacher judges it before the step. When the teacher fails,
+  a hinted turn with a score trains on it alone (combined) and the batch goes on; one with only
+  a hint stays hinted, and the next step's teacher scores it."""
   store, judge, trainer, teacher = _loops(tmp_path, "combined", batch=2, teacher_at="trainer")
-  a, _ = _conversation(store, "a", TEACH)
-  b, _ = _conversation(store, "b", "that's wrong. " + TEACH)
+  words, _ = _conversation(store, "a", TEACH)  # a hint, no verdict
+  wrong, _ = _conversation(store, "b", "that's wrong. " + TEACH)
+  right, _ = _conversation(store, "c", "right")
+  later, _ = _conversation(store, "d", "that's wrong. " + TEACH)
   judge.run_once(now=2000.0)
-  assert judge.stats["hinted"] == 2 and not teacher.asked
-  rows = [store.get(a), store.get(b)]
+  assert judge.stats["hinted"] == 3 and not teacher.asked
+  rows = [store.get(words), store.get(wrong)]
   assert [r["judge_status"] for r in rows] == ["hinted"] * 2
   assert rows[0]["hint"] == TEACH and rows[1]["hint"].endswith(TEACH)
   assert [r["score"] for r in rows] == [None, 0.0]
   teacher.fail = True
-  assert not trainer.step() and trainer.stats["teacher_errors"] == 1
-  assert store.get(a)["judge_status"] == "hinted"
+  assert trainer.step() and trainer.stats["teacher_errors"] == 1  # asked once, for [words, wrong]
+  (ids, _, teachers), = trainer.learner.steps
+  assert sorted(ids) == [wrong, right] and [t[0] for t in teachers] == [None, None]
+  assert store.get(words)["judge_status"] == "hinted"
   teacher.fail = False
   assert trainer.step()
-  assert [t for t, _ in teacher.asked] == [a, b]  # the batch's hinted turns, in its order
+  assert [t for t, _ in teacher.asked] == [words, later]  # the batch's hinted turns, in its order
   assert trainer.stats["teacher_turns"] == trainer.stats["teacher_scored"] == 2
-  (ids, _, teachers), = trainer.learner.steps
-  assert sorted(ids) == [a, b] and all(t[0].logprobs == [-1.0, -2.0, -3.0] for t in teachers)
-  assert store.get(a)["judge_status"] == "judged" and store.get(a)["train_status"] == "trained"
+  ids, _, teachers = trainer.learner.steps[1]
+  assert ids == [words, later] and all(t[0].logprobs == [-1.0, -2.0, -3.0] for t in teachers)
+  assert store.get(words)["judge_status"] == "judged"
+  assert store.get(words)["train_status"] == "trained"
 
 
 def test_the_trainer_s_teacher_spends_no_forward_on_a_turn_it_would_not_train(tmp_path):
@@ -461,11 +467,16 @@ def test_hinted_turns_train_in_arrival_order_and_the_teacher_scores_only_the_bat
 
 def test_a_turn_the_teacher_cannot_score_leaves_the_batch_to_the_next_one(tmp_path):
   """opd: a hinted turn the teacher returns nothing for has no signal (unjudgeable); the batch
-  is read again and the next turn, scored in its turn, takes its place."""
+  is read again and the next turn, scored in its turn, takes its place. A teacher that fails
+  leaves every turn hinted (none has a signal without it)."""
   store, judge, trainer, teacher = _loops(tmp_path, "opd", batch=2, teacher_at="trainer")
   turns = [_conversation(store, s, TEACH)[0] for s in "abc"]
   teacher.cannot = {turns[0]}
   judge.run_once(now=2000.0)
+  teacher.fail = True  # nothing trains without the teacher here: every turn waits for it
+  assert not trainer.step() and trainer.stats["teacher_errors"] == 1
+  assert {store.get(t)["judge_status"] for t in turns} == {"hinted"}
+  teacher.fail = False
   assert trainer.step()
   assert [t for t, _ in teacher.asked] == turns
   assert sorted(trainer.learner.steps[0][0]) == turns[1:]
