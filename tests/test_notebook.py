@@ -14,11 +14,13 @@ def outputs(nb, kind):
           if o.get("output_type") == kind]
 
 
-def execute(nb, nbclient, monkeypatch):
+def execute(nb, nbclient, monkeypatch, tmp_path):
   """Runs ``nb`` top to bottom in a fresh kernel, which inherits this environment: one CPU device
-  (a one-device Colab runtime; the tests' other compile flags kept), and the checkout importable
-  without an install, so the install cell is skipped. Raises CellExecutionError, with the cell and
-  its traceback, on any failure."""
+  (a one-device Colab runtime; the tests' other compile flags kept), the checkout importable
+  without an install, so the install cell is skipped, and ``tmp_path`` as its temporary directory
+  (the runs the notebook makes with ``tempfile`` land there, removed with pytest's). Raises
+  CellExecutionError, with the cell and its traceback, on any failure."""
+  monkeypatch.setenv("TMPDIR", str(tmp_path))
   monkeypatch.setenv("XLA_FLAGS", " ".join(
       [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
       + ["--xla_force_host_platform_device_count=1"]))
@@ -30,15 +32,17 @@ def execute(nb, nbclient, monkeypatch):
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_executes(monkeypatch):
+def test_quickstart_notebook_executes(monkeypatch, tmp_path):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
 
   nb = nbformat.read(NOTEBOOK, as_version=4)
-  execute(nb, nbclient, monkeypatch)
+  execute(nb, nbclient, monkeypatch, tmp_path)
 
   text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
   assert "configs from" in text and "git clone" not in text
+  # its runs' temporary workdirs are in the kernel's temporary directory, this test's
+  assert {p.name.split("_")[2] for p in tmp_path.glob("areal_jax_*")} == {"quickstart", "lora"}
   assert "step 4/4" in text  # trainer.run's progress lines
   assert "curves: " in text and "greedy pass@1 =" in text
   assert "'eval_accuracy'" in text  # the last step evaluated (train.eval_every=2)
@@ -110,7 +114,7 @@ def test_learning_notebook_executes_with_a_short_config(tmp_path, monkeypatch):
 
   nb = nbformat.read(LEARNING, as_version=4)
   settings_cell(nb).source = SHORT_SETTINGS.format(workdir=str(tmp_path / "run"))
-  execute(nb, nbclient, monkeypatch)
+  execute(nb, nbclient, monkeypatch, tmp_path)
 
   text = "".join(o.get("text", "") for o in outputs(nb, "stream"))
   assert f"repository at {ROOT}" in text and "git clone" not in text
