@@ -44,6 +44,7 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from areal_jax.chat_template import chat_text
 from areal_jax.rollout_api import Sample, SamplingParams
 from areal_jax.serve import access, protocol
 from areal_jax.serve.dispatch import Dispatcher
@@ -76,7 +77,7 @@ class ServeContext:
     """The prompt's token ids; with ``limit``, a 400 ``context_length_exceeded`` for more tokens
     (before tokenizing when the text alone shows it)."""
     try:
-      text = protocol.chat_text(self.tokenizer, messages, self.enable_thinking)
+      text = chat_text(self.tokenizer, messages, self.enable_thinking)
       least = 0 if limit is None else self.token_bound.at_least(text)
       prompt = [] if limit is not None and least > limit else list(self.tokenizer.encode(text))
     except Exception as e:  # pylint: disable=broad-except  (the template rejects the conversation)

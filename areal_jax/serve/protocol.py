@@ -70,13 +70,6 @@ def _content(message: dict, i: int) -> str:
                  f"messages[{i}].content")
 
 
-def chat_text(tokenizer, messages: list[dict], enable_thinking: bool) -> str:
-  """The prompt text of ``messages``: the chat template with the generation prompt appended (what
-  serving encodes for a request and the OPD teacher for a hinted turn)."""
-  kwargs = {} if enable_thinking else {"enable_thinking": False}
-  return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-
-
 def parse_chat_request(body: Any, max_candidates: int) -> ChatRequest:
   if not isinstance(body, dict):
     raise ApiError(400, "the request body must be a JSON object")

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from areal_jax.serve import protocol
+from areal_jax.chat_template import chat_text
 
 log = logging.getLogger(__name__)
 
@@ -262,23 +262,22 @@ class TeacherStage:
     rows = store.hinted(self.limit)
     return len(rows) if rows and self.score(store, rows) else 0
 
-  def score(self, store, rows: list[dict]) -> list[tuple] | None:
-    """The teacher scores ``rows`` (hinted turns) and their judgements are stored; returns them
-    (``judgement``'s tuples, in the order of ``rows``), or None when the teacher failed."""
+  def score(self, store, rows: list[dict]) -> bool:
+    """The teacher scores ``rows`` (hinted turns) and their judgements are stored; False when the
+    teacher failed (the turns stay hinted)."""
     t0 = time.time()
     try:
       scored = self.teacher.score([(r, r["hint"]) for r in rows])
     except Exception as e:  # pylint: disable=broad-except  (a teacher server's outage: retry)
       self.stats["teacher_errors"] += 1
       log.warning("the teacher failed on %d turns: %s", len(rows), e)
-      return None
+      return False
     self.stats["teacher_s"] += time.time() - t0
     self.stats["teacher_turns"] += len(rows)
     self.stats["teacher_scored"] += sum(t is not None for t in scored)
-    results = [judgement(self.signal, r["id"], r["score"], r["hint"], t)
-               for r, t in zip(rows, scored)]
-    store.set_judgements(results, from_status="hinted")
-    return results
+    store.set_judgements([judgement(self.signal, r["id"], r["score"], r["hint"], t)
+                          for r, t in zip(rows, scored)], from_status="hinted")
+    return True
 
   def trains_without(self, row: dict) -> bool:
     """Whether the hinted turn ``row`` has a signal without the teacher's logprobs (combined: its
@@ -289,15 +288,15 @@ class TeacherStage:
     """Judges hinted turns without the teacher's forward, so that they leave the hinted state:
     turns nobody will train (stale, another temperature), or, when the teacher failed, turns their
     score trains alone."""
-    store.set_judgements([judgement(self.signal, r["id"], r["score"], r["hint"]) for r in rows],
-                         from_status="hinted")
+    if rows:
+      store.set_judgements([judgement(self.signal, r["id"], r["score"], r["hint"]) for r in rows],
+                           from_status="hinted")
 
 
 def chat_encoder(tokenizer, enable_thinking: bool) -> Callable[[list[dict]], list[int]]:
   """``encode(messages)``: the token ids of the conversation with the chat template, as serving
-  encodes a request's messages (``protocol.chat_text``)."""
-  return lambda messages: list(tokenizer.encode(protocol.chat_text(tokenizer, messages,
-                                                                   enable_thinking)))
+  encodes a request's messages (``chat_template.chat_text``)."""
+  return lambda messages: list(tokenizer.encode(chat_text(tokenizer, messages, enable_thinking)))
 
 
 def build(config, model, mesh, tokenizer, at: str):

@@ -182,7 +182,8 @@ class TrainerLoop:
   def step(self) -> bool:
     """One train step if a batch of judged turns is ready; False when there is none yet."""
     version = self.learner.version
-    down: set[int] = set()  # hinted turns left waiting in this step: the teacher failed
+    failed = False  # the teacher is asked at most once a step
+    down: set[int] = set()  # hinted turns left waiting for the next step's teacher
     while True:
       rows, skip = self._pick(version, exclude=down)
       for reason, skipped in skip.items():
@@ -197,9 +198,10 @@ class TrainerLoop:
         break
       # The teacher scores this batch's hinted turns, then the batch is read again: a turn the
       # teacher could not score may have left it (opd: no signal) and the next one takes its place.
-      if down or self.teaching.score(self.store, waiting) is None:
-        # The teacher failed (it is asked once a step): a turn that can train on its score alone
-        # (combined) does so; the others stay hinted for the next step's teacher.
+      if failed or not self.teaching.score(self.store, waiting):
+        # The teacher failed: a turn that can train on its score alone (combined) does so; the
+        # others stay hinted for the next step's teacher.
+        failed = True
         alone = [r for r in waiting if self.teaching.trains_without(r)]
         self.teaching.release(self.store, alone)
         down |= {r["id"] for r in waiting} - {r["id"] for r in alone}

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from areal_jax.chat_template import chat_text
+
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -44,13 +46,11 @@ class PromptFormat:
     msgs = self.messages(question)
     if not self.use_chat_template:
       return "\n\n".join(m["content"] for m in msgs) + "\n"
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if apply is None:
+    if getattr(tokenizer, "apply_chat_template", None) is None:
       raise ValueError(f"task.use_chat_template=True needs a tokenizer with apply_chat_template(); "
                        f"got {type(tokenizer).__name__}. Pass the model's tokenizer or set "
                        f"task.use_chat_template=False")
-    extra = {} if self.enable_thinking else {"enable_thinking": False}
-    out = apply(msgs, add_generation_prompt=True, **extra)
+    out = chat_text(tokenizer, msgs, self.enable_thinking)
     if not isinstance(out, str):
       raise TypeError(f"{type(tokenizer).__name__}.apply_chat_template must return the prompt text "
                       f"(str), got {type(out).__name__}")

@@ -11,6 +11,8 @@ by blank lines, as ``tasks.prompts.PromptFormat.text`` joins them.
 
 from __future__ import annotations
 
+from areal_jax.chat_template import chat_text
+
 _PLACEHOLDER = "\u2063ASSISTANT-TURN\u2063"
 
 
@@ -21,8 +23,7 @@ def user_turn_text(task, tokenizer, example: dict, message: str) -> str:
     return f"\n\n{message}\n"
   msgs = task.prompt_messages(example) + [{"role": "assistant", "content": _PLACEHOLDER},
                                           {"role": "user", "content": message}]
-  extra = {} if fmt.enable_thinking else {"enable_thinking": False}
-  text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **extra)
+  text = chat_text(tokenizer, msgs, fmt.enable_thinking)
   at = text.rfind(_PLACEHOLDER)
   if at < 0:
     raise ValueError(f"{type(tokenizer).__name__}'s chat template drops the assistant's content; "
