@@ -6,7 +6,8 @@ when one array fails (a truncated file, a bucket that times out) the others are 
 they complete later into the closed loop and each prints ``RuntimeError: Event loop is closed`` or
 ``Task exception was never retrieved`` with a TensorStore traceback, hundreds of lines after the
 one warning that matters. :func:`install` makes a failed run cancel what is still pending and await
-it (its exceptions consumed) before the loop is closed. A run that succeeds is unchanged.
+it, and consume the exceptions of all its tasks, before the loop is closed. A run that succeeds is
+unchanged.
 
 Process-wide and idempotent: the checkpoint and weight-version readers install it on import. It
 replaces one private function of ``orbax.checkpoint._src.asyncio_utils`` (the version pinned in
@@ -35,12 +36,20 @@ def install() -> bool:
   @functools.wraps(original)
   def run(coro):
     loop = asyncio.new_event_loop()
+    tasks = []  # every task of this run: a failed one may have finished unseen (see _settle)
+
+    def factory(loop, coro, **kwargs):
+      task = asyncio.Task(coro, loop=loop, **kwargs)
+      tasks.append(task)
+      return task
+
+    loop.set_task_factory(factory)
     try:
       asyncio.set_event_loop(loop)
       try:
         return loop.run_until_complete(coro)
       except Exception:
-        _settle(loop)
+        _settle(loop, tasks)
         raise
     finally:
       asyncio.set_event_loop(None)
@@ -51,14 +60,19 @@ def install() -> bool:
   return True
 
 
-def _settle(loop: asyncio.AbstractEventLoop) -> None:
-  """Cancels the tasks still pending in ``loop`` and waits for them; their exceptions are dropped
-  (the caller reports the first failure)."""
-  pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+def _settle(loop: asyncio.AbstractEventLoop, tasks: list[asyncio.Task]) -> None:
+  """Cancels the tasks still pending in ``loop`` and waits for them, then marks every failed task's
+  exception retrieved (the caller reports the first failure). A task can fail in the loop's last
+  pass, after the gather it belongs to stopped listening: the callback that would have retrieved
+  its exception never runs, and Python logs the task when it is collected."""
+  pending = [t for t in tasks if not t.done()]
   for task in pending:
     task.cancel()
   if pending:
     loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+  for task in tasks:
+    if not task.cancelled():
+      task.exception()
 
 
 def without_spec(text: str) -> str:

@@ -50,6 +50,37 @@ def test_a_failed_orbax_run_cancels_and_awaits_its_other_reads():
   assert asyncio_utils.run_sync(fine()) == 7
 
 
+def test_a_read_failing_in_the_last_pass_of_a_failed_run_is_not_logged(caplog):
+  """A second read fails in the very pass that stops the loop (after the gather gave up): its
+  exception is retrieved all the same, so nothing is logged when the task is collected."""
+  import gc
+  import logging
+
+  from orbax.checkpoint._src import asyncio_utils
+
+  orbax_reads.install()
+
+  async def restore():
+    loop = asyncio.get_running_loop()
+    first, second = loop.create_future(), loop.create_future()
+
+    async def read(f):
+      await f
+
+    tasks = [asyncio.ensure_future(read(first)), asyncio.ensure_future(read(second))]
+    together = asyncio.gather(*tasks)
+    # the second read fails two passes after the first: with the pass that stops the loop
+    tasks[0].add_done_callback(lambda _: loop.call_soon(second.set_exception, OSError("second")))
+    loop.call_soon(first.set_exception, OSError("a truncated file"))
+    return await together
+
+  with caplog.at_level(logging.ERROR, logger="asyncio"):
+    with pytest.raises(OSError, match="truncated"):
+      asyncio_utils.run_sync(restore())
+    gc.collect()
+  assert not [n for n in NOISE if n in caplog.text], caplog.text
+
+
 def test_a_damaged_weights_version_is_one_warning(tmp_path, capfd):
   """Every data file of the newest version cut short: a rollout worker (or the server's watcher)
   warns in one line, without TensorStore's spec, and loads the version before it."""
