@@ -153,8 +153,16 @@ _SWAP_VARIANTS = {  # engine settings of the exact-continuation test below
 }
 
 
-# (jitted: one program per length, not the forward's ops compiled one by one at each)
-_extend = nnx.jit(lambda model, tokens, pos, cache: model.extend(tokens, pos, cache))
+@nnx.jit
+def _keep_cache_logprobs(model, new_model, head_1xH, tail_1xT, tokens_T, temperature):
+  """The logprobs of ``tokens_T`` drawn by ``new_model`` on top of the KV ``model`` computed for
+  ``head_1xH`` (fed ``tail_1xT`` after it). Jitted whole: one program per swap point, not each
+  of its ops compiled on its own at each length."""
+  cache = init_cache(model.cfg, 1, 64)
+  _, cache = model.extend(head_1xH, jnp.zeros((1,), jnp.int32), cache)
+  logits, _ = new_model.extend(tail_1xT, jnp.full((1,), head_1xH.shape[1], jnp.int32), cache)
+  logp = jax.nn.log_softmax(logits[0] / temperature, axis=-1)
+  return logp[jnp.arange(tail_1xT.shape[1]), tokens_T]
 
 
 @pytest.mark.parametrize("continuation,steps_per_call,variant",
@@ -184,13 +192,11 @@ def test_in_flight_weight_swap(model, other_model, continuation, steps_per_call,
     if continuation == "reprefill":
       ref = full_forward_logprobs(new_model, prompt, s.tokens, temperature)[j:]
     else:  # old weights' KV for everything fed before the swap, new weights from then on
-      seq = jnp.asarray([prompt + s.tokens])
+      seq = np.asarray([prompt + s.tokens], np.int32)
       p = len(prompt)
-      cache = init_cache(model.cfg, 1, 64)
-      _, cache = _extend(model, seq[:, :p + j - 1], jnp.zeros((1,), jnp.int32), cache)
-      logits, _ = _extend(new_model, seq[:, p + j - 1:-1], jnp.full((1,), p + j - 1), cache)
-      logp = jax.nn.log_softmax(logits[0] / temperature, axis=-1)
-      ref = np.asarray(logp[jnp.arange(40 - j), jnp.asarray(s.tokens[j:])])
+      ref = np.asarray(_keep_cache_logprobs(model, new_model, seq[:, :p + j - 1],
+                                            seq[:, p + j - 1:-1],
+                                            np.asarray(s.tokens[j:], np.int32), temperature))
       fresh = full_forward_logprobs(new_model, prompt, s.tokens, temperature)[j:]
       assert np.abs(fresh - ref).max() > 1e-3  # the stale cache does matter
     np.testing.assert_allclose(s.logprobs[j:], ref, atol=1e-4)
