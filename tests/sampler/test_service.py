@@ -79,6 +79,8 @@ def test_draining_batch_moves_down_and_keeps_exact_logprobs(model):
 
 
 def test_stop_tokens_eos_and_cache_full(model):
+  """Stop ids, the cache's end and EOS (checked on the host and, 4 steps a call, on the device).
+  The EOS engine has 4 slots (the swap tests' programs): its groups are of one sample."""
   eng = _engine(model, eos_token_ids=(), max_len=32, kv_buckets=(32,), prefill_buckets=(31,))
   eng.start()
   try:
@@ -94,7 +96,8 @@ def test_stop_tokens_eos_and_cache_full(model):
     eng.stop()
   assert stopped.finish_reason == "stop"
   assert stopped.tokens == full.tokens[:full.tokens.index(stop) + 1]
-  eng = _engine(model, eos_token_ids=(stop,), steps_per_call=4)  # EOS also checked on device
+  # EOS also checked on device
+  eng = _engine(model, num_slots=4, eos_token_ids=(stop,), steps_per_call=4)
   eng.start()
   try:
     eng.submit(GroupRequest(2, [5, 6, 7], n=1, params=greedy))
@@ -279,7 +282,10 @@ def test_pause_resume_abort_and_bad_requests(model):
 
 
 def test_a_later_group_that_fits_overtakes_a_blocked_head(model):
-  eng = _engine(model, num_slots=4, eos_token_ids=(), steps_per_call=2)
+  """4 slots at 4 steps a call (the swap tests' programs): group 0 holds 3 slots for 30 tokens,
+  group 1 needs 3 and waits for it, group 2 (one sample of 3 tokens) takes the free
+  slot at once and ends first."""
+  eng = _engine(model, num_slots=4, eos_token_ids=(), steps_per_call=4)
   eng.start()
   try:
     params = lambda m, seed: SamplingParams(temperature=1.0, max_new_tokens=m, seed=seed)
@@ -298,6 +304,8 @@ def test_a_later_group_that_fits_overtakes_a_blocked_head(model):
 
 
 def test_token_listener_hears_every_token_in_order_and_cannot_stop_decoding(model):
+  """Two groups of 2 in 4 slots (the pausing swap test's programs), 3 steps a call: each sample's
+  tokens (up to 10) stream in pieces of up to 3, one a call."""
   heard = {}
 
   def listener(group_id, index, tokens):
@@ -305,7 +313,7 @@ def test_token_listener_hears_every_token_in_order_and_cannot_stop_decoding(mode
     if group_id == 1:
       raise RuntimeError("a consumer's bug")
 
-  eng = _engine(model, steps_per_call=3)
+  eng = _engine(model, num_slots=4, steps_per_call=3)
   eng.set_token_listener(listener)
   eng.start()
   try:
