@@ -151,7 +151,9 @@ _SCAN = {"decode_layers": "scan", "decode_attention": "dense", "decode_matmul": 
 _SWAP_VARIANTS = {  # engine settings of the exact-continuation test below
     "unrolled": {},  # the platform's choices (on CPU: layers unrolled)
     "scan": _SCAN,  # the accelerator path: layers in a scan
-    "paged": {**_SCAN, "kv_pages": 24, "page_size": 8},  # the swap lands while slots hold pages
+    # the swap lands while slots hold pages (2 samples of 45 positions: 12 of the 16, no
+    # preemption; the pool of the paged preemption test below, which shares its programs)
+    "paged": {**_SCAN, "kv_pages": 16, "page_size": 8},
     "pause": {"weight_swap": "pause"},  # the loop pauses to convert the new version
 }
 
@@ -329,12 +331,13 @@ def test_token_listener_hears_every_token_in_order_and_cannot_stop_decoding(mode
 
 @pytest.mark.slow
 def test_a_paged_cache_preempts_and_resumes_to_the_same_samples(model):
-  """A pool of 16 pages of 8 positions (an eighth of 8 slots x 64): sequences admitted last are
-  preempted when it runs out and resumed by re-prefill; every sample (tokens, logprobs, versions,
-  finish reasons) equals the run with a cache row per slot, and no page is left taken."""
+  """A pool of 16 pages of 8 positions (half of 4 slots x 64; the scan swap tests' configs and
+  programs): sequences admitted last are preempted when it runs out (groups 0 and 1 alone grow
+  to 5 + 5 + 1 shared + 5 + 5 pages) and resumed by re-prefill; every sample (tokens, logprobs,
+  versions, finish reasons) equals the run with a cache row per slot, and no page is left
+  taken."""
   def run(**kw):
-    eng = _engine(model, steps_per_call=4, decode_layers="scan", decode_matmul="xla",
-                  decode_attention="dense", eos_token_ids=(), **kw)
+    eng = _engine(model, num_slots=4, steps_per_call=4, eos_token_ids=(), **_SCAN, **kw)
     eng.start()
     try:
       for g in range(4):
