@@ -435,9 +435,12 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
   """The TPU kernel path forced on CPU (Pallas TPU interpret mode; the layers in a scan, a bfloat16
   cache, float32 compute, several steps per call), on one device and on a data x tensor mesh: the same
   tokens and logprobs (1e-4) as XLA's chunked read of the same cache, through a weight swap that
-  keeps the cache and a continuation re-prefilled under the new weights. With 8 steps a call, a
-  15-token prompt and two calls (the second after the swap) put the re-prefilled slot where its
-  call crosses the end of the cache (position 30 of 32); with 4, a 7-token prompt and three."""
+  keeps the cache and a continuation re-prefilled under the new weights. Two calls, the second
+  after the swap (it reads the cache the first wrote under the old weights): with 8 steps a call
+  and a 15-token prompt they put the re-prefilled slot where its call crosses the end of the
+  cache (position 30 of 32); with 4 (on the mesh, where each step costs most), a 7-token prompt
+  decodes positions 6..13 and the re-prefilled slot 14..17. (The kernel reads these rows of 32
+  positions as one page of 32: no page or block boundary lies between.)"""
   mesh = sharding.make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:8]) if split else None
   config = EngineConfig(num_slots=4, max_len=32, prefill_buckets=(8, 32), steps_per_call=steps,
                         decode_matmul="xla", decode_layers="scan", cache_dtype="bfloat16")
@@ -445,7 +448,7 @@ def test_pallas_tpu_path_matches_the_chunked_read_across_weight_swaps(model, oth
              for impl in ("pallas_tpu", "xla")]
   assert engines[0].attention_impl == "pallas_tpu" and engines[0].kv_buckets == (32,)
   new = nnx.to_pure_dict(nnx.state(other_model, nnx.Param))
-  calls, length = (2, 15) if steps == 8 else (3, 7)
+  calls, length = 2, 15 if steps == 8 else 7
   prompt, runs = [5, 7, 9, 11, 3, 1, 2, 8, 4, 6, 10, 12, 13, 14, 15][:length], []
   for eng in engines:
     params, state, outs = eng.params, eng.init_state(), []
