@@ -769,6 +769,13 @@ def test_a_device_too_small_for_the_widest_decode_program_still_builds_the_engin
     DecodeEngine(model, EngineConfig(num_slots=2, max_len=64, prefill_buckets=(8,)))
 
 
+# A small engine the layout and sampling tests below share: their engines with the default layouts
+# reuse each other's compiled programs (``engine._COMPILED``); a paged one has pages of 8 in a
+# pool of 40, room for every slot's full row.
+_SMALL = dict(num_slots=4, max_len=64, prefill_buckets=(8,), steps_per_call=3, width_buckets=(2,))
+_SMALL_PAGED = dict(kv_pages=40, page_size=8)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.slow
 def test_weights_and_state_stay_in_the_layouts_the_compiler_picked(model, monkeypatch, paged):
@@ -790,8 +797,7 @@ def test_weights_and_state_stay_in_the_layouts_the_compiler_picked(model, monkey
     held = reversed_axes((self.held_shardings, self.weights.shapes(model_params)))
     return held, reversed_axes((self.state_shardings, jax.eval_shape(self._new_state())))
 
-  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,), steps_per_call=3,
-                        **({"kv_pages": 20, "page_size": 8} if paged else {}))
+  config = EngineConfig(**_SMALL, **(_SMALL_PAGED if paged else {}))
   plain = DecodeEngine(model, config)
   monkeypatch.setattr(engine_lib, "_COMPILED", {})  # (programs built with these layouts)
   monkeypatch.setenv(choice.HELD_LAYOUTS_ENV, "compiler")
@@ -810,7 +816,7 @@ def test_weights_and_state_stay_in_the_layouts_the_compiler_picked(model, monkey
   prompt, slots, runs = [5, 7, 9, 11, 3, 1, 2], [0, 1], []
   keys = np.stack([np.asarray(sampling.slot_key(4, i)) for i in range(2)])
   for e in (plain, eng):
-    table = PageTable(4, 20, 8, 64) if paged else None
+    table = PageTable(4, 40, 8, 64) if paged else None
     if table is not None:
       assert table.share(slots, len(prompt) - 1)
     state = e.init_state()
@@ -846,8 +852,7 @@ def test_the_program_compiled_to_find_the_layouts_is_the_widest_variant(model, m
   from areal_jax.kernels import choice
   from areal_jax.sampler import engine as engine_lib
 
-  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,), steps_per_call=3,
-                        width_buckets=(2,), **({"kv_pages": 40, "page_size": 8} if paged else {}))
+  config = EngineConfig(**_SMALL, **(_SMALL_PAGED if paged else {}))
   plain = DecodeEngine(model, config)
   monkeypatch.setattr(engine_lib, "_COMPILED", {})
   monkeypatch.setenv(choice.HELD_LAYOUTS_ENV, "compiler")
@@ -968,8 +973,9 @@ def test_an_inactive_slot_draws_greedily_so_its_top_p_never_makes_the_step_sort(
   """A slot whose sequence stopped keeps its sampling parameters on the device. Where the step
   decides whether to sort (CPU's default), it draws for an inactive slot greedily (a token that
   is dropped), so the slot's top-p does not make the step sort: its tokens are its argmax, and
-  the active slots draw what they draw beside an inactive slot without top-p."""
-  config = EngineConfig(num_slots=4, max_len=64, prefill_buckets=(8,), steps_per_call=2)
+  the active slots draw what they draw beside an inactive slot without top-p (3 calls of 3
+  steps: every step of a call draws the argmax for it)."""
+  config = EngineConfig(**_SMALL)
   eng = DecodeEngine(model, config)
   prompt = [5, 7, 9, 11, 3, 1, 2]
   prefix = eng.prefill(eng.params, prompt[:-1])
