@@ -245,8 +245,10 @@ def test_a_shared_system_prompt_reads_a_kept_turn_and_leaves_it_to_its_conversat
 
 def test_a_row_cache_planned_without_kept_rows_compiles_no_continuation_program(model):
   """A memory plan with no room for kept rows (``kept_rows`` 0): the warm-up compiles no
-  continuation program, and a conversation's next turn is prefilled whole, as it would be."""
-  engine = JaxRolloutEngine(model, num_slots=2, max_len=64, prefill_buckets=(32,))
+  continuation program, and a conversation's next turn is prefilled whole, as it would be. (The
+  row engine of the warm-up test: its other programs, compiled there, are not compiled again; its
+  26-position conversation stays in the 32 bucket, as at any max_len.)"""
+  engine = JaxRolloutEngine(model, num_slots=4, max_len=96, prefill_buckets=(32,))
   assert engine.warmup_count(True) > engine.warmup_count()
   engine.memory_plan = types.SimpleNamespace(kept_rows=0)
   assert engine.warmup_count(True) == engine.warmup_count()
