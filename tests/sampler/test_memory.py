@@ -21,9 +21,26 @@ def _engine(slots=8, mesh=None, **kw):
   return DecodeEngine(tiny_model(0), EngineConfig(num_slots=slots, max_len=64, **kw), mesh)
 
 
+_PROGRAM_BYTES: dict = {}
+
+
+def _programs(engine):
+  """``memory.program_bytes`` (``plan``'s default ``programs``), lowered and compiled once per
+  program set: engines alike in model, held weights, config, mesh and launch compile the same
+  decode and prefill programs, so the plans of such engines share one look at their bytes."""
+  key = (engine.graphdef, engine.model_cfg, engine.config, engine.mesh, engine.launch,
+         engine.truncation_on_host, engine.attention_impl, engine.prefill_attention,
+         engine.matmul_impl, engine.layers_impl, engine.projections,
+         jax.tree.structure(engine.params),
+         tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(engine.params)))
+  if key not in _PROGRAM_BYTES:
+    _PROGRAM_BYTES[key] = memory.program_bytes(engine)
+  return _PROGRAM_BYTES[key]
+
+
 def test_plan_counts_weights_cache_and_programs():
   eng = _engine(prefill_buckets=(16, 32))
-  p = memory.plan(eng, None)
+  p = memory.plan(eng, None, programs=_programs)
   layers, kv, hd = TINY.n_layers, TINY.n_kv_heads, TINY.head_dim
   cache = 2 * layers * 8 * 64 * kv * hd * 4  # keys and values, float32
   vectors = 8 * (4 * 3 + 1 + 4 + 4 + 4 + 1 + 2 * 4 + eng.config.max_stop_ids * 4)
@@ -40,7 +57,7 @@ def test_plan_counts_weights_cache_and_programs():
       p.generate_temp, p.prefill)
   assert p.fits and "8 slots" in p.summary()
   # colocated (paused while a version arrives) the swap and the programs do not add up
-  paused = memory.plan(eng, None, swap_while_decoding=False)
+  paused = memory.plan(eng, None, swap_while_decoding=False, programs=_programs)
   assert paused.peak_bytes == p.weights + p.memo + p.state + max(
       p.incoming + p.weights, p.generate_temp, p.prefill)
 
@@ -50,8 +67,8 @@ def test_a_version_arriving_in_the_compute_dtype_is_planned_at_its_size():
   """A bfloat16 engine: a transfer that casts before its copy delivers half the float32 bytes
   (norm scales stay float32); the plan counts what arrives, as told."""
   eng = DecodeEngine(tiny_model(0, dtype="bfloat16"), EngineConfig(num_slots=8, max_len=64))
-  f32 = memory.plan(eng, None, incoming_dtype="float32")
-  bf16 = memory.plan(eng, None)
+  f32 = memory.plan(eng, None, incoming_dtype="float32", programs=_programs)
+  bf16 = memory.plan(eng, None, programs=_programs)
   norms = sum(x.nbytes for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(
       tiny_model(0), nnx.Param))) if x.ndim == 1 and x.dtype == jnp.float32)
   assert bf16.incoming == (f32.incoming - norms) // 2 + norms
@@ -59,41 +76,44 @@ def test_a_version_arriving_in_the_compute_dtype_is_planned_at_its_size():
   # what fits: every slot-bound branch of the peak, counted with the swap
   for dtype, overlap in ((None, True), ("float32", True), (None, False)):
     swap = dict(incoming_dtype=dtype, swap_while_decoding=overlap)
-    need = memory.plan(eng, None, **swap)
+    need = memory.plan(eng, None, **swap, programs=_programs)
     budget = need.peak_bytes - need.state // 2
-    slots = memory.plan(eng, budget, **swap).slots_that_fit()
+    slots = memory.plan(eng, budget, **swap, programs=_programs).slots_that_fit()
     assert 0 < slots < 8
     fewer = DecodeEngine(tiny_model(0, dtype="bfloat16"), EngineConfig(num_slots=slots, max_len=64))
-    assert memory.plan(fewer, budget, **swap).fits
+    assert memory.plan(fewer, budget, **swap, programs=_programs).fits
 
 
 def test_slots_split_over_the_data_axis_split_the_cache():
-  one = memory.plan(_engine(), None)
-  four = memory.plan(_engine(mesh=sharding.make_mesh({"data": 4}, jax.devices()[:4])), None)
+  one = memory.plan(_engine(), None, programs=_programs)
+  four = memory.plan(_engine(mesh=sharding.make_mesh({"data": 4}, jax.devices()[:4])), None,
+                     programs=_programs)
   assert four.state * 4 == one.state
   assert four.weights == one.weights  # replicated over data
 
 
 def test_a_plan_that_does_not_fit_names_the_keys_and_the_slots_that_would():
   big = _engine(slots=64)
-  need = memory.plan(big, None)
+  need = memory.plan(big, None, programs=_programs)
   budget = need.peak_bytes - need.state // 2  # about half the cache's room
   with pytest.raises(MemoryError) as e:
-    memory.check(big, budget)
+    memory.check(big, budget, programs=_programs)
   msg = str(e.value)
   assert "rollout.num_slots (now 64)" in msg and "rollout.max_new_tokens" in msg
   slots = int(msg.split("About ")[1].split(" slots")[0])
   assert 0 < slots < 64
   # the suggestion is sound: that many slots fit the same budget
-  assert memory.check(_engine(slots=slots), budget).fits
-  assert memory.check(big, need.peak_bytes).fits
+  assert memory.check(_engine(slots=slots), budget, programs=_programs).fits
+  assert memory.check(big, need.peak_bytes, programs=_programs).fits
   # colocated: the resident part must also fit beside the learner's peak
   with pytest.raises(MemoryError, match="resident beside the learner's peak"):
-    memory.check(big, need.peak_bytes, resident_budget=need.resident_bytes - 1)
-  tight = memory.plan(big, need.peak_bytes, resident_budget=need.resident_bytes - need.state // 2)
+    memory.check(big, need.peak_bytes, resident_budget=need.resident_bytes - 1,
+                 programs=_programs)
+  tight = memory.plan(big, need.peak_bytes, resident_budget=need.resident_bytes - need.state // 2,
+                      programs=_programs)
   assert not tight.fits and 0 < tight.slots_that_fit() < 64
   assert memory.check(_engine(slots=tight.slots_that_fit()), need.peak_bytes,
-                      resident_budget=tight.resident_budget).fits
+                      resident_budget=tight.resident_budget, programs=_programs).fits
 
 
 @pytest.mark.slow
@@ -110,15 +130,15 @@ def test_engines_build_checks_the_budget(capsys):
   engine = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
   assert "sampler memory plan:" in capsys.readouterr().out and engine.engine.config.num_slots == 8
   # 8 slots do not fit: the most that do, and the run says so
-  eight = memory.plan(engine.engine, None)
+  eight = memory.plan(engine.engine, None, programs=_programs)
   room = eight.peak_bytes - eight.state // 2
   c.rollout.n_samples = 2
   engine = engines.build(c, model, tokenizer, mesh, memory_budget=room)
   slots = engine.engine.config.num_slots
-  assert 2 <= slots < 8 and memory.plan(engine.engine, room).fits
+  assert 2 <= slots < 8 and memory.plan(engine.engine, room, programs=_programs).fits
   assert "rollout.num_slots=8 does not fit" in capsys.readouterr().out
   one_more = DecodeEngine(model, EngineConfig(num_slots=slots + 1, max_len=32, prefill_buckets=(16,)))
-  assert not memory.plan(one_more, room).fits  # the most that fit
+  assert not memory.plan(one_more, room, programs=_programs).fits  # the most that fit
   c.rollout.n_samples = 8  # a group needs 8 slots at once: no fewer will do
   with pytest.raises(MemoryError, match="at least 8 needed: rollout.n_samples"):
     engines.build(c, model, tokenizer, mesh, memory_budget=room)
@@ -142,8 +162,8 @@ def test_auto_weight_swap_pauses_before_it_takes_slots(capsys):
   mesh = sharding.make_mesh({}, jax.devices()[:1])
   roomy = engines.build(c, model, tokenizer, mesh, memory_budget=2**30)
   assert roomy.weight_swap == "overlap" and not roomy.memory_plan.swap_pauses
-  over = memory.plan(roomy.engine, None)
-  paused = memory.plan(roomy.engine, None, weight_swap="pause")
+  over = memory.plan(roomy.engine, None, programs=_programs)
+  paused = memory.plan(roomy.engine, None, weight_swap="pause", programs=_programs)
   assert paused.peak_bytes == paused.resident_bytes + max(
       paused.incoming, paused.generate_temp, paused.prefill) < over.peak_bytes
   room = (paused.peak_bytes + over.peak_bytes) // 2
@@ -163,17 +183,17 @@ def test_fit_looks_at_a_groups_slots_before_giving_up(monkeypatch):
   """``slots_that_fit`` extrapolates from the widest plan; where that plan's decode program was
   refused by the compiler (costed at everything it said it needed) it undershoots: before
   stopping, the plan is looked at once with the fewest slots a group needs."""
-  eight = memory.plan(_engine(slots=8), None)
-  budget = memory.plan(_engine(slots=2), None).peak_bytes
-  assert not memory.plan(_engine(slots=8), budget).fits
+  eight = memory.plan(_engine(slots=8), None, programs=_programs)
+  budget = memory.plan(_engine(slots=2), None, programs=_programs).peak_bytes
+  assert not memory.plan(_engine(slots=8), budget, programs=_programs).fits
   monkeypatch.setattr(memory.SamplerPlan, "slots_that_fit", lambda self: 1)  # (undershooting)
   holder = types.SimpleNamespace
   engine, p = memory.fit(lambda n: holder(engine=_engine(slots=n)), 8, min_slots=2,
-                         budget_bytes=budget)
+                         budget_bytes=budget, programs=_programs)
   assert p.fits and p.num_slots == 2 == engine.engine.config.num_slots
   with pytest.raises(MemoryError, match="at least 2 needed"):  # (and not below a group)
     memory.fit(lambda n: holder(engine=_engine(slots=n)), 8, min_slots=2,
-               budget_bytes=budget - eight.state // 8)
+               budget_bytes=budget - eight.state // 8, programs=_programs)
 
 
 def test_a_lora_base_counts_unless_it_is_the_learners_own():
@@ -215,15 +235,16 @@ def test_a_paged_cache_is_planned_as_its_pool_not_its_slots():
         num_slots=slots, max_len=64, prefill_buckets=(16,), kv_pages=8, page_size=16,
         decode_layers="scan", decode_matmul="xla"))
   eng = engine(16)
-  p = memory.plan(eng, None)
+  p = memory.plan(eng, None, programs=_programs)
   pool = 2 * (TINY.n_kv_heads * TINY.n_layers * 9 * 16 * TINY.head_dim * 4)  # k, v; 8 + trash
   vectors = sharding.device_bytes({k: v for k, v in eng.state_shapes().items() if k != "cache"})
   assert p.state == pool + vectors and p.kv_pages == 8 and "8 pages" in p.summary()
   rows = DecodeEngine(tiny_model(0), EngineConfig(num_slots=16, max_len=64, prefill_buckets=(16,),
                                                   decode_layers="scan", decode_matmul="xla"))
-  assert memory.plan(rows, None).state > 4 * p.state  # 16 slots x 64 positions: 1024 vs 144
+  # 16 slots x 64 positions: 1024 vs 144
+  assert memory.plan(rows, None, programs=_programs).state > 4 * p.state
   with pytest.raises(MemoryError, match=r"Lower rollout.kv_pages \(now 8"):
-    memory.check(eng, p.peak_bytes - 1)
+    memory.check(eng, p.peak_bytes - 1, programs=_programs)
   made = []
 
   def make(n, kv_pages=8):
@@ -231,11 +252,13 @@ def test_a_paged_cache_is_planned_as_its_pool_not_its_slots():
     return types.SimpleNamespace(engine=DecodeEngine(tiny_model(0), dataclasses.replace(
         eng.config, num_slots=n, kv_pages=kv_pages)))
 
-  holder, fitted = memory.fit(make, 16, budget_bytes=p.peak_bytes - 1)
+  holder, fitted = memory.fit(make, 16, budget_bytes=p.peak_bytes - 1,
+                                   programs=_programs)
   assert made == [(16, 8), (16, 7)] and fitted.fits and fitted.kv_pages == 7
   made.clear()
   with pytest.raises(MemoryError, match=r"Lower rollout.kv_pages \(now 8"):  # (a group of 3: 12)
-    memory.fit(make, 16, min_slots=3, budget_bytes=p.peak_bytes - 1)
+    memory.fit(make, 16, min_slots=3, budget_bytes=p.peak_bytes - 1,
+               programs=_programs)
   assert made == [(16, 8)]  # no smaller slot count tried
 
 
@@ -254,7 +277,7 @@ def test_a_pool_sized_by_the_slots_keeps_them_over_the_pages_that_fit(monkeypatc
   monkeypatch.setenv(choice.PAGED_ENV, "1")
   eng = _paged(16)
   assert eng.paged and eng.pool_follows_slots and eng.config.kv_pages == 16 * (4 + 1)
-  p = memory.plan(eng, None)
+  p = memory.plan(eng, None, programs=_programs)
   page = 2 * TINY.n_kv_heads * TINY.n_layers * 16 * TINY.head_dim * 4  # k, v of 16 positions
   assert p.pool_follows_slots and f"{16 * 5} pages" in p.summary() and p.page_bytes == page
   budget = p.peak_bytes - p.state // 2
@@ -264,28 +287,31 @@ def test_a_pool_sized_by_the_slots_keeps_them_over_the_pages_that_fit(monkeypatc
     made.append((n, kw))
     return types.SimpleNamespace(engine=_paged(n, **kw))
 
-  holder, fitted = memory.fit(make, 16, min_slots=4, budget_bytes=budget)
+  holder, fitted = memory.fit(make, 16, min_slots=4, budget_bytes=budget,
+                               programs=_programs)
   pages = holder.engine.config.kv_pages
   assert made[0] == (16, {}) and made[-1] == (16, {"kv_pages": pages})
   assert fitted.fits and fitted.num_slots == 16 and not fitted.pool_follows_slots
   assert 4 * 4 <= pages < 16 * 5 and fitted.kv_pages == pages
-  assert not memory.plan(_paged(16, pages + 1), budget).fits  # the most pages that fit
+  # the most pages that fit
+  assert not memory.plan(_paged(16, pages + 1), budget, programs=_programs).fits
   assert f"the 16 slots are kept over a pool of {pages} pages" in capsys.readouterr().out
   # a group of 16 needs 64 pages (16 rows of 4): the pool cannot hold it, nor can fewer slots
   made.clear()
   with pytest.raises(MemoryError, match="at least 16 needed"):
-    memory.fit(make, 16, min_slots=16, budget_bytes=budget)
+    memory.fit(make, 16, min_slots=16, budget_bytes=budget, programs=_programs)
   assert all(not kw for _, kw in made)
   # where 16 slots' prefill call leaves no room for a group's pages (2 rows) but 2 slots fit:
   # slots go, and the pool follows them
   made.clear()
-  small = memory.plan(_paged(2), None).peak_bytes
-  assert memory.plan(_paged(16), small).pages_that_fit() < 2 * 4
-  holder, fitted = memory.fit(make, 16, min_slots=2, budget_bytes=small)
+  small = memory.plan(_paged(2), None, programs=_programs).peak_bytes
+  assert memory.plan(_paged(16), small, programs=_programs).pages_that_fit() < 2 * 4
+  holder, fitted = memory.fit(make, 16, min_slots=2, budget_bytes=small,
+                               programs=_programs)
   assert fitted.fits and 2 <= fitted.num_slots < 16 and fitted.pool_follows_slots
   assert holder.engine.config.kv_pages == fitted.num_slots * 5
   with pytest.raises(MemoryError, match="lower rollout.num_slots"):
-    memory.check(eng, p.peak_bytes - 1)
+    memory.check(eng, p.peak_bytes - 1, programs=_programs)
 
 
 def test_the_plan_bounds_every_prefill_call_under_a_token_budget():
@@ -384,7 +410,7 @@ def test_a_continuing_turn_holds_no_more_than_the_planned_prefill(paged):
     source = ((eng.state_shapes()["cache"], jax.ShapeDtypeStruct((-(-length // 8),), "int32"))
               if paged else (row,))
     read = kept._make_take(length).lower(*source).compile().memory_analysis()
-    for chunk in (continuation.MIN_CHUNK, length // 2):
+    for chunk in sorted({continuation.MIN_CHUNK, length // 2}):  # (at 32: one chunk of 16)
       m = row_programs.extend(eng, length).lower(
           eng.params, row, jax.ShapeDtypeStruct((1, chunk), "int32"),
           jax.ShapeDtypeStruct((1,), "int32")).compile().memory_analysis()
