@@ -183,8 +183,13 @@ def test_a_long_chunk_runs_in_pieces_to_the_same_sample(model, monkeypatch, page
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.slow
 def test_warmup_compiles_every_program_a_conversation_runs(model, paged):
+  """After the warm-up, conversations of short then longer turns compile nothing. They run one
+  sequence at a time (prefill rows, insert and decode width 1, which 2 slots warm up as 4 do),
+  so 2 slots run the same programs at the same lengths: prompts in both prefill buckets (32 and
+  95), turns continued up to 90 of the 96 positions, over the kv buckets and chunks those
+  lengths reach."""
   kw = dict(kv_pages=24, page_size=16, decode_attention="dense") if paged else {}
-  engine = JaxRolloutEngine(model, num_slots=4, max_len=96, prefill_buckets=(32,), **kw)
+  engine = JaxRolloutEngine(model, num_slots=2, max_len=96, prefill_buckets=(32,), **kw)
   ticks = []
   engine.warmup(lambda done, total, what: ticks.append((done, total, what)), continuations=True)
   assert [d for d, _, _ in ticks] == list(range(1, engine.warmup_count(True) + 1))
@@ -248,7 +253,7 @@ def test_a_row_cache_planned_without_kept_rows_compiles_no_continuation_program(
   continuation program, and a conversation's next turn is prefilled whole, as it would be. (The
   row engine of the warm-up test: its other programs, compiled there, are not compiled again; its
   26-position conversation stays in the 32 bucket, as at any max_len.)"""
-  engine = JaxRolloutEngine(model, num_slots=4, max_len=96, prefill_buckets=(32,))
+  engine = JaxRolloutEngine(model, num_slots=2, max_len=96, prefill_buckets=(32,))
   assert engine.warmup_count(True) > engine.warmup_count()
   engine.memory_plan = types.SimpleNamespace(kept_rows=0)
   assert engine.warmup_count(True) == engine.warmup_count()
