@@ -53,14 +53,17 @@ def test_full_forward_matches_transformers(hf_checkpoint, torch_logits, causal_b
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.slow
 def test_prefill_and_decode_match_transformers(hf_checkpoint, torch_logits, layout):
+  """A prefill, a multi-token chunk onto the filled cache and single-token decode steps give
+  ``transformers``' logits. The chunk is as long as the prefill (6 tokens from position 6), so
+  both run one program: two per layout, not three."""
   _, path, torch_model = hf_checkpoint
   model, _ = hf.load_hf(path)
-  tokens = _tokens(2, 12, seed=1)
+  tokens = _tokens(2, 16, seed=1)
   ref = torch_logits(torch_model, tokens)
   kw = LAYOUTS[layout]
   cache = init_cache(model.cfg, 2, 16, heads_major=layout == "heads")
-  # Prefill 6 tokens, one chunk of 2, then 4 single-token decode steps.
-  chunks = [(0, 6), (6, 8), (8, 9), (9, 10), (10, 11), (11, 12)]
+  # Prefill 6 tokens, a chunk of 6, then 4 decode steps, the last in the cache's last slot.
+  chunks = [(0, 6), (6, 12), (12, 13), (13, 14), (14, 15), (15, 16)]
   for begin, end in chunks:
     start = jnp.full((2,), begin, jnp.int32)
     logits, cache = extend(model, jnp.asarray(tokens[:, begin:end]), start, cache, kv_len=16,
