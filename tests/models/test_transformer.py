@@ -176,9 +176,10 @@ def test_sharded_forward_matches_single_device(hf_checkpoint, layout):
 def test_linear_gradients_equal_autodiff(transpose_w):
   """The hand-written backward of ``linear`` gives autodiff's gradients for both weight layouts."""
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.normal(size=(2, 5, 6)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(4, 6) if transpose_w else (6, 4)), jnp.float32)
-  g = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
+  f32 = lambda a: jnp.asarray(a.astype(np.float32))  # (cast by NumPy: no conversion program)
+  x = f32(rng.normal(size=(2, 5, 6)))
+  w = f32(rng.normal(size=(4, 6) if transpose_w else (6, 4)))
+  g = f32(rng.normal(size=(2, 5, 4)))
   plain = lambda x, w: jnp.sum(g * (x @ (w.T if transpose_w else w)))
   ours = lambda x, w: jnp.sum(g * transformer.linear(x, w, transpose_w))
   np.testing.assert_allclose(jax.jit(ours)(x, w), jax.jit(plain)(x, w), rtol=1e-6)
@@ -250,12 +251,18 @@ def test_fused_projections_are_the_same_model(arch, extra):
   cfg = transformer.ModelConfig(arch=arch, vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=6,
                                 n_kv_heads=2, head_dim=8, d_ff=96, **extra)
   model = transformer.Transformer(cfg, nnx.Rngs(0))
-  params = jax.tree.map(lambda x: x + 0.1 * jnp.cos(jnp.arange(x.size).reshape(x.shape))
-                        if x.ndim == 1 else x, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+  @jax.jit
+  def perturb_and_fuse(params):  # (one program, not each op compiled on its own)
+    params = jax.tree.map(lambda x: x + 0.1 * jnp.cos(jnp.arange(x.size).reshape(x.shape))
+                          if x.ndim == 1 else x, params)
+    return params, transformer.fuse_projections(params, cfg)
+
+  params, fused_params = perturb_and_fuse(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   nnx.update(model, params)  # nonzero biases, uneven norm scales
   fused_cfg = dataclasses.replace(cfg, fused_projections=True)
   fused = nnx.eval_shape(lambda: transformer.Transformer(fused_cfg, nnx.Rngs(0)))
-  nnx.update(fused, transformer.fuse_projections(params, cfg))
+  nnx.update(fused, fused_params)
   layer = nnx.to_pure_dict(nnx.state(fused, nnx.Param))["layers"][0]
   assert layer["attn"]["qkv"].shape == (48, (6 + 2 * 2) * 8) and "q" not in layer["attn"]
   assert layer["mlp"]["gate_up"].shape == (48, 2 * 96)
