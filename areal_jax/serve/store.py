@@ -165,11 +165,13 @@ class TurnStore:
     return self._rows("SELECT * FROM turns WHERE judge_status = 'pending' ORDER BY id LIMIT ?",
                       (limit,))
 
-  def hinted(self, limit: int = 64) -> list[dict]:
+  def hinted(self, limit: int = 64, oldest: bool = False) -> list[dict]:
     """Turns with a hint waiting for the teacher's logprobs (``judge_status = 'hinted'``), newest
-    first (when the teacher falls behind, the freshest turns are the ones worth training)."""
-    return self._rows("SELECT * FROM turns WHERE judge_status = 'hinted' ORDER BY id DESC LIMIT ?",
-                      (limit,))
+    first (when the teacher falls behind, the freshest turns are the ones worth training), or with
+    ``oldest`` oldest first (those it may never reach)."""
+    order = "ASC" if oldest else "DESC"
+    return self._rows(f"SELECT * FROM turns WHERE judge_status = 'hinted' ORDER BY id {order} "
+                      "LIMIT ?", (limit,))
 
   def next_turn(self, session_id: str, turn_index: int, key_id: str | None = None) -> dict | None:
     """The first candidate of the session's next main turn (carrying the user's reply; side turns

@@ -285,12 +285,17 @@ class TeacherStage:
     return judgement(self.signal, row["id"], row["score"], row["hint"])[1] == "judged"
 
   def release(self, store, rows: list[dict]) -> None:
-    """Judges hinted turns without the teacher's forward, so that they leave the hinted state:
-    turns nobody will train (stale, another temperature), or, when the teacher failed, turns their
-    score trains alone."""
-    if rows:
-      store.set_judgements([judgement(self.signal, r["id"], r["score"], r["hint"]) for r in rows],
-                           from_status="hinted")
+    """``release`` with this stage's signal."""
+    release(store, self.signal, rows)
+
+
+def release(store, signal: str, rows: list[dict]) -> None:
+  """Judges hinted turns without the teacher's forward, so that they leave the hinted state: turns
+  nobody will train (stale, another temperature), or, when the teacher failed, turns their score
+  trains alone."""
+  if rows:
+    store.set_judgements([judgement(signal, r["id"], r["score"], r["hint"]) for r in rows],
+                         from_status="hinted")
 
 
 def chat_encoder(tokenizer, enable_thinking: bool) -> Callable[[list[dict]], list[int]]:

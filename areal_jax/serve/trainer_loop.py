@@ -11,7 +11,9 @@ has time. The batch's rules:
     one user cannot steer the policy alone; a key's turns over its share wait for later batches;
   * a turn whose oldest token is more than ``serve.max_staleness`` versions behind is marked
     ``stale`` (counted, never trained); so is one sampled at another temperature than the learner's
-    (``rollout.temperature``: its behaviour logprobs follow another distribution) or greedily;
+    (``rollout.temperature``: its behaviour logprobs follow another distribution) or greedily. A
+    hinted turn marked so is judged without the teacher's forward; with the teacher in the judge,
+    the oldest hinted turns (which that teacher, newest first, may never reach) are looked at too;
   * advantages: candidates of one request judged together (the server sampled ``n > 1``) use their
     mean score as the baseline (GRPO-style, ``score - mean``); a single candidate (users send each
     prompt once) uses a running baseline, the exponential moving average of past scores
@@ -46,6 +48,7 @@ import time
 import numpy as np
 
 from areal_jax.rollout_api import Sample
+from areal_jax.serve import teacher as teacher_lib
 from areal_jax.serve.store import TurnStore
 from areal_jax.serve.teacher import TeacherStage
 
@@ -187,8 +190,9 @@ class TrainerLoop:
     while True:
       rows, skip = self._pick(version, exclude=down)
       for reason, skipped in skip.items():
-        if self.teaching is not None:  # a hinted turn nobody will train: judged without a forward
-          self.teaching.release(self.store, [r for r in skipped if r["judge_status"] == "hinted"])
+        # a hinted turn nobody will train: judged without the teacher's forward
+        teacher_lib.release(self.store, self.signal,
+                            [r for r in skipped if r["judge_status"] == "hinted"])
         self.store.mark([r["id"] for r in skipped], "stale", version + 1)
         self.stats["stale" if reason == "stale" else "off_policy_temperature"] += len(skipped)
       if len(rows) < self.batch_size or self._stop.is_set():
@@ -255,6 +259,14 @@ class TrainerLoop:
                                             or per_key[row["key_id"]] < self.per_key):
         rows.append(row)
         per_key[row["key_id"]] += 1
+    if self.teaching is None and self.signal != "binary":
+      # The judge's teacher (serve.teacher_at = "judge") takes the newest hinted turns: the oldest,
+      # which it may never reach, are looked at here, so that those nobody will train leave the
+      # hinted state and are counted.
+      for row in self.store.hinted(self.batch_size + 64, oldest=True):
+        reason = self._skip_reason(row, version)
+        if reason:
+          skip.setdefault(reason, []).append(row)
     return rows, skip
 
   def _rewards(self, rows: list[dict]) -> tuple[list[list[float]], float | None]:

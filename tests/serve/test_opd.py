@@ -327,10 +327,10 @@ Q = [{"role": "user", "content": "What is 7 * 8 + 3?"}]
 TEACH = "Multiply 7 by 8 first, then add 3."
 
 
-def _turn(store, session, answer, messages, turn_type="main", done=False):
+def _turn(store, session, answer, messages, turn_type="main", done=False, version=0):
   row = dict(request_id=f"{session}-{len(store.session(session))}", messages=messages,
              prompt_tokens=[1, 2], completion_tokens=[3, 4, 5], logprobs=[-1.0] * 3,
-             versions=[0] * 3, completion_text=answer, finish_reason="eos", temperature=1.0,
+             versions=[version] * 3, completion_text=answer, finish_reason="eos", temperature=1.0,
              created_s=1000.0)
   return store.add_turns(session, [row], None, turn_type, done)[0][0]
 
@@ -440,6 +440,25 @@ def test_the_trainer_s_teacher_spends_no_forward_on_a_turn_it_would_not_train(tm
   for row in map(store.get, old):
     assert (row["judge_status"], row["teacher"], row["train_status"]) == ("judged", None, "stale")
   assert trainer.stats["stale"] == 3 and trainer.stats["teacher_turns"] == 0
+
+
+def test_hinted_turns_the_judge_s_teacher_never_reached_are_counted_stale(tmp_path):
+  """``serve.teacher_at = "judge"``: that teacher scores the newest hinted turns, so older ones
+  can wait behind it for ever; once they are more than ``serve.max_staleness`` versions old the
+  trainer judges them without a forward and counts them stale, and the fresh ones stay hinted."""
+  store, judge, trainer, teacher = _loops(tmp_path, "combined", batch=1, teacher_at="judge")
+  teacher.fail = True  # the judge's teacher reaches none of these turns (down, or behind)
+  old = [_conversation(store, s, "that's wrong. " + TEACH)[0] for s in "abc"]
+  judge.run_once(now=2000.0)
+  assert [store.get(t)["judge_status"] for t in old] == ["hinted"] * 3
+  fresh = _turn(store, "d", "62", Q, version=1)  # one version newer: not stale
+  store.set_judgements([(fresh, "hinted", 0.0, TEACH)])
+  trainer.learner.version = trainer.config.serve.max_staleness + 1
+  assert not trainer.step() and not teacher.asked
+  for row in map(store.get, old):
+    assert (row["judge_status"], row["teacher"], row["train_status"]) == ("judged", None, "stale")
+  assert trainer.stats["stale"] == 3
+  assert (store.get(fresh)["judge_status"], store.get(fresh)["train_status"]) == ("hinted", "new")
 
 
 def test_hinted_turns_train_in_arrival_order_and_the_teacher_scores_only_the_batch_s(tmp_path):
