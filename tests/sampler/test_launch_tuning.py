@@ -280,10 +280,12 @@ def test_a_launch_that_fails_is_dropped_and_the_engine_decodes_on(model, monkeyp
   assert len(_group(eng)) == 5
 
 
-def _tight_plan(eng, decode_call: int):
+def _tight_plan(eng, decode_call: int, planned=None):
   """A memory plan for ``eng`` with no room beyond a decode call of ``decode_call`` bytes (its
-  prefill counted as nothing, so the decode call decides)."""
-  plan = dataclasses.replace(memory.plan(eng, None), prefill=0, generate_temp=decode_call)
+  prefill counted as nothing, so the decode call decides); ``planned``: ``eng``'s plan at its own
+  launch, where already made (its programs lowered once, not per plan)."""
+  planned = memory.plan(eng, None) if planned is None else planned
+  plan = dataclasses.replace(planned, prefill=0, generate_temp=decode_call)
   return dataclasses.replace(plan, budget_bytes=plan.peak_bytes)
 
 
@@ -305,18 +307,19 @@ def test_a_launch_kept_instead_of_the_engine_s_own_must_fit_its_memory_plan(mode
   paged step kernel's less)."""
   eng = DecodeEngine(model, CONFIG)
   own, writes, both = (_decode_call(eng, x) for x in (OWN, WRITES, BOTH))
+  planned = memory.plan(eng, None)  # (at the own launch, as each tune below starts from)
   assert writes < own < both
   costs = {"default": 1.0, "writes=1": 0.8, "writes=1+norms": 0.5}
   measure, _ = _costs(eng, costs)
   _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES, BOTH)], rounds=1,
-                                 measure=measure, plan=_tight_plan(eng, own))
+                                 measure=measure, plan=_tight_plan(eng, own, planned))
   assert eng.launch == WRITES and report["launch"] == "writes=1"
   assert list(report["failed"]) == ["writes=1+norms"]
   assert report["failed"]["writes=1+norms"].startswith(
       "does not fit the memory plan: its decode call needs")
   # a byte more of budget than the fused norms' decode call needs: kept
   eng.use_launch(OWN)
-  plan = _tight_plan(eng, both)
+  plan = _tight_plan(eng, both, planned)
   _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES, BOTH)], rounds=1,
                                  measure=measure, plan=plan)
   assert eng.launch == BOTH and not report["failed"]
@@ -324,12 +327,12 @@ def test_a_launch_kept_instead_of_the_engine_s_own_must_fit_its_memory_plan(mode
   eng.use_launch(OWN)
   measure, _ = _costs(eng, {**costs, "default": 0.1})
   _, report = launch_tuning.tune(eng, eng.init_state(), [offer(BOTH)], rounds=1,
-                                 measure=measure, plan=_tight_plan(eng, 0))
+                                 measure=measure, plan=_tight_plan(eng, 0, planned))
   assert eng.launch == OWN and not report["failed"]
   # nothing but the engine's own fits: its own, and later stages start from it
   measure, _ = _costs(eng, costs)
   _, report = launch_tuning.tune(eng, eng.init_state(), [offer(WRITES), offer(BOTH)], rounds=1,
-                                 measure=measure, plan=_tight_plan(eng, writes - 1))
+                                 measure=measure, plan=_tight_plan(eng, writes - 1, planned))
   assert eng.launch == OWN and set(report["failed"]) == {"writes=1", "writes=1+norms"}
   assert len(_group(eng)) == 5
 
