@@ -225,8 +225,10 @@ def test_then_the_kept_launch_s_loop_in_cuda_graphs_is_timed(model, monkeypatch)
                                                  "writes=1+graphs:unrolled"]
   assert not report["failed"] and len(_group(eng)) == 5
   # options this XLA does not know: the launch fails to compile and is dropped
+  # (an engine of the same config: the default launch's programs the first one's; the refused
+  # launch is one not compiled before, under options no earlier program had, so XLA compiles it)
   monkeypatch.setattr(decode_launch, "COMMAND_BUFFERS", "FUSION,NO_SUCH_COMMAND")
-  eng = DecodeEngine(model, dataclasses.replace(CONFIG, steps_per_call=2))
+  eng = DecodeEngine(model, CONFIG)
   measure, _ = _costs(eng, {"default": 1.0, "graphs": 0.1})
   _, report = launch_tuning.tune(eng, eng.init_state(),
                                  [offer(choice.Launch(None, OWN.paged, "while"))], rounds=1,
