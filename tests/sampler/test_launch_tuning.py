@@ -384,8 +384,8 @@ def test_nothing_is_timed_where_there_is_nothing_else_to_run(model):
     EngineConfig(decode_tuning="fast")
 
 
-def _service(model, **kw):
-  return JaxRolloutEngine(model, num_slots=4, max_len=64, prefill_buckets=(16,),
+def _service(model, num_slots=4, **kw):
+  return JaxRolloutEngine(model, num_slots=num_slots, max_len=64, prefill_buckets=(16,),
                           steps_per_call=4, decode_attention="pallas_gpu", decode_matmul="xla",
                           decode_layers="unrolled", kv_pages=20, page_size=8,
                           eos_token_ids=(), **kw)
@@ -462,13 +462,15 @@ def test_the_service_s_launch_must_fit_the_memory_plan_it_was_sized_by(model, mo
 
 @pytest.mark.slow
 def test_replicas_take_the_launch_the_first_one_timed(model, monkeypatch):
-  """Over two replicas the first times the launches; the second runs the one it kept, untimed."""
+  """Over two replicas the first times the launches; the second runs the one it kept, untimed.
+  Two slots a replica (each warm-up compiles fewer widths and rows): a group of two still fits
+  either replica, and each times or takes the launch as at four."""
   from areal_jax import sharding
   from areal_jax.sampler.replicas import ReplicatedRolloutEngine
 
   timed = _offer_writes_as_a_gpu_would(monkeypatch)
   mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
-  eng = ReplicatedRolloutEngine(lambda m, out: _service(model, mesh=m, output=out),
+  eng = ReplicatedRolloutEngine(lambda m, out: _service(model, 2, mesh=m, output=out),
                                 sharding.split_mesh(mesh, "data"))
   eng.warmup()
   assert len(timed) == 2 * (1 + launch_tuning.ROUNDS)  # one replica's launches, each timed
