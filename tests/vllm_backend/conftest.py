@@ -1,8 +1,12 @@
 """Fixtures of the vLLM backend tests (real vLLM on CPU via ``make test-vllm``; skipped without it)."""
 
+import atexit
+import importlib.util
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import pytest
 from flax import nnx
@@ -13,6 +17,15 @@ import vllm_helpers  # noqa: E402
 from areal_jax import models  # noqa: E402
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# vLLM's engines leave a file:// rendezvous file (vllm_dist_*) in the temporary directory at every
+# start: a session with vLLM gets a temporary directory of its own (inherited by the xdist workers
+# and the servers they start), removed at the end. A short name: Ray's socket paths are built
+# under it.
+if importlib.util.find_spec("vllm") and "AREAL_JAX_VLLM_TESTS_TMP" not in os.environ:
+  os.environ["TMPDIR"] = os.environ["AREAL_JAX_VLLM_TESTS_TMP"] = tempfile.mkdtemp(prefix="avt")
+  tempfile.tempdir = None  # (gettempdir reads TMPDIR again)
+  atexit.register(shutil.rmtree, os.environ["TMPDIR"], ignore_errors=True)
 
 
 def pytest_configure(config):
