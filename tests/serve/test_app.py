@@ -205,6 +205,8 @@ def test_in_process_model_judge_asks_the_served_policy_unrecorded(rt):
 
 @pytest.mark.slow
 def test_judge_and_trainer_learn_and_can_die_without_stopping_serving(rt, client, monkeypatch):
+  """With the judge stopped, the trainer's crash comes from the turns judged before: the users
+  talk for 1 s only to leave turns pending (each user finishes a conversation begun in it)."""
   from areal_jax.serve.simulated_user import SimulatedUsers
 
   users = SimulatedUsers(rt.config, rt.url)
@@ -219,7 +221,7 @@ def test_judge_and_trainer_learn_and_can_die_without_stopping_serving(rt, client
     raise RuntimeError("learner exploded")
   monkeypatch.setattr(rt.trainer.learner, "train_step", crash)
   rt.judge.stop()
-  users.run(3.0)
+  users.run(1.0)  # each user's conversation at least once: turns left pending, unjudged
   deadline = time.time() + 30
   while rt.trainer.alive and time.time() < deadline:
     time.sleep(0.1)
