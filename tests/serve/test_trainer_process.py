@@ -32,6 +32,13 @@ def _wait(cond, users, timeout=120.0):
     users.run(1.0)
 
 
+def _poll(cond, timeout=120.0):  # (a wait the users' turns do not help)
+  deadline = time.time() + timeout
+  while not cond():
+    assert time.time() < deadline, "timed out"
+    time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_trainer_process_trains_survives_sigkill_and_resumes_without_training_twice(tmp_path):
   """With ``serve.signal = "combined"`` and users who give the verdict and the way, the OPD teacher
@@ -39,7 +46,8 @@ def test_trainer_process_trains_survives_sigkill_and_resumes_without_training_tw
   status file and its scores survive the restart. After the restart it waits for one step past
   the version it resumed from: a step trained by the new process, which is the lost step redone
   when the kill lost one (the metrics then hold each version once). While the trainer restarts
-  the users pause (one request shows serving is up); they talk again for the step after it."""
+  the users pause (one request shows serving is up); they talk again for the step after it, and
+  pause while the server loads the trainer's last version (a swap needs no request)."""
   config = config_lib.load("configs/serve_arithmetic.py:tiny")
   config.unlock()
   config.serve.signal, config.serve.sim_feedback = "combined", "both"
@@ -71,16 +79,13 @@ def test_trainer_process_trains_survives_sigkill_and_resumes_without_training_tw
     r = client.chat.completions.create(model=config.serve.model_name, max_tokens=4,
                                        messages=[{"role": "user", "content": "What is 2 + 3?"}])
     assert r.choices[0].message.content is not None  # serving is up while the trainer is down
-    deadline = time.time() + 120  # the restart: polled, no users (their turns are not needed)
-    while not (rt.trainer.restarts >= 1 and rt.trainer.status() is not None):
-      assert time.time() < deadline, "timed out"
-      time.sleep(0.2)
+    _poll(lambda: rt.trainer.restarts >= 1 and rt.trainer.status() is not None)
     assert rt.trainer.pid != pid
     resumed = rt.trainer.status()["published"]
     assert resumed <= before + 1  # resumed from its newest checkpoint
     # one step past the resumed version: trained after the restart, the lost step (if any) redone
     _wait(lambda: rt.trainer.status()["version"] > resumed, users)
-    _wait(lambda: rt.engine.version == rt.trainer.status()["published"], users, timeout=30)
+    _poll(lambda: rt.engine.version == rt.trainer.status()["published"], timeout=30)
 
     rt.trainer.stop()  # SIGTERM: it checkpoints and writes its final counters
     st = rt.trainer.status()
