@@ -15,22 +15,34 @@ Tasks: ``"gsm8k"`` (:mod:`areal_jax.tasks.gsm8k`) and ``"arithmetic"``
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from areal_jax.tasks.arithmetic import ArithmeticTask
-from areal_jax.tasks.data import MalformedRowError
-from areal_jax.tasks.gsm8k import GSM8KTask
-from areal_jax.tasks.task import Task, task_settings
+if TYPE_CHECKING:
+  from areal_jax.tasks.task import Task
 
-TASKS: dict[str, type[Task]] = {"gsm8k": GSM8KTask, "arithmetic": ArithmeticTask}
+# Imported when first named (PEP 562): a reward worker process unpickles its reward function from
+# ``areal_jax.tasks.reward`` and so imports this package, but needs none of the data pipeline
+# (grain, and with it JAX: most of a second of CPU in every worker).
+_WHERE = {"ArithmeticTask": "arithmetic", "GSM8KTask": "gsm8k", "MalformedRowError": "data",
+          "Task": "task", "task_settings": "task"}
+_TASKS = {"gsm8k": "GSM8KTask", "arithmetic": "ArithmeticTask"}
+
+
+def __getattr__(name: str) -> Any:
+  if name == "TASKS":  # task name -> its Task class
+    return {task: __getattr__(cls) for task, cls in _TASKS.items()}
+  if name in _WHERE:
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_task(task_config: Any = None) -> Task:
   """The task named by ``task_config.name`` (a ``config.task`` sub-tree, a dict, or None: GSM8K)."""
-  name = task_settings(task_config)["name"]
-  if name not in TASKS:
-    raise ValueError(f"task.name={name!r} is not one of {sorted(TASKS)}")
-  return TASKS[name](task_config)
+  name = __getattr__("task_settings")(task_config)["name"]
+  if name not in _TASKS:
+    raise ValueError(f"task.name={name!r} is not one of {sorted(_TASKS)}")
+  return __getattr__(_TASKS[name])(task_config)
 
 
 __all__ = ["ArithmeticTask", "GSM8KTask", "MalformedRowError", "TASKS", "Task", "get_task",
