@@ -62,11 +62,15 @@ def local_ray(tmp_path_factory):
   # This test kills a worker itself; Ray's memory monitor killing one more on a crowded machine
   # would make the run's course (not its guarantees) unpredictable.
   os.environ["RAY_memory_monitor_refresh_ms"] = "0"
+  # No idle default workers started ahead: every worker here is an actor with its own runtime_env,
+  # which never takes one (each would only cost a Python start-up).
+  os.environ["RAY_prestart_worker_first_driver"] = "0"
   ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), object_store_memory=128 * 2**20,
            log_to_driver=False)
   yield ray
   ray.shutdown()
   os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+  os.environ.pop("RAY_prestart_worker_first_driver", None)
   deadline = time.time() + 20  # every process the cluster started is gone
   while _leftovers(before, str(tmp)) and time.time() < deadline:
     time.sleep(0.2)
