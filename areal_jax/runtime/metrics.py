@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 
 from areal_jax import host_memory
@@ -26,6 +27,24 @@ def _plain(value):
   return value
 
 
+def _summary_writer():
+  """tensorboardX's ``SummaryWriter``, imported without torch where torch is not loaded yet.
+  tensorboardX imports torch whenever it is installed (the lock installs it, for the tests'
+  comparisons with ``transformers``), only to accept torch tensors, which the metrics never are:
+  that would cost every run about 180 MB of host memory and most of a second of CPU. For the
+  import's duration ``import torch`` fails (a ``None`` in ``sys.modules``), as it would without
+  torch, and tensorboardX takes numpy arrays alone; torch imports as usual afterwards."""
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  finally:
+    if blocked and sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsWriter:
   """Appends one JSON object per training step; mirrors scalars to TensorBoard; prints the
   progress lines to ``stream`` (None: ``sys.stdout`` as it is when each line is printed)."""
@@ -40,8 +59,7 @@ class MetricsWriter:
     self._t0 = time.time()
     self._first_step = None
     try:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = _summary_writer()(os.path.join(workdir, "tensorboard"))
     except ImportError:  # TensorBoard events are optional; metrics.jsonl is not
       self._tb = None
 

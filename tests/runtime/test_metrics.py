@@ -3,6 +3,8 @@
 import io
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -26,6 +28,27 @@ def test_writes_jsonl_tensorboard_and_progress(tmp_path):
   assert set(metrics_lib.REQUIRED_FIELDS) <= set(rows[0])
   assert os.listdir(tmp_path / "tensorboard")
   assert "step 3/3" in out.getvalue() and "ETA" in out.getvalue()
+
+
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+  """tensorboardX imports torch when it can (about 180 MB of host memory); the writer keeps it out
+  of a run that has not loaded it, and torch still imports afterwards where it is installed."""
+  code = f"""
+import importlib.util, io, sys
+from areal_jax.runtime import metrics
+row = {{k: 0.5 for k in metrics.REQUIRED_FIELDS}}
+row.update(step=1, version=1, staleness_max=0)
+w = metrics.MetricsWriter({str(tmp_path)!r}, total_steps=1, stream=io.StringIO())
+w.write(row)
+w.close()
+assert "torch" not in sys.modules, "torch imported"
+if importlib.util.find_spec("torch"):
+  import torch
+"""
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  events = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").iterdir())
+  assert b"reward_mean" in events and b"wall_time_s" in events
 
 
 def test_missing_field_is_an_error(tmp_path):
