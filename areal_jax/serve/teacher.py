@@ -284,10 +284,6 @@ class TeacherStage:
     score)."""
     return judgement(self.signal, row["id"], row["score"], row["hint"])[1] == "judged"
 
-  def release(self, store, rows: list[dict]) -> None:
-    """``release`` with this stage's signal."""
-    release(store, self.signal, rows)
-
 
 def release(store, signal: str, rows: list[dict]) -> None:
   """Judges hinted turns without the teacher's forward, so that they leave the hinted state: turns

@@ -50,7 +50,6 @@ import numpy as np
 from areal_jax.rollout_api import Sample
 from areal_jax.serve import teacher as teacher_lib
 from areal_jax.serve.store import TurnStore
-from areal_jax.serve.teacher import TeacherStage
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "serve_metrics.jsonl"
@@ -104,7 +103,7 @@ class TrainerLoop:
     if self.signal != "binary":
       self.stats["taught"] = 0  # turns trained with the teacher's term
     self.teaching = None if teacher is None or self.signal == "binary" else \
-        TeacherStage(teacher, self.signal, self.stats)
+        teacher_lib.TeacherStage(teacher, self.signal, self.stats)
     self.error: str | None = None
     self._stop = threading.Event()
     self._killed = False
@@ -207,7 +206,7 @@ class TrainerLoop:
         # others stay hinted for the next step's teacher.
         failed = True
         alone = [r for r in waiting if self.teaching.trains_without(r)]
-        self.teaching.release(self.store, alone)
+        teacher_lib.release(self.store, self.signal, alone)
         down |= {r["id"] for r in waiting} - {r["id"] for r in alone}
     t0 = time.time()
     rewards, baseline = self._rewards(rows)
