@@ -137,10 +137,14 @@ def test_after_a_weight_sync_outputs_match_the_new_weights(served, tokenizer):
 
 
 def test_partial_rollout_continues_under_new_weights(served, tokenizer):
+  """The weights are swapped once every sequence has 10 of its 120 tokens. EOS is ignored, so
+  no sequence can end before the swap lands (the random model draws EOS early and then the whole
+  group could finish under the old weights, leaving no sequence that continues)."""
   e = served.engine
   n, budget = 3, 120
   e.submit(GroupRequest(40, prompt(tokenizer, "Long story:"), n,
-                        SamplingParams(temperature=1.0, max_new_tokens=budget, seed=5)))
+                        SamplingParams(temperature=1.0, max_new_tokens=budget, seed=5,
+                                       ignore_eos=True)))
   wait_for_tokens(e, {40}, 10)
   resubmitted = e.stats["resubmitted"]
   v_old = e.version
