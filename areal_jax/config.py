@@ -420,6 +420,9 @@ def base_config() -> ConfigDict:
   c.serve.signal = "binary"
   c.serve.signal_w_rl = 1.0  # Weight of the judge's scalar advantage (binary, combined).
   c.serve.signal_w_opd = 1.0  # Weight of the OPD term, teacher - student or the top-k KL.
+  # Token-level OPD: take each turn's mean of teacher - behaviour logprob out of its teacher term,
+  # so that the term only moves credit between the response's tokens (combined: the score sets it).
+  c.serve.opd_center = False
   # The votes judge's prompt when the signal takes hints (opd, combined): as judge_vote_prompt, and
   # a vote may also say what the assistant should have done between serve.hint_start and hint_end.
   c.serve.judge_hint_prompt = (
@@ -434,7 +437,7 @@ def base_config() -> ConfigDict:
   c.serve.hint_max_chars = 1000  # A longer hint is cut to this many characters.
   # How the hint joins the last user message of the teacher's prompt, with {message} and {hint}.
   c.serve.hint_format = "{message}\n\nHint: {hint}"
-  # The OPD teacher: "" = the frozen weights the run started from (see serve.teacher_at);
+  # The OPD teacher: "" = in process (serve.teacher_weights, serve.teacher_at);
   # else an OpenAI-compatible base URL whose /completions returns prompt_logprobs (e.g. vLLM).
   c.serve.teacher_url = ""
   c.serve.teacher_model = ""  # The model name at serve.teacher_url.
@@ -442,6 +445,9 @@ def base_config() -> ConfigDict:
   # distribution per token (reverse KL over k + 1 bins, the rest of the mass being one bin).
   c.serve.teacher_topk = 0
   c.serve.teacher_batch = 4  # Turns the in-process teacher scores in one forward pass.
+  # The in-process teacher's weights: "start" (frozen, the run's start) or "current" (the policy
+  # being trained, read before each scoring: the term is then only what the hint changes).
+  c.serve.teacher_weights = "start"
   # Where the teacher scores hinted turns: "trainer" (the trainer loop, before each step, on the
   # learner's devices: its own process and cores with serve.trainer_process) or "judge" (the judge
   # loop, beside serving, on the sampler's devices).

@@ -56,6 +56,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "serve.judge": (config.serve.judge, ("rule", "model", "votes", "none")),
       "serve.signal": (config.serve.signal, ("binary", "opd", "combined")),
       "serve.teacher_at": (config.serve.teacher_at, ("trainer", "judge")),
+      "serve.teacher_weights": (config.serve.teacher_weights, ("start", "current")),
       "serve.sim_feedback": (config.serve.sim_feedback, ("verdict", "words", "both")),
       "runtime.worker_devices": (config.runtime.worker_devices, ("cpu", "gpu", "tpu")),
       "actor.behav_imp_weight_mode": (a.behav_imp_weight_mode, ("mask", "clamp")),
@@ -106,6 +107,14 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if config.serve.signal != "binary" and config.serve.judge not in ("rule", "votes"):
     errors.append(f"serve.signal={config.serve.signal!r} takes hints from the judge: serve.judge "
                   f"must be 'rule' or 'votes', got {config.serve.judge!r}")
+  if config.serve.opd_center and config.serve.teacher_topk:
+    errors.append(f"serve.opd_center=True centres the token-level teacher term: it needs "
+                  f"serve.teacher_topk=0, got {config.serve.teacher_topk}")
+  if config.serve.teacher_weights == "current" and (config.serve.teacher_at != "trainer"
+                                                   or config.serve.teacher_url):
+    errors.append("serve.teacher_weights='current' (the policy being trained, with the hint) needs "
+                  "serve.teacher_at='trainer' and no serve.teacher_url: only the trainer holds "
+                  "the current weights")
   if (config.serve.signal != "binary" and config.serve.teacher_at == "trainer"
       and not config.serve.train):
     errors.append(f"serve.signal={config.serve.signal!r} with serve.teacher_at='trainer' needs "

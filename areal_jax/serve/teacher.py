@@ -5,10 +5,12 @@ been, had the prompt carried the hint the judge took from what came next: the hi
 user message (``serve.hint_format``), the conversation is encoded with the chat template as
 serving encodes it, and the teacher scores the *original* response tokens after it, teacher-forced.
 Two teachers:
-  * ``BaseTeacher`` (``serve.teacher_url`` ""): the frozen weights the run started from, copied
-    once before anything trains; one jitted forward scores ``serve.teacher_batch`` turns at a time,
-    rows and lengths bucketed (a handful of shapes compile), and only the response positions reach
-    the LM head;
+  * ``BaseTeacher`` (``serve.teacher_url`` ""): by default the frozen weights the run started
+    from, copied once before anything trains; with ``serve.teacher_weights = "current"`` the policy
+    being trained, its weights read before each scoring (``follow``), so that ``teacher - student``
+    is only what the hint changes, not also how far training moved the policy from its start. One
+    jitted forward scores ``serve.teacher_batch`` turns at a time, rows and lengths bucketed (a
+    handful of shapes compile), and only the response positions reach the LM head;
   * ``RemoteTeacher``: an OpenAI-compatible server's ``/completions`` with ``prompt_logprobs``
     (vLLM's extension: per prompt token, its logprob and the top ones by token id), the prompt being
     the hinted prompt's token ids followed by the response's.
@@ -63,6 +65,8 @@ def _bucket(n: int, smallest: int) -> int:
 class _Teacher:
   """What both teachers share: the hinted prompt's tokens, the length bound, the batch."""
 
+  current = False  # True: scores with the weights last handed to ``follow`` (BaseTeacher)
+
   def __init__(self, encode: Callable[[list[dict]], list[int]], hint_format: str, topk: int,
                max_len: int):
     self.encode, self.hint_format, self.topk, self.max_len = encode, hint_format, int(topk), max_len
@@ -95,10 +99,11 @@ class _Teacher:
 
 
 class BaseTeacher(_Teacher):
-  """The frozen start weights on the sampler mesh (see the module docstring)."""
+  """The model's weights on ``mesh``: the frozen start weights, or with ``current`` those given to
+  ``follow`` (see the module docstring)."""
 
   def __init__(self, model, mesh, encode, hint_format: str, temperature: float, topk: int = 0,
-               batch: int = 4, max_len: int = 1024):
+               batch: int = 4, max_len: int = 1024, current: bool = False):
     import jax  # pylint: disable=import-outside-toplevel
     from flax import nnx  # pylint: disable=import-outside-toplevel
 
@@ -109,12 +114,15 @@ class BaseTeacher(_Teacher):
       raise ValueError(f"the teacher's temperature must be > 0, got {temperature}")
     self.mesh, self.temperature, self.batch = mesh, float(temperature), max(1, int(batch))
     self.graphdef = nnx.graphdef(model)
+    self.current, self._fns = current, {}  # _fns: the jitted forward, built on first use
+    self.params = None  # with current: set by follow before each scoring
+    if current:
+      return
     # a copy: the engine's weights change with every version, these stay the run's start
     self.params = jax.tree.map(
         lambda x: x.copy() if hasattr(x, "copy") else x,
         jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
                        sharding.param_shardings(model, mesh)))
-    self._fns: dict = {}
 
   def _fn(self):
     import jax  # pylint: disable=import-outside-toplevel
@@ -151,9 +159,19 @@ class BaseTeacher(_Teacher):
     self._fns["score"] = jax.jit(score)
     return self._fns["score"]
 
+  def follow(self, params) -> None:
+    """With ``current``: score with ``params`` (the trained model's full parameters, an NNX pure
+    dict on the mesh) until the next call; they are read, not copied, so call it right before
+    scoring, while no train step can donate them."""
+    if not self.current:
+      raise ValueError("the teacher holds the run's start weights (serve.teacher_weights='start')")
+    self.params = params
+
   def score_tokens(self, seqs):
     import jax  # pylint: disable=import-outside-toplevel
 
+    if self.params is None:
+      raise RuntimeError("the current-weights teacher has no weights yet: call follow first")
     fn, out = self._fn(), []
     for i in range(0, len(seqs), self.batch):
       part = seqs[i:i + self.batch]
@@ -303,7 +321,7 @@ def chat_encoder(tokenizer, enable_thinking: bool) -> Callable[[list[dict]], lis
 def build(config, model, mesh, tokenizer, at: str):
   """The OPD teacher for the loop ``at`` ("trainer" | "judge") on ``mesh``, or None where that loop
   runs none (``serve.signal`` binary, no judge, or ``serve.teacher_at`` names the other loop).
-  Build it before anything trains ``model``: the base teacher copies its weights."""
+  Build it before anything trains ``model``: the start-weights teacher copies them."""
   s, c_roll = config.serve, config.rollout
   if s.signal == "binary" or s.judge == "none" or s.teacher_at != at:
     return None
@@ -313,4 +331,4 @@ def build(config, model, mesh, tokenizer, at: str):
     return RemoteTeacher(s.teacher_url, s.teacher_model, encode, s.hint_format, s.teacher_topk,
                          longest)
   return BaseTeacher(model, mesh, encode, s.hint_format, c_roll.temperature, s.teacher_topk,
-                     s.teacher_batch, longest)
+                     s.teacher_batch, longest, current=s.teacher_weights == "current")

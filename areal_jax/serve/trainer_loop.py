@@ -201,6 +201,9 @@ class TrainerLoop:
         break
       # The teacher scores this batch's hinted turns, then the batch is read again: a turn the
       # teacher could not score may have left it (opd: no signal) and the next one takes its place.
+      if not failed and self.teaching.teacher.current:
+        # serve.teacher_weights = "current": the policy as it stands teaches, with the hint
+        self.teaching.teacher.follow(self.learner.merged_params())
       if failed or not self.teaching.score(self.store, waiting):
         # The teacher failed: a turn that can train on its score alone (combined) does so; the
         # others stay hinted for the next step's teacher.
@@ -292,7 +295,14 @@ class TrainerLoop:
     if k and (len(t.get("topk_ids") or ()) != len(t["logprobs"])
               or any(len(ids) != k for ids in t["topk_ids"])):
       return None
-    return TokenTeacher(t["logprobs"], self.config.serve.signal_w_opd,
+    logprobs = t["logprobs"]
+    if self.config.serve.opd_center and not k:
+      # serve.opd_center: the term's mean over the response (with the behaviour logprobs standing
+      # in for the learner's) is taken out, so it moves credit between the response's tokens and
+      # the judge's score alone says how good the response was as a whole
+      shift = sum(a - b for a, b in zip(logprobs, row["logprobs"])) / max(len(logprobs), 1)
+      logprobs = [x - shift for x in logprobs]
+    return TokenTeacher(logprobs, self.config.serve.signal_w_opd,
                         t.get("topk_ids") if k else None, t.get("topk_logprobs") if k else None)
 
   def _skip_reason(self, row: dict, version: int) -> str | None:

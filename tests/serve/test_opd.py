@@ -217,6 +217,41 @@ def _student_logps(learner, groups):
 OPTS = actor(adv_norm="none", kl_coef=0.0, ppo_n_minibatches=1)
 
 
+def test_a_current_weights_teacher_scores_with_the_weights_it_last_followed(tiny):
+  """``serve.teacher_weights = "current"``: no copy of the start weights; each ``follow`` hands it
+  the weights to score with (the trainer's, before each scoring), the forward is the same."""
+  fmt, turn = "{message} Hint: {hint}", {"messages": [{"role": "user", "content": "7 * 8 + 3?"}],
+                                        "completion_tokens": [5, 9, 2, 30, 1]}
+  current = teacher_lib.BaseTeacher(tiny, mesh(1), _encode, fmt, 1.0, max_len=512, current=True)
+  assert current.params is None
+  with pytest.raises(RuntimeError, match="call follow first"):
+    current.score([(turn, "multiply first")])
+  start = nnx.to_pure_dict(nnx.state(tiny, nnx.Param))
+  moved = jax.tree.map(lambda x: x * 1.5, start)  # the policy after some training, say
+  current.follow(moved)
+  got = current.score([(turn, "multiply first")])[0]["logprobs"]
+  prompt = _encode(teacher_lib.hinted_messages(turn["messages"], "multiply first", fmt))
+  response = turn["completion_tokens"]
+  tokens = jnp.asarray([prompt + response], jnp.int32)
+  for params, same in ((moved, True), (start, False)):
+    lp = np.asarray(_logsoftmax(nnx.graphdef(tiny), params, tokens, 1.0))[0]
+    ref = lp[len(prompt) - 1:len(prompt) + len(response) - 1][np.arange(len(response)), response]
+    assert np.allclose(got, ref, atol=1e-4) == same
+  frozen = teacher_lib.BaseTeacher(tiny, mesh(1), _encode, fmt, 1.0, max_len=512)
+  with pytest.raises(ValueError, match="start weights"):
+    frozen.follow(moved)
+
+
+def test_a_current_weights_teacher_needs_the_trainer():
+  c = config_lib.load("configs/serve_arithmetic.py:tiny")
+  c.unlock()
+  c.serve.signal, c.serve.teacher_weights, c.serve.teacher_at = "opd", "current", "judge"
+  with pytest.raises(ValueError, match="teacher_weights='current'"):
+    config_lib.validate(c)
+  c.serve.teacher_at = "trainer"
+  config_lib.validate(c)
+
+
 @pytest.fixture(scope="module")
 def opd_learner():
   return Learner(model(), OPTS, mesh(1), temperature=0.9, distill_topk=0)
@@ -277,6 +312,9 @@ class _Learner:
   def params(self):
     return {}
 
+  def merged_params(self):
+    return {"version": self.version}  # what a teacher following the current weights is handed
+
 
 class _Sink:
 
@@ -293,6 +331,8 @@ class _Sink:
 class _Teacher:
   """The teacher's logprob of each response token: -1, -2, ... (no forward)."""
 
+  current = False  # (the frozen start weights' kind: nothing to follow)
+
   def __init__(self):
     self.asked, self.fail, self.cannot = [], False, set()
 
@@ -306,9 +346,10 @@ class _Teacher:
             for turn, _ in items]
 
 
-def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2, teacher_at="judge"):
+def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2, teacher_at="judge", center=False):
   c = config_lib.load("configs/serve_arithmetic.py:tiny")
   c.unlock()
+  c.serve.opd_center = center
   c.actor.batch_size, c.serve.max_staleness, c.train.checkpoint_every = batch, 100, 1000
   c.rollout.temperature = 1.0
   c.serve.signal, c.serve.signal_w_rl, c.serve.signal_w_opd = signal, w_rl, w_opd
@@ -386,6 +427,27 @@ def test_combined_weights_the_score_and_the_teacher(tmp_path):
   assert by_id[both][0] == pytest.approx(0.5 * (0.0 - 0.5)) and by_id[both][1].weight == 2.0
 
 
+def test_a_centred_teacher_term_has_no_mean_over_the_response(tmp_path):
+  """``serve.opd_center``: each turn's teacher logprobs are shifted by its mean of teacher -
+  behaviour logprob, so ``teacher - behaviour`` sums to 0 over the response (the score's term
+  unchanged); the token-to-token differences stay the teacher's."""
+  store, judge, trainer, _ = _loops(tmp_path, "combined", batch=2, center=True)
+  both, _ = _conversation(store, "a", "that's wrong. " + TEACH)
+  scored, _ = _conversation(store, "b", "right")
+  judge.run_once(now=2000.0)
+  assert trainer.step()
+  (ids, rewards, teachers), = trainer.learner.steps
+  by_id = dict(zip(ids, zip(rewards, [t[0] for t in teachers])))
+  # the teacher says -1, -2, -3 where the policy sampled at -1 each: mean(teacher - behaviour) = -1
+  assert by_id[both][1].logprobs == [0.0, -1.0, -2.0]
+  assert by_id[both][0] == pytest.approx(0.0 - 0.5) and by_id[scored][1] is None
+  c = config_lib.load("configs/serve_arithmetic.py:tiny")
+  c.unlock()
+  c.serve.signal, c.serve.opd_center, c.serve.teacher_topk = "combined", True, 4
+  with pytest.raises(ValueError, match="serve.opd_center=True"):
+    config_lib.validate(c)
+
+
 def test_binary_ignores_hints_and_calls_the_learner_as_before(tmp_path):
   store, judge, trainer, teacher = _loops(tmp_path, "binary", w_rl=2.0, batch=1)
   judge = judge_lib.JudgeLoop(store, judge_lib.RuleJudge())
@@ -426,6 +488,21 @@ def test_with_the_teacher_at_the_trainer_hinted_turns_wait_for_it_and_survive_it
   assert ids == [words, later] and all(t[0].logprobs == [-1.0, -2.0, -3.0] for t in teachers)
   assert store.get(words)["judge_status"] == "judged"
   assert store.get(words)["train_status"] == "trained"
+
+
+def test_a_current_weights_teacher_follows_the_learner_before_each_scoring(tmp_path):
+  """``serve.teacher_weights = "current"``: before the trainer's teacher scores a batch's hinted
+  turns it is handed the learner's weights of that moment (a later step: the later weights)."""
+  store, judge, trainer, teacher = _loops(tmp_path, "opd", batch=1, teacher_at="trainer")
+  teacher.current = True
+  teacher.follow = lambda params: teacher.asked.append(("follow", params["version"]))
+  first, _ = _conversation(store, "a", TEACH)
+  judge.run_once(now=2000.0)
+  assert trainer.step()
+  second, _ = _conversation(store, "b", TEACH)
+  judge.run_once(now=2000.0)
+  assert trainer.step()
+  assert teacher.asked == [("follow", 0), (first, TEACH), ("follow", 1), (second, TEACH)]
 
 
 def test_the_trainer_s_teacher_spends_no_forward_on_a_turn_it_would_not_train(tmp_path):
