@@ -478,11 +478,13 @@ class JaxRolloutEngine(Prefilling, RolloutEngine):
     if pending is None:
       return
     placed, given, version = pending
+    if placed is None:  # "pause": the calls in flight finish first (a turn they end keeps its row)
+      self._drain_inflight()
+    # nothing the replaced version computed is reused: memoized prefixes, chunked prefills, rows
     self._prefixes.clear()
     self._chunks.clear()
     self._continued.clear()
-    if placed is None:  # "pause": no call reads the current version once drained; then let it go
-      self._drain_inflight()
+    if placed is None:  # "pause": no call reads the current version once drained; let it go
       self.engine.params = None
       placed = self.engine.put_params(given)
       del given, pending

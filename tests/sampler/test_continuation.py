@@ -12,7 +12,7 @@ from areal_jax.rollout_api import GroupRequest, SamplingParams
 from areal_jax.sampler import continuation, slot_cache
 from areal_jax.sampler.service import JaxRolloutEngine
 
-from .conftest import compiles
+from .conftest import compiles, full_forward_logprobs
 
 
 def _one(engine, request, timeout=120.0):
@@ -69,6 +69,39 @@ def test_continued_turn_equals_full_reprefill(model, other_model, layers):
     engine.update_params(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)), 1)
     _one(engine, GroupRequest(21, follow, 1, SamplingParams(greedy=True, max_new_tokens=4)))
     assert engine.stats["continued"] == 3 and len(engine._continued) == 0
+  finally:
+    engine.stop()
+
+
+def test_a_paused_swap_drops_the_row_of_a_turn_its_drain_finishes(model, other_model):
+  """``weight_swap="pause"`` finishes the calls in flight before it converts the new version: a
+  turn that ends in one of them ends under the old weights, and its row goes with every other
+  kept row, so the conversation's next turn is prefilled under the new weights, not continued
+  over the old KV with tokens tagged with the new version."""
+  # (the engine of the continued-turn test: its programs, compiled once)
+  engine = JaxRolloutEngine(model, num_slots=4, max_len=128, prefill_buckets=(96,),
+                            weight_swap="pause")
+  prompt = [int(t) for t in np.random.default_rng(0).integers(1, 128, 21)]
+  greedy = SamplingParams(greedy=True, max_new_tokens=1)
+  engine.submit(GroupRequest(1, prompt, 1, greedy, {"continue": True}))
+  # the loop's own steps, one at a time (no thread yet): the turn's one token is in flight when
+  # the new version arrives, so the swap's drain is what finishes the turn
+  engine._state = engine.engine.init_state()  # (as start does)
+  engine._admit()
+  engine._prefill_chunk()
+  engine._dispatch()
+  assert len(engine._inflight) == 1 and engine.stats["finished"] == 0
+  engine.update_params(nnx.to_pure_dict(nnx.state(other_model, nnx.Param)), 1)
+  first = engine.poll()
+  assert len(first) == 1 and first[0].versions == [0] and engine.version == 1
+  assert len(engine._continued) == 0
+  engine.start()
+  try:
+    follow = prompt + first[0].tokens + [7, 8, 9]
+    turn = _one(engine, GroupRequest(2, follow, 1, SamplingParams(greedy=True, max_new_tokens=6)))
+    assert engine.stats["continued"] == 0 and turn.versions == [1] * 6
+    np.testing.assert_allclose(turn.logprobs, full_forward_logprobs(other_model, follow,
+                                                                    turn.tokens), atol=1e-4)
   finally:
     engine.stop()
 
