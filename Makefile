@@ -74,11 +74,12 @@ install-vllm: $(VLLM_STAMP)
 # killed and a run's loops, which the other worker's tests overlap (2026-12-01 on 2 cores: 2:45 and
 # 2:54 against 3:30 in one process). --dist loadfile: a module's tests run on one worker, so a
 # module-scoped engine or server starts once (worksteal split test_server.py's over both workers,
-# each starting its own server; xdist 3.8's loadgroup marks do nothing under pytest 9). loadfile
-# hands out the modules with the fewest tests last: the two end-to-end runs, in modules of their
-# own (test_e2e.py, test_e2e_ray.py), then run side by side.
+# each starting its own server; xdist 3.8's loadgroup marks do nothing under pytest 9). Modules are
+# handed out in the order tests/vllm_backend/conftest.py gives them (--no-loadscope-reorder): the
+# longest first, so the short ones fill in beside them.
 test-vllm: install-vllm
-	$(VLLM_PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/vllm_backend
+	$(VLLM_PYBIN) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	  tests/vllm_backend
 
 # The CPU demo: SmolLM2-135M learns arithmetic with asynchronous GRPO, evaluated on held-out problems
 # before and after by the standalone evaluator (about 10 minutes in all on 2 cores:

@@ -1,13 +1,8 @@
 """The HTTP server engine: a real vLLM OpenAI-compatible server on 127.0.0.1 (started by the engine),
 driven with token ids. Same checks as the in-process engine: logprob parity, weight sync through
-/pause, /collective_rpc, /reset_prefix_cache, /resume, and partial rollouts across it."""
+/pause, /collective_rpc, /reset_prefix_cache, /resume, and partial rollouts across it. (A server
+whose owner is SIGKILLed stops with it: test_e2e_ray.py, where the owner is a Ray worker.)"""
 
-import os
-import pathlib
-import selectors
-import subprocess
-import sys
-import textwrap
 import time
 
 import numpy as np
@@ -18,7 +13,7 @@ pytest.importorskip("vllm")
 from areal_jax.rollout_api import GroupRequest, SamplingParams  # noqa: E402
 from areal_jax.vllm_rollout import VllmServerEngine, lifeline  # noqa: E402
 
-from vllm_helpers import STOP_WAIT_S, collect, group_gone, pure, teacher_forced  # noqa: E402
+from vllm_helpers import collect, pure, teacher_forced  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOL = 1e-3
@@ -36,7 +31,9 @@ def server(policies, tokenizer, tmp_path_factory):
   assert pid is not None and not lifeline.group_alive(pid)  # close returns once all is gone
 
 
-LONG = 1500  # new tokens of the groups paused mid-flight (EOS ignored: only this budget ends them)
+# new tokens of the groups paused mid-flight (EOS ignored: only this budget ends them); well above
+# the hundred or so that vLLM may still draw after /pause, and each one is decoded after the resume
+LONG = 400
 
 
 def _live(engine, group_id):
@@ -127,42 +124,3 @@ def test_server_abort(server, tokenizer):
     server.resume()
   out = collect(server, 2)
   assert all(s.finish_reason == "abort" and 3 <= len(s.tokens) < LONG for s in out)
-
-
-def test_server_stops_with_its_owner(tmp_path):
-  """The process that started the server is SIGKILLed, so no exit handler runs: the server, and
-  every process in its group, stop anyway (before the lifeline, they ran on, holding the port and
-  their memory, until someone killed them by hand)."""
-  src = textwrap.dedent(f"""
-      import sys, time
-      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-      from flax import nnx
-      import vllm_helpers
-      from areal_jax import models
-      from areal_jax.vllm_rollout import VllmServerEngine
-      tok = models.byte_tokenizer()
-      model = models.Transformer(vllm_helpers.tiny_hd32_config(tok), nnx.Rngs(0))
-      engine = VllmServerEngine(model, tok, workdir={str(tmp_path)!r}, num_slots=2,
-                                max_model_len=256)
-      print("healthy", engine.server_pid, flush=True)
-      time.sleep(600)
-  """)
-  owner = subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, text=True,
-                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  pid = None
-  try:
-    with selectors.DefaultSelector() as sel:
-      sel.register(owner.stdout, selectors.EVENT_READ)
-      assert sel.select(timeout=600), "the owner did not start the server in 600 s"
-    line = owner.stdout.readline().split()
-    assert line[:1] == ["healthy"], f"owner said {line} (log: {tmp_path / 'server.log'})"
-    pid = int(line[1])
-    assert pid > 1 and pid in lifeline.group_members(pid)  # the server runs, leading its own group
-    owner.kill()
-    owner.wait()
-    assert group_gone(pid), f"server group {pid} outlived its owner by {STOP_WAIT_S} s"
-  finally:
-    owner.kill()
-    if pid and pid > 1 and lifeline.group_members(pid):  # never killpg(0): that is our own group
-      os.killpg(pid, 9)
-
