@@ -42,8 +42,10 @@ def pytest_collection_modifyitems(items):
   """``make test-vllm`` hands out whole modules (``--dist loadfile``) in this order
   (``--no-loadscope-reorder``): the longest start first, on both workers, and the short modules
   fill in beside them, so that no worker ends the session alone on the minute-long run."""
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: otherwise as collected
+  here, rank = pathlib.Path(__file__).parent, {name: i for i, name in enumerate(LONGEST_FIRST)}
+  # (this hook sees every item of the session: only this directory's modules move)
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)) if item.path.parent == here
+             else len(rank))  # stable: otherwise as collected
 
 
 @pytest.fixture(scope="session")
