@@ -32,8 +32,9 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "vllm: needs vLLM (run with `make test-vllm`)")
 
 
-# The longest modules, longest first (2-core Intel Xeon, 2026-12-06: the SIGKILLed Ray worker's run
-# ~70 s, the shared server's module ~55 s, the in-process run ~27 s); the rest keep their order.
+# The longest modules, longest first: the SIGKILLed Ray worker's run, the shared server's module, the
+# in-process run (their durations: bench/results/test-suite-vllm-order-2026-12-06-bb2a61b/); the
+# rest keep their order.
 LONGEST_FIRST = ("test_e2e_ray.py", "test_server.py", "test_e2e.py")
 
 
