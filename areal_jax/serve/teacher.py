@@ -9,8 +9,8 @@ Two teachers:
     from, copied once before anything trains; with ``serve.teacher_weights = "current"`` the policy
     being trained, its weights read before each scoring (``follow``), so that ``teacher - student``
     is only what the hint changes, not also how far training moved the policy from its start. One
-    jitted forward scores ``serve.teacher_batch`` turns at a time, rows and lengths bucketed (a
-    handful of shapes compile), and only the response positions reach the LM head;
+    jitted forward scores ``serve.teacher_batch`` turns of similar length at a time, lengths
+    bucketed (a few shapes compile), and only the response positions reach the LM head;
   * ``RemoteTeacher``: an OpenAI-compatible server's ``/completions`` with ``prompt_logprobs``
     (vLLM's extension: per prompt token, its logprob and the top ones by token id), the prompt being
     the hinted prompt's token ids followed by the response's.
@@ -60,6 +60,14 @@ def _bucket(n: int, smallest: int) -> int:
   while b < n:
     b *= 2
   return b
+
+
+def _length_bucket(n: int, smallest: int) -> int:
+  """``n`` rounded up to an eighth of its power-of-two bucket (at least ``smallest``): at most
+  eight shapes per doubling, and under an eighth of the forward spent on padding (a power-of-two
+  bucket alone pads 153 tokens, a hinted arithmetic turn, to 256)."""
+  step = max(_bucket(n, smallest) // 8, 1)
+  return max(smallest, -(-n // step) * step)
 
 
 class _Teacher:
@@ -172,10 +180,13 @@ class BaseTeacher(_Teacher):
 
     if self.params is None:
       raise RuntimeError("the current-weights teacher has no weights yet: call follow first")
-    fn, out = self._fn(), []
+    fn, out = self._fn(), [None] * len(seqs)
+    # shortest first: a forward's rows are padded to its longest
+    order = sorted(range(len(seqs)), key=lambda j: len(seqs[j][0]) + len(seqs[j][1]))
     for i in range(0, len(seqs), self.batch):
-      part = seqs[i:i + self.batch]
-      l = _bucket(max(len(p) + len(r) for p, r in part), 64)
+      at = order[i:i + self.batch]
+      part = [seqs[j] for j in at]
+      l = _length_bucket(max(len(p) + len(r) for p, r in part), 64)
       c = _bucket(max(len(r) for _, r in part), 16)
       tokens = np.zeros((self.batch, l), np.int32)
       start = np.ones((self.batch,), np.int32)
@@ -185,12 +196,12 @@ class BaseTeacher(_Teacher):
         start[row] = len(p)
         response[row, :len(r)] = r
       logp, ids, top = jax.device_get(fn(self.params, tokens, start, response))
-      for row, (_, r) in enumerate(part):
+      for row, (j, (_, r)) in enumerate(zip(at, part)):
         n = len(r)
         res = {"logprobs": logp[row, :n].astype(float).tolist()}
         if self.topk:
           res.update(topk_ids=ids[row, :n].tolist(), topk_logprobs=top[row, :n].astype(float).tolist())
-        out.append(res)
+        out[j] = res
     return out
 
 

@@ -99,19 +99,22 @@ def test_teacher_logprobs_are_a_teacher_forced_forward_of_the_hinted_prompt(tiny
   temperature, k = 0.7, 3
   teacher = teacher_lib.BaseTeacher(tiny, mesh(1), _encode, "{message} Hint: {hint}",
                                     temperature, topk=k, batch=2, max_len=512)
-  turns = [{"messages": [{"role": "user", "content": "What is 7 * 8 + 3?"}],
-            "completion_tokens": [5, 9, 2, 30, 1]},
-           {"messages": [{"role": "system", "content": "Be brief."},
+  # the longest first: the teacher batches similar lengths, and each result is its turn's
+  turns = [{"messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": "2 + 2?"},
                          {"role": "assistant", "content": "5"},
                          {"role": "user", "content": "And 3 + 3?"}],
             "completion_tokens": [7] * 20},
-           {"messages": [{"role": "user", "content": "x"}], "completion_tokens": [3, 4, 5]}]
-  hints = ["multiply 7 by 8 first, then add 3", "count on your fingers", "z" * 600]
+           {"messages": [{"role": "user", "content": "What is 7 * 8 + 3?"}],
+            "completion_tokens": [5, 9, 2, 30, 1]},
+           {"messages": [{"role": "user", "content": "x"}], "completion_tokens": [3, 4, 5]},
+           {"messages": [{"role": "user", "content": "9 - 4?"}], "completion_tokens": [8, 6]}]
+  hints = ["count on your fingers", "multiply 7 by 8 first, then add 3", "z" * 600, "take 4 away"]
   got = teacher.score(list(zip(turns, hints)))
   assert got[2] is None  # longer than the teacher takes: no OPD signal
+  del turns[2], hints[2], got[2]
   rows = []
-  for turn, hint in zip(turns[:2], hints):
+  for turn, hint in zip(turns, hints):
     hinted = teacher_lib.hinted_messages(turn["messages"], hint, "{message} Hint: {hint}")
     assert hinted[-1]["content"].endswith(f" Hint: {hint}") and turn["messages"][-1]["content"] \
         in hinted[-1]["content"]
