@@ -63,9 +63,10 @@ def _bucket(n: int, smallest: int) -> int:
 
 
 def _length_bucket(n: int, smallest: int) -> int:
-  """``n`` rounded up to an eighth of its power-of-two bucket (at least ``smallest``): at most
-  eight shapes per doubling, and under an eighth of the forward spent on padding (a power-of-two
-  bucket alone pads 153 tokens, a hinted arithmetic turn, to 256)."""
+  """``n`` rounded up to a multiple of an eighth of its power-of-two bucket (at least
+  ``smallest``): at most eight shapes per doubling, and above ``smallest`` under a fifth of the
+  length is padding (the power-of-two bucket alone pads 153 tokens, a hinted arithmetic turn, to
+  256)."""
   step = max(_bucket(n, smallest) // 8, 1)
   return max(smallest, -(-n // step) * step)
 
