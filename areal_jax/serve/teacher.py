@@ -10,7 +10,8 @@ Two teachers:
     being trained, its weights read before each scoring (``follow``), so that ``teacher - student``
     is only what the hint changes, not also how far training moved the policy from its start. One
     jitted forward scores ``serve.teacher_batch`` turns of similar length at a time, lengths
-    bucketed (a few shapes compile), and only the response positions reach the LM head;
+    bucketed (a few shapes compile; finer on CPU), and only the response positions reach the LM
+    head;
   * ``RemoteTeacher``: an OpenAI-compatible server's ``/completions`` with ``prompt_logprobs``
     (vLLM's extension: per prompt token, its logprob and the top ones by token id), the prompt being
     the hinted prompt's token ids followed by the response's.
@@ -62,12 +63,15 @@ def _bucket(n: int, smallest: int) -> int:
   return b
 
 
-def _length_bucket(n: int, smallest: int) -> int:
-  """``n`` rounded up to a multiple of an eighth of its power-of-two bucket (at least
-  ``smallest``): at most eight shapes per doubling, and above ``smallest`` under a fifth of the
+def _length_bucket(n: int, smallest: int, fine: bool) -> int:
+  """``n``'s power-of-two bucket (``_bucket``), or with ``fine`` ``n`` rounded up to a multiple of
+  an eighth of it: four shapes per doubling, and above ``smallest`` under a fifth of the
   length is padding (the power-of-two bucket alone pads 153 tokens, a hinted arithmetic turn, to
   256)."""
-  step = max(_bucket(n, smallest) // 8, 1)
+  b = _bucket(n, smallest)
+  if not fine:
+    return b
+  step = max(b // 8, 1)
   return max(smallest, -(-n // step) * step)
 
 
@@ -117,11 +121,15 @@ class BaseTeacher(_Teacher):
     from flax import nnx  # pylint: disable=import-outside-toplevel
 
     from areal_jax import sharding  # pylint: disable=import-outside-toplevel
+    from areal_jax.kernels import choice  # pylint: disable=import-outside-toplevel
 
     super().__init__(encode, hint_format, topk, max_len)
     if temperature <= 0:
       raise ValueError(f"the teacher's temperature must be > 0, got {temperature}")
     self.mesh, self.temperature, self.batch = mesh, float(temperature), max(1, int(batch))
+    # On CPU a forward's time follows its length and a compile takes seconds: finer length
+    # buckets. On accelerators padding costs less than the compiles more shapes would bring.
+    self.fine_buckets = choice.platform_of(mesh) == "cpu"
     self.graphdef = nnx.graphdef(model)
     self.current, self._fns = current, {}  # _fns: the jitted forward, built on first use
     self.params = None  # with current: set by follow before each scoring
@@ -187,7 +195,7 @@ class BaseTeacher(_Teacher):
     for i in range(0, len(seqs), self.batch):
       at = order[i:i + self.batch]
       part = [seqs[j] for j in at]
-      l = _length_bucket(max(len(p) + len(r) for p, r in part), 64)
+      l = _length_bucket(max(len(p) + len(r) for p, r in part), 64, self.fine_buckets)
       c = _bucket(max(len(r) for _, r in part), 16)
       tokens = np.zeros((self.batch, l), np.int32)
       start = np.ones((self.batch,), np.int32)

@@ -134,6 +134,17 @@ def test_teacher_logprobs_are_a_teacher_forced_forward_of_the_hinted_prompt(tiny
                                atol=1e-4)
 
 
+def test_the_teacher_pads_lengths_finely_on_cpu_only(tiny):
+  assert teacher_lib.BaseTeacher(tiny, mesh(1), _encode, "{message} {hint}", 1.0).fine_buckets
+  # accelerators: power-of-two lengths (fewer compiles); CPU: under a fifth of a row is padding
+  coarse = [teacher_lib._length_bucket(n, 64, False) for n in (10, 65, 153, 257)]
+  assert coarse == [64, 128, 256, 512]
+  fine = {n: teacher_lib._length_bucket(n, 64, True) for n in range(1, 2049)}
+  assert fine[10] == 64 and fine[153] == 160 and fine[1024] == 1024
+  assert all(n <= b and (n <= 64 or b - n < b / 5) for n, b in fine.items())
+  assert len({b for n, b in fine.items() if 512 < n <= 1024}) == 4  # shapes per doubling
+
+
 def test_prompt_logprobs_of_a_remote_teacher_are_read_by_token_id():
   entries = [None, {"3": {"logprob": -0.5, "rank": 1}},
              {"4": {"logprob": -2.0, "rank": 3}, "9": {"logprob": -0.1, "rank": 1},
