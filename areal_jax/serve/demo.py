@@ -5,6 +5,11 @@ r"""``make serve-demo``: the policy learns arithmetic from simulated users' conv
       --duration_s=60 --eval_size=8
   python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py --workdir=runs/serve_opd \
       --signal=opd
+  python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py --workdir=runs/serve_comb \
+      --signal=combined --config.serve.signal_w_opd=0.25
+
+``--config.<key>=<value>`` overrides a config key, as for ``python -m areal_jax.serve``: the demo,
+its server and its evaluations all read the overridden config.
 
 ``--signal`` (``serve.signal``: binary, opd or combined) picks what the judged turns train with and
 ``--feedback`` (``serve.sim_feedback``) what the users reply; by default the users whose replies
@@ -40,10 +45,12 @@ import time
 import urllib.request
 
 from absl import app, flags
+from ml_collections import config_flags
 
 from areal_jax import config as config_lib
 
-_CONFIG = flags.DEFINE_string("config", "configs/serve_arithmetic.py", "config file[:preset]")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/serve_arithmetic.py",
+                                          "config file[:preset]; --config.<key>=<value> overrides")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/serve_demo", "the server's workdir")
 _DURATION = flags.DEFINE_float("duration_s", None, "simulated users' time (serve.sim_duration_s)")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "held-out problems (train.eval_size)")
@@ -70,6 +77,18 @@ def signal_overrides(config, signal: str | None, feedback: str | None) -> dict:
     section, name = key.split(".")
     config[section][name] = value
   return out
+
+
+def override_args(values: dict) -> list[str]:
+  """``--config.<key>=<value>`` arguments that give a config flag's ``override_values`` to another
+  process whose ``--config`` is the same file: the values written the way the flag parses them."""
+  def text(v):
+    if isinstance(v, bool):
+      return str(v).lower()
+    if isinstance(v, (tuple, list)):
+      return repr(tuple(v))
+    return v if isinstance(v, str) else repr(v)
+  return [f"--config.{key}={text(value)}" for key, value in values.items()]
 
 
 def _free_port() -> int:
@@ -130,12 +149,14 @@ def main(argv) -> None:
   from areal_jax import cli  # pylint: disable=import-outside-toplevel
 
   cli.set_up_logging()  # no line per HTTP request of the users' client
-  spec, workdir = _CONFIG.value, os.path.abspath(_WORKDIR.value)
-  config = config_lib.load(spec)
+  spec = config_flags.get_config_filename(flags.FLAGS["config"])
+  workdir, config = os.path.abspath(_WORKDIR.value), _CONFIG.value
+  given = override_args(config_flags.get_override_values(flags.FLAGS["config"]))
   overrides = signal_overrides(config, _SIGNAL.value, _FEEDBACK.value)
   every = config.serve.status_every_s if _STATUS_EVERY.value is None else _STATUS_EVERY.value
   os.makedirs(workdir, exist_ok=True)
-  extra = [] if _EVAL_SIZE.value is None else [f"--config.train.eval_size={_EVAL_SIZE.value}"]
+  extra = given + ([] if _EVAL_SIZE.value is None else
+                   [f"--config.train.eval_size={_EVAL_SIZE.value}"])
   before_path = os.path.join(workdir, "eval_before.json")
   before = _evaluate(spec, extra, "", before_path) if not os.path.exists(before_path) else \
       json.load(open(before_path, encoding="utf-8"))
@@ -143,7 +164,7 @@ def main(argv) -> None:
   port = _free_port()
   log = open(os.path.join(workdir, "server.log"), "a", encoding="utf-8")
   server = subprocess.Popen([sys.executable, "-m", "areal_jax.serve", f"--config={spec}",
-                             f"--workdir={workdir}", f"--config.serve.port={port}",
+                             f"--workdir={workdir}", *given, f"--config.serve.port={port}",
                              f"--config.serve.status_every_s={every}",
                              *[f"--config.{k}={v}" for k, v in overrides.items()]],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -234,4 +255,5 @@ def plot(workdir: str, curve, conversations) -> str:
 
 
 if __name__ == "__main__":
+  config_lib.check_overrides(sys.argv)  # an unknown key: one line with the nearby valid keys
   app.run(main)

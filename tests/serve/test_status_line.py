@@ -1,6 +1,7 @@
 """What serving prints: a status line per window (the server's numbers, the same as /health's
 ``serving`` field) and, in the serve demo, no line per HTTP request."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -42,11 +43,12 @@ def test_status_line_counts_windows_and_totals():
 @pytest.mark.slow
 def test_serve_demo_prints_status_lines_not_requests(tmp_path):
   """15 s of simulated users, a status line every 5 s: two or more lines from the demo and in the
-  server's log, none per HTTP request."""
+  server's log, none per HTTP request. The held-out size comes as a config override, which the
+  demo hands to its evaluator."""
   workdir = tmp_path / "demo"
   cmd = [sys.executable, "-m", "areal_jax.serve.demo", "--config=configs/serve_arithmetic.py:tiny",
-         f"--workdir={workdir}", "--duration_s=15", "--status_every_s=5", "--eval_size=2",
-         "--curve_points=0"]
+         f"--workdir={workdir}", "--duration_s=15", "--status_every_s=5",
+         "--config.train.eval_size=2", "--curve_points=0"]
   out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
                        timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -59,3 +61,4 @@ def test_serve_demo_prints_status_lines_not_requests(tmp_path):
   server = (workdir / "server.log").read_text()
   assert "HTTP Request" not in server and server.count("status: serving version ") >= 2, server
   assert len(out.stdout.splitlines()) + len(out.stderr.splitlines()) <= 30, text
+  assert json.loads((workdir / "eval_before.json").read_text())["n"] == 2
