@@ -49,19 +49,6 @@ from ml_collections import config_flags
 
 from areal_jax import config as config_lib
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/serve_arithmetic.py",
-                                          "config file[:preset]; --config.<key>=<value> overrides")
-_WORKDIR = flags.DEFINE_string("workdir", "runs/serve_demo", "the server's workdir")
-_DURATION = flags.DEFINE_float("duration_s", None, "simulated users' time (serve.sim_duration_s)")
-_EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "held-out problems (train.eval_size)")
-_POINTS = flags.DEFINE_integer("curve_points", 4, "checkpoints evaluated for the curve")
-_STATUS_EVERY = flags.DEFINE_float("status_every_s", None,
-                                   "seconds between status lines (serve.status_every_s)")
-_SIGNAL = flags.DEFINE_enum("signal", None, ["binary", "opd", "combined"],
-                            "what judged turns train with (serve.signal; default: the config's)")
-_FEEDBACK = flags.DEFINE_enum("feedback", None, ["verdict", "words", "both"],
-                              "what the simulated users reply (serve.sim_feedback; default: "
-                              "verdict for binary, words for opd, both for combined)")
 FEEDBACK_OF = {"binary": "verdict", "opd": "words", "combined": "both"}
 
 
@@ -255,5 +242,21 @@ def plot(workdir: str, curve, conversations) -> str:
 
 
 if __name__ == "__main__":
+  # Flags are defined here, not at import, so importing this module (its tests, bench scripts)
+  # never defines --config beside another module's.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "configs/serve_arithmetic.py",
+      "config file[:preset]; --config.<key>=<value> overrides")
+  _WORKDIR = flags.DEFINE_string("workdir", "runs/serve_demo", "the server's workdir")
+  _DURATION = flags.DEFINE_float("duration_s", None, "simulated users' time (serve.sim_duration_s)")
+  _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "held-out problems (train.eval_size)")
+  _POINTS = flags.DEFINE_integer("curve_points", 4, "checkpoints evaluated for the curve")
+  _STATUS_EVERY = flags.DEFINE_float("status_every_s", None,
+                                     "seconds between status lines (serve.status_every_s)")
+  _SIGNAL = flags.DEFINE_enum("signal", None, ["binary", "opd", "combined"],
+                              "what judged turns train with (serve.signal; default: the config's)")
+  _FEEDBACK = flags.DEFINE_enum("feedback", None, ["verdict", "words", "both"],
+                                "what the simulated users reply (serve.sim_feedback; default: "
+                                "verdict for binary, words for opd, both for combined)")
   config_lib.check_overrides(sys.argv)  # an unknown key: one line with the nearby valid keys
   app.run(main)

@@ -3,6 +3,8 @@ reaches its server and evaluator processes as the same values (the end-to-end de
 tests/serve/test_status_line.py's)."""
 
 import pathlib
+import subprocess
+import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -40,3 +42,12 @@ def test_overrides_reach_another_process_as_the_same_values():
 def test_no_overrides_give_no_arguments():
   _, values = _parse([])
   assert demo.override_args(values) == []
+
+
+def test_importing_the_demo_defines_no_flags():
+  """Its flags are the command's: a process that imports the demo (a test, a bench script) can
+  still import the server's command line, which defines --config and --workdir."""
+  code = "import areal_jax.serve.demo, areal_jax.serve.__main__"
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
