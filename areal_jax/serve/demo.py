@@ -153,7 +153,7 @@ def main(argv) -> None:
   server = subprocess.Popen([sys.executable, "-m", "areal_jax.serve", f"--config={spec}",
                              f"--workdir={workdir}", *given, f"--config.serve.port={port}",
                              f"--config.serve.status_every_s={every}",
-                             *[f"--config.{k}={v}" for k, v in overrides.items()]],
+                             *override_args(overrides)],
                             stdout=log, stderr=subprocess.STDOUT)
   t_start = time.time()
   try:
