@@ -302,6 +302,8 @@ def base_config() -> ConfigDict:
   c.train.epochs = 1  # Passes over the training data available to the run.
   c.train.checkpoint_every = 10  # Save a checkpoint every this many steps (and after the last).
   c.train.keep_checkpoints = 2  # Checkpoints kept on disk; older ones are deleted.
+  # Also keep every checkpoint whose step is a multiple of this (a curve over the run); 0: none.
+  c.train.keep_checkpoint_every = 0
   # Resume from the workdir's latest checkpoint. False: start over; existing checkpoints move
   # to checkpoints.old-<time>.
   c.train.resume = True

@@ -122,6 +122,9 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
                   "serve.teacher_at='judge'")
   if config.serve.max_staleness < 0:
     errors.append(f"serve.max_staleness={config.serve.max_staleness} must be >= 0")
+  if config.train.keep_checkpoint_every < 0:
+    errors.append(f"train.keep_checkpoint_every={config.train.keep_checkpoint_every} must be >= 0 "
+                  "(0: only the newest train.keep_checkpoints)")
   if a.logits_chunk < 0:
     errors.append(f"actor.logits_chunk={a.logits_chunk} must be >= 0 (0: no chunking)")
   if m.device_memory_gib < 0:

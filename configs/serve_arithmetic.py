@@ -68,7 +68,10 @@ def get_config(preset: str = "default"):
   c.rollout.num_slots = 32
   c.train.total_steps = 10000  # the constant learning rate's horizon; serving stops on a signal
   c.train.checkpoint_every = 5
-  c.train.keep_checkpoints = 20  # the demo evaluates every kept checkpoint for its curve
+  # The demo's curve evaluates kept checkpoints: every 10th version's and the newest two (each
+  # holds the learner and optimizer state).
+  c.train.keep_checkpoints = 2
+  c.train.keep_checkpoint_every = 10
   c.serve.max_staleness = 4
   c.serve.trainer_process = preset == "default"  # its own process on its own cores (docstring)
   # Enough concurrent conversations to keep the sampler batched (4 users with batches of 8 gave too

@@ -89,6 +89,13 @@ def test_optimizer_and_loss_coefficients_are_checked():
   config_lib.validate(c)  # the bounds themselves are settings: no step, no clipping, no cap
 
 
+def test_keep_checkpoint_every_is_checked():
+  c = config_lib.base_config()
+  c.train.keep_checkpoint_every = -1
+  with pytest.raises(config_lib.ConfigError, match="train.keep_checkpoint_every=-1 must be >= 0"):
+    config_lib.validate(c)
+
+
 def test_decode_kernel_keys_are_checked():
   c = config_lib.base_config()
   config_lib.validate(c)  # "auto" and 0 steps per call (per platform) by default

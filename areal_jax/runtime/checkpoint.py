@@ -74,8 +74,10 @@ def move_aside(path: str, suffix: str) -> str | None:
 
 class Checkpointer:
 
-  def __init__(self, workdir: str, keep: int, resume: bool = True, config=None):
-    """``resume=False`` moves existing checkpoints to ``checkpoints.old-<time>`` (kept) first.
+  def __init__(self, workdir: str, keep: int, resume: bool = True, config=None, keep_every: int = 0):
+    """Keeps the newest ``keep`` checkpoints, and with ``keep_every`` > 0 also every step that is a
+    multiple of it (``train.keep_checkpoint_every``: a run's curve without all its checkpoints).
+    ``resume=False`` moves existing checkpoints to ``checkpoints.old-<time>`` (kept) first.
     ``config`` (the run's): each save records it in ``meta``, so that a checkpoint whose arrays do
     not fit a later run's model is reported as written with other settings (the keys that
     differ), and kept in place, rather than set aside as damaged."""
@@ -85,6 +87,7 @@ class Checkpointer:
       old = move_aside(self.directory, f".old-{utc_tag()}")
       print(f"train.resume=False: the previous checkpoints were moved to {old}", flush=True)
     options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True,
+                                           keep_period=keep_every if keep_every > 0 else None,
                                            enable_async_checkpointing=False,
                                            cleanup_tmp_directories=True)
     # Handlers named per item, so item_metadata can read the stored shapes before any array is read.

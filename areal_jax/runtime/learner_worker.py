@@ -47,7 +47,8 @@ class _Worker:
                                  "learner processes (their devices report different memory)")
     # The driver already moved old checkpoints aside when train.resume=False.
     self.ckpt = checkpoint.Checkpointer(workdir, config.train.keep_checkpoints, resume=True,
-                                        config=config)
+                                        config=config,
+                                        keep_every=config.train.keep_checkpoint_every)
     path = config.weights.path or os.path.join(workdir, "weights")
     self.publisher = weight_transfer.OrbaxPublisher(path, config.weights.keep,
                                                     weight_transfer.version_dtype(config))

@@ -161,6 +161,16 @@ def test_no_usable_checkpoint_stops_and_never_starts_over(run):
   assert len(corrupt_dirs(old, 1) + corrupt_dirs(old, 2) + corrupt_dirs(old, 3)) == 3
 
 
+@pytest.mark.parametrize("keep_every, kept", [(0, [6, 7]), (3, [3, 6, 7])])
+def test_the_newest_and_every_kth_checkpoint_are_kept(tmp_path, keep_every, kept):
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path), keep=2, keep_every=keep_every)
+  for step in range(1, 8):
+    ckpt.save(step, {"w": np.full(3, step, np.float32)}, {"step": step})
+  assert ckpt.steps() == kept
+  ckpt.close()
+  assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == kept
+
+
 def _fail_json_write(monkeypatch, err):
   def fail(self, x, directory):
     raise err
