@@ -74,7 +74,8 @@ def move_aside(path: str, suffix: str) -> str | None:
 
 class Checkpointer:
 
-  def __init__(self, workdir: str, keep: int, resume: bool = True, config=None, keep_every: int = 0):
+  def __init__(self, workdir: str, keep: int, resume: bool = True, config=None,
+               keep_every: int = 0):
     """Keeps the newest ``keep`` checkpoints, and with ``keep_every`` > 0 also every step that is a
     multiple of it (``train.keep_checkpoint_every``: a run's curve without all its checkpoints).
     ``resume=False`` moves existing checkpoints to ``checkpoints.old-<time>`` (kept) first.
