@@ -95,6 +95,13 @@ class Checkpointer:
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=dict(
         state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler()))
 
+  @classmethod
+  def of_run(cls, workdir: str, config, resume: bool) -> "Checkpointer":
+    """The run's checkpointer: what it keeps from ``config.train`` (``keep_checkpoints``,
+    ``keep_checkpoint_every``), ``config`` recorded with each save."""
+    return cls(workdir, config.train.keep_checkpoints, resume=resume, config=config,
+               keep_every=config.train.keep_checkpoint_every)
+
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
 

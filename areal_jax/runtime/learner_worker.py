@@ -46,9 +46,7 @@ class _Worker:
     multihost_utils.assert_equal(c_act.micro_batch_tokens, "actor.micro_batch_tokens differs between "
                                  "learner processes (their devices report different memory)")
     # The driver already moved old checkpoints aside when train.resume=False.
-    self.ckpt = checkpoint.Checkpointer(workdir, config.train.keep_checkpoints, resume=True,
-                                        config=config,
-                                        keep_every=config.train.keep_checkpoint_every)
+    self.ckpt = checkpoint.Checkpointer.of_run(workdir, config, resume=True)
     path = config.weights.path or os.path.join(workdir, "weights")
     self.publisher = weight_transfer.OrbaxPublisher(path, config.weights.keep,
                                                     weight_transfer.version_dtype(config))

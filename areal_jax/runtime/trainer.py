@@ -90,8 +90,7 @@ def _run(config, workdir: str, wrap_engine=None) -> dict:
     for name in ("metrics.jsonl", "trajectories"):
       checkpoint.move_aside(os.path.join(workdir, name), tag)
   ckpt = (learner.checkpointer() if group  # (closing it stops the group)
-          else Checkpointer(workdir, c_train.keep_checkpoints, resume=c_train.resume,
-                            config=config, keep_every=c_train.keep_checkpoint_every))
+          else Checkpointer.of_run(workdir, config, resume=c_train.resume))
 
   # Resume from the newest usable checkpoint (damaged ones are moved aside): learner state, policy
   # version, data position and unfinished groups; the metrics rows and trajectory dumps written

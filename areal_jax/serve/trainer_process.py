@@ -86,8 +86,7 @@ def build_trainer(config, workdir: str, store, model, tokenizer, learner_mesh, t
                                 total_steps=config.train.total_steps,
                                 max_seq_len=c_roll.max_prompt_len + c_roll.max_new_tokens,
                                 distill_topk=distill_topk)
-  ckpt = Checkpointer(workdir, config.train.keep_checkpoints, resume=config.train.resume,
-                      config=config, keep_every=config.train.keep_checkpoint_every)
+  ckpt = Checkpointer.of_run(workdir, config, resume=config.train.resume)
   return TrainerLoop(config, workdir, store, learner, transfer_fn(learner), engine, ckpt, teacher)
 
 
