@@ -462,6 +462,8 @@ def base_config() -> ConfigDict:
   # What the simulated users reply: "verdict" ("right" / "that's wrong"), "words" (how to work the
   # problem out, no right/wrong word: only OPD can use it) or "both" (a verdict; if wrong, the way).
   c.serve.sim_feedback = "verdict"
+  # A simulated user calls an answer cut off at its token limit wrong, whatever number it ends on.
+  c.serve.sim_cut_off_wrong = True
   return c
 
 

@@ -6,10 +6,11 @@ the answer was right or how to work it out, as a person would.
 
 Each conversation is one session (its id in the ``X-Session-Id`` header and the ``user`` field):
 the user asks a question drawn from the task's *train* split (the held-out test split is never
-sent) in the task's prompt format, checks the answer with the task's reward, and replies in the
-same session (a short turn, ``serve.sim_feedback_tokens``); that reply is the next state the judge
-scores the answer from, and it ends the session (``X-Session-Done``: the reply turn is the last,
-never trained). ``serve.sim_users`` conversations run at once. What the user replies
+sent) in the task's prompt format, checks the answer with the task's reward (an answer cut off at
+its token limit is wrong, whatever number it stops on: ``serve.sim_cut_off_wrong``), and replies in
+the same session (a short turn, ``serve.sim_feedback_tokens``); that reply is the next state the
+judge scores the answer from, and it ends the session (``X-Session-Done``: the reply turn is the
+last, never trained). ``serve.sim_users`` conversations run at once. What the user replies
 (``serve.sim_feedback``):
   * ``verdict``: "right" or "that's wrong";
   * ``words``: how to work the problem out, from the example's worked answer ("Ava has 7 apples.
@@ -46,6 +47,17 @@ def teaching_reply(example: dict) -> str:
   final = [line[4:].strip() for line in lines if line.startswith("####")]
   text = " ".join(steps) + (f" So the answer is {final[-1]}." if final else "")
   return judge_lib.without_verdict(text)
+
+
+def answered_right(task, example: dict, text: str, finish_reason: str | None,
+                   cut_off_wrong: bool) -> bool:
+  """Whether the user calls the answer right: the task's reward, except that a reply cut off at its
+  token limit (``finish_reason == "length"``) is wrong with ``cut_off_wrong``. A person reads such a
+  reply as unfinished; the task's reward takes its last number, often an intermediate step that
+  equals the answer by chance, and rewarding that teaches the policy to ramble into the limit."""
+  if cut_off_wrong and finish_reason == "length":
+    return False
+  return task.reward(text, example) > 0.5
 
 
 def reply_for(example: dict, right: bool, feedback: str, rng: random.Random) -> str:
@@ -85,7 +97,9 @@ class SimulatedUsers:
         model=model, messages=messages, user=session, extra_headers={"X-Session-Id": session})
     answer_s = time.time() - t0  # the question's request, sent -> response parsed
     text = answer.choices[0].message.content or ""
-    right = self.task.reward(text, example) > 0.5
+    cut_off = answer.choices[0].finish_reason == "length"
+    right = answered_right(self.task, example, text, answer.choices[0].finish_reason,
+                           self.config.serve.sim_cut_off_wrong)
     with self._lock:
       reply = reply_for(example, right, self.config.serve.sim_feedback, self.rng)
     self.client.chat.completions.create(
@@ -93,7 +107,8 @@ class SimulatedUsers:
         messages=messages + [{"role": "assistant", "content": text}, {"role": "user", "content": reply}],
         max_tokens=self.config.serve.sim_feedback_tokens)
     out = dict(time_s=time.time(), session=session, example_id=example.get("id"), right=right,
-               latency_s=time.time() - t0, answer_s=answer_s, version=getattr(answer, "policy_versions", None))
+               cut_off=cut_off, latency_s=time.time() - t0, answer_s=answer_s,
+               version=getattr(answer, "policy_versions", None))
     with self._lock:
       self.results.append(out)
       if self._log is not None:
