@@ -53,8 +53,9 @@ def answered_right(task, example: dict, text: str, finish_reason: str | None,
                    cut_off_wrong: bool) -> bool:
   """Whether the user calls the answer right: the task's reward, except that a reply cut off at its
   token limit (``finish_reason == "length"``) is wrong with ``cut_off_wrong``. A person reads such a
-  reply as unfinished; the task's reward takes its last number, often an intermediate step that
-  equals the answer by chance, and rewarding that teaches the policy to ramble into the limit."""
+  reply as unfinished; the task's reward takes its last number, which may be an intermediate step
+  that equals the answer by chance, and rewarding that can teach the policy to ramble into the
+  limit."""
   if cut_off_wrong and finish_reason == "length":
     return False
   return task.reward(text, example) > 0.5
