@@ -203,8 +203,7 @@ def main(argv) -> None:
   summary = dict(pass_at_1_before=before["pass@1"], pass_at_1_after=after, versions=[v for v, _ in curve],
                  curve=curve, conversations=len(results), user_success=float(
                      sum(r["right"] for r in results) / max(len(results), 1)),
-                 user_cut_off=float(sum(r.get("cut_off", False) for r in results)
-                                    / max(len(results), 1)),
+                 user_cut_off=float(sum(r["cut_off"] for r in results) / max(len(results), 1)),
                  served_s=time.time() - t_start, trained=health.get("trainer"),
                  judged=health.get("judge"), signal=config.serve.signal,
                  feedback=config.serve.sim_feedback)

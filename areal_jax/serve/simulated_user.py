@@ -49,14 +49,13 @@ def teaching_reply(example: dict) -> str:
   return judge_lib.without_verdict(text)
 
 
-def answered_right(task, example: dict, text: str, finish_reason: str | None,
-                   cut_off_wrong: bool) -> bool:
-  """Whether the user calls the answer right: the task's reward, except that a reply cut off at its
-  token limit (``finish_reason == "length"``) is wrong with ``cut_off_wrong``. A person reads such a
+def answered_right(task, example: dict, text: str, cut_off: bool, cut_off_wrong: bool) -> bool:
+  """Whether the user calls the answer right: the task's reward, except that a reply ``cut_off`` at
+  its token limit (finish reason "length") is wrong with ``cut_off_wrong``. A person reads such a
   reply as unfinished; the task's reward takes its last number, which may be an intermediate step
   that equals the answer by chance, and rewarding that can teach the policy to ramble into the
   limit."""
-  if cut_off_wrong and finish_reason == "length":
+  if cut_off_wrong and cut_off:
     return False
   return task.reward(text, example) > 0.5
 
@@ -99,8 +98,7 @@ class SimulatedUsers:
     answer_s = time.time() - t0  # the question's request, sent -> response parsed
     text = answer.choices[0].message.content or ""
     cut_off = answer.choices[0].finish_reason == "length"
-    right = answered_right(self.task, example, text, answer.choices[0].finish_reason,
-                           self.config.serve.sim_cut_off_wrong)
+    right = answered_right(self.task, example, text, cut_off, self.config.serve.sim_cut_off_wrong)
     with self._lock:
       reply = reply_for(example, right, self.config.serve.sim_feedback, self.rng)
     self.client.chat.completions.create(
