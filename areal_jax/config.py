@@ -437,6 +437,8 @@ def base_config() -> ConfigDict:
   # A hint shorter than this many characters is not useful (the rule judge: besides verdict words).
   c.serve.hint_min_chars = 12
   c.serve.hint_max_chars = 1000  # A longer hint is cut to this many characters.
+  # The rule judge's hint keeps the reply's opening verdict ("no, that's wrong.") when True.
+  c.serve.hint_keep_verdict = False
   # How the hint joins the last user message of the teacher's prompt, with {message} and {hint}.
   c.serve.hint_format = "{message}\n\nHint: {hint}"
   # The OPD teacher: "" = in process (serve.teacher_weights, serve.teacher_at);

@@ -23,7 +23,7 @@ Hints (``serve.signal`` opd or combined: hindsight-guided on-policy distillation
 ``assess(turn, next_turn)`` gives ``(score, hint)``, the hint being what the next state says the
 answer should have done. The votes judge then asks ``serve.judge_hint_prompt`` and each vote may
 carry one between ``serve.hint_start`` and ``serve.hint_end``; the rule judge takes the user's
-reply itself when it says more than a verdict (``Hints``). Of the hints found, the longest useful
+reply when it says more than a verdict, less its opening verdict (``Hints``). Of the hints found, the longest useful
 one (at least ``serve.hint_min_chars`` characters) is kept; none: the turn gives no OPD signal. A
 turn without a next state has no hint. A hinted turn is stored ``hinted`` with its hint and score;
 the teacher (``serve/teacher.py``) then scores its response under the hinted prompt, here right
@@ -108,15 +108,40 @@ def last_message(messages: list[dict], role: str) -> str | None:
   return None
 
 
+# Words a reply's opening verdict is made of ("no, that's wrong.", "Incorrect!", "yes, you're right"):
+# the verdict words rule_score reads and the few words that carry them.
+_VERDICT_WORDS = frozenset(
+    "no nope yes yep right correct incorrect wrong not quite exactly well done good job that's thats "
+    "that it's its it is this you're youre you are your answer oh sorry".split())
+
+
+def leading_verdict(reply: str) -> str:
+  """The opening clauses of ``reply`` that say only right or wrong ("no, that's wrong. "), with the
+  punctuation and blanks after them; "" when the reply does not open with one."""
+  end = 0
+  for m in re.finditer(r"[^.,;:!?]+[.,;:!?]*\s*", reply):
+    if m.start() != end:
+      break
+    words = re.findall(r"[\w']+", m.group(0).lower())
+    if not words or any(w not in _VERDICT_WORDS for w in words) or rule_score(m.group(0)) is None:
+      break
+    end = m.end()
+  return reply[:end]
+
+
 class Hints:
-  """Finds hints in text: between ``start`` and ``end`` markers (a judge's reply), or a user's whole
-  reply (``from_reply``); a hint is cut to ``max_chars`` and useful from ``min_chars`` on."""
+  """Finds hints in text: between ``start`` and ``end`` markers (a judge's reply), or a user's
+  reply (``from_reply``); a hint is cut to ``max_chars`` and useful from ``min_chars`` on.
+  ``keep_verdict`` (``serve.hint_keep_verdict``): a reply's opening verdict stays in its hint;
+  without it the hint is what follows the verdict, so that the teacher, which never saw the answer
+  the verdict was about, reads what to do rather than a reply to an answer."""
 
   def __init__(self, start: str = "[HINT]", end: str = "[/HINT]", min_chars: int = 12,
-               max_chars: int = 1000):
+               max_chars: int = 1000, keep_verdict: bool = False):
     if not start or not end:
       raise ValueError("serve.hint_start and serve.hint_end must not be empty")
     self.min_chars, self.max_chars = int(min_chars), int(max_chars)
+    self.keep_verdict = bool(keep_verdict)
     self._marked = re.compile(re.escape(start) + r"(.*?)" + re.escape(end), re.S)
 
   def _useful(self, text: str | None) -> str | None:
@@ -134,10 +159,14 @@ class Hints:
 
   def from_reply(self, reply: str) -> str | None:
     """A user's reply as a hint when it says more than a verdict: at least ``min_chars``
-    characters (words only) besides the words ``rule_score`` reads."""
-    rest = _POSITIVE.sub(" ", _NEGATIVE.sub(" ", (reply or "").lower()))
+    characters (words only) besides the words ``rule_score`` reads; its opening verdict left out
+    unless ``keep_verdict``."""
+    reply = reply or ""
+    rest = _POSITIVE.sub(" ", _NEGATIVE.sub(" ", reply.lower()))
     rest = " ".join(re.sub(r"[\W_]+", " ", rest).split())
-    return self._useful(reply) if len(rest) >= self.min_chars else None
+    if len(rest) < self.min_chars:
+      return None
+    return self._useful(reply if self.keep_verdict else reply[len(leading_verdict(reply)):])
 
 
 class RuleJudge:

@@ -140,8 +140,8 @@ class ServeRuntime:
     s = self.config.serve
     if s.judge == "none":
       return None
-    hints = None if s.signal == "binary" else judge_lib.Hints(s.hint_start, s.hint_end,
-                                                               s.hint_min_chars, s.hint_max_chars)
+    hints = None if s.signal == "binary" else judge_lib.Hints(
+        s.hint_start, s.hint_end, s.hint_min_chars, s.hint_max_chars, s.hint_keep_verdict)
     if s.judge == "rule":
       judge = judge_lib.RuleJudge(hints)
     elif s.judge == "votes":

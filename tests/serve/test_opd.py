@@ -47,8 +47,24 @@ def test_the_rule_judge_takes_a_reply_that_says_more_than_a_verdict_as_the_hint(
   assert judge.assess({}, nxt("no, that's wrong")) == (0.0, None)
   teach = "Multiply 7 by 8 first, then add 3."
   assert judge.assess({}, nxt(teach)) == (None, teach)
-  assert judge.assess({}, nxt("that's wrong. " + teach)) == (0.0, "that's wrong. " + teach)
+  # the reply's opening verdict is the score's, not the hint's (the teacher never saw the answer)
+  assert judge.assess({}, nxt("that's wrong. " + teach)) == (0.0, teach)
+  assert judge.assess({}, nxt("No, multiply 7 by 8 first.")) == (0.0, "multiply 7 by 8 first.")
+  keep = judge_lib.RuleJudge(judge_lib.Hints(min_chars=12, keep_verdict=True))
+  assert keep.assess({}, nxt("that's wrong. " + teach)) == (0.0, "that's wrong. " + teach)
   assert judge_lib.RuleJudge().assess({}, nxt(teach)) == (None, None)  # no hints asked for
+
+
+def test_a_leading_verdict_is_only_clauses_that_say_right_or_wrong():
+  cases = {"no, that's wrong. Hiro starts with 2.": "no, that's wrong. ",
+           "Not quite: add first.": "Not quite: ", "Wrong!! Add first": "Wrong!! ",
+           "yes, that's right. Now try 9.": "yes, that's right. ",
+           "That's 56, not 54.": "", "It is 5, no?": "", "Multiply first.": "", "": ""}
+  for reply, verdict in cases.items():
+    assert judge_lib.leading_verdict(reply) == verdict, reply
+  # a reply that is only a verdict is one whole, and gives no hint
+  assert judge_lib.leading_verdict("no, that's wrong") == "no, that's wrong"
+  assert HINTS.from_reply("no, that's wrong") is None
 
 
 def test_users_who_teach_in_words_say_no_verdict_but_the_way():
