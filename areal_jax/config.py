@@ -439,6 +439,9 @@ def base_config() -> ConfigDict:
   c.serve.hint_max_chars = 1000  # A longer hint is cut to this many characters.
   # The rule judge's hint keeps the reply's opening verdict ("no, that's wrong.") when True.
   c.serve.hint_keep_verdict = False
+  # A turn cut off at its token limit keeps its hint (the teacher's term) when True; False: it
+  # trains on its score alone (combined) or not at all (opd).
+  c.serve.hint_cut_off = True
   # How the hint joins the last user message of the teacher's prompt, with {message} and {hint}.
   c.serve.hint_format = "{message}\n\nHint: {hint}"
   # The OPD teacher: "" = in process (serve.teacher_weights, serve.teacher_at);

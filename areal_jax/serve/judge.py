@@ -309,16 +309,19 @@ class JudgeLoop:
   """Judges pending turns every ``interval_s`` in a thread; ``stop()`` / ``start()`` any time."""
 
   def __init__(self, store: TurnStore, judge, interval_s: float = 0.5, timeout_s: float = 300.0,
-               signal: str = "binary", teacher=None):
+               signal: str = "binary", teacher=None, hint_cut_off: bool = True):
     """``signal``: "binary" (the score only), "opd" or "combined" (hints); ``teacher``: a
     ``serve/teacher.py`` scorer that scores the hinted turns after each pass, or None when another
-    loop does (``serve.teacher_at``)."""
+    loop does (``serve.teacher_at``); ``hint_cut_off`` (``serve.hint_cut_off``): False drops the
+    hint of a turn cut off at its token limit, which then trains on its score alone (combined) or
+    not at all (opd): the teacher scores a prefix the user never saw finished, and can favour text
+    that does not fit the limit."""
     if signal not in ("binary", "opd", "combined"):
       raise ValueError(f"serve.signal={signal!r} is not one of binary, opd, combined")
     if signal != "binary" and not hasattr(judge, "assess"):
       raise ValueError(f"serve.signal={signal!r} needs a judge that finds hints (rule, votes)")
     self.store, self.judge, self.interval_s, self.timeout_s = store, judge, interval_s, timeout_s
-    self.signal = signal
+    self.signal, self.hint_cut_off = signal, bool(hint_cut_off)
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self.stats = dict(judged=0, unjudgeable=0, errors=0)
@@ -386,6 +389,8 @@ class JudgeLoop:
         self.stats["errors"] += 1
         log.warning("judging turn %s failed: %s", turn["id"], e)
         continue
+      if not self.hint_cut_off and turn["finish_reason"] == "length":
+        hint = None
       results.append((turn["id"], "hinted", score, hint, None) if hint is not None
                      else self._result(turn["id"], score))
     self.store.set_judgements(results)

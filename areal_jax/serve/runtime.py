@@ -150,7 +150,7 @@ class ServeRuntime:
     else:
       judge = judge_lib.ModelJudge(self._judge_completer(), s.judge_prompt, s.judge_scale)
     return judge_lib.JudgeLoop(self.store, judge, s.judge_interval_s, s.judge_timeout_s,
-                               s.signal, self.teacher)
+                               s.signal, self.teacher, s.hint_cut_off)
 
   def _vote_sampler(self):
     """``sample(messages, n) -> n texts`` for the votes judge: one request of ``n`` samples at

@@ -376,7 +376,8 @@ class _Teacher:
             for turn, _ in items]
 
 
-def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2, teacher_at="judge", center=False):
+def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2, teacher_at="judge", center=False,
+           hint_cut_off=True):
   c = config_lib.load("configs/serve_arithmetic.py:tiny")
   c.unlock()
   c.serve.opd_center = center
@@ -387,7 +388,7 @@ def _loops(tmp_path, signal, w_rl=1.0, w_opd=1.0, batch=2, teacher_at="judge", c
   teacher = _Teacher()
   here = lambda at: teacher if teacher_at == at else None  # noqa: E731
   judge = judge_lib.JudgeLoop(store, judge_lib.RuleJudge(HINTS), signal=signal,
-                              teacher=here("judge"))
+                              teacher=here("judge"), hint_cut_off=hint_cut_off)
   sink = _Sink()
   trainer = trainer_loop.TrainerLoop(c, str(tmp_path), store, _Learner(), sink, sink, sink,
                                      teacher=here("trainer"))
@@ -398,17 +399,18 @@ Q = [{"role": "user", "content": "What is 7 * 8 + 3?"}]
 TEACH = "Multiply 7 by 8 first, then add 3."
 
 
-def _turn(store, session, answer, messages, turn_type="main", done=False, version=0):
+def _turn(store, session, answer, messages, turn_type="main", done=False, version=0,
+          finish_reason="eos"):
   row = dict(request_id=f"{session}-{len(store.session(session))}", messages=messages,
              prompt_tokens=[1, 2], completion_tokens=[3, 4, 5], logprobs=[-1.0] * 3,
-             versions=[version] * 3, completion_text=answer, finish_reason="eos", temperature=1.0,
-             created_s=1000.0)
+             versions=[version] * 3, completion_text=answer, finish_reason=finish_reason,
+             temperature=1.0, created_s=1000.0)
   return store.add_turns(session, [row], None, turn_type, done)[0][0]
 
 
-def _conversation(store, session, reply, side=False):
+def _conversation(store, session, reply, side=False, finish_reason="eos"):
   """The answer turn, maybe a side turn, then the user's reply as the session's last turn."""
-  first = _turn(store, session, "62", Q)
+  first = _turn(store, session, "62", Q, finish_reason=finish_reason)
   if side:
     _turn(store, session, "a summary", [{"role": "user", "content": "summarise: " + TEACH}],
           "side")
@@ -455,6 +457,30 @@ def test_combined_weights_the_score_and_the_teacher(tmp_path):
   assert by_id[hinted][0] == 0.0 and by_id[hinted][1].weight == 2.0
   assert by_id[scored][0] == pytest.approx(0.5 * (1.0 - 0.5)) and by_id[scored][1] is None
   assert by_id[both][0] == pytest.approx(0.5 * (0.0 - 0.5)) and by_id[both][1].weight == 2.0
+
+
+@pytest.mark.parametrize("signal", ["combined", "opd"])
+def test_without_hint_cut_off_a_cut_off_turn_gets_no_teacher(tmp_path, signal):
+  """``serve.hint_cut_off = False``: a turn cut off at its token limit loses its hint, so the
+  teacher never scores it; it trains on its score alone (combined) or not at all (opd). A finished
+  turn with the same reply keeps its hint."""
+  batch = 2 if signal == "combined" else 1  # (opd: the finished turn is the only one to train)
+  store, judge, trainer, teacher = _loops(tmp_path, signal, batch=batch, hint_cut_off=False)
+  cut, _ = _conversation(store, "a", "that's wrong. " + TEACH, finish_reason="length")
+  done, _ = _conversation(store, "b", "that's wrong. " + TEACH)
+  judge.run_once(now=2000.0)
+  assert [t for t, _ in teacher.asked] == [done]
+  assert store.get(cut)["hint"] is None and store.get(done)["hint"] == TEACH
+  assert store.get(cut)["judge_status"] == ("judged" if signal == "combined" else "unjudgeable")
+  while trainer.step():
+    pass
+  (ids, rewards, teachers), = trainer.learner.steps
+  by_id = dict(zip(ids, zip(rewards, [t[0] for t in teachers])))
+  assert by_id[done][1] is not None
+  if signal == "combined":
+    assert sorted(by_id) == sorted([cut, done]) and by_id[cut][1] is None
+  else:
+    assert cut not in by_id
 
 
 def test_a_centred_teacher_term_has_no_mean_over_the_response(tmp_path):
