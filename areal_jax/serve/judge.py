@@ -23,11 +23,12 @@ Hints (``serve.signal`` opd or combined: hindsight-guided on-policy distillation
 ``assess(turn, next_turn)`` gives ``(score, hint)``, the hint being what the next state says the
 answer should have done. The votes judge then asks ``serve.judge_hint_prompt`` and each vote may
 carry one between ``serve.hint_start`` and ``serve.hint_end``; the rule judge takes the user's
-reply when it says more than a verdict, less its opening verdict (``Hints``). Of the hints found, the longest useful
-one (at least ``serve.hint_min_chars`` characters) is kept; none: the turn gives no OPD signal. A
-turn without a next state has no hint. A hinted turn is stored ``hinted`` with its hint and score;
-the teacher (``serve/teacher.py``) then scores its response under the hinted prompt, here right
-after judging (``serve.teacher_at = "judge"``) or in the trainer loop ("trainer"), and the turn is
+reply when it says more than a verdict, less its opening verdict (``Hints``). Of the hints found,
+the longest useful one (at least ``serve.hint_min_chars`` characters) is kept; none: the turn gives
+no OPD signal. A turn without a next state has no hint, nor, with ``serve.hint_cut_off = False``,
+one cut off at its token limit. A hinted turn is stored ``hinted`` with its hint and score; the
+teacher (``serve/teacher.py``) then scores its response under the hinted prompt, here right after
+judging (``serve.teacher_at = "judge"``) or in the trainer loop ("trainer"), and the turn is
 judged: with ``signal = "opd"`` when the teacher scored it, with ``"combined"`` when it has the
 teacher's logprobs or a verdict.
 With ``n > 1`` candidates only the one the user continued with (its text is the next request's last
@@ -108,11 +109,11 @@ def last_message(messages: list[dict], role: str) -> str | None:
   return None
 
 
-# Words a reply's opening verdict is made of ("no, that's wrong.", "Incorrect!", "yes, you're right"):
-# the verdict words rule_score reads and the few words that carry them.
+# Words a reply's opening verdict is made of ("no, that's wrong.", "Incorrect!", "yes, you're
+# right"): the verdict words rule_score reads and the few words that carry them.
 _VERDICT_WORDS = frozenset(
-    "no nope yes yep right correct incorrect wrong not quite exactly well done good job that's thats "
-    "that it's its it is this you're youre you are your answer oh sorry".split())
+    "no nope yes yep right correct incorrect wrong not quite exactly well done good job that's "
+    "thats that it's its it is this you're youre you are your answer oh sorry".split())
 
 
 def leading_verdict(reply: str) -> str:
