@@ -34,7 +34,9 @@ bench/results/serve-signals-2026-12-05-b0c6434), one run each: opd from users wh
 0.35 (0.39 with ``serve.signal_w_opd = 0.25``). With users who call an answer cut off at the token
 limit wrong (``serve.sim_cut_off_wrong``, the default since 2026-12-07, 70f8555;
 bench/results/serve-signals-cutoff-2026-12-07-70f8555) and ``--feedback=both``, two runs each:
-binary 0.26 -> 0.52 and 0.59, combined at ``serve.signal_w_opd = 0.05`` 0.26 -> 0.09 and 0.16.
+binary 0.26 -> 0.52 and 0.59, combined at ``serve.signal_w_opd = 0.05`` 0.26 -> 0.09 and 0.16; with
+the policy as the teacher (``serve.teacher_weights = "current"``, 2026-12-07, 33c6832;
+bench/results/serve-signals-current-2026-12-07-7287df3) combined 0.26 -> 0.50, binary 0.26 -> 0.60.
 """
 
 from areal_jax.config import lock
