@@ -453,7 +453,8 @@ def base_config() -> ConfigDict:
   c.serve.teacher_topk = 0
   c.serve.teacher_batch = 4  # Turns the in-process teacher scores in one forward pass.
   # The in-process teacher's weights: "start" (frozen, the run's start) or "current" (the policy
-  # being trained, read before each scoring: the term is then only what the hint changes).
+  # being trained: the learner's before each scoring at the trainer, the served version's at the
+  # judge; the term is then only what the hint changes).
   c.serve.teacher_weights = "start"
   # Where the teacher scores hinted turns: "trainer" (the trainer loop, before each step, on the
   # learner's devices: its own process and cores with serve.trainer_process) or "judge" (the judge

@@ -110,11 +110,14 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if config.serve.opd_center and config.serve.teacher_topk:
     errors.append(f"serve.opd_center=True centres the token-level teacher term: it needs "
                   f"serve.teacher_topk=0, got {config.serve.teacher_topk}")
-  if config.serve.teacher_weights == "current" and (config.serve.teacher_at != "trainer"
-                                                   or config.serve.teacher_url):
-    errors.append("serve.teacher_weights='current' (the policy being trained, with the hint) needs "
-                  "serve.teacher_at='trainer' and no serve.teacher_url: only the trainer holds "
-                  "the current weights")
+  if config.serve.teacher_weights == "current" and config.serve.teacher_url:
+    errors.append("serve.teacher_weights='current' (the policy being trained, with the hint) is "
+                  "the in-process teacher's: set serve.teacher_url='' or teacher_weights='start'")
+  if (config.serve.teacher_weights == "current" and config.serve.teacher_at == "judge"
+      and config.actor.lora.rank):
+    errors.append("serve.teacher_weights='current' with serve.teacher_at='judge' follows the full "
+                  "weights of each version serving gets, and with actor.lora.rank > 0 a version is "
+                  "the adapters: set serve.teacher_at='trainer' (the learner merges them)")
   if (config.serve.signal != "binary" and config.serve.teacher_at == "trainer"
       and not config.serve.train):
     errors.append(f"serve.signal={config.serve.signal!r} with serve.teacher_at='trainer' needs "

@@ -94,6 +94,10 @@ class ServeRuntime:
                                 keep_turns=s.keep_turns)
     self.store = TurnStore(s.db_path or os.path.join(self.workdir, "turns.sqlite"))
     self.dispatcher = Dispatcher(self.engine)
+    # where versions reach serving; a current-weights teacher at the judge follows them there
+    publish_to = self.engine
+    if self.teacher is not None and self.teacher.current:
+      publish_to = teacher_lib.FollowingEngine(self.engine, self.teacher)
     self.trainer = self.watcher = None
     if s.train and s.trainer_process:  # the trainer in its own process, versions through Orbax
       self.trainer = trainer_supervisor.TrainerProcess(
@@ -104,7 +108,7 @@ class ServeRuntime:
           weight_transfer.version_dtype(config))
       receiver = weight_transfer.OrbaxReceiver(trainer_process.weights_path(config, self.workdir),
                                                target)
-      self.watcher = trainer_supervisor.WeightsWatcher(self.trainer, receiver, self.engine,
+      self.watcher = trainer_supervisor.WeightsWatcher(self.trainer, receiver, publish_to,
                                                        s.weights_poll_s)
     elif s.train:
       def transfer_fn(learner):
@@ -117,7 +121,7 @@ class ServeRuntime:
         return self._new_transfer()
       self.trainer = trainer_process.build_trainer(config, self.workdir, self.store, model,
                                                    self.tokenizer, learner_mesh, transfer_fn,
-                                                   self.engine)
+                                                   publish_to)
       self.trainer.restore()
       self.trainer.publish()  # serve the restored version from the first request
     self.judge = self._build_judge()

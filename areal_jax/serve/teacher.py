@@ -7,8 +7,9 @@ serving encodes it, and the teacher scores the *original* response tokens after 
 Two teachers:
   * ``BaseTeacher`` (``serve.teacher_url`` ""): by default the frozen weights the run started
     from, copied once before anything trains; with ``serve.teacher_weights = "current"`` the policy
-    being trained, its weights read before each scoring (``follow``), so that ``teacher - student``
-    is only what the hint changes, not also how far training moved the policy from its start. One
+    being trained (``follow``), so that ``teacher - student`` is only what the hint changes, not
+    also how far training moved the policy from its start: at the trainer its weights are read
+    before each scoring; at the judge each version serving is handed (``FollowingEngine``). One
     jitted forward scores ``serve.teacher_batch`` turns of similar length at a time, lengths
     bucketed (a few shapes compile; finer on CPU), and only the response positions reach the LM
     head;
@@ -117,10 +118,8 @@ class BaseTeacher(_Teacher):
 
   def __init__(self, model, mesh, encode, hint_format: str, temperature: float, topk: int = 0,
                batch: int = 4, max_len: int = 1024, current: bool = False):
-    import jax  # pylint: disable=import-outside-toplevel
     from flax import nnx  # pylint: disable=import-outside-toplevel
 
-    from areal_jax import sharding  # pylint: disable=import-outside-toplevel
     from areal_jax.kernels import choice  # pylint: disable=import-outside-toplevel
 
     super().__init__(encode, hint_format, topk, max_len)
@@ -132,14 +131,8 @@ class BaseTeacher(_Teacher):
     self.fine_buckets = choice.platform_of(mesh) == "cpu"
     self.graphdef = nnx.graphdef(model)
     self.current, self._fns = current, {}  # _fns: the jitted forward, built on first use
-    self.params = None  # with current: set by follow before each scoring
-    if current:
-      return
-    # a copy: the engine's weights change with every version, these stay the run's start
-    self.params = jax.tree.map(
-        lambda x: x.copy() if hasattr(x, "copy") else x,
-        jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                       sharding.param_shardings(model, mesh)))
+    # with current: set by follow
+    self.params = None if current else start_weights(model, mesh)
 
   def _fn(self):
     import jax  # pylint: disable=import-outside-toplevel
@@ -178,8 +171,8 @@ class BaseTeacher(_Teacher):
 
   def follow(self, params) -> None:
     """With ``current``: score with ``params`` (the trained model's full parameters, an NNX pure
-    dict on the mesh) until the next call; they are read, not copied, so call it right before
-    scoring, while no train step can donate them."""
+    dict on the mesh) from the next forward on; they are read, not copied: hand it arrays no one
+    donates while it scores (the learner's right before scoring, or a version handed to serving)."""
     if not self.current:
       raise ValueError("the teacher holds the run's start weights (serve.teacher_weights='start')")
     self.params = params
@@ -187,7 +180,8 @@ class BaseTeacher(_Teacher):
   def score_tokens(self, seqs):
     import jax  # pylint: disable=import-outside-toplevel
 
-    if self.params is None:
+    params = self.params  # one version for the whole call (follow may run in another thread)
+    if params is None:
       raise RuntimeError("the current-weights teacher has no weights yet: call follow first")
     fn, out = self._fn(), [None] * len(seqs)
     # shortest first: a forward's rows are padded to its longest
@@ -204,7 +198,7 @@ class BaseTeacher(_Teacher):
         tokens[row, :len(p) + len(r)] = p + r
         start[row] = len(p)
         response[row, :len(r)] = r
-      logp, ids, top = jax.device_get(fn(self.params, tokens, start, response))
+      logp, ids, top = jax.device_get(fn(params, tokens, start, response))
       for row, (j, (_, r)) in enumerate(zip(at, part)):
         n = len(r)
         res = {"logprobs": logp[row, :n].astype(float).tolist()}
@@ -212,6 +206,37 @@ class BaseTeacher(_Teacher):
           res.update(topk_ids=ids[row, :n].tolist(), topk_logprobs=top[row, :n].astype(float).tolist())
         out[j] = res
     return out
+
+
+def start_weights(model, mesh) -> dict:
+  """A copy of ``model``'s parameters on ``mesh`` (an NNX pure dict): the engine's weights change
+  with every version and a learner built from ``model`` may donate its arrays; these stay."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from areal_jax import sharding  # pylint: disable=import-outside-toplevel
+
+  return jax.tree.map(lambda x: x.copy() if hasattr(x, "copy") else x,
+                      jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                                     sharding.param_shardings(model, mesh)))
+
+
+class FollowingEngine:
+  """The serving engine as the weight publishers see it, with the current-weights teacher at the
+  judge (``serve.teacher_at = "judge"``, ``serve.teacher_weights = "current"``): each version
+  handed to ``update_params`` is handed to the teacher too, so that it scores a turn with the
+  weights serving is on (those that wrote the turn, or a version or two later); everything else
+  passes through. Holds one more copy of the weights, the version's as the publisher gave it."""
+
+  def __init__(self, engine, teacher: BaseTeacher):
+    self.engine, self.teacher = engine, teacher
+
+  def update_params(self, params, version: int) -> None:
+    self.engine.update_params(params, version)
+    self.teacher.follow(params)
+
+  def __getattr__(self, name):
+    return getattr(self.engine, name)
 
 
 class RemoteTeacher(_Teacher):
@@ -350,5 +375,9 @@ def build(config, model, mesh, tokenizer, at: str):
   if s.teacher_url:
     return RemoteTeacher(s.teacher_url, s.teacher_model, encode, s.hint_format, s.teacher_topk,
                          longest)
-  return BaseTeacher(model, mesh, encode, s.hint_format, c_roll.temperature, s.teacher_topk,
-                     s.teacher_batch, longest, current=s.teacher_weights == "current")
+  current = s.teacher_weights == "current"
+  teacher = BaseTeacher(model, mesh, encode, s.hint_format, c_roll.temperature, s.teacher_topk,
+                        s.teacher_batch, longest, current=current)
+  if current and at == "judge":  # until the first version arrives: the weights serving starts on
+    teacher.follow(start_weights(model, mesh))
+  return teacher

@@ -272,16 +272,6 @@ def test_a_current_weights_teacher_scores_with_the_weights_it_last_followed(tiny
     frozen.follow(moved)
 
 
-def test_a_current_weights_teacher_needs_the_trainer():
-  c = config_lib.load("configs/serve_arithmetic.py:tiny")
-  c.unlock()
-  c.serve.signal, c.serve.teacher_weights, c.serve.teacher_at = "opd", "current", "judge"
-  with pytest.raises(ValueError, match="teacher_weights='current'"):
-    config_lib.validate(c)
-  c.serve.teacher_at = "trainer"
-  config_lib.validate(c)
-
-
 @pytest.fixture(scope="module")
 def opd_learner():
   return Learner(model(), OPTS, mesh(1), temperature=0.9, distill_topk=0)

@@ -97,3 +97,30 @@ def test_warmup_progress_prints_at_most_every_interval_and_not_the_end(capsys):
   assert lines == ["engine warm-up: 2/6 programs compiled in 12 s (last: generate kv 512 width 2)",
                    "engine warm-up: 4/6 programs compiled in 130 s (last: generate kv 512 width 4)"]
 
+
+
+@pytest.mark.slow
+def test_a_current_teacher_at_the_judge_follows_what_the_trainer_publishes(tmp_path):
+  """``serve.teacher_weights = "current"`` at the judge: the in-process trainer publishes through
+  the teacher's ``FollowingEngine`` (the version it restored, at start-up, is the first), so the
+  teacher scores with the weights serving was handed."""
+  import jax
+  import numpy as np
+
+  from areal_jax.serve import teacher as teacher_lib
+  rt = ServeRuntime(_config(**{"serve.train": True, "serve.trainer_process": False,
+                               "serve.signal": "opd", "serve.teacher_at": "judge",
+                               "serve.teacher_weights": "current"}), str(tmp_path))
+  try:
+    teacher = rt.judge.teaching.teacher
+    assert isinstance(rt.trainer.engine, teacher_lib.FollowingEngine)
+    assert rt.trainer.engine.teacher is teacher and rt.trainer.teaching is None
+    learner = rt.trainer.learner.params()
+    for got, want in zip(jax.tree.leaves(teacher.params), jax.tree.leaves(learner)):
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                 rtol=1e-2)  # (a version may be sent in the compute dtype)
+    moved = jax.tree.map(lambda x: x * 1.5, learner)
+    rt.trainer.engine.update_params(moved, 1)  # what the next publish does
+    assert teacher.params is moved and rt.engine.version in (0, 1)
+  finally:
+    rt.stop()
