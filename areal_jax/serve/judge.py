@@ -310,13 +310,14 @@ class JudgeLoop:
   """Judges pending turns every ``interval_s`` in a thread; ``stop()`` / ``start()`` any time."""
 
   def __init__(self, store: TurnStore, judge, interval_s: float = 0.5, timeout_s: float = 300.0,
-               signal: str = "binary", teacher=None, hint_cut_off: bool = True):
+               signal: str = "binary", teacher=None, hint_cut_off: bool = True, ahead=None):
     """``signal``: "binary" (the score only), "opd" or "combined" (hints); ``teacher``: a
     ``serve/teacher.py`` scorer that scores the hinted turns after each pass, or None when another
     loop does (``serve.teacher_at``); ``hint_cut_off`` (``serve.hint_cut_off``): False drops the
     hint of a turn cut off at its token limit, which then trains on its score alone (combined) or
     not at all (opd): the teacher scores a prefix the user never saw finished, and can favour text
-    that does not fit the limit."""
+    that does not fit the limit; ``ahead``: which hinted turns the teacher scores
+    (``TeacherStage``)."""
     if signal not in ("binary", "opd", "combined"):
       raise ValueError(f"serve.signal={signal!r} is not one of binary, opd, combined")
     if signal != "binary" and not hasattr(judge, "assess"):
@@ -329,7 +330,7 @@ class JudgeLoop:
     if signal != "binary":  # turns stored with a hint, for the teacher
       self.stats["hinted"] = 0
     self.teaching = None if signal == "binary" or teacher is None else \
-        TeacherStage(teacher, signal, self.stats)
+        TeacherStage(teacher, signal, self.stats, ahead=ahead)
     self.error: str | None = None
 
   @property

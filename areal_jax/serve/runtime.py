@@ -153,8 +153,11 @@ class ServeRuntime:
       judge = judge_lib.VotesJudge(self._vote_sampler(), prompt, s.judge_votes, hints)
     else:
       judge = judge_lib.ModelJudge(self._judge_completer(), s.judge_prompt, s.judge_scale)
+    # while training, the judge's teacher scores only the hinted turns the trainer takes next
+    ahead = (self.config.actor.batch_size, s.max_staleness,
+             lambda: self.engine.version) if s.train else None
     return judge_lib.JudgeLoop(self.store, judge, s.judge_interval_s, s.judge_timeout_s,
-                               s.signal, self.teacher, s.hint_cut_off)
+                               s.signal, self.teacher, s.hint_cut_off, ahead)
 
   def _vote_sampler(self):
     """``sample(messages, n) -> n texts`` for the votes judge: one request of ``n`` samples at

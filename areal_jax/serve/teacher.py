@@ -313,17 +313,32 @@ class TeacherStage:
   ``teacher_turns`` sent, ``teacher_scored``, ``teacher_s``, ``teacher_errors``. A teacher's
   failure leaves the turns hinted: the next pass tries again."""
 
-  def __init__(self, teacher, signal: str, stats: dict, limit: int = 64):
+  def __init__(self, teacher, signal: str, stats: dict, limit: int = 64, ahead=None):
+    """``ahead``: ``(batch_size, max_staleness, version)`` when a trainer in another loop takes
+    the judged turns, oldest first (the judge loop's teacher while training; ``version()``: the
+    policy version serving is on): each pass scores only the hinted turns among the next two
+    batches it will take, so that no forward goes to a turn that goes stale untrained. None: the
+    newest ``limit`` hinted turns (when the teacher falls behind, the freshest are the ones worth
+    training)."""
     self.teacher, self.signal, self.stats, self.limit = teacher, signal, stats, limit
+    self.ahead = ahead
     for k in ("teacher_turns", "teacher_scored", "teacher_errors"):
       stats.setdefault(k, 0)
     stats.setdefault("teacher_s", 0.0)
 
   def run_once(self, store) -> int:
-    """Scores the newest ``limit`` hinted turns (when the teacher falls behind, the freshest are
-    the ones worth training); returns how many got a judgement."""
-    rows = store.hinted(self.limit)
+    """Scores the hinted turns due (``ahead``); returns how many got a judgement."""
+    rows = store.hinted(self.limit) if self.ahead is None else self.next_hinted(store)
     return len(rows) if rows and self.score(store, rows) else 0
+
+  def next_hinted(self, store) -> list[dict]:
+    """With ``ahead``: the hinted turns among the trainer's next two batches, the oldest untrained
+    main turns that it may still train after one more version (``serve.max_staleness``)."""
+    batch, max_staleness, version = self.ahead
+    at = version() + 1
+    due = [r for r in store.trainable(4 * batch + 64, hinted=True)
+           if r["versions"] and at - min(r["versions"]) <= max_staleness][:2 * batch]
+    return [r for r in due if r["judge_status"] == "hinted"][:self.limit]
 
   def score(self, store, rows: list[dict]) -> bool:
     """The teacher scores ``rows`` (hinted turns) and their judgements are stored; False when the

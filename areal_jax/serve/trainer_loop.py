@@ -13,7 +13,8 @@ has time. The batch's rules:
     ``stale`` (counted, never trained); so is one sampled at another temperature than the learner's
     (``rollout.temperature``: its behaviour logprobs follow another distribution) or greedily. A
     hinted turn marked so is judged without the teacher's forward; with the teacher in the judge,
-    the oldest hinted turns (which that teacher, newest first, may never reach) are looked at too;
+    the oldest hinted turns (which that teacher, scoring only what trains next, leaves) are looked
+    at too;
   * advantages: candidates of one request judged together (the server sampled ``n > 1``) use their
     mean score as the baseline (GRPO-style, ``score - mean``); a single candidate (users send each
     prompt once) uses a running baseline, the exponential moving average of past scores
@@ -262,9 +263,9 @@ class TrainerLoop:
         rows.append(row)
         per_key[row["key_id"]] += 1
     if self.teaching is None and self.signal != "binary":
-      # The judge's teacher (serve.teacher_at = "judge") takes the newest hinted turns: the oldest,
-      # which it may never reach, are looked at here, so that those nobody will train leave the
-      # hinted state and are counted.
+      # The judge's teacher (serve.teacher_at = "judge") scores only the hinted turns this loop
+      # takes next: the oldest, which it leaves once too old, are looked at here, so that those
+      # nobody will train leave the hinted state and are counted.
       for row in self.store.hinted(self.batch_size + 64, oldest=True):
         reason = self._skip_reason(row, version)
         if reason:

@@ -1,6 +1,7 @@
-"""The OPD teacher's weights at the judge: with ``serve.teacher_weights = "current"`` it scores
-with the version serving was last handed (``teacher.FollowingEngine``), from the start weights on.
-(The teacher's forward itself, its batching and the trainer's teacher: test_opd.py.)"""
+"""The OPD teacher at the judge: with ``serve.teacher_weights = "current"`` it scores with the
+version serving was last handed (``teacher.FollowingEngine``), from the start weights on; while
+training it scores only the hinted turns the trainer takes next. (The teacher's forward itself, its
+batching and the trainer's teacher: test_opd.py.)"""
 
 import pathlib
 import sys
@@ -95,3 +96,53 @@ def test_a_current_teacher_at_the_judge_takes_full_weights_not_adapters():
     config_lib.validate(c)
   c.serve.teacher_at = "trainer"  # the learner merges them
   config_lib.validate(c)
+
+
+class _Scorer:
+  """A teacher without a forward: -1 a token; records the turns it was asked for."""
+  current = False
+
+  def __init__(self):
+    self.asked = []
+
+  def score(self, items):
+    self.asked += [turn["id"] for turn, _ in items]
+    return [{"logprobs": [-1.0] * len(turn["completion_tokens"])} for turn, _ in items]
+
+
+def _session(store, name, version, reply):
+  """A session: an answer written at policy ``version``, then the user's reply (its last turn)."""
+  q = [{"role": "user", "content": "What is 7 * 8 + 3?"}]
+  ids = []
+  for i, (messages, answer) in enumerate([(q, "62"), (q + [{"role": "assistant", "content": "62"},
+                                                          {"role": "user", "content": reply}],
+                                                      "ok")]):
+    row = dict(request_id=f"{name}-{i}", messages=messages, prompt_tokens=[1, 2],
+               completion_tokens=[3, 4, 5], logprobs=[-1.0] * 3, versions=[version] * 3,
+               completion_text=answer, finish_reason="eos", temperature=1.0, created_s=1000.0)
+    ids.append(store.add_turns(name, [row], None, "main", i == 1)[0][0])
+  return ids[0]
+
+
+def test_while_training_the_judges_teacher_scores_only_the_trainers_next_two_batches(tmp_path):
+  """``TeacherStage(ahead=...)``: of the hinted turns, only those among the next two batches the
+  trainer takes (oldest first, still fresh enough at the next version) get a forward; a turn too
+  old to train never does, and the next ones are scored once the trainer has taken those."""
+  from areal_jax.serve import judge as judge_lib
+  from areal_jax.serve.store import TurnStore
+
+  store, scorer, version = TurnStore(str(tmp_path / "t.sqlite")), _Scorer(), [5]
+  teach = "that's wrong. Multiply 7 by 8 first, then add 3."
+  old = _session(store, "old", 0, teach)  # 5 + 1 - 0 > serve.max_staleness 4: never trains
+  right = _session(store, "right", 2, "right")  # judged on its score: in the batch, no forward
+  hinted = [_session(store, f"s{i}", 2 + i // 3, teach) for i in range(6)]
+  loop = judge_lib.JudgeLoop(store, judge_lib.RuleJudge(judge_lib.Hints("[HINT]", "[/HINT]", 12)),
+                             signal="combined", teacher=scorer,
+                             ahead=(2, 4, lambda: version[0]))
+  loop.run_once(now=2000.0)
+  assert scorer.asked == hinted[:3]  # the next two batches: right + 3 hinted
+  assert old not in scorer.asked and right not in scorer.asked
+  store.mark([right] + hinted[:3], "trained", 6)
+  loop.run_once(now=2000.0)
+  assert scorer.asked == hinted[:3] + hinted[3:]  # the next ones, oldest first
+  assert {r["id"] for r in store.hinted(10)} == {old}  # left for the trainer to count stale
