@@ -316,8 +316,9 @@ class TeacherStage:
   def __init__(self, teacher, signal: str, stats: dict, limit: int = 64, ahead=None):
     """``ahead``: ``(batch_size, max_staleness, version)`` when a trainer in another loop takes
     the judged turns, oldest first (the judge loop's teacher while training; ``version()``: the
-    policy version serving is on): each pass scores only the hinted turns among the next two
-    batches it will take, so that no forward goes to a turn that goes stale untrained. None: the
+    policy version serving is on): each pass scores only the hinted turns among the next batch it
+    will take, so that no forward goes to a turn that goes stale untrained (the turns of one
+    version beyond a batch often do: the trainer takes the oldest it may still train). None: the
     newest ``limit`` hinted turns (when the teacher falls behind, the freshest are the ones worth
     training)."""
     self.teacher, self.signal, self.stats, self.limit = teacher, signal, stats, limit
@@ -332,12 +333,13 @@ class TeacherStage:
     return len(rows) if rows and self.score(store, rows) else 0
 
   def next_hinted(self, store) -> list[dict]:
-    """With ``ahead``: the hinted turns among the trainer's next two batches, the oldest untrained
-    main turns that it may still train after one more version (``serve.max_staleness``)."""
+    """With ``ahead``: the hinted turns among the trainer's next batch, the oldest untrained main
+    turns it may still train at the version after serving's (``serve.max_staleness``; the trainer
+    is that far ahead once it has published a version that serving has not yet swapped in)."""
     batch, max_staleness, version = self.ahead
     at = version() + 1
     due = [r for r in store.trainable(4 * batch + 64, hinted=True)
-           if r["versions"] and at - min(r["versions"]) <= max_staleness][:2 * batch]
+           if r["versions"] and at - min(r["versions"]) <= max_staleness][:batch]
     return [r for r in due if r["judge_status"] == "hinted"][:self.limit]
 
   def score(self, store, rows: list[dict]) -> bool:

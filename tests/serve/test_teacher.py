@@ -1,6 +1,6 @@
 """The OPD teacher at the judge: with ``serve.teacher_weights = "current"`` it scores with the
 version serving was last handed (``teacher.FollowingEngine``), from the start weights on; while
-training it scores only the hinted turns the trainer takes next. (The teacher's forward itself, its
+training it scores only the hinted turns of the trainer's next batch. (The teacher's forward itself, its
 batching and the trainer's teacher: test_opd.py.)"""
 
 import pathlib
@@ -124,9 +124,9 @@ def _session(store, name, version, reply):
   return ids[0]
 
 
-def test_while_training_the_judges_teacher_scores_only_the_trainers_next_two_batches(tmp_path):
-  """``TeacherStage(ahead=...)``: of the hinted turns, only those among the next two batches the
-  trainer takes (oldest first, still fresh enough at the next version) get a forward; a turn too
+def test_while_training_the_judges_teacher_scores_only_the_trainers_next_batch(tmp_path):
+  """``TeacherStage(ahead=...)``: of the hinted turns, only those among the next batch the trainer
+  takes (oldest first, still fresh enough at the version after serving's) get a forward; a turn too
   old to train never does, and the next ones are scored once the trainer has taken those."""
   from areal_jax.serve import judge as judge_lib
   from areal_jax.serve.store import TurnStore
@@ -138,10 +138,12 @@ def test_while_training_the_judges_teacher_scores_only_the_trainers_next_two_bat
   hinted = [_session(store, f"s{i}", 2 + i // 3, teach) for i in range(6)]
   loop = judge_lib.JudgeLoop(store, judge_lib.RuleJudge(judge_lib.Hints("[HINT]", "[/HINT]", 12)),
                              signal="combined", teacher=scorer,
-                             ahead=(2, 4, lambda: version[0]))
+                             ahead=(4, 4, lambda: version[0]))
   loop.run_once(now=2000.0)
-  assert scorer.asked == hinted[:3]  # the next two batches: right + 3 hinted
+  assert scorer.asked == hinted[:3]  # the next batch of 4: right + 3 hinted
   assert old not in scorer.asked and right not in scorer.asked
+  loop.run_once(now=2000.0)
+  assert scorer.asked == hinted[:3]  # nothing more until the trainer takes them
   store.mark([right] + hinted[:3], "trained", 6)
   loop.run_once(now=2000.0)
   assert scorer.asked == hinted[:3] + hinted[3:]  # the next ones, oldest first
