@@ -36,7 +36,10 @@ limit wrong (``serve.sim_cut_off_wrong``, the default since 2026-12-07, 70f8555;
 bench/results/serve-signals-cutoff-2026-12-07-70f8555) and ``--feedback=both``, two runs each:
 binary 0.26 -> 0.52 and 0.59, combined at ``serve.signal_w_opd = 0.05`` 0.26 -> 0.09 and 0.16; with
 the policy as the teacher (``serve.teacher_weights = "current"``, 2026-12-07, 33c6832;
-bench/results/serve-signals-current-2026-12-07-7287df3) combined 0.26 -> 0.50, binary 0.26 -> 0.60.
+bench/results/serve-signals-current-2026-12-07-7287df3) combined 0.26 -> 0.50, binary 0.26 -> 0.60;
+with that teacher in the judge loop (``serve.teacher_at = "judge"``, 2026-12-07, f5f1672;
+bench/results/serve-signals-judge-teacher-2026-12-07-f5f1672) combined 0.26 -> 0.66 in one run,
+0.17 and 0.55 in two more (b9bb1d8, b9abf1c).
 """
 
 from areal_jax.config import lock
