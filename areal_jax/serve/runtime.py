@@ -34,7 +34,7 @@ from areal_jax.serve.app import ServeContext, build_app
 from areal_jax.serve.dispatch import Dispatcher
 from areal_jax.serve.protocol import ApiError
 from areal_jax.serve.status import ServeStatus
-from areal_jax.serve.store import TurnStore
+from areal_jax.serve.store import TurnStore, skip_reason
 from areal_jax.serve import trainer_process, trainer_supervisor
 
 log = logging.getLogger(__name__)
@@ -153,9 +153,12 @@ class ServeRuntime:
       judge = judge_lib.VotesJudge(self._vote_sampler(), prompt, s.judge_votes, hints)
     else:
       judge = judge_lib.ModelJudge(self._judge_completer(), s.judge_prompt, s.judge_scale)
-    # while training, the judge's teacher scores only the hinted turns the trainer takes next
-    ahead = (self.config.actor.batch_size, s.max_staleness,
-             lambda: self.engine.version) if s.train else None
+    # While training, the judge's teacher scores only the hinted turns the trainer takes next:
+    # those it may still train at the version after serving's (it is that far ahead once it has
+    # published a version serving has not swapped in yet).
+    temperature = self.config.rollout.temperature
+    ahead = (self.config.actor.batch_size, lambda row: skip_reason(
+        row, self.engine.version + 1, s.max_staleness, temperature) is None) if s.train else None
     return judge_lib.JudgeLoop(self.store, judge, s.judge_interval_s, s.judge_timeout_s,
                                s.signal, self.teacher, s.hint_cut_off, ahead)
 

@@ -70,6 +70,17 @@ TURN_COLUMNS = ("id", "session_id", "turn_index", "request_id", "candidate", "me
 _JSON = ("messages", "prompt_tokens", "completion_tokens", "logprobs", "versions", "teacher")
 
 
+def skip_reason(row: dict, version: int, max_staleness: int, temperature: float) -> str | None:
+  """Why the trainer at ``version`` may never train ``row``: "stale" (its oldest token more than
+  ``max_staleness`` versions behind), "temperature" (sampled at another temperature than the
+  learner's: its behaviour logprobs follow another distribution), or None."""
+  if not row["versions"] or version - min(row["versions"]) > max_staleness:
+    return "stale"
+  if abs(row["temperature"] - temperature) > 1e-6:
+    return "temperature"
+  return None
+
+
 class TurnStore:
   """Thread-safe access to ``<workdir>/turns.sqlite`` (one connection per thread)."""
 

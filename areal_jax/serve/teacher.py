@@ -314,13 +314,13 @@ class TeacherStage:
   failure leaves the turns hinted: the next pass tries again."""
 
   def __init__(self, teacher, signal: str, stats: dict, limit: int = 64, ahead=None):
-    """``ahead``: ``(batch_size, max_staleness, version)`` when a trainer in another loop takes
-    the judged turns, oldest first (the judge loop's teacher while training; ``version()``: the
-    policy version serving is on): each pass scores only the hinted turns among the next batch it
-    will take, so that no forward goes to a turn that goes stale untrained (the turns of one
-    version beyond a batch often do: the trainer takes the oldest it may still train). None: the
-    newest ``limit`` hinted turns (when the teacher falls behind, the freshest are the ones worth
-    training)."""
+    """``ahead``: ``(batch_size, trainable)`` when a trainer in another loop takes the judged
+    turns, oldest first (the judge loop's teacher while training; ``trainable(row)``: whether the
+    trainer may still train the turn, ``store.skip_reason`` at the version it is expected at):
+    each pass scores only the hinted turns among the next batch it will take, so that no forward
+    goes to a turn that goes stale untrained (the turns of one version beyond a batch often do:
+    the trainer takes the oldest it may still train). None: the newest ``limit`` hinted turns
+    (when the teacher falls behind, the freshest are the ones worth training)."""
     self.teacher, self.signal, self.stats, self.limit = teacher, signal, stats, limit
     self.ahead = ahead
     for k in ("teacher_turns", "teacher_scored", "teacher_errors"):
@@ -334,12 +334,9 @@ class TeacherStage:
 
   def next_hinted(self, store) -> list[dict]:
     """With ``ahead``: the hinted turns among the trainer's next batch, the oldest untrained main
-    turns it may still train at the version after serving's (``serve.max_staleness``; the trainer
-    is that far ahead once it has published a version that serving has not yet swapped in)."""
-    batch, max_staleness, version = self.ahead
-    at = version() + 1
-    due = [r for r in store.trainable(4 * batch + 64, hinted=True)
-           if r["versions"] and at - min(r["versions"]) <= max_staleness][:batch]
+    turns it may still train."""
+    batch, trainable = self.ahead
+    due = [r for r in store.trainable(4 * batch + 64, hinted=True) if trainable(r)][:batch]
     return [r for r in due if r["judge_status"] == "hinted"][:self.limit]
 
   def score(self, store, rows: list[dict]) -> bool:

@@ -50,7 +50,7 @@ import numpy as np
 
 from areal_jax.rollout_api import Sample
 from areal_jax.serve import teacher as teacher_lib
-from areal_jax.serve.store import TurnStore
+from areal_jax.serve.store import TurnStore, skip_reason
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "serve_metrics.jsonl"
@@ -307,11 +307,8 @@ class TrainerLoop:
                         t.get("topk_ids") if k else None, t.get("topk_logprobs") if k else None)
 
   def _skip_reason(self, row: dict, version: int) -> str | None:
-    if not row["versions"] or version - min(row["versions"]) > self.config.serve.max_staleness:
-      return "stale"
-    if abs(row["temperature"] - self.config.rollout.temperature) > 1e-6:
-      return "temperature"
-    return None
+    return skip_reason(row, version, self.config.serve.max_staleness,
+                       self.config.rollout.temperature)
 
   def save(self) -> None:
     v = self.learner.version

@@ -1,7 +1,7 @@
 """The OPD teacher at the judge: with ``serve.teacher_weights = "current"`` it scores with the
 version serving was last handed (``teacher.FollowingEngine``), from the start weights on; while
-training it scores only the hinted turns of the trainer's next batch. (The teacher's forward itself, its
-batching and the trainer's teacher: test_opd.py.)"""
+training it scores only the hinted turns of the trainer's next batch. (The teacher's forward
+itself, its batching and the trainer's teacher: test_opd.py.)"""
 
 import pathlib
 import sys
@@ -129,16 +129,16 @@ def test_while_training_the_judges_teacher_scores_only_the_trainers_next_batch(t
   takes (oldest first, still fresh enough at the version after serving's) get a forward; a turn too
   old to train never does, and the next ones are scored once the trainer has taken those."""
   from areal_jax.serve import judge as judge_lib
-  from areal_jax.serve.store import TurnStore
+  from areal_jax.serve.store import TurnStore, skip_reason
 
   store, scorer, version = TurnStore(str(tmp_path / "t.sqlite")), _Scorer(), [5]
   teach = "that's wrong. Multiply 7 by 8 first, then add 3."
   old = _session(store, "old", 0, teach)  # 5 + 1 - 0 > serve.max_staleness 4: never trains
   right = _session(store, "right", 2, "right")  # judged on its score: in the batch, no forward
   hinted = [_session(store, f"s{i}", 2 + i // 3, teach) for i in range(6)]
+  trainable = lambda row: skip_reason(row, version[0] + 1, 4, 1.0) is None  # noqa: E731
   loop = judge_lib.JudgeLoop(store, judge_lib.RuleJudge(judge_lib.Hints("[HINT]", "[/HINT]", 12)),
-                             signal="combined", teacher=scorer,
-                             ahead=(4, 4, lambda: version[0]))
+                             signal="combined", teacher=scorer, ahead=(4, trainable))
   loop.run_once(now=2000.0)
   assert scorer.asked == hinted[:3]  # the next batch of 4: right + 3 hinted
   assert old not in scorer.asked and right not in scorer.asked
