@@ -35,6 +35,13 @@ def model():
   return Transformer(CFG, nnx.Rngs(0))
 
 
+def chat_bytes(messages):
+  """A conversation as byte tokens of the tiny model's vocabulary, with a turn marker (an encoder
+  for the OPD teacher's hinted prompts without a tokenizer)."""
+  text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+  return [b % V for b in text.encode()]
+
+
 def batch(seed, groups=4, n=4, max_prompt=6, max_new=9):
   rng = np.random.default_rng(seed)
   out, rewards = [], []

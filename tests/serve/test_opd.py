@@ -24,7 +24,7 @@ from areal_jax.serve import judge as judge_lib, simulated_user, teacher as teach
 from areal_jax.serve.store import TurnStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "learner"))
-from learner_helpers import V, _logsoftmax, actor, mesh, model  # noqa: E402
+from learner_helpers import V, _logsoftmax, actor, chat_bytes, mesh, model  # noqa: E402
 
 HINTS = judge_lib.Hints("[HINT]", "[/HINT]", min_chars=12, max_chars=100)
 
@@ -100,12 +100,6 @@ def test_votes_carry_hints_and_a_turn_without_next_state_has_none():
 
 # ---- the teacher -----------------------------------------------------------------------------
 
-def _encode(messages):
-  """A byte tokenizer of the conversation (vocabulary of the tiny model), with a turn marker."""
-  text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-  return [b % V for b in text.encode()]
-
-
 @pytest.fixture(scope="module")
 def tiny():
   return model()
@@ -113,7 +107,7 @@ def tiny():
 
 def test_teacher_logprobs_are_a_teacher_forced_forward_of_the_hinted_prompt(tiny):
   temperature, k = 0.7, 3
-  teacher = teacher_lib.BaseTeacher(tiny, mesh(1), _encode, "{message} Hint: {hint}",
+  teacher = teacher_lib.BaseTeacher(tiny, mesh(1), chat_bytes, "{message} Hint: {hint}",
                                     temperature, topk=k, batch=2, max_len=512)
   # the longest first: the teacher batches similar lengths, and each result is its turn's
   turns = [{"messages": [{"role": "system", "content": "Be brief."},
@@ -134,7 +128,7 @@ def test_teacher_logprobs_are_a_teacher_forced_forward_of_the_hinted_prompt(tiny
     hinted = teacher_lib.hinted_messages(turn["messages"], hint, "{message} Hint: {hint}")
     assert hinted[-1]["content"].endswith(f" Hint: {hint}") and turn["messages"][-1]["content"] \
         in hinted[-1]["content"]
-    rows.append((_encode(hinted), turn["completion_tokens"]))
+    rows.append((chat_bytes(hinted), turn["completion_tokens"]))
   # the plain forward of each row, padded at the end (causal: the padding changes nothing before)
   width = max(len(p) + len(r) for p, r in rows)
   tokens = jnp.asarray([p + r + [0] * (width - len(p) - len(r)) for p, r in rows], jnp.int32)
@@ -151,7 +145,7 @@ def test_teacher_logprobs_are_a_teacher_forced_forward_of_the_hinted_prompt(tiny
 
 
 def test_the_teacher_pads_lengths_finely_on_cpu_only(tiny):
-  assert teacher_lib.BaseTeacher(tiny, mesh(1), _encode, "{message} {hint}", 1.0).fine_buckets
+  assert teacher_lib.BaseTeacher(tiny, mesh(1), chat_bytes, "{message} {hint}", 1.0).fine_buckets
   # accelerators: power-of-two lengths (fewer compiles); CPU: under a fifth of a row is padding
   coarse = [teacher_lib._length_bucket(n, 64, False) for n in (10, 65, 153, 257)]
   assert coarse == [64, 128, 256, 512]
@@ -198,13 +192,13 @@ def test_a_remote_teacher_is_asked_for_the_hinted_prompt_and_the_response():
   threading.Thread(target=server.serve_forever, daemon=True).start()
   try:
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    teacher = teacher_lib.RemoteTeacher(url, "base", _encode, "{message} ({hint})")
+    teacher = teacher_lib.RemoteTeacher(url, "base", chat_bytes, "{message} ({hint})")
     turn = {"messages": [{"role": "user", "content": "hi"}], "completion_tokens": [1, 2]}
     got = teacher.score([(turn, "say hello back")])
   finally:
     server.shutdown()
     server.server_close()
-  prompt = _encode([{"role": "user", "content": "hi (say hello back)"}])
+  prompt = chat_bytes([{"role": "user", "content": "hi (say hello back)"}])
   assert seen[0][0] == "/v1/completions"
   assert seen[0][1]["prompt"] == prompt + [1, 2] and seen[0][1]["model"] == "base"
   assert got == [{"logprobs": [-float(len(prompt)), -float(len(prompt) + 1)]}]
@@ -252,7 +246,7 @@ def test_a_current_weights_teacher_scores_with_the_weights_it_last_followed(tiny
   the weights to score with (the trainer's, before each scoring), the forward is the same."""
   fmt, turn = "{message} Hint: {hint}", {"messages": [{"role": "user", "content": "7 * 8 + 3?"}],
                                         "completion_tokens": [5, 9, 2, 30, 1]}
-  current = teacher_lib.BaseTeacher(tiny, mesh(1), _encode, fmt, 1.0, max_len=512, current=True)
+  current = teacher_lib.BaseTeacher(tiny, mesh(1), chat_bytes, fmt, 1.0, max_len=512, current=True)
   assert current.params is None
   with pytest.raises(RuntimeError, match="call follow first"):
     current.score([(turn, "multiply first")])
@@ -260,14 +254,14 @@ def test_a_current_weights_teacher_scores_with_the_weights_it_last_followed(tiny
   moved = jax.tree.map(lambda x: x * 1.5, start)  # the policy after some training, say
   current.follow(moved)
   got = current.score([(turn, "multiply first")])[0]["logprobs"]
-  prompt = _encode(teacher_lib.hinted_messages(turn["messages"], "multiply first", fmt))
+  prompt = chat_bytes(teacher_lib.hinted_messages(turn["messages"], "multiply first", fmt))
   response = turn["completion_tokens"]
   tokens = jnp.asarray([prompt + response], jnp.int32)
   for params, same in ((moved, True), (start, False)):
     lp = np.asarray(_logsoftmax(nnx.graphdef(tiny), params, tokens, 1.0))[0]
     ref = lp[len(prompt) - 1:len(prompt) + len(response) - 1][np.arange(len(response)), response]
     assert np.allclose(got, ref, atol=1e-4) == same
-  frozen = teacher_lib.BaseTeacher(tiny, mesh(1), _encode, fmt, 1.0, max_len=512)
+  frozen = teacher_lib.BaseTeacher(tiny, mesh(1), chat_bytes, fmt, 1.0, max_len=512)
   with pytest.raises(ValueError, match="start weights"):
     frozen.follow(moved)
 

@@ -16,17 +16,11 @@ from areal_jax import config as config_lib
 from areal_jax.serve import teacher as teacher_lib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "learner"))
-from learner_helpers import V, _logsoftmax, mesh, model  # noqa: E402
+from learner_helpers import _logsoftmax, chat_bytes, mesh, model  # noqa: E402
 
 FMT = "{message}\n\nHint: {hint}"  # the config's serve.hint_format
 TURN = {"messages": [{"role": "user", "content": "7 * 8 + 3?"}],
         "completion_tokens": [5, 9, 2, 30, 1]}
-
-
-def _encode(messages):
-  """A byte tokenizer of the conversation (vocabulary of the tiny model), with a turn marker."""
-  text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-  return [b % V for b in text.encode()]
 
 
 def _config(**serve):
@@ -40,7 +34,7 @@ def _config(**serve):
 
 def _forward(tiny, params, hint, temperature):
   """The response's logprobs under the hinted prompt, by a plain teacher-forced forward."""
-  prompt = _encode(teacher_lib.hinted_messages(TURN["messages"], hint, FMT))
+  prompt = chat_bytes(teacher_lib.hinted_messages(TURN["messages"], hint, FMT))
   response = TURN["completion_tokens"]
   lp = np.asarray(_logsoftmax(nnx.graphdef(tiny), params,
                               jnp.asarray([prompt + response], jnp.int32), temperature))[0]
@@ -61,7 +55,7 @@ def test_the_judges_current_teacher_scores_with_each_version_serving_is_handed(m
   tiny = model()
   c = _config()
   config_lib.validate(c)
-  monkeypatch.setattr(teacher_lib, "chat_encoder", lambda tokenizer, thinking: _encode)
+  monkeypatch.setattr(teacher_lib, "chat_encoder", lambda tokenizer, thinking: chat_bytes)
   assert teacher_lib.build(c, tiny, mesh(1), None, at="trainer") is None  # the judge runs it
   teacher = teacher_lib.build(c, tiny, mesh(1), None, at="judge")
   assert teacher.current
