@@ -390,6 +390,10 @@ def base_config() -> ConfigDict:
   c.serve.status_every_s = 30.0
   # Decay of the score EMA that is the baseline of single-candidate turns.
   c.serve.baseline_decay = 0.9
+  # A judged turn's advantage from a rule or model judge's score s in [0, 1]: "baseline": s less
+  # the baseline (a request's candidates' mean, else the running one); "signed": 2 * s - 1 (right
+  # +1, wrong -1), no baseline, as the votes judge's verdict is.
+  c.serve.advantage = "baseline"
   # The judge that scores turns, "rule" | "model" | "votes" | "none". "rule": the user's next
   # message says right or wrong; "model": serve.judge_prompt sent to serve.judge_url (to this
   # server's own policy, in process, when that is ""); "votes": serve.judge_votes votes on the turn

@@ -55,6 +55,7 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
       "runtime.mode": (config.runtime.mode, ("local", "ray")),
       "serve.judge": (config.serve.judge, ("rule", "model", "votes", "none")),
       "serve.signal": (config.serve.signal, ("binary", "opd", "combined")),
+      "serve.advantage": (config.serve.advantage, ("baseline", "signed")),
       "serve.teacher_at": (config.serve.teacher_at, ("trainer", "judge")),
       "serve.teacher_weights": (config.serve.teacher_weights, ("start", "current")),
       "serve.sim_feedback": (config.serve.sim_feedback, ("verdict", "words", "both")),

@@ -20,7 +20,8 @@ has time. The batch's rules:
     prompt once) uses a running baseline, the exponential moving average of past scores
     (``serve.baseline_decay``). With ``serve.judge = "votes"`` the score (+1 / -1, the judges'
     majority) is the advantage itself: no baseline, no group normalisation (the running baseline
-    is still tracked, as a metric). Each turn goes to ``Learner.train_step`` as a group of one
+    is still tracked, as a metric); with ``serve.advantage = "signed"`` a rule or model judge's
+    score s in [0, 1] gives ``2 * s - 1`` so (a wrong answer -1 however rare right ones are). Each turn goes to ``Learner.train_step`` as a group of one
     with its advantage as the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is
     unchanged;
   * the signal (``serve.signal``): "binary" trains ``signal_w_rl * advantage``; "opd" trains the
@@ -98,6 +99,7 @@ class TrainerLoop:
     self.per_key = max(1, int(share * self.batch_size + 1e-9))
     # the votes judge's +1 / -1 is the advantage as it stands (see the module docstring)
     self.raw_scores = config.serve.judge == "votes"
+    self.signed = config.serve.advantage == "signed" and not self.raw_scores
     self.baseline: float | None = None
     self.signal = config.serve.signal
     self.stats = dict(trained=0, stale=0, off_policy_temperature=0, steps=0)
@@ -281,6 +283,8 @@ class TrainerLoop:
     adv, baseline = advantages(scored, self.baseline, self.config.serve.baseline_decay)
     if self.raw_scores:
       adv = [float(r["score"]) for r in scored]
+    elif self.signed:
+      adv = [2.0 * float(r["score"]) - 1.0 for r in scored]
     w = 0.0 if self.signal == "opd" else self.config.serve.signal_w_rl
     by_id = {r["id"]: w * a for r, a in zip(scored, adv)}
     return [[by_id.get(r["id"], 0.0)] for r in rows], baseline

@@ -153,6 +153,25 @@ def test_advantages_single_and_grouped():
   assert baseline == pytest.approx(b)
 
 
+@pytest.mark.parametrize("advantage,rewards", [("baseline", [0.5, -0.5, 0.505, -0.495]),
+                                               ("signed", [1.0, -1.0, 1.0, -1.0])])
+def test_signed_advantages_are_plus_or_minus_one_whatever_the_baseline(tmp_path, advantage,
+                                                                        rewards):
+  """serve.advantage = "signed": a rule judge's right (1) trains at +1 and wrong (0) at -1, where
+  the running baseline would give a wrong answer only minus the share of right ones."""
+  config = _config(batch=2)
+  config.serve.advantage = advantage
+  config.serve.baseline_decay = 0.9
+  store = TurnStore(str(tmp_path / "t.sqlite"))
+  learner = _Learner()
+  loop = _loop(tmp_path, config, store, learner=learner)
+  for _ in range(2):
+    _add(store, 1, score=1.0, config=config)
+    _add(store, 1, score=0.0, config=config)
+    assert loop.step()
+  assert [a for _, _, adv in learner.trained for a in adv] == pytest.approx(rewards)
+
+
 def test_refuses_group_normalised_advantages(tmp_path):
   config = _config()
   config.actor.adv_norm = "group"
