@@ -21,9 +21,9 @@ has time. The batch's rules:
     (``serve.baseline_decay``). With ``serve.judge = "votes"`` the score (+1 / -1, the judges'
     majority) is the advantage itself: no baseline, no group normalisation (the running baseline
     is still tracked, as a metric); with ``serve.advantage = "signed"`` a rule or model judge's
-    score s in [0, 1] gives ``2 * s - 1`` so (a wrong answer -1 however rare right ones are). Each turn goes to ``Learner.train_step`` as a group of one
-    with its advantage as the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is
-    unchanged;
+    score s in [0, 1] is turned into one, ``2 * s - 1`` (a wrong answer -1 however rare right
+    ones are). Each turn goes to ``Learner.train_step`` as a group of one with its advantage as
+    the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is unchanged;
   * the signal (``serve.signal``): "binary" trains ``signal_w_rl * advantage``; "opd" trains the
     turns the teacher scored under a hint, with the per-token advantage
     ``signal_w_opd * (teacher - student)`` that the learner computes after its own forward
