@@ -41,7 +41,8 @@ with that teacher in the judge loop (``serve.teacher_at = "judge"``, 2026-12-07,
 bench/results/serve-signals-judge-teacher-2026-12-07-f5f1672) combined 0.26 -> 0.66 in one run,
 0.17 and 0.55 in two more (b9bb1d8, b9abf1c); binary after them (c5f19e3) 0.26 -> 0.17. The
 33c6832 pair again (11953de; bench/results/serve-signals-trainer-pair-2026-12-07-11953de): binary
-0.26 -> 0.44 and, run again, 0.30; combined 0.26 -> 0.29 (0.34 centred).
+0.26 -> 0.44 and, run again, 0.30; combined 0.26 -> 0.29 (0.34 centred); binary with
+``serve.advantage = "signed"`` (c7e24bd) 0.26 -> 0.11.
 """
 
 from areal_jax.config import lock
