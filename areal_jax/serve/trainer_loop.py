@@ -97,9 +97,10 @@ class TrainerLoop:
       raise ValueError(f"serve.max_key_share must lie in (0, 1], got {share!r}")
     # the most turns one key id may have in a batch (turns recorded without keys are not capped)
     self.per_key = max(1, int(share * self.batch_size + 1e-9))
-    # the votes judge's +1 / -1 is the advantage as it stands (see the module docstring)
-    self.raw_scores = config.serve.judge == "votes"
-    self.signed = config.serve.advantage == "signed" and not self.raw_scores
+    # a score as its advantage, without a baseline (module docstring): the votes judge's +1 / -1
+    # as it stands; with serve.advantage "signed", a score in [0, 1] as 2 * s - 1; else None
+    self.as_advantage = (float if config.serve.judge == "votes" else
+                         (lambda s: 2.0 * s - 1.0) if config.serve.advantage == "signed" else None)
     self.baseline: float | None = None
     self.signal = config.serve.signal
     self.stats = dict(trained=0, stale=0, off_policy_temperature=0, steps=0)
@@ -281,10 +282,8 @@ class TrainerLoop:
     if not scored:
       return [[0.0] for _ in rows], self.baseline
     adv, baseline = advantages(scored, self.baseline, self.config.serve.baseline_decay)
-    if self.raw_scores:
-      adv = [float(r["score"]) for r in scored]
-    elif self.signed:
-      adv = [2.0 * float(r["score"]) - 1.0 for r in scored]
+    if self.as_advantage is not None:
+      adv = [self.as_advantage(float(r["score"])) for r in scored]
     w = 0.0 if self.signal == "opd" else self.config.serve.signal_w_rl
     by_id = {r["id"]: w * a for r, a in zip(scored, adv)}
     return [[by_id.get(r["id"], 0.0)] for r in rows], baseline
