@@ -20,29 +20,17 @@ Orbax weights under ``<workdir>/weights``: request p99 while training stays at i
 training 3x idle's).
 
 Result of ``python -m areal_jax.serve.demo --config=configs/serve_arithmetic.py[:thread]
---workdir=... --duration_s=1200 --curve_points=3`` (Intel Xeon, 2 CPU cores, 2026-11-25): 16
-simulated users, 20 minutes of serving, held-out greedy pass@1 on 100 problems (standalone
-evaluator), 0.26 before:
-  * trainer process (this recipe): 1355 conversations, 688 turns trained over 43 versions: 0.52
-    (version 5), 0.60 (version 25), 0.52 (version 44); the demo took 24 min 46 s;
-  * trainer thread (``:thread``): 1376 conversations, 720 turns trained over 45 versions: 0.45
-    (version 5), 0.56 (version 25), 0.74 (version 45); ~25 minutes.
-The signals (``--signal``, each with its default users; AMD EPYC, 2 cores, 2026-12-05, b0c6434;
-bench/results/serve-signals-2026-12-05-b0c6434), one run each: opd from users who only explain
-0.26 -> 0.42, combined 0.26 -> 0.34, binary 0.26 -> 0.65; with the same users (``--feedback=both``,
-2026-12-06, bench/results/serve-signals-2026-12-06-96cce5f) binary 0.26 -> 0.61, combined 0.26 ->
-0.35 (0.39 with ``serve.signal_w_opd = 0.25``). With users who call an answer cut off at the token
-limit wrong (``serve.sim_cut_off_wrong``, the default since 2026-12-07, 70f8555;
-bench/results/serve-signals-cutoff-2026-12-07-70f8555) and ``--feedback=both``, two runs each:
-binary 0.26 -> 0.52 and 0.59, combined at ``serve.signal_w_opd = 0.05`` 0.26 -> 0.09 and 0.16; with
-the policy as the teacher (``serve.teacher_weights = "current"``, 2026-12-07, 33c6832;
-bench/results/serve-signals-current-2026-12-07-7287df3) combined 0.26 -> 0.50, binary 0.26 -> 0.60;
-with that teacher in the judge loop (``serve.teacher_at = "judge"``, 2026-12-07, f5f1672;
-bench/results/serve-signals-judge-teacher-2026-12-07-f5f1672) combined 0.26 -> 0.66 in one run,
-0.17 and 0.55 in two more (b9bb1d8, b9abf1c); binary after them (c5f19e3) 0.26 -> 0.17. The
-33c6832 pair again (11953de; bench/results/serve-signals-trainer-pair-2026-12-07-11953de): binary
-0.26 -> 0.44 and, run again, 0.30; combined 0.26 -> 0.29 (0.34 centred); binary with
-``serve.advantage = "signed"`` (c7e24bd) 0.26 -> 0.11.
+--workdir=... --duration_s=1200 --curve_points=3`` (Intel Xeon, 2 CPU cores, 2026-11-25, before the
+learning-rate warm-up): 16 simulated users, 20 minutes of serving, held-out greedy pass@1 on 100
+problems (standalone evaluator) 0.26 before; with the trainer process 1355 conversations, 688 turns
+trained over 43 versions, 0.52 (version 5), 0.60 (version 25), 0.52 (version 44), 24 min 46 s in
+all; with the trainer thread (``:thread``) 0.45, 0.56, 0.74 (version 45). With the warm-up and users
+who give the verdict and the worked answer (``--feedback=both``; 2-core AMD EPYC, 2026-12-07,
+06becfe): ``--signal=binary`` 0.26 -> 0.60 (version 39), 0.74 (version 36) run again;
+``--signal=combined --config.serve.teacher_weights=current --config.serve.signal_w_opd=0.05`` 0.26
+-> 0.61 (version 32). One run each: outcomes vary from run to run. The signals
+(``--signal=binary|opd|combined``, ``--feedback``) and what each learned are in the serving guide
+(docs/guides/serving.md, "Signals: binary RL, hindsight OPD, or both").
 """
 
 from areal_jax.config import lock
@@ -69,6 +57,11 @@ def get_config(preset: str = "default"):
   c.actor.batch_size = 16  # judged turns per train step
   c.actor.ppo_n_minibatches = 1
   c.actor.lr = 2e-5
+  # Adam's first steps move every weight by about the learning rate whatever its gradient's size,
+  # so one 16-turn batch could set where a run went (answers growing into the token limit, or not):
+  # the learning rate rises over the first 10 steps instead
+  # (bench/results/serve-signals-early-steps-2026-12-07-06becfe).
+  c.actor.warmup_steps = 10
   # The learner trains while the sampler serves: chunk the LM head (exact gradients) so a step's
   # logits stay small (an unchunked run was killed for memory at 10 GB RSS on a shared 24 GiB
   # machine; the effect of this setting on the peak is not measured).
@@ -92,6 +85,7 @@ def get_config(preset: str = "default"):
   if preset == "tiny":
     c.actor.batch_size = 4
     c.actor.lr = 1e-3
+    c.actor.warmup_steps = 0  # tests train a few steps
     c.rollout.max_new_tokens = 16
     c.rollout.max_prompt_len = 512  # byte tokens: a question with its template is ~240
     c.rollout.prefill_buckets = (512,)
