@@ -28,7 +28,7 @@ all; with the trainer thread (``:thread``) 0.45, 0.56, 0.74 (version 45). With t
 who give the verdict and the worked answer (``--feedback=both``; 2-core AMD EPYC, 2026-12-07,
 06becfe): ``--signal=binary`` 0.26 -> 0.60 (version 39), 0.74 (version 36) run again;
 ``--signal=combined --config.serve.teacher_weights=current --config.serve.signal_w_opd=0.05`` 0.26
--> 0.61 (version 32). One run each: outcomes vary from run to run. The signals
+-> 0.61 (version 32). Outcomes vary from run to run. The signals
 (``--signal=binary|opd|combined``, ``--feedback``) and what each learned are in the serving guide
 (docs/guides/serving.md, "Signals: binary RL, hindsight OPD, or both").
 """
