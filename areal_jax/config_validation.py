@@ -108,6 +108,10 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
   if config.serve.signal != "binary" and config.serve.judge not in ("rule", "votes"):
     errors.append(f"serve.signal={config.serve.signal!r} takes hints from the judge: serve.judge "
                   f"must be 'rule' or 'votes', got {config.serve.judge!r}")
+  if config.serve.advantage == "signed" and config.serve.judge not in ("rule", "model"):
+    errors.append(f"serve.advantage='signed' maps a rule or model judge's score in [0, 1] to "
+                  f"+1 / -1; serve.judge={config.serve.judge!r} gives no such score (the votes "
+                  "judge's verdict is already the advantage): set serve.advantage='baseline'")
   if config.serve.opd_center and config.serve.teacher_topk:
     errors.append(f"serve.opd_center=True centres the token-level teacher term: it needs "
                   f"serve.teacher_topk=0, got {config.serve.teacher_topk}")

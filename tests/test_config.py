@@ -96,6 +96,21 @@ def test_keep_checkpoint_every_is_checked():
     config_lib.validate(c)
 
 
+@pytest.mark.parametrize("judge", ["votes", "none"])
+def test_a_signed_advantage_needs_a_judge_that_scores(judge):
+  """serve.advantage maps a rule or model judge's score; with the votes judge (whose verdict is
+  the advantage) or none it would do nothing, so it is refused rather than ignored."""
+  c = config_lib.base_config()
+  c.serve.signal, c.serve.judge, c.serve.advantage = "binary", judge, "signed"
+  with pytest.raises(config_lib.ConfigError, match=f"serve.judge='{judge}' gives no such score"):
+    config_lib.validate(c)
+  for ok in (dict(advantage="baseline"), dict(judge="rule"), dict(judge="model")):
+    c.serve.judge, c.serve.advantage = judge, "signed"
+    for key, value in ok.items():
+      setattr(c.serve, key, value)
+    config_lib.validate(c)
+
+
 def test_decode_kernel_keys_are_checked():
   c = config_lib.base_config()
   config_lib.validate(c)  # "auto" and 0 steps per call (per platform) by default
