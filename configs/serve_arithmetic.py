@@ -26,9 +26,9 @@ problems (standalone evaluator) 0.26 before; with the trainer process 1355 conve
 trained over 43 versions, 0.52 (version 5), 0.60 (version 25), 0.52 (version 44), 24 min 46 s in
 all; with the trainer thread (``:thread``) 0.45, 0.56, 0.74 (version 45). With the warm-up and users
 who give the verdict and the worked answer (``--feedback=both``; 2-core AMD EPYC, 2026-12-07,
-06becfe): ``--signal=binary`` 0.26 -> 0.60 (version 39), 0.74 (version 36) run again;
+06becfe, efa455c): ``--signal=binary`` 0.26 -> 0.60, 0.74, 0.60 in three runs;
 ``--signal=combined --config.serve.teacher_weights=current --config.serve.signal_w_opd=0.05`` 0.26
--> 0.61 (version 32). Outcomes vary from run to run. The signals
+-> 0.61, 0.58, 0.32. Outcomes vary from run to run. The signals
 (``--signal=binary|opd|combined``, ``--feedback``) and what each learned are in the serving guide
 (docs/guides/serving.md, "Signals: binary RL, hindsight OPD, or both").
 """
