@@ -60,7 +60,8 @@ def get_config(preset: str = "default"):
   # Adam's first steps move every weight by about the learning rate whatever its gradient's size,
   # so one 16-turn batch could set where a run went (answers growing into the token limit, or not):
   # the learning rate rises over the first 10 steps instead
-  # (bench/results/serve-signals-early-steps-2026-12-07-06becfe).
+  # (bench/results/serve-signals-early-steps-2026-12-07-06becfe). Runs can still grow long later and
+  # come back (bench/results/serve-signals-replicates-2026-12-07-efa455c).
   c.actor.warmup_steps = 10
   # The learner trains while the sampler serves: chunk the LM head (exact gradients) so a step's
   # logits stay small (an unchunked run was killed for memory at 10 GB RSS on a shared 24 GiB

@@ -104,10 +104,9 @@ def test_a_signed_advantage_needs_a_judge_that_scores(judge):
   c.serve.signal, c.serve.judge, c.serve.advantage = "binary", judge, "signed"
   with pytest.raises(config_lib.ConfigError, match=f"serve.judge='{judge}' gives no such score"):
     config_lib.validate(c)
-  for ok in (dict(advantage="baseline"), dict(judge="rule"), dict(judge="model")):
+  for key, value in (("advantage", "baseline"), ("judge", "rule"), ("judge", "model")):
     c.serve.judge, c.serve.advantage = judge, "signed"
-    for key, value in ok.items():
-      setattr(c.serve, key, value)
+    setattr(c.serve, key, value)
     config_lib.validate(c)
 
 
