@@ -394,6 +394,9 @@ def base_config() -> ConfigDict:
   # the baseline (a request's candidates' mean, else the running one); "signed": 2 * s - 1 (right
   # +1, wrong -1), no baseline, as the votes judge's verdict is.
   c.serve.advantage = "baseline"
+  # Subtracted from the advantage of a turn cut off at its token limit (finish_reason "length"),
+  # whatever the judge said, so answers do not grow into the limit; the baseline follows scores.
+  c.serve.cut_off_penalty = 0.0
   # The judge that scores turns, "rule" | "model" | "votes" | "none". "rule": the user's next
   # message says right or wrong; "model": serve.judge_prompt sent to serve.judge_url (to this
   # server's own policy, in process, when that is ""); "votes": serve.judge_votes votes on the turn

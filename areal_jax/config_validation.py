@@ -100,6 +100,9 @@ def validate(config: ConfigDict, n_devices: int | None = None) -> None:
     errors.append(f"serve.baseline_decay={config.serve.baseline_decay} must be in [0, 1)")
   if config.serve.trainer_cores < 0:
     errors.append(f"serve.trainer_cores={config.serve.trainer_cores} must be >= 0 (0: half)")
+  if config.serve.cut_off_penalty < 0:
+    errors.append(f"serve.cut_off_penalty={config.serve.cut_off_penalty} must be >= 0 (it is "
+                  f"subtracted from a cut-off turn's advantage)")
   if config.serve.judge_votes < 1:
     errors.append(f"serve.judge_votes={config.serve.judge_votes} must be >= 1")
   if config.serve.teacher_topk < 0 or config.serve.teacher_batch < 1:

@@ -110,6 +110,15 @@ def test_a_signed_advantage_needs_a_judge_that_scores(judge):
     config_lib.validate(c)
 
 
+def test_a_cut_off_penalty_is_not_negative():
+  c = config_lib.base_config()
+  c.serve.cut_off_penalty = -0.5
+  with pytest.raises(config_lib.ConfigError, match=r"serve.cut_off_penalty=-0.5 must be >= 0"):
+    config_lib.validate(c)
+  c.serve.cut_off_penalty = 1.0
+  config_lib.validate(c)
+
+
 def test_decode_kernel_keys_are_checked():
   c = config_lib.base_config()
   config_lib.validate(c)  # "auto" and 0 steps per call (per platform) by default

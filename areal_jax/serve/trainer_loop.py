@@ -22,7 +22,8 @@ has time. The batch's rules:
     majority) is the advantage itself: no baseline, no group normalisation (the running baseline
     is still tracked, as a metric); with ``serve.advantage = "signed"`` a rule or model judge's
     score s in [0, 1] is turned into one, ``2 * s - 1`` (a wrong answer -1 however rare right
-    ones are). Each turn goes to ``Learner.train_step`` as a group of one with its advantage as
+    ones are). A turn cut off at its token limit has ``serve.cut_off_penalty`` subtracted from its
+    advantage (the baseline follows the scores alone). Each turn goes to ``Learner.train_step`` as a group of one with its advantage as
     the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is unchanged;
   * the signal (``serve.signal``): "binary" trains ``signal_w_rl * advantage``; "opd" trains the
     turns the teacher scored under a hint, with the per-token advantage
@@ -284,6 +285,8 @@ class TrainerLoop:
     adv, baseline = advantages(scored, self.baseline, self.config.serve.baseline_decay)
     if self.as_advantage is not None:
       adv = [self.as_advantage(float(r["score"])) for r in scored]
+    penalty = self.config.serve.cut_off_penalty  # (after the baseline, which follows scores only)
+    adv = [a - penalty * (r["finish_reason"] == "length") for r, a in zip(scored, adv)]
     w = 0.0 if self.signal == "opd" else self.config.serve.signal_w_rl
     by_id = {r["id"]: w * a for r, a in zip(scored, adv)}
     return [[by_id.get(r["id"], 0.0)] for r in rows], baseline

@@ -77,7 +77,7 @@ def _config(batch=2, checkpoint_every=2, max_staleness=1):
   return c
 
 
-def _add(store, n, score=1.0, version=0, temperature=None, config=None):
+def _add(store, n, score=1.0, version=0, temperature=None, config=None, finish_reason="eos"):
   temperature = config.rollout.temperature if temperature is None else temperature
   ids = []
   for _ in range(n):
@@ -85,7 +85,7 @@ def _add(store, n, score=1.0, version=0, temperature=None, config=None):
     (tid,), _ = store.add_turns(key, [dict(
         request_id=key, messages=[], prompt_tokens=[1, 2],
         completion_tokens=[3], logprobs=[-1.0], versions=[version], completion_text="x",
-        finish_reason="eos", temperature=temperature)])
+        finish_reason=finish_reason, temperature=temperature)])
     ids.append(tid)
   store.set_judgements([(t, "judged", score) for t in ids])
   return ids
@@ -170,6 +170,30 @@ def test_signed_advantages_are_plus_or_minus_one_whatever_the_baseline(tmp_path,
     _add(store, 1, score=0.0, config=config)
     assert loop.step()
   assert [a for _, _, adv in learner.trained for a in adv] == pytest.approx(rewards)
+
+
+@pytest.mark.parametrize("advantage", ["baseline", "signed"])
+def test_a_cut_off_turn_pays_the_penalty_and_the_baseline_follows_the_scores(tmp_path, advantage):
+  """serve.cut_off_penalty: a turn that ran into its token limit trains at its advantage less the
+  penalty, whatever its score; a finished one as without it, and the running baseline is the
+  same as without it."""
+  runs = {}
+  for penalty in (0.0, 0.75):
+    config = _config(batch=3)
+    config.serve.advantage, config.serve.cut_off_penalty = advantage, penalty
+    store = TurnStore(str(tmp_path / f"t{penalty}.sqlite"))
+    learner = _Learner()
+    (tmp_path / str(penalty)).mkdir()
+    loop = _loop(tmp_path / str(penalty), config, store, learner=learner)
+    for _ in range(2):
+      _add(store, 1, score=1.0, config=config)
+      _add(store, 1, score=0.0, config=config)
+      _add(store, 1, score=1.0, config=config, finish_reason="length")
+      assert loop.step()
+    runs[penalty] = [a for _, _, adv in learner.trained for a in adv], loop.baseline
+  (plain, baseline), (penalised, baseline_penalised) = runs[0.0], runs[0.75]
+  assert penalised == pytest.approx([a - 0.75 * (i % 3 == 2) for i, a in enumerate(plain)])
+  assert baseline_penalised == pytest.approx(baseline)
 
 
 def test_refuses_group_normalised_advantages(tmp_path):
