@@ -395,7 +395,7 @@ def base_config() -> ConfigDict:
   # +1, wrong -1), no baseline, as the votes judge's verdict is.
   c.serve.advantage = "baseline"
   # Subtracted from the advantage of a turn cut off at its token limit (finish_reason "length"),
-  # whatever the judge said, so answers do not grow into the limit; the baseline follows scores.
+  # whatever the judge said: a cost on running into the limit; the baseline follows scores alone.
   c.serve.cut_off_penalty = 0.0
   # The judge that scores turns, "rule" | "model" | "votes" | "none". "rule": the user's next
   # message says right or wrong; "model": serve.judge_prompt sent to serve.judge_url (to this

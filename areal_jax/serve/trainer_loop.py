@@ -23,8 +23,9 @@ has time. The batch's rules:
     is still tracked, as a metric); with ``serve.advantage = "signed"`` a rule or model judge's
     score s in [0, 1] is turned into one, ``2 * s - 1`` (a wrong answer -1 however rare right
     ones are). A turn cut off at its token limit has ``serve.cut_off_penalty`` subtracted from its
-    advantage (the baseline follows the scores alone). Each turn goes to ``Learner.train_step`` as a group of one with its advantage as
-    the reward (``actor.adv_norm = "none"``): the decoupled PPO loss is unchanged;
+    advantage (the baseline follows the scores alone). Each turn goes to ``Learner.train_step`` as
+    a group of one with its advantage as the reward (``actor.adv_norm = "none"``): the decoupled
+    PPO loss is unchanged;
   * the signal (``serve.signal``): "binary" trains ``signal_w_rl * advantage``; "opd" trains the
     turns the teacher scored under a hint, with the per-token advantage
     ``signal_w_opd * (teacher - student)`` that the learner computes after its own forward
