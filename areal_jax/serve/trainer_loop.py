@@ -286,10 +286,10 @@ class TrainerLoop:
     adv, baseline = advantages(scored, self.baseline, self.config.serve.baseline_decay)
     if self.as_advantage is not None:
       adv = [self.as_advantage(float(r["score"])) for r in scored]
-    penalty = self.config.serve.cut_off_penalty  # (after the baseline, which follows scores only)
-    adv = [a - penalty * (r["finish_reason"] == "length") for r, a in zip(scored, adv)]
     w = 0.0 if self.signal == "opd" else self.config.serve.signal_w_rl
-    by_id = {r["id"]: w * a for r, a in zip(scored, adv)}
+    penalty = self.config.serve.cut_off_penalty  # (after the baseline, which follows scores only)
+    by_id = {r["id"]: w * (a - penalty * (r["finish_reason"] == "length"))
+             for r, a in zip(scored, adv)}
     return [[by_id.get(r["id"], 0.0)] for r in rows], baseline
 
   def _teacher(self, row: dict):
